@@ -1,0 +1,107 @@
+"""The exception tree of the runtime: every error carries a stable ``code`` and an HTTP ``status``.
+
+Adapters translate foreign errors (redis, botocore, aiohttp) into these (``raise X(...) from e``); the API
+renders them as ``{"code", "message", "details"}`` JSON with the status, adding ``Retry-After`` where
+``retry_after_s`` is set. Style after kopf's ``TemporaryError``/``PermanentError`` split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SubstrateError(Exception):
+    """Base class. ``status`` is the HTTP status the API answers with; ``code`` is stable for clients."""
+
+    status: int = 500
+    code: str = "internal"
+    retry_after_s: float | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, details: dict[str, Any] | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code:
+            self.code = code
+        self.details = details or {}
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            body["details"] = self.details
+        return body
+
+
+class InvalidInput(SubstrateError):
+    status, code = 422, "invalid_input"
+
+
+class BadRequest(SubstrateError):
+    status, code = 400, "bad_request"
+
+
+class Unauthorized(SubstrateError):
+    status, code = 401, "unauthorized"
+
+
+class NotFound(SubstrateError):
+    status, code = 404, "not_found"
+
+
+class Conflict(SubstrateError):
+    status, code = 409, "conflict"
+
+
+class StaleEpoch(Conflict):
+    """A call carried an activation epoch older than the current one (DESIGN invariant 1)."""
+
+    code = "stale_epoch"
+
+
+class PayloadTooLarge(SubstrateError):
+    status, code = 413, "payload_too_large"
+
+
+class TemporaryError(SubstrateError):
+    """Retry later: the answer is 503 with ``Retry-After``."""
+
+    status, code = 503, "unavailable"
+    retry_after_s = 1.0
+
+
+class NoCapacity(TemporaryError):
+    code = "no_capacity"
+
+
+class DirectoryUnavailable(TemporaryError):
+    code = "directory_unavailable"
+
+
+class StoreUnavailable(TemporaryError):
+    code = "snapshot_store_unavailable"
+
+
+class TooManyParked(TemporaryError):
+    code = "too_many_parked"
+
+
+class ResumeTimeout(TemporaryError):
+    code = "resume_timeout"
+
+
+class WorkerUnavailable(SubstrateError):
+    """The worker hosting the session died or stopped answering mid-request."""
+
+    status, code = 502, "worker_unavailable"
+
+
+class SnapshotCorrupt(SubstrateError):
+    """A snapshot failed its checksum, was truncated, or belongs to another session."""
+
+    status, code = 500, "snapshot_corrupt"
+
+
+class SessionFailed(SubstrateError):
+    status, code = 409, "session_failed"
