@@ -1,0 +1,269 @@
+"""The public REST API (FastAPI), with the invoke hot path as a thin Starlette route (``api.proxy``).
+
+Resources, not verbs (DESIGN.md): sessions, their invoke/suspend/resume sub-resources, worker pools and
+actor templates as the control plane sees them, ``/metrics``, ``/healthz``, ``/readyz``. Errors are JSON
+``{"code","message"[,"details"]}`` with a stable code and the right status (see ``substrate.errors``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+
+from api import proxy
+from api.runtime import Runtime
+from substrate import metrics
+from substrate.errors import InvalidInput, NotFound, PayloadTooLarge, SubstrateError
+from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
+from substrate.settings import Settings, get_settings
+
+
+class CreateSession(BaseModel):
+    """Body of ``POST /v1/sessions``."""
+
+    model_config = ConfigDict(extra="forbid")
+    actorTemplate: str = Field(..., description="name of an ActorTemplate")
+    id: str | None = Field(None, description="client-chosen ID, [a-z0-9][a-z0-9-_.]{0,127}; generated if absent")
+    labels: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
+
+
+def session_view(rec: SessionRecord) -> dict[str, Any]:
+    """The public shape of a session (env values are not echoed: they may hold secrets)."""
+    out = rec.model_dump(mode="json", exclude={"env"})
+    out["env"] = sorted(rec.env)
+    return out
+
+
+def _rt(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def _auth(request: Request) -> None:
+    proxy.check_auth(_rt(request), request)
+
+
+def _body_limit(request: Request) -> None:
+    cl = request.headers.get("content-length")
+    limit = _rt(request).settings.api.max_body_bytes
+    if cl and cl.isdigit() and int(cl) > limit:
+        raise PayloadTooLarge(f"body of {cl} bytes is over the {limit}-byte limit")
+
+
+def _check_id(sid: str) -> str:
+    if not SESSION_ID_RE.match(sid):
+        raise InvalidInput(f"malformed session id {sid!r}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
+                           code="invalid_session_id")
+    return sid
+
+
+def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None) -> FastAPI:
+    """Build the ASGI app. The runtime is built in the lifespan unless one is passed."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        rt = runtime or await Runtime.build(settings, embedded=embedded)
+        app.state.runtime = rt
+        await rt.start()
+        await rt.wait_ready()
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan,
+                  description="Runs many bursty, stateful agent sessions on few warm workers.")
+    # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)
+    app.router.routes.insert(0, Route("/v1/sessions/{sid}/invoke", proxy.invoke, methods=["POST"]))
+
+    @app.exception_handler(SubstrateError)
+    async def _substrate_error(request: Request, e: SubstrateError) -> Response:
+        metrics.ERRORS_TOTAL.labels(code=e.code).inc()
+        return proxy.error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        errs = [{"loc": list(er.get("loc", ())), "msg": er.get("msg", "")} for er in e.errors()]
+        msg = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in errs)
+        return JSONResponse({"code": "invalid_input", "message": msg or "invalid request",
+                             "details": {"errors": errs}}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return JSONResponse({"code": code, "message": str(e.detail)}, status_code=e.status_code)
+
+    v1 = [Depends(_auth)]
+
+    @app.post("/v1/sessions", status_code=201, dependencies=[*v1, Depends(_body_limit)], tags=["sessions"])
+    async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
+        """Create a session of an ActorTemplate on a free slot of a warm worker and start it."""
+        rt = _rt(request)
+        sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
+        template = rt.catalog.template(body.actorTemplate)
+        pool = rt.catalog.pool_for(template)
+        now = time.time()
+        rec = SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate=template.name, pool=pool.name,
+                            labels=body.labels, env=body.env, createdAt=now, updatedAt=now, lastActiveAt=now,
+                            stateDeadline=now + rt.settings.state.transition_deadline_s)
+        rec = await rt.activator.create(rec, template)
+        route = rt.activator.route_of(rec)
+        if route is not None:
+            rt.routes.put(sid, route)
+        return session_view(rec)
+
+    @app.get("/v1/sessions", dependencies=v1, tags=["sessions"])
+    async def list_sessions(request: Request, state: SessionState | None = None,
+                            template: str | None = None,
+                            limit: int = Query(100, ge=1, le=1000),
+                            continue_: str | None = Query(None, alias="continue")) -> dict[str, Any]:
+        """List sessions (oldest first), filtered by ``state`` and ``template``; paginate with the
+        ``metadata.continue`` token of the previous page."""
+        offset = 0
+        if continue_:
+            if not continue_.isdigit():
+                raise InvalidInput("bad continue token", code="invalid_continue")
+            offset = int(continue_)
+        items, nxt = await _rt(request).directory.list_sessions(state=state, template=template, limit=limit,
+                                                               offset=offset)
+        return {"items": [session_view(r) for r in items],
+                "metadata": {"continue": str(nxt) if nxt is not None else None}}
+
+    @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])
+    async def get_session(sid: str, request: Request) -> dict[str, Any]:
+        """One session: state, template, worker, epoch, snapshot, restoredFrom ..."""
+        return session_view(await _rt(request).directory.get_session(_check_id(sid)))
+
+    @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=v1, tags=["sessions"])
+    async def delete_session(sid: str, request: Request) -> Response:
+        """End the session wherever it is and delete its record and snapshots."""
+        rt = _rt(request)
+        await rt.activator.delete(_check_id(sid), snapshot_gc=rt.snapshot_gc)
+        rt.routes.drop(sid)
+        return Response(status_code=204)
+
+    @app.post("/v1/sessions/{sid}/suspend", status_code=202, dependencies=v1, tags=["sessions"])
+    async def suspend_session(sid: str, request: Request) -> dict[str, Any]:
+        """Snapshot the session and free its slot. Idempotent for a suspended session."""
+        rt = _rt(request)
+        rec = await rt.directory.get_session(_check_id(sid))
+        if rec.state == SessionState.RUNNING:
+            await rt.activator.suspend(rec)
+            rt.routes.drop(sid)
+            rec = await rt.directory.get_session(sid)
+        elif rec.state not in (SessionState.SUSPENDED, SessionState.SUSPENDING):
+            from substrate.errors import Conflict
+            raise Conflict(f"session {sid!r} is {rec.state.value}; only a RUNNING session can be suspended",
+                           code="invalid_state")
+        return session_view(rec)
+
+    @app.post("/v1/sessions/{sid}/resume", dependencies=v1, tags=["sessions"])
+    async def resume_session(sid: str, request: Request) -> dict[str, Any]:
+        """Wake a suspended (or FAILED) session now instead of on its next request."""
+        rt = _rt(request)
+        route, _ = await rt.activator.wake(_check_id(sid))
+        rt.routes.put(sid, route)
+        return session_view(await rt.directory.get_session(sid))
+
+    @app.get("/v1/workerpools", dependencies=v1, tags=["control plane"])
+    async def list_pools(request: Request) -> dict[str, Any]:
+        """WorkerPools with live status (replicas, readyReplicas, slots, freeSlots)."""
+        rt = _rt(request)
+        workers = await rt.directory.list_workers()
+        items = []
+        for pool in rt.catalog.pools.values():
+            mine = [w for w in workers if w.pool == pool.name]
+            ready = [w for w in mine if w.state.value == "READY" and w.leaseExpiresAt > time.time()]
+            d = pool.model_dump(mode="json")
+            d["status"].update(replicas=len(mine), readyReplicas=len(ready),
+                               slots=sum(w.slots for w in ready), freeSlots=sum(w.freeSlots for w in ready),
+                               observedGeneration=pool.metadata.generation)
+            if rt.pools is not None:
+                d["status"]["conditions"] = [c.model_dump() for c in rt.pools.conditions(pool.name)]
+            items.append(d)
+        return {"items": items}
+
+    @app.get("/v1/actortemplates", dependencies=v1, tags=["control plane"])
+    async def list_templates(request: Request) -> dict[str, Any]:
+        """ActorTemplates the control plane knows."""
+        return {"items": [t.model_dump(mode="json") for t in _rt(request).catalog.templates.values()]}
+
+    @app.get("/v1/stats", dependencies=v1, tags=["control plane"])
+    async def stats(request: Request) -> dict[str, Any]:
+        """Runtime-wide figures for dashboards and the trace replay (workers, slots, sessions by state,
+        worker-seconds used since the directory was created)."""
+        rt = _rt(request)
+        workers = await rt.directory.list_workers()
+        by_state: dict[str, int] = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
+        offset: int | None = 0
+        while offset is not None:
+            page, offset = await rt.directory.list_sessions(limit=1000, offset=offset)
+            for r in page:
+                by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
+        s = await rt.directory.get_stats()
+        return {"workers": len(workers), "slots": sum(w.slots for w in workers),
+                "slotsUsed": sum(w.slots - w.freeSlots for w in workers), "sessions": by_state,
+                "workerSeconds": s.get("workerSeconds", 0.0), "parked": rt.activator.parked,
+                "routeCacheEntries": len(rt.routes)}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_endpoint() -> Response:
+        payload, ctype = metrics.render_latest()
+        return Response(payload, media_type=ctype)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """200 while the process serves."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz(request: Request) -> Response:
+        """200 when Redis answers and a worker is ready; 503 otherwise."""
+        rt = _rt(request)
+        try:
+            await rt.directory.ping()
+        except SubstrateError as e:
+            return proxy.error_response(e)
+        if not any(w.state.value == "READY" for w in rt.view.workers.values()):
+            return JSONResponse({"code": "no_workers", "message": "no READY worker yet"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    def _openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema["paths"]["/v1/sessions/{sid}/invoke"] = {"post": {
+            "tags": ["sessions"], "summary": "Invoke a session (wakes it if suspended)",
+            "description": "Body `{\"input\": ...}` -> 200 `{\"output\": ...}`. `?stream=true` answers "
+                           "NDJSON lines `{\"chunk\": ...}` then `{\"done\": true}`. Headers "
+                           "`X-Substrate-Woke: 1` and `X-Substrate-Wake-Ms` when the call woke the session.",
+            "parameters": [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}},
+                           {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["input"], "properties": {"input": {}}}}}},
+            "responses": {"200": {"description": "the agent's output"},
+                          "404": {"description": "unknown session"}, "413": {"description": "body too large"},
+                          "422": {"description": "bad input or agent error"},
+                          "502": {"description": "worker died mid-request"},
+                          "503": {"description": "no capacity / resume timeout (Retry-After)"}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = _openapi  # type: ignore[method-assign]
+    return app
+
+
+def _not_found(sid: str) -> NotFound:
+    return NotFound(f"session {sid!r} not found", code="session_not_found")

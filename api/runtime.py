@@ -1,0 +1,103 @@
+"""The composition root of one router process: everything the API needs, built from settings.
+
+With ``embedded=True`` (``substrate up``) the same process also runs the state manager and the pool
+controller with the local-process backend, so one command brings up the whole runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from api.proxy import RouteCache
+from snapshot.state_manager import StateManager
+from snapshot.store import ObjectStore, make_store
+from substrate.activator import Activator, WorkerView
+from substrate.backends.local import LocalBackend
+from substrate.directory import Directory
+from substrate.pool import PoolController
+from substrate.settings import Settings
+from substrate.specs import Catalog, load_catalog
+from substrate.workerclient import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    directory: Directory
+    catalog: Catalog
+    view: WorkerView
+    client: WorkerClient
+    activator: Activator
+    http: aiohttp.ClientSession
+    store: ObjectStore | None
+    routes: RouteCache = field(default_factory=RouteCache)
+    state_manager: StateManager | None = None
+    pools: PoolController | None = None
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @classmethod
+    async def build(cls, settings: Settings, *, embedded: bool = True, catalog: Catalog | None = None) -> "Runtime":
+        if not settings.redis.url:
+            raise RuntimeError("SUBSTRATE_REDIS_URL is not set (substrate up starts an embedded Redis)")
+        directory = Directory(settings.redis.url, settings.redis.key_prefix,
+                              socket_timeout_s=settings.redis.socket_timeout_s)
+        catalog = catalog or load_catalog(settings.config_dir)
+        view = WorkerView(directory, settings.api.worker_refresh_s)
+        client = WorkerClient(timeout_s=settings.api.invoke_timeout_s)
+        activator = Activator(settings, directory, catalog, client, view)
+        http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(total=settings.api.invoke_timeout_s, sock_connect=2),
+            auto_decompress=False, skip_auto_headers=("User-Agent",))
+        store = make_store(settings.snapshot)
+        rt = cls(settings, directory, catalog, view, client, activator, http, store)
+        if embedded:
+            rt.state_manager = StateManager(settings, directory, catalog, activator, store)
+            rt.pools = PoolController(settings, directory, catalog, LocalBackend(settings), activator)
+        return rt
+
+    async def start(self) -> None:
+        try:
+            await self.view.refresh()
+        except Exception:  # noqa: BLE001 - Redis may come later; /readyz says so
+            log.warning("initial worker view failed", exc_info=True)
+        self.view.start()
+        if self.pools is not None:
+            await self.pools.start()
+        if self.state_manager is not None:
+            self.state_manager.start()
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every pool has a READY worker (embedded mode)."""
+        if self.pools is None:
+            return True
+        return await self.pools.wait_ready(timeout_s)
+
+    async def stop(self) -> None:
+        if self.state_manager is not None:
+            await self.state_manager.stop()
+        if self.pools is not None:
+            await self.pools.stop()
+        await self.view.stop()
+        await self.http.close()
+        await self.client.close()
+        await self.directory.close()
+
+    async def snapshot_gc(self, sid: str) -> None:
+        """Delete every snapshot object of a deleted session (object deletes only: no bytes pass)."""
+        if self.store is None:
+            return
+        from snapshot.store import session_prefix
+
+        try:
+            for key in await self.store.list_keys(session_prefix(self.settings.snapshot.prefix, sid)):
+                await self.store.delete(key)
+        except Exception:  # noqa: BLE001 - best effort; objects of deleted sessions are garbage only
+            log.warning("snapshot GC of a deleted session failed", extra={"session": sid}, exc_info=True)

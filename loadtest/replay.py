@@ -1,0 +1,754 @@
+"""Time-compressed replay of a real request trace against the runtime's REST API.
+
+    substrate-replay TRACE [--host URL] [--compress 100] [--start 2d|2024-11-20] [--duration 1d]
+                           [--idle-split 30m] [--max-sessions N] [--baseline-host URL] [--out DIR]
+
+What it does:
+
+1. Loads TRACE (GenTD26 / Azure / OpenHands / plain CSV; see :mod:`loadtest.traces`), keeps the
+   window ``[start, start + duration)`` of trace time, cuts each owner's turns into sessions at
+   idle gaps longer than ``--idle-split``, keeps the first ``--max-sessions``.
+2. Compresses time by ``--compress``: a turn arriving ``a`` trace seconds after the window's first
+   arrival is sent ``a / compress`` wall seconds after the replay starts and asks the counter
+   agent for ``{"op": "increment", "work_s": duration / compress}``.
+3. For each session: ``POST /v1/sessions`` (template ``counter``) at its first arrival, its turns
+   in order (a session's turns never overlap: a turn waits for the previous one, and the wait
+   is recorded as ``queue_s``), then ``DELETE`` at ``last turn end + idle split`` (when a
+   pod-per-session deployment would have let it go).
+4. Checks every answer: the count must be exactly the previous count + 1 (after a failed or
+   timed-out turn, +1 or +2 ...: the failed increment may or may not have landed). Anything else is
+   ``lost_state``, counted apart from errors.
+5. Samples ``GET /v1/stats`` every second (falls back to ``GET /v1/workerpools``).
+6. Writes ``result.json``, ``report.md`` and ``report.png`` to ``--out`` and prints the report.
+
+Latency added by the runtime = client latency - work_s; it is split into ``wake`` (the request
+found the session not RUNNING: ``session.woke`` or header ``X-Substrate-Woke: 1``, or
+``state_before`` SUSPENDED/SUSPENDING/RESUMING/PENDING/STARTING) and ``warm`` (everything else).
+
+Baseline (``--baseline``, on by default): with ``--baseline-host`` the same plan is replayed
+concurrently against a runtime with one slot per worker and no idle suspension; without one, the
+always-on cost is computed analytically (each session holds one worker from its first arrival to
+its last turn end + idle split) and the report says so.
+
+Bounded: ``--concurrency`` caps requests in flight, ``--request-timeout`` (+ work_s) caps each
+request, ``--max-wall`` caps the whole run (default: planned span x 1.25 + 60 s); SIGINT stops
+early and still writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import re
+import secrets
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from loadtest import report as rpt
+from loadtest.traces import (
+    FORMATS,
+    TIMESTAMPED_FORMATS,
+    AzureOptions,
+    Turn,
+    TraceError,
+    detect_format,
+    format_timestamp,
+    load_trace,
+    parse_duration,
+    resolve_start,
+    select_window,
+    split_sessions,
+)
+
+SCHEMA = "substrate-replay/v1"
+WAKE_STATES = frozenset({"SUSPENDED", "SUSPENDING", "RESUMING", "PENDING", "STARTING"})
+
+
+class ReplayError(RuntimeError):
+    """The replay cannot run (bad input, unreachable host)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: pure, computed before any request
+
+
+@dataclass(slots=True)
+class PlannedTurn:
+    at_s: float  # wall seconds after replay start
+    work_s: float  # wall seconds of work asked of the counter
+    trace_ok: bool
+
+
+@dataclass(slots=True)
+class PlannedSession:
+    id: str
+    key: str  # owner#n
+    owner: str
+    start_s: float  # first arrival, wall s
+    last_end_s: float  # latest turn end, wall s
+    end_s: float  # delete time = last_end_s + idle split (wall s)
+    turns: list[PlannedTurn] = field(default_factory=list)
+
+    @property
+    def hold_s(self) -> float:
+        """Always-on hold in wall seconds (first arrival -> last end + idle split)."""
+        return rpt.session_hold_s(self.start_s, self.last_end_s, self.end_s - self.last_end_s)
+
+
+@dataclass(slots=True)
+class Plan:
+    sessions: list[PlannedSession]
+    origin_s: float  # trace clock of wall time 0
+    compress: float
+    idle_split_s: float  # trace seconds
+    owners: int
+    trace_failed_turns: int
+
+    @property
+    def turns(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+    @property
+    def wall_span_s(self) -> float:
+        return max((s.end_s for s in self.sessions), default=0.0)
+
+    @property
+    def baseline_worker_seconds(self) -> float:
+        """Analytical always-on worker-seconds (wall): sum of session holds."""
+        return rpt.analytical_baseline_worker_seconds(s.hold_s for s in self.sessions)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "sessions": len(self.sessions),
+            "turns": self.turns,
+            "owners": self.owners,
+            "trace_failed_turns": self.trace_failed_turns,
+            "origin_s": self.origin_s,
+            "trace_span_s": self.wall_span_s * self.compress,
+            "wall_span_s": self.wall_span_s,
+            "busy_s": sum(t.work_s for s in self.sessions for t in s.turns),
+            "baseline_worker_seconds": self.baseline_worker_seconds,
+        }
+
+
+def build_plan(
+    turns: list[Turn],
+    *,
+    compress: float,
+    idle_split_s: float,
+    max_sessions: int | None = None,
+    failed_turns: str = "replay",
+    run_id: str = "run",
+    id_prefix: str = "rp",
+) -> Plan:
+    """Trace turns (already windowed) -> sessions on the compressed wall clock.
+
+    Wall time 0 is the first arrival among the kept sessions. ``failed_turns="skip"`` drops the
+    trace's failed turns; ``"replay"`` sends them like the others (they still occupied a worker).
+    """
+    if compress <= 0:
+        raise ValueError("--compress must be > 0")
+    kept = [t for t in turns if t.ok or failed_turns == "replay"]
+    sessions = split_sessions(kept, idle_split_s)
+    if max_sessions is not None:
+        sessions = sessions[: max(0, max_sessions)]
+    origin = sessions[0].start_s if sessions else 0.0
+    idle_wall = idle_split_s / compress
+    planned = []
+    for n, s in enumerate(sessions):
+        pts = [PlannedTurn((t.arrival_s - origin) / compress, t.duration_s / compress, t.ok) for t in s.turns]
+        last_end = (s.last_end_s - origin) / compress
+        planned.append(
+            PlannedSession(
+                id=f"{id_prefix}-{run_id}-{n:05d}",
+                key=s.key,
+                owner=s.owner,
+                start_s=(s.start_s - origin) / compress,
+                last_end_s=last_end,
+                end_s=last_end + idle_wall,
+                turns=pts,
+            )
+        )
+    return Plan(
+        sessions=planned,
+        origin_s=origin,
+        compress=compress,
+        idle_split_s=idle_split_s,
+        owners=len({s.owner for s in sessions}),
+        trace_failed_turns=sum(1 for s in sessions for t in s.turns if not t.ok),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# response interpretation (pure)
+
+
+def extract_count(payload: Any) -> int | None:
+    """``{"output": {"count": N}}`` (or ``{"output": N}``) -> N; None if absent."""
+    if not isinstance(payload, dict):
+        return None
+    out = payload.get("output")
+    if isinstance(out, dict):
+        out = out.get("count")
+    if isinstance(out, bool):
+        return None
+    if isinstance(out, int):
+        return out
+    if isinstance(out, float) and out.is_integer():
+        return int(out)
+    return None
+
+
+def classify(payload: Any, headers: dict[str, str] | Any) -> tuple[str, bool | None, float | None, str | None]:
+    """-> (kind "wake"|"warm", woke, server wake_ms, state_before). The ``session`` block is optional."""
+    block = payload.get("session") if isinstance(payload, dict) else None
+    block = block if isinstance(block, dict) else {}
+    woke_field = block.get("woke")
+    header = (headers.get("X-Substrate-Woke") if headers is not None else None) or ""
+    header_woke = header.strip().lower() in ("1", "true", "yes")
+    state_before = block.get("state_before")
+    woke: bool | None
+    if woke_field is None and not header:
+        woke = None
+    else:
+        woke = bool(woke_field) or header_woke
+    wake_ms = block.get("wake_ms")
+    wake_ms = float(wake_ms) if isinstance(wake_ms, (int, float)) and not isinstance(wake_ms, bool) else None
+    is_wake = bool(woke) or (isinstance(state_before, str) and state_before.upper() in WAKE_STATES)
+    return ("wake" if is_wake else "warm"), woke, wake_ms, state_before
+
+
+def check_count(count: int | None, prev: int, uncertain: int) -> tuple[str, tuple[int, int]]:
+    """Is ``count`` a legal answer after ``prev`` with ``uncertain`` unanswered increments before it?
+
+    Returns (status, (lo, hi)): ``ok`` when ``prev + 1 <= count <= prev + 1 + uncertain``,
+    ``lost_state`` otherwise (a reset or lost increment reads low, a replayed one high), ``error``
+    when there is no count at all.
+    """
+    lo, hi = prev + 1, prev + 1 + uncertain
+    if count is None:
+        return "error", (lo, hi)
+    return ("ok" if lo <= count <= hi else "lost_state"), (lo, hi)
+
+
+def retry_after_s(value: str | None, default: float = 1.0, cap: float = 5.0) -> float:
+    try:
+        return min(cap, max(0.0, float(value))) if value else default
+    except ValueError:
+        return default
+
+
+_LABEL_BAD = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def label_value(text: str) -> str:
+    """A Kubernetes-style label value (<= 63 chars of [A-Za-z0-9_.-], alnum at both ends)."""
+    v = _LABEL_BAD.sub("-", text)[:63].strip("-_.")
+    return v or "x"
+
+
+# ---------------------------------------------------------------------------------------------
+# the runner
+
+
+@dataclass(slots=True)
+class ReplayConfig:
+    host: str
+    template: str = "counter"
+    concurrency: int = 200
+    request_timeout_s: float = 30.0
+    retries: int = 3
+    stats_interval_s: float = 1.0
+    max_wall_s: float | None = None
+    lead_in_s: float = 1.0
+    delete_sessions: bool = True
+    token: str | None = None
+    run_id: str = "run"
+
+
+class TargetRunner:
+    """Replays one plan against one host; ``await run()`` -> target result dict."""
+
+    def __init__(self, name: str, cfg: ReplayConfig, plan: Plan, stop: asyncio.Event, progress: Any = None):
+        self.name, self.cfg, self.plan, self.stop, self.progress = name, cfg, plan, stop, progress
+        self.host = cfg.host.rstrip("/")
+        self.inflight = 0
+        self.alive = 0
+        self.samples: list[dict[str, Any]] = []
+        self.stats_source: str | None = None
+        self.sessions: list[dict[str, Any]] = []
+        self.turns: list[dict[str, Any]] = []
+        self._t0 = 0.0
+        self._live: set[str] = set()
+        self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
+        for ps in plan.sessions:
+            self.sessions.append(
+                {"id": ps.id, "key": ps.key, "owner": ps.owner, "start_s": ps.start_s, "end_s": ps.end_s,
+                 "hold_s": ps.hold_s, "turns": len(ps.turns), "created": False, "create_ms": None,
+                 "create_http": None, "create_retries": 0, "deleted": False, "final_count": None, "error": None}
+            )
+            for i, pt in enumerate(ps.turns):
+                self.turns.append(
+                    {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "queue_s": None,
+                     "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
+                     "latency_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
+                     "state_before": None, "count": None, "expected": None, "retries": 0, "error": None}
+                )
+
+    # -- clock
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    async def sleep_until(self, t_s: float) -> None:
+        delay = t_s - self.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    # -- HTTP
+    async def _request(self, http, method: str, path: str, *, json_body=None, timeout_s: float):
+        import aiohttp
+
+        async with http.request(
+            method, self.host + path, json=json_body, headers=self._headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            body = await resp.read()
+            try:
+                payload = json.loads(body) if body else None
+            except ValueError:
+                payload = None
+            return resp.status, resp.headers, payload
+
+    async def preflight(self, http) -> None:
+        import aiohttp
+
+        try:
+            await self._request(http, "GET", "/healthz", timeout_s=5.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise ReplayError(f"{self.name}: cannot reach {self.host}: {e!r}") from e
+
+    async def _create(self, http, ps: PlannedSession, srec: dict[str, Any]) -> bool:
+        import aiohttp
+
+        body = {"actorTemplate": self.cfg.template, "id": ps.id,
+                "labels": {"replay": label_value(self.cfg.run_id), "owner": label_value(ps.owner)}}
+        started = time.monotonic()
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                status, headers, payload = await self._request(
+                    http, "POST", "/v1/sessions", json_body=body, timeout_s=self.cfg.request_timeout_s)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                srec["error"] = f"create: {e!r}"
+                return False
+            srec["create_http"] = status
+            if status == 503 and attempt < self.cfg.retries:
+                srec["create_retries"] += 1
+                await asyncio.sleep(retry_after_s(headers.get("Retry-After")))
+                continue
+            break
+        srec["create_ms"] = (time.monotonic() - started) * 1000.0
+        if status in (200, 201):
+            srec["created"] = True
+            return True
+        code = payload.get("code") if isinstance(payload, dict) else None
+        srec["error"] = f"create: HTTP {status} {code or ''}".strip()
+        return False
+
+    async def _invoke(self, http, sem: asyncio.Semaphore, pt: PlannedTurn, sid: str, rec: dict[str, Any],
+                      prev: int, uncertain: int) -> None:
+        import aiohttp
+
+        body = {"input": {"op": "increment", "work_s": round(pt.work_s, 6)}}
+        async with sem:
+            rec["sent_s"] = self.now()
+            rec["queue_s"] = max(0.0, rec["sent_s"] - pt.at_s)
+            self.inflight += 1
+            started = time.monotonic()
+            status = headers = payload = None
+            try:
+                for attempt in range(self.cfg.retries + 1):
+                    status, headers, payload = await self._request(
+                        http, "POST", f"/v1/sessions/{sid}/invoke", json_body=body,
+                        timeout_s=self.cfg.request_timeout_s + pt.work_s)
+                    if status == 503 and attempt < self.cfg.retries:
+                        rec["retries"] += 1
+                        await asyncio.sleep(retry_after_s(headers.get("Retry-After")))
+                        continue
+                    break
+            except asyncio.TimeoutError:
+                rec["status"], rec["error"] = "timeout", f"no answer within {self.cfg.request_timeout_s + pt.work_s:.1f} s"
+            except (aiohttp.ClientError, OSError) as e:
+                rec["status"], rec["error"] = "error", repr(e)
+            finally:
+                self.inflight -= 1
+            latency_ms = (time.monotonic() - started) * 1000.0
+        rec["http"] = status
+        if rec["status"] in ("timeout", "error"):
+            rec["expected"] = [prev + 1, prev + 1 + uncertain]
+            return
+        rec["latency_ms"] = latency_ms
+        if status != 200:
+            code = payload.get("code") if isinstance(payload, dict) else None
+            rec["status"], rec["error"] = "error", f"HTTP {status} {code or ''}".strip()
+            rec["expected"] = [prev + 1, prev + 1 + uncertain]
+            return
+        rec["added_ms"] = latency_ms - pt.work_s * 1000.0
+        rec["kind"], rec["woke"], rec["wake_ms"], rec["state_before"] = classify(payload, headers)
+        rec["count"] = extract_count(payload)
+        rec["status"], (lo, hi) = check_count(rec["count"], prev, uncertain)
+        rec["expected"] = [lo, hi]
+        if rec["status"] == "error":
+            rec["error"] = "no count in the output"
+
+    async def _delete(self, http, sid: str, srec: dict[str, Any], timeout_s: float) -> None:
+        import aiohttp
+
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, _, _ = await self._request(http, "DELETE", f"/v1/sessions/{sid}", timeout_s=timeout_s)
+            if status in (200, 202, 204, 404):
+                srec["deleted"] = True
+                self._live.discard(sid)
+
+    async def _session(self, http, sem: asyncio.Semaphore, ps: PlannedSession, srec: dict[str, Any],
+                       recs: list[dict[str, Any]]) -> None:
+        await self.sleep_until(ps.start_s)
+        async with sem:
+            created = await self._create(http, ps, srec)
+        if not created:
+            for rec in recs:
+                rec["status"], rec["error"] = "error", f"session not created ({srec['error']})"
+                rec["http"] = srec["create_http"]
+            self._tick(len(recs))
+            return
+        self._live.add(ps.id)
+        self.alive += 1
+        try:
+            prev, uncertain = 0, 0
+            for pt, rec in zip(ps.turns, recs, strict=True):
+                await self.sleep_until(pt.at_s)
+                await self._invoke(http, sem, pt, ps.id, rec, prev, uncertain)
+                if rec["status"] in ("ok", "lost_state"):
+                    prev, uncertain = rec["count"], 0
+                else:
+                    uncertain += 1
+                self._tick(1)
+            srec["final_count"] = prev
+            if self.cfg.delete_sessions:
+                await self.sleep_until(ps.end_s)
+                await self._delete(http, ps.id, srec, self.cfg.request_timeout_s)
+        finally:
+            self.alive -= 1
+
+    def _tick(self, n: int) -> None:
+        if self.progress is not None:
+            self.progress.update(n)
+
+    async def _sample_once(self, http) -> None:
+        import aiohttp
+
+        sample: dict[str, Any] = {"t_s": round(self.now(), 3), "inflight": self.inflight, "alive": self.alive,
+                                  "ok": False, "workers": None, "slots": None, "slotsUsed": None,
+                                  "sessions": None, "workerSeconds": None}
+        try:
+            if self.stats_source != "/v1/workerpools":
+                status, _, payload = await self._request(http, "GET", "/v1/stats", timeout_s=2.0)
+                if status == 200 and isinstance(payload, dict):
+                    self.stats_source = "/v1/stats"
+                    for k in ("workers", "slots", "slotsUsed", "sessions", "workerSeconds"):
+                        sample[k] = payload.get(k)
+                    sample["ok"] = True
+                elif status in (404, 405) and self.stats_source is None:
+                    self.stats_source = "/v1/workerpools"
+            if self.stats_source == "/v1/workerpools":
+                status, _, payload = await self._request(http, "GET", "/v1/workerpools", timeout_s=2.0)
+                if status == 200 and isinstance(payload, dict):
+                    st = [i.get("status") or {} for i in payload.get("items") or []]
+                    sample["workers"] = sum(int(s.get("replicas") or 0) for s in st)
+                    sample["slots"] = sum(int(s.get("slots") or 0) for s in st)
+                    sample["slotsUsed"] = sample["slots"] - sum(int(s.get("freeSlots") or 0) for s in st)
+                    sample["ok"] = True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, TypeError):
+            pass
+        self.samples.append(sample)
+
+    async def _sampler(self, http, done: asyncio.Event) -> None:
+        interval = self.cfg.stats_interval_s
+        next_t = self.now()
+        while not done.is_set():
+            await self._sample_once(http)
+            next_t += interval
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=max(0.0, next_t - self.now()))
+        await self._sample_once(http)  # closing sample
+
+    async def run(self) -> dict[str, Any]:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self.cfg.concurrency + 4, limit_per_host=0)
+        stats_connector = aiohttp.TCPConnector(limit=2)
+        started_wall = time.time()
+        stopped_by = "done"
+        async with aiohttp.ClientSession(connector=connector) as http, \
+                aiohttp.ClientSession(connector=stats_connector) as stats_http:
+            await self.preflight(http)
+            sem = asyncio.Semaphore(self.cfg.concurrency)
+            self._t0 = time.monotonic() + self.cfg.lead_in_s
+            done = asyncio.Event()
+            sampler = asyncio.create_task(self._sampler(stats_http, done))
+            by_session: dict[str, list[dict[str, Any]]] = {}
+            for rec in self.turns:
+                by_session.setdefault(rec["session"], []).append(rec)
+            tasks = [
+                asyncio.create_task(self._session(http, sem, ps, srec, by_session.get(ps.id, [])))
+                for ps, srec in zip(self.plan.sessions, self.sessions, strict=True)
+            ]
+            max_wall = self.cfg.max_wall_s or (self.plan.wall_span_s * 1.25 + 60.0)
+            stopper = asyncio.create_task(self.stop.wait())
+            all_done = asyncio.gather(*tasks, return_exceptions=True)
+            finished, _ = await asyncio.wait(
+                {all_done, stopper}, timeout=max_wall + self.cfg.lead_in_s, return_when=asyncio.FIRST_COMPLETED)
+            if all_done not in finished:
+                stopped_by = "interrupted" if stopper in finished else "wall_cap"
+                for t in tasks:
+                    t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await all_done
+            stopper.cancel()
+            for t, srec in zip(tasks, self.sessions, strict=True):
+                if not t.cancelled() and t.exception() is not None and srec["error"] is None:
+                    srec["error"] = f"replay bug: {t.exception()!r}"
+            if self._live:  # sessions left by a stop or the wall cap (or --keep-sessions is off)
+                if self.cfg.delete_sessions:
+                    srec_by_id = {s["id"]: s for s in self.sessions}
+                    await asyncio.wait(
+                        [asyncio.create_task(self._delete(http, sid, srec_by_id[sid], 5.0)) for sid in list(self._live)],
+                        timeout=15.0,
+                    )
+            done.set()
+            await sampler
+        result = {
+            "name": self.name,
+            "host": self.host,
+            "started_at": datetime.fromtimestamp(started_wall, tz=UTC).isoformat(),
+            "wall_s": round(time.time() - started_wall, 3),
+            "stopped_by": stopped_by,
+            "stats_source": self.stats_source,
+            "turns": self.turns,
+            "sessions": self.sessions,
+            "stats": self.samples,
+        }
+        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples)
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="substrate-replay",
+        description="Replay a real request trace, time-compressed, against the agent session runtime "
+        "(counter agent), verify no session state is lost, and compare worker-seconds and added latency "
+        "with an always-on, pod-per-session baseline.",
+        epilog="Durations accept 90s, 30m, 2h, 1d, 1h30m or plain seconds. Example: substrate-replay "
+        "../shared/traces/gentd26_requests_2024-11-15_to_11-26.csv --host http://127.0.0.1:8080 "
+        "--compress 100 --start 2d --duration 1d --idle-split 30m --max-sessions 500 --out replay-results/",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("trace", help="trace file: GenTD26 CSV, Azure LLM CSV, OpenHands .json/.jsonl, "
+                    "or a plain session_id,arrival_s,duration_s CSV")
+    ap.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="trace format (auto: from header/extension)")
+    ap.add_argument("--host", default="http://127.0.0.1:8080", help="runtime base URL")
+    ap.add_argument("--compress", type=float, default=100.0, help="time compression: trace seconds per wall second")
+    ap.add_argument("--start", default=None, help="window start: a date/time (2024-11-20, 2024-11-20T08:00, UTC) "
+                    "or an offset from the first arrival (2d, 3600); default: the first arrival")
+    ap.add_argument("--duration", default=None, help="window length in trace time (e.g. 1d); default: to the end")
+    ap.add_argument("--idle-split", default="30m", help="a gap longer than this (trace time) starts a new session")
+    ap.add_argument("--max-sessions", type=int, default=None, help="replay only the first N sessions (by start)")
+    ap.add_argument("--failed-turns", choices=("replay", "skip"), default="replay",
+                    help="turns the trace recorded as failed: replay them (they used a worker) or drop them")
+    ap.add_argument("--template", default="counter", help="ActorTemplate of the replayed sessions (counter semantics)")
+    ap.add_argument("--concurrency", type=int, default=200, help="max requests in flight per host")
+    ap.add_argument("--request-timeout", type=float, default=30.0, help="per-request timeout in seconds (+ work_s)")
+    ap.add_argument("--retries", type=int, default=3, help="retries of a 503 (no_capacity), honouring Retry-After (<= 5 s)")
+    ap.add_argument("--max-wall", default=None, help="stop after this much wall time (default: plan span x 1.25 + 60 s)")
+    ap.add_argument("--stats-interval", type=float, default=1.0, help="seconds between GET /v1/stats samples")
+    ap.add_argument("--lead-in", type=float, default=1.0, help="wall seconds between start and the first create")
+    ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="compare with an always-on baseline (measured with --baseline-host, else analytical)")
+    ap.add_argument("--baseline-host", default=None, help="runtime with 1 slot per worker and no idle suspension, "
+                    "replayed concurrently with the same plan")
+    ap.add_argument("--keep-sessions", action="store_true", help="do not delete sessions after their last turn + idle split")
+    ap.add_argument("--token", default=None, help="bearer token for the API (env SUBSTRATE_TOKEN)")
+    ap.add_argument("--run-id", default=None, help="session ids are rp-<run-id>-<n> (default: random)")
+    ap.add_argument("--azure-owners", type=int, default=100, help="Azure trace: number K of synthetic owners")
+    ap.add_argument("--azure-scheme", choices=("hash", "roundrobin"), default="hash",
+                    help="Azure trace: owner = blake2b(seed:row) mod K, or row mod K")
+    ap.add_argument("--azure-seed", type=int, default=0, help="Azure trace: seed of the hash scheme")
+    ap.add_argument("--window-s", type=float, default=None, help="plot window for latency percentiles (default: span/30)")
+    ap.add_argument("--out", default="replay-results/", help="directory for result.json, report.md, report.png")
+    ap.add_argument("--dry-run", action="store_true", help="load and plan only; print the plan and the analytical baseline")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--strict", action="store_true", help="exit 1 if any turn errored or lost state")
+    return ap
+
+
+def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
+    """Trace file + CLI options -> (plan, config block of result.json)."""
+    fmt = None if args.format == "auto" else args.format
+    fmt = fmt or detect_format(args.trace)
+    azure = AzureOptions(owners=args.azure_owners, scheme=args.azure_scheme, seed=args.azure_seed)
+    turns = load_trace(args.trace, fmt, azure=azure)
+    if not turns:
+        raise TraceError(f"{args.trace}: no turns")
+    start_s = resolve_start(args.start, turns[0].arrival_s, fmt in TIMESTAMPED_FORMATS)
+    duration_s = parse_duration(args.duration) if args.duration else None
+    window = select_window(turns, start_s, duration_s)
+    idle_split_s = parse_duration(args.idle_split)
+    run_id = args.run_id or secrets.token_hex(3)
+    plan = build_plan(window, compress=args.compress, idle_split_s=idle_split_s, max_sessions=args.max_sessions,
+                      failed_turns=args.failed_turns, run_id=run_id)
+    cfg = {
+        "trace": str(args.trace),
+        "format": fmt,
+        "host": args.host,
+        "baseline_host": args.baseline_host,
+        "compress": args.compress,
+        "start": args.start,
+        "window_start_s": start_s,
+        "window_start_utc": format_timestamp(start_s) if fmt in TIMESTAMPED_FORMATS else None,
+        "duration_s": duration_s,
+        "idle_split_s": idle_split_s,
+        "max_sessions": args.max_sessions,
+        "failed_turns": args.failed_turns,
+        "template": args.template,
+        "concurrency": args.concurrency,
+        "request_timeout_s": args.request_timeout,
+        "retries": args.retries,
+        "max_wall_s": parse_duration(args.max_wall) if args.max_wall else None,
+        "run_id": run_id,
+        "trace_turns_total": len(turns),
+        "window_turns": len(window),
+    }
+    return plan, cfg
+
+
+def _progress(total: int, desc: str, position: int, disable: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the loadtest extra
+        return None
+    return tqdm(total=total, desc=desc, position=position, unit="turn", disable=disable, leave=True,
+                dynamic_ncols=True)
+
+
+async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Run the plan against --host (and --baseline-host) concurrently; -> the full result dict."""
+    import os
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    token = args.token or os.environ.get("SUBSTRATE_TOKEN")
+    hosts = [("ours", args.host)]
+    if args.baseline and args.baseline_host:
+        hosts.append(("baseline", args.baseline_host))
+    runners = []
+    for pos, (name, host) in enumerate(hosts):
+        rc = ReplayConfig(host=host, template=args.template, concurrency=args.concurrency,
+                          request_timeout_s=args.request_timeout, retries=args.retries,
+                          stats_interval_s=args.stats_interval, max_wall_s=cfg["max_wall_s"],
+                          lead_in_s=args.lead_in, delete_sessions=not args.keep_sessions, token=token,
+                          run_id=cfg["run_id"])
+        bar = _progress(plan.turns, name, pos, args.no_progress)
+        runners.append((TargetRunner(name, rc, plan, stop, bar), bar))
+    try:
+        results = await asyncio.gather(*(r.run() for r, _ in runners))
+    finally:
+        for _, bar in runners:
+            if bar is not None:
+                bar.close()
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created_at": datetime.now(tz=UTC).isoformat(),
+        "config": cfg,
+        "plan": plan.summary(),
+        "targets": {r["name"]: r for r in results},
+    }
+    if args.baseline:
+        result.update(rpt.compare(result))
+    return result
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path, window_s: float | None = None) -> dict[str, Path]:
+    """Write result.json, report.md, report.png into ``out_dir``; -> their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "result.json", "md": out / "report.md", "png": out / "report.png"}
+    paths["json"].write_text(json.dumps(result, indent=1, default=_json_default) + "\n", encoding="utf-8")
+    paths["md"].write_text(rpt.render_markdown(result) + "\n", encoding="utf-8")
+    rpt.plot_report(result, paths["png"], window_s=window_s)
+    return paths
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    return str(o)
+
+
+def _print_plan(plan: Plan, cfg: dict[str, Any]) -> None:
+    s = plan.summary()
+    print(f"trace {cfg['trace']} ({cfg['format']}): {cfg['trace_turns_total']} turns, window "
+          f"{cfg['window_start_utc'] or cfg['window_start_s']} + {cfg['duration_s'] or 'all'} s -> {cfg['window_turns']} turns")
+    print(f"plan: {s['sessions']} sessions / {s['owners']} owners / {s['turns']} turns "
+          f"({s['trace_failed_turns']} trace-failed), idle split {cfg['idle_split_s']:.0f} s, "
+          f"compress {cfg['compress']}x -> {s['wall_span_s']:.1f} s wall, {s['busy_s']:.1f} busy s")
+    print(f"analytical always-on baseline: {s['baseline_worker_seconds']:.1f} worker-seconds (wall), "
+          f"{s['baseline_worker_seconds'] * cfg['compress'] / 3600:.1f} worker-hours of trace time")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``substrate-replay``; returns the exit code (2: cannot run)."""
+    args = _parser().parse_args(argv)
+    try:
+        plan, cfg = load_and_plan(args)
+    except (TraceError, ValueError, OSError) as e:
+        print(f"substrate-replay: {e}", file=sys.stderr)
+        return 2
+    _print_plan(plan, cfg)
+    if args.dry_run:
+        return 0
+    if not plan.sessions:
+        print("substrate-replay: the window holds no sessions", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(replay(plan, cfg, args))
+    except ReplayError as e:
+        print(f"substrate-replay: {e}", file=sys.stderr)
+        return 2
+    paths = write_outputs(result, args.out, args.window_s)
+    print()
+    print(rpt.render_markdown(result))
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}")
+    ours = result["targets"]["ours"]["summary"]
+    if args.strict and (ours["errors"] or ours["lost_state"]):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

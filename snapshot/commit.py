@@ -1,0 +1,135 @@
+"""The snapshot commit protocol: capture -> upload (conditional) -> compare-and-set on the epoch.
+
+1. ``capture``: pack the workspace and the agent's state into one archive (``snapshot.archive``) in a
+   temp file, then upload it under a **new** key (``epoch`` and a sequence number in the name) with a
+   conditional create (S3 ``If-None-Match: *``), so no upload can overwrite another.
+2. ``commit``: one Lua compare-and-set in the directory moves the session's ``snapshot`` pointer to the
+   new object only if the record still carries the activation epoch that wrote it (DESIGN invariant 1: a
+   zombie's commit is rejected). The old pointer becomes ``previousSnapshot``; the one that falls out of
+   that window is garbage-collected, as are any objects beyond ``retention`` that nothing points at.
+   A rejected commit deletes its own upload.
+3. ``restore``: download to a temp file, verify sha256 and the manifest (session), extract, swap in.
+
+The slot of a suspending session is released by the caller only after ``commit`` returned True
+(invariant 2). Snapshot bytes move between the worker and object storage only (invariant 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from snapshot.archive import pack, unpack
+from snapshot.store import ObjectStore, session_prefix, snapshot_key
+from substrate import metrics
+from substrate.directory import Directory
+from substrate.errors import NotFound, SnapshotCorrupt
+from substrate.models import SessionState, SnapshotRef
+from substrate.settings import SnapshotSettings
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotManager:
+    """Capture, commit and restore snapshots for the activations of one worker.
+
+    ``tmp_dir`` holds archives in flight (same filesystem as workspaces keeps restores cheap).
+    """
+
+    def __init__(self, store: ObjectStore, directory: Directory, settings: SnapshotSettings,
+                 tmp_dir: Path) -> None:
+        self.store = store
+        self.directory = directory
+        self.settings = settings
+        self.tmp_dir = tmp_dir
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._seq = itertools.count(int(time.time() * 1000) % 1_000_000)
+
+    async def capture(self, sid: str, epoch: int, template: str, workspace: Path,
+                      state: dict[str, Any]) -> SnapshotRef:
+        """Pack and upload one snapshot; returns its (not yet committed) ref.
+
+        Raises ``StoreUnavailable`` if object storage cannot be reached (nothing is committed then).
+        """
+        fd, tmp = tempfile.mkstemp(prefix=f"{sid}-", suffix=".tar.zst", dir=self.tmp_dir)
+        os.close(fd)
+        path = Path(tmp)
+        try:
+            t0 = time.perf_counter()
+            manifest, size, sha = await asyncio.to_thread(
+                pack, workspace, state, session=sid, epoch=epoch, template=template, out_path=path,
+                zstd_level=self.settings.zstd_level)
+            t1 = time.perf_counter()
+            key = snapshot_key(self.settings.prefix, sid, epoch, next(self._seq))
+            await self.store.put_file(key, path)
+            t2 = time.perf_counter()
+            metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="pack").observe(t1 - t0)
+            metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="upload").observe(t2 - t1)
+            metrics.SNAPSHOT_BYTES.labels(template=template).observe(size)
+            return SnapshotRef(key=key, epoch=epoch, createdAt=manifest.createdAt, sizeBytes=size, sha256=sha)
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def commit(self, sid: str, epoch: int, ref: SnapshotRef, *, suspend: bool = False) -> bool:
+        """Point the session at ``ref`` if ``epoch`` is still current. With ``suspend`` the same atomic
+        step moves the session to SUSPENDED and clears its worker and slot. Returns whether it committed.
+        """
+        if suspend:
+            ok, dropped = await self.directory.commit_snapshot(
+                sid, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,), to=SessionState.SUSPENDED,
+                unset=("worker", "slot"))
+        else:
+            ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref)
+        if not ok:
+            log.warning("snapshot commit rejected (stale epoch or state)",
+                        extra={"session": sid, "epoch": epoch, "key": ref.key})
+            await self._delete_quietly(ref.key)
+            return False
+        if dropped is not None:
+            await self._delete_quietly(dropped.key)
+        return True
+
+    async def restore(self, sid: str, ref: SnapshotRef, workspace: Path, template: str = "") -> dict[str, Any]:
+        """Download ``ref`` and restore it into ``workspace``; returns the agent state.
+
+        Raises ``SnapshotCorrupt`` (checksum, truncation, foreign session), ``NotFound`` (object
+        missing, reported as corrupt: the pointer is dangling) or ``StoreUnavailable``.
+        """
+        fd, tmp = tempfile.mkstemp(prefix=f"{sid}-", suffix=".tar.zst", dir=self.tmp_dir)
+        os.close(fd)
+        path = Path(tmp)
+        try:
+            t0 = time.perf_counter()
+            try:
+                await self.store.get_file(ref.key, path)
+            except NotFound as e:
+                raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"}) from e
+            t1 = time.perf_counter()
+            _, state = await asyncio.to_thread(unpack, path, workspace, expect_session=sid,
+                                               expect_sha256=ref.sha256)
+            t2 = time.perf_counter()
+            metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="download").observe(t1 - t0)
+            metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="unpack").observe(t2 - t1)
+            return state
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def delete_all(self, sid: str) -> None:
+        """Remove every snapshot object of a deleted session (best effort)."""
+        try:
+            for key in await self.store.list_keys(session_prefix(self.settings.prefix, sid)):
+                await self._delete_quietly(key)
+        except Exception:  # noqa: BLE001 - GC never fails a request
+            log.warning("snapshot GC failed", extra={"session": sid}, exc_info=True)
+
+    async def _delete_quietly(self, key: str) -> None:
+        try:
+            await self.store.delete(key)
+        except Exception:  # noqa: BLE001 - GC never fails a request; a later sweep retries
+            log.warning("snapshot delete failed", extra={"key": key}, exc_info=True)

@@ -1,0 +1,202 @@
+"""The state manager: suspends idle sessions, recovers crashed ones, never leaves one stuck.
+
+Every ``scan_interval_s`` (level-triggered; an error in one step is logged and the loop goes on):
+
+1. **Dead workers**: a worker whose lease expired is declared dead; its sessions go to SUSPENDED
+   (``reason: worker_lost``) and come back from their last committed snapshot on the next request, or
+   at once with ``eager_recovery``.
+2. **Idle sessions**: a RUNNING session idle past its template's ``maxIdleTime`` is suspended through its
+   worker (which refuses if a turn arrived meanwhile). A failure (object store down) leaves it RUNNING
+   and is retried with exponential back-off (tenacity's wait policy).
+3. **Deadlines**: a session past its transitional state's deadline is rolled forward or back:
+   PENDING -> deleted (it never ran); STARTING/RESUMING -> SUSPENDED (the half-made activation is fenced
+   by the next epoch bump); SUSPENDING -> RUNNING if its worker is alive, else SUSPENDED.
+4. **Repairs** (every 10th scan): sessions pointing at a worker that is gone are recovered; slot-table
+   entries whose session does not point back at them are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tenacity import wait_exponential
+
+from snapshot.store import ObjectStore
+from substrate import metrics
+from substrate.activator import Activator
+from substrate.directory import Directory
+from substrate.errors import NotFound, SubstrateError
+from substrate.models import SessionRecord, SessionState
+from substrate.settings import Settings
+from substrate.specs import Catalog
+
+log = logging.getLogger(__name__)
+
+
+class StateManager:
+    def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, activator: Activator,
+                 store: ObjectStore | None = None) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.catalog = catalog
+        self.activator = activator
+        self.store = store
+        self._task: asyncio.Task[None] | None = None
+        self._retry_at: dict[str, tuple[float, int]] = {}  # session -> (next attempt time, attempts)
+        self._scans = 0
+        self._wait = wait_exponential(multiplier=settings.state.suspend_retry_base_s,
+                                      max=settings.state.suspend_retry_max_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.state.scan_interval_s)
+            try:
+                await self.scan_once()
+            except Exception:  # noqa: BLE001 - a control loop never dies
+                log.warning("state manager scan failed", exc_info=True)
+
+    async def scan_once(self) -> None:
+        """One pass of every duty (see module docstring)."""
+        self._scans += 1
+        for step in (self.recover_dead_workers, self.suspend_idle, self.enforce_deadlines):
+            try:
+                await step()
+            except Exception:  # noqa: BLE001
+                log.warning("state manager step failed", extra={"step": step.__name__}, exc_info=True)
+        if self._scans % 10 == 1:
+            try:
+                await self.repair()
+            except Exception:  # noqa: BLE001
+                log.warning("repair failed", exc_info=True)
+
+    async def recover_dead_workers(self) -> None:
+        now = time.time()
+        for w in await self.directory.list_workers():
+            if w.leaseExpiresAt < now:
+                log.warning("worker lease expired", extra={"worker": w.id})
+                recovered = await self.activator.recover_worker(w.id)
+                if self.settings.state.eager_recovery:
+                    for sid in recovered:
+                        asyncio.create_task(self._eager_wake(sid))
+
+    async def _eager_wake(self, sid: str) -> None:
+        try:
+            await self.activator.wake(sid)
+        except SubstrateError as e:
+            log.info("eager recovery deferred to the next request", extra={"session": sid, "code": e.code})
+
+    async def _active_records(self) -> list[SessionRecord]:
+        sids: list[str] = []
+        for w in self.activator.view.workers.values():
+            sids.extend((await self.directory.worker_slots(w.id)).values())
+        return await self.directory.get_sessions(sids)
+
+    async def suspend_idle(self) -> None:
+        now = time.time()
+        due: list[tuple[SessionRecord, float]] = []
+        for rec in await self._active_records():
+            if rec.state != SessionState.RUNNING:
+                continue
+            t = self.catalog.templates.get(rec.actorTemplate)
+            max_idle = t.spec.stateManagement.max_idle_time_s if t else None
+            if not max_idle or now - rec.lastActiveAt < max_idle:
+                continue
+            retry = self._retry_at.get(rec.id)
+            if retry and retry[0] > now:
+                continue
+            due.append((rec, max_idle))
+        sem = asyncio.Semaphore(8)
+
+        async def one(rec: SessionRecord, max_idle: float) -> None:
+            async with sem:
+                try:
+                    await self.activator.suspend(rec, idle_s=max_idle, reason="idle")
+                    self._retry_at.pop(rec.id, None)
+                except SubstrateError as e:
+                    if e.code in ("busy", "invalid_state", "not_active", "stale_epoch"):
+                        return
+                    attempts = self._retry_at.get(rec.id, (0.0, 0))[1] + 1
+
+                    class _RS:  # the shape tenacity's wait policies read
+                        attempt_number = attempts
+
+                    self._retry_at[rec.id] = (time.time() + self._wait(_RS()), attempts)  # type: ignore[arg-type]
+                    log.warning("idle suspend failed; will retry", extra={"session": rec.id, "code": e.code,
+                                                                          "attempts": attempts})
+
+        await asyncio.gather(*(one(r, m) for r, m in due))
+
+    async def enforce_deadlines(self) -> None:
+        for sid in await self.directory.expired_deadlines():
+            try:
+                rec = await self.directory.get_session(sid)
+            except NotFound:
+                await self.directory.delete_session(sid)
+                continue
+            await self._roll(rec)
+
+    async def _roll(self, rec: SessionRecord) -> None:
+        d = self.directory
+        if not rec.state.transitional:
+            await d.redis.zrem(d.keys.deadlines, rec.id)
+            return
+        log.warning("session past its deadline", extra={"session": rec.id, "state": rec.state.value})
+        metrics.RECOVERIES_TOTAL.labels(reason="deadline").inc()
+        if rec.state == SessionState.PENDING:
+            await d.delete_session(rec.id)
+            return
+        if rec.state == SessionState.SUSPENDING:
+            w = await d.get_worker(rec.worker or "")
+            if w is not None and w.leaseExpiresAt > time.time():
+                await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
+                                   to=SessionState.RUNNING)
+                return
+        cas = await d.transition(rec.id, from_states=[rec.state], epoch=rec.epoch, to=SessionState.SUSPENDED,
+                                 set={"reason": "deadline", "message": f"{rec.state.value} did not finish in time"},
+                                 unset=("worker", "slot"))
+        if cas.ok and rec.worker is not None and rec.slot is not None:
+            w = await d.get_worker(rec.worker)
+            if w is not None:
+                try:
+                    await self.activator.client.deactivate(w.address, rec.id)
+                except SubstrateError:
+                    pass
+            await d.release_slot(rec.worker, rec.slot, rec.id)
+
+    async def repair(self) -> None:
+        """Recover sessions on vanished workers; free slots nobody points at."""
+        d = self.directory
+        workers = {w.id: w for w in await d.list_workers()}
+        offset: int | None = 0
+        while offset is not None:
+            page, offset = await d.list_sessions(limit=1000, offset=offset)
+            for rec in page:
+                if rec.worker and rec.worker not in workers and rec.state in (
+                        SessionState.RUNNING, SessionState.SUSPENDING):
+                    await self.activator.recover_session(rec.id, rec.worker, reason="worker_lost")
+        for wid in workers:
+            slots = await d.worker_slots(wid)
+            recs = {r.id: r for r in await d.get_sessions(list(slots.values()))}
+            for slot, sid in slots.items():
+                r = recs.get(sid)
+                if r is None or r.worker != wid or r.slot != slot:
+                    if r is not None and r.state.transitional and r.state != SessionState.SUSPENDING:
+                        continue  # being placed right now: the claim precedes the CAS
+                    await d.release_slot(wid, slot, sid)
+        counts: dict[str, int] = {}
+        offset = 0
+        while offset is not None:
+            page, offset = await d.list_sessions(limit=1000, offset=offset)
+            for rec in page:
+                counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
+        for s in SessionState:
+            metrics.SESSIONS.labels(state=s.value).set(counts.get(s.value, 0))

@@ -1,0 +1,448 @@
+"""Session lifecycle operations shared by the router and the state manager.
+
+``Activator`` runs the protocols of DESIGN.md on top of the directory (Redis), placement and the
+workers' internal API:
+
+* **create**: record PENDING (atomic, 409 on a taken ID) -> claim a slot -> CAS PENDING->STARTING
+  (epoch bump) -> worker activates -> CAS STARTING->RUNNING. Any failure undoes every step (the record
+  is deleted, the slot freed): nothing half-written.
+* **wake** (resume): claim a slot -> CAS SUSPENDED|FAILED->RESUMING (epoch bump: of any number of
+  routers exactly one wins; losers give their slot back and wait) -> worker restores the snapshot ->
+  CAS RESUMING->RUNNING with ``restoredFrom``. Concurrent wakes of one session in one router share one
+  future (single flight). A corrupt snapshot sends the session to FAILED with the reason and rolls its
+  pointer back to the previous good snapshot; an unreachable store rolls it back to SUSPENDED (503).
+* **capacity**: no free slot -> suspend the least-recently-used idle session of the pool (lazy
+  suspension: ``maxIdleTime`` is a ceiling, not a floor), else wait up to ``slot_wait_s``, else 503.
+* **recover_worker**: a dead worker's sessions go to SUSPENDED (marked ``worker_lost``); they come
+  back from their last committed snapshot on the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from substrate import metrics
+from substrate.directory import Directory
+from substrate.errors import (
+    Conflict,
+    DirectoryUnavailable,
+    NoCapacity,
+    NotFound,
+    SnapshotCorrupt,
+    StaleEpoch,
+    StoreUnavailable,
+    SubstrateError,
+    WorkerUnavailable,
+)
+from substrate.models import (
+    ActorTemplate,
+    RestoredFrom,
+    SessionRecord,
+    SessionState,
+    WorkerRecord,
+    WorkerState,
+)
+from substrate.placement import candidates, lru_victims
+from substrate.settings import Settings
+from substrate.specs import Catalog
+from substrate.workerclient import WorkerClient
+
+log = logging.getLogger(__name__)
+
+_WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
+_LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a RUNNING session lives: the hot path's cache entry."""
+
+    worker: str
+    address: str
+    epoch: int
+
+
+class WorkerView:
+    """A process-local, periodically refreshed copy of the worker registry (no Redis on the hot path)."""
+
+    def __init__(self, directory: Directory, refresh_s: float) -> None:
+        self.directory = directory
+        self.refresh_s = refresh_s
+        self.workers: dict[str, WorkerRecord] = {}
+        self.refreshed_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> None:
+        self.workers = {w.id: w for w in await self.directory.list_workers()}
+        self.refreshed_at = time.time()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a control loop never dies
+                log.warning("worker view refresh failed", exc_info=True)
+            await asyncio.sleep(self.refresh_s)
+
+    def address(self, wid: str | None) -> str | None:
+        w = self.workers.get(wid or "")
+        return w.address if w else None
+
+
+class Activator:
+    """See the module docstring. One per process; safe to share between tasks."""
+
+    def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, client: WorkerClient,
+                 view: WorkerView, *, parked_gauge: Callable[[int], None] | None = None) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.catalog = catalog
+        self.client = client
+        self.view = view
+        self._wakes: dict[str, asyncio.Future[Route]] = {}
+        self.parked = 0
+        self.waiting_for_slots = 0
+
+    # ------------------------------------------------------------------------------------ helpers
+    def route_of(self, rec: SessionRecord) -> Route | None:
+        """The route of a RUNNING record whose worker is known, else None."""
+        if rec.state != SessionState.RUNNING or not rec.worker:
+            return None
+        address = self.view.address(rec.worker)
+        if address is None:
+            return None
+        return Route(rec.worker, address, rec.epoch)
+
+    async def _worker_address(self, wid: str) -> str | None:
+        address = self.view.address(wid)
+        if address is None:
+            w = await self.directory.get_worker(wid)
+            address = w.address if w else None
+        return address
+
+    async def place(self, sid: str, template: ActorTemplate) -> tuple[WorkerRecord, int]:
+        """Claim a slot for ``sid`` in the template's pool. Lazy-suspends an idle session under pressure;
+        waits up to ``slot_wait_s``; then raises ``NoCapacity`` (503 + Retry-After)."""
+        pool = self.catalog.pool_for(template).name
+        deadline = time.monotonic() + self.settings.api.slot_wait_s
+        tried_refresh = False
+        self.waiting_for_slots += 1
+        try:
+            while True:
+                for w in candidates(self.view.workers.values(), pool):
+                    slot = await self.directory.claim_slot(w.id, sid)
+                    if slot >= 0:
+                        w.freeSlots = max(0, w.freeSlots - 1)
+                        return w, slot
+                    w.freeSlots = 0  # the view was stale: skip it until the next refresh
+                if not tried_refresh:
+                    tried_refresh = True
+                    await self.view.refresh()
+                    continue
+                if await self._suspend_lru(pool):
+                    await self.view.refresh()
+                    continue
+                if time.monotonic() >= deadline:
+                    raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
+                                     retry_after_s=self.settings.api.retry_after_s,
+                                     details={"pool": pool})
+                await asyncio.sleep(0.05)
+                await self.view.refresh()
+        finally:
+            self.waiting_for_slots -= 1
+
+    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0) -> bool:
+        """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed."""
+        sids: list[str] = []
+        for w in self.view.workers.values():
+            if w.pool == pool and w.state == WorkerState.READY:
+                sids.extend((await self.directory.worker_slots(w.id)).values())
+        recs = await self.directory.get_sessions(sids)
+        order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
+                            min_idle_s=min_idle_s)
+        by_id = {r.id: r for r in recs}
+        for sid in order[:3]:
+            try:
+                await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
+                return True
+            except SubstrateError as e:
+                log.info("pressure suspend skipped", extra={"session": sid, "code": e.code})
+        return False
+
+    # ------------------------------------------------------------------------------------- create
+    async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
+        """Create and start a session (see module doc). Raises Conflict, NoCapacity, WorkerUnavailable,
+        DirectoryUnavailable; on any error nothing of the session remains."""
+        t0 = time.perf_counter()
+        await self.directory.create_session(rec)
+        worker: WorkerRecord | None = None
+        slot = -1
+        try:
+            worker, slot = await self.place(rec.id, template)
+            cas = await self.directory.transition(
+                rec.id, from_states=[SessionState.PENDING], to=SessionState.STARTING, bump=True,
+                set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
+            if not cas.ok:
+                raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
+            await self.client.activate(worker.address, session=rec.id, epoch=cas.epoch, template=template,
+                                       slot=slot, env=rec.env, snapshot=None)
+            now = time.time()
+            done = await self.directory.transition(
+                rec.id, from_states=[SessionState.STARTING], epoch=cas.epoch, to=SessionState.RUNNING,
+                set={"lastActiveAt": now})
+            if not done.ok:
+                raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
+        except BaseException as e:
+            await self._undo_create(rec.id, worker, slot, e)
+            raise
+        metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="create").observe(
+            time.perf_counter() - t0)
+        rec.state, rec.worker, rec.slot, rec.epoch, rec.lastActiveAt = \
+            SessionState.RUNNING, worker.id, slot, done.epoch, now
+        return rec
+
+    async def _undo_create(self, sid: str, worker: WorkerRecord | None, slot: int, cause: BaseException) -> None:
+        try:
+            if worker is not None and slot >= 0:
+                if isinstance(cause, WorkerUnavailable):
+                    await self.check_worker(worker.id)
+                else:
+                    try:
+                        await self.client.deactivate(worker.address, sid)
+                    except SubstrateError:
+                        pass
+                await self.directory.release_slot(worker.id, slot, sid)
+            await self.directory.delete_session(sid)
+        except Exception:  # noqa: BLE001 - the state manager's scans repair what is left
+            log.warning("undo of a failed create incomplete", extra={"session": sid}, exc_info=True)
+
+    # --------------------------------------------------------------------------------------- wake
+    async def wake(self, sid: str) -> tuple[Route, bool]:
+        """Make ``sid`` RUNNING and return its route and whether this call woke it.
+
+        Parks the caller while the session resumes (one resume per session per process; other
+        processes are arbitrated by the epoch CAS). Bounded by ``park_timeout_s`` and ``max_parked``.
+        Raises NotFound, TooManyParked, ResumeTimeout, NoCapacity, StoreUnavailable, SnapshotCorrupt.
+        """
+        from substrate.errors import ResumeTimeout, TooManyParked
+
+        rec = await self.directory.get_session(sid)
+        route = self.route_of(rec)
+        if route is not None:
+            return route, False
+        if self.parked >= self.settings.api.max_parked:
+            raise TooManyParked(f"{self.parked} requests already wait for resumes; retry later",
+                                retry_after_s=self.settings.api.retry_after_s)
+        fut = self._wakes.get(sid)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._wakes[sid] = fut
+            task = asyncio.create_task(self._wake_once(sid))
+
+            def _done(t: asyncio.Task[Route], f: asyncio.Future[Route] = fut) -> None:
+                self._wakes.pop(sid, None)
+                if f.done():
+                    return
+                if t.cancelled():
+                    f.cancel()
+                elif t.exception() is not None:
+                    f.set_exception(t.exception())  # type: ignore[arg-type]
+                else:
+                    f.set_result(t.result())
+            task.add_done_callback(_done)
+            fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+        self.parked += 1
+        metrics.PARKED_REQUESTS.set(self.parked)
+        t0 = time.perf_counter()
+        try:
+            route = await asyncio.wait_for(asyncio.shield(fut), self.settings.api.park_timeout_s)
+        except asyncio.TimeoutError:
+            raise ResumeTimeout(f"session {sid!r} did not resume within {self.settings.api.park_timeout_s}s",
+                                retry_after_s=self.settings.api.retry_after_s) from None
+        finally:
+            self.parked -= 1
+            metrics.PARKED_REQUESTS.set(self.parked)
+        metrics.WAKE_WAIT_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
+        return route, True
+
+    async def _wait_settled(self, sid: str, timeout_s: float) -> SessionRecord:
+        """Poll until the session leaves its transitional state (another process is moving it)."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.005
+        while True:
+            rec = await self.directory.get_session(sid)
+            if not rec.state.transitional or time.monotonic() >= deadline:
+                return rec
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def _wake_once(self, sid: str) -> Route:
+        for _ in range(20):
+            rec = await self.directory.get_session(sid)
+            route = self.route_of(rec)
+            if route is not None:
+                return route
+            if rec.state.transitional:
+                rec = await self._wait_settled(sid, self.settings.api.park_timeout_s)
+                continue
+            if rec.state == SessionState.RUNNING:  # worker unknown to the view yet
+                await self.view.refresh()
+                if self.view.address(rec.worker) is None:
+                    await self.check_worker(rec.worker or "")
+                continue
+            if rec.state not in _WAKEABLE:
+                raise NotFound(f"session {sid!r} not found", code="session_not_found")
+            return await self._resume(rec)
+        raise Conflict(f"session {sid!r} kept changing while waking", code="conflict")
+
+    async def _resume(self, rec: SessionRecord) -> Route:
+        template = self.catalog.template(rec.actorTemplate)
+        t0 = time.perf_counter()
+        worker, slot = await self.place(rec.id, template)
+        cas = await self.directory.transition(
+            rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
+            set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
+        if not cas.ok:  # another router won the activation: give the slot back and follow it
+            await self.directory.release_slot(worker.id, slot, rec.id)
+            settled = await self._wait_settled(rec.id, self.settings.api.park_timeout_s)
+            route = self.route_of(settled)
+            if route is None:
+                raise Conflict(f"session {rec.id!r} is {settled.state.value}", code="conflict")
+            return route
+        epoch = cas.epoch
+        try:
+            await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
+                                       slot=slot, env=rec.env, snapshot=rec.snapshot)
+        except SnapshotCorrupt as e:
+            await self._fail_corrupt(rec, epoch, worker, slot, e)
+            raise
+        except (StoreUnavailable, NoCapacity, WorkerUnavailable, StaleEpoch) as e:
+            await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
+                                            to=SessionState.SUSPENDED, unset=("worker", "slot"))
+            await self.directory.release_slot(worker.id, slot, rec.id)
+            if isinstance(e, WorkerUnavailable):
+                await self.check_worker(worker.id)
+            raise
+        reason = rec.message if rec.reason == "worker_lost" else None
+        restored = RestoredFrom(
+            snapshotKey=rec.snapshot.key if rec.snapshot else None,
+            snapshotCreatedAt=rec.snapshot.createdAt if rec.snapshot else None,
+            snapshotEpoch=rec.snapshot.epoch if rec.snapshot else None,
+            reason=rec.reason or "resume")
+        done = await self.directory.transition(
+            rec.id, from_states=[SessionState.RESUMING], epoch=epoch, to=SessionState.RUNNING,
+            set={"restoredFrom": restored, "lastActiveAt": time.time()}, unset=("reason", "message"))
+        if not done.ok:
+            raise Conflict(f"session {rec.id!r} changed while resuming", code="conflict")
+        if reason:
+            metrics.RECOVERIES_TOTAL.labels(reason="worker_lost").inc()
+        elapsed = time.perf_counter() - t0
+        metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
+        metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
+        return Route(worker.id, worker.address, epoch)
+
+    async def _fail_corrupt(self, rec: SessionRecord, epoch: int, worker: WorkerRecord, slot: int,
+                            e: SnapshotCorrupt) -> None:
+        """FAILED with the reason; the pointer rolls back to the previous good snapshot (if any)."""
+        fields: dict[str, object] = {"reason": "snapshot_corrupt", "message": e.message}
+        unset: list[str] = ["worker", "slot"]
+        if rec.previousSnapshot is not None:
+            fields["snapshot"] = rec.previousSnapshot
+            unset.append("previousSnapshot")
+        else:
+            unset.append("snapshot")
+        fields["badSnapshot"] = rec.snapshot.key if rec.snapshot else ""
+        await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
+                                        to=SessionState.FAILED, set=fields, unset=unset)
+        await self.directory.release_slot(worker.id, slot, rec.id)
+        metrics.RECOVERIES_TOTAL.labels(reason="snapshot_corrupt").inc()
+
+    # -------------------------------------------------------------------------------- suspend/delete
+    async def suspend(self, rec: SessionRecord, *, idle_s: float | None = None, reason: str = "explicit") -> None:
+        """Suspend a RUNNING session through its worker (snapshot, commit, free slot).
+
+        Raises Conflict (busy / not RUNNING), StoreUnavailable (stays RUNNING), WorkerUnavailable."""
+        if rec.state != SessionState.RUNNING or not rec.worker:
+            raise Conflict(f"session {rec.id!r} is {rec.state.value}, not RUNNING", code="invalid_state")
+        address = await self._worker_address(rec.worker)
+        if address is None:
+            await self.check_worker(rec.worker)
+            return
+        t0 = time.perf_counter()
+        try:
+            await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s)
+        except WorkerUnavailable:
+            await self.check_worker(rec.worker)
+            raise
+        metrics.SUSPEND_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
+        metrics.SUSPENSIONS_TOTAL.labels(template=rec.actorTemplate, reason=reason).inc()
+
+    async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None) -> None:
+        """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``)."""
+        rec = await self.directory.get_session(sid)
+        cas = await self.directory.transition(sid, to=SessionState.DELETED, bump=True)
+        if not cas.found:
+            raise NotFound(f"session {sid!r} not found", code="session_not_found")
+        if rec.worker:
+            address = await self._worker_address(rec.worker)
+            if address:
+                try:
+                    await self.client.deactivate(address, sid)
+                except SubstrateError:
+                    pass
+            if rec.slot is not None:
+                await self.directory.release_slot(rec.worker, rec.slot, sid)
+        await self.directory.delete_session(sid)
+        if snapshot_gc is not None:
+            asyncio.create_task(snapshot_gc(sid))
+
+    # ------------------------------------------------------------------------------------- recovery
+    async def check_worker(self, wid: str) -> bool:
+        """After a failed call: if the worker is gone (no answer to /healthz), recover its sessions.
+        Returns True if it was declared dead."""
+        w = self.view.workers.get(wid) or await self.directory.get_worker(wid)
+        if w is not None and await self.client.healthy(w.address):
+            return False
+        await self.recover_worker(wid)
+        return True
+
+    async def recover_worker(self, wid: str, *, reason: str = "worker_lost") -> list[str]:
+        """Declare ``wid`` dead: remove it from the registry (it stops serving when it notices) and move
+        each of its sessions to SUSPENDED, marked with ``reason``, to come back from its last snapshot."""
+        slots = await self.directory.deregister_worker(wid)
+        self.view.workers.pop(wid, None)
+        recovered = []
+        for sid in slots.values():
+            if await self.recover_session(sid, wid, reason=reason):
+                recovered.append(sid)
+        if slots:
+            log.warning("worker declared dead; sessions recovered",
+                        extra={"worker": wid, "sessions": len(recovered)})
+        return recovered
+
+    async def recover_session(self, sid: str, wid: str, *, reason: str) -> bool:
+        """Move one session that lived on dead worker ``wid`` to SUSPENDED (bounded loss: it resumes from
+        its last committed snapshot; ``restoredFrom`` will say which)."""
+        try:
+            rec = await self.directory.get_session(sid)
+        except NotFound:
+            return False
+        what = (f"worker {wid} was lost; state since the last snapshot "
+                f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
+        cas = await self.directory.transition(sid, from_states=_LIVE, worker=wid, to=SessionState.SUSPENDED,
+                                              set={"reason": reason, "message": what}, unset=("worker", "slot"))
+        return cas.ok
+
+
+__all__ = ["Activator", "Route", "WorkerView", "DirectoryUnavailable"]

@@ -1,0 +1,266 @@
+"""The ``substrate`` command: run the runtime and drive it.
+
+    substrate up [--host H] [--port P] [--config DIR]   run the embedded default until SIGINT/SIGTERM
+    substrate demo                                       up + create/invoke/suspend/wake a session, then stop
+    substrate sessions create|get|list|invoke|suspend|resume|delete ...
+    substrate pools | templates | stats
+
+Client commands talk to ``--server`` (env ``SUBSTRATE_SERVER``, default http://127.0.0.1:8080).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from substrate.client import ApiError, SubstrateClient
+
+app = typer.Typer(help="Agent session runtime: many bursty, stateful agent sessions on few warm workers.",
+                  no_args_is_help=True, add_completion=False)
+sessions = typer.Typer(help="Create, inspect, invoke and delete sessions.", no_args_is_help=True)
+app.add_typer(sessions, name="sessions")
+console = Console()
+err = Console(stderr=True)
+
+ServerOpt = typer.Option("http://127.0.0.1:8080", "--server", "-s", envvar="SUBSTRATE_SERVER",
+                         help="Base URL of the API.")
+TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_API__AUTH_TOKEN", help="Bearer token, if the API needs one.")
+
+
+def _client(server: str, token: Optional[str]) -> SubstrateClient:
+    return SubstrateClient(server, token=token)
+
+
+def _print(obj: Any) -> None:
+    console.print_json(json.dumps(obj))
+
+
+def _run(fn: Any) -> Any:
+    try:
+        return fn()
+    except ApiError as e:
+        err.print(f"[red]error {e.status} {e.code}[/red]: {e.message}")
+        raise typer.Exit(1) from None
+    except Exception as e:  # noqa: BLE001 - connection errors etc. as one clear line
+        err.print(f"[red]error[/red]: {e.__class__.__name__}: {e}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."),
+       port: int = typer.Option(None, help="Listen port (default 8080)."),
+       config: Path = typer.Option(None, "--config", "-c", help="Folder of ActorTemplate/WorkerPool YAML "
+                                                               "(default ./examples)."),
+       ) -> None:
+    """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
+    Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM."""
+    import uvicorn
+
+    from substrate.embedded import EmbeddedRedis
+    from substrate.logs import configure_logging
+    from substrate.settings import Settings
+
+    if config is not None:
+        os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
+    settings = Settings()
+    if not Path(settings.config_dir).exists():
+        err.print(f"[red]error[/red]: config folder {settings.config_dir} not found (use --config DIR)")
+        raise typer.Exit(2)
+    configure_logging(settings.log_level, settings.log_json)
+    host = host or settings.api.host
+    port = port or settings.api.port
+    embedded = None
+    if not settings.redis.url:
+        embedded = EmbeddedRedis()
+        try:
+            os.environ["SUBSTRATE_REDIS_URL"] = embedded.start()
+        except RuntimeError as e:
+            err.print(f"[red]error[/red]: {e}")
+            raise typer.Exit(2) from None
+        err.print(f"embedded Redis at {embedded.url}")
+    try:
+        cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
+                             log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+        server = uvicorn.Server(cfg)
+        err.print(f"serving on http://{host}:{port} (docs at /docs); Ctrl-C stops")
+        server.run()
+        if not server.started:
+            raise typer.Exit(1)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+@app.command()
+def demo(port: int = typer.Option(18080, help="Port for the demo server."),
+         keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
+    """Start the embedded default, create a counter session and invoke it, suspend it and wake it with
+    the next invoke, then stop everything."""
+    env = dict(os.environ, SUBSTRATE_LOG_LEVEL=os.environ.get("SUBSTRATE_LOG_LEVEL", "WARNING"))
+    proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with SubstrateClient(url) as c:
+            for _ in range(300):
+                try:
+                    if c.http.get("/readyz").status_code == 200:
+                        break
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                if proc.poll() is not None:
+                    err.print("[red]the server exited[/red]")
+                    raise typer.Exit(1)
+                time.sleep(0.1)
+            s = _run(lambda: c.create_session("counter"))
+            console.print(f"created session [bold]{s['id']}[/bold] on worker {s['worker']} (state {s['state']})")
+            for _ in range(3):
+                console.print(f"invoke increment -> {_run(lambda: c.invoke(s['id'], 'increment'))}")
+            st = _run(lambda: c.suspend(s["id"]))
+            console.print(f"suspended -> state {st['state']}, snapshot {st['snapshot']['sizeBytes']} bytes")
+            t0 = time.perf_counter()
+            out = _run(lambda: c.invoke(s["id"], "increment"))
+            console.print(f"invoke increment (woke it in {1000 * (time.perf_counter() - t0):.0f} ms) -> {out}")
+            st = _run(lambda: c.get_session(s["id"]))
+            console.print(f"state {st['state']} on worker {st['worker']}, epoch {st['epoch']}, "
+                          f"restoredFrom {st['restoredFrom']}")
+            nb = _run(lambda: c.create_session("notebook"))
+            _run(lambda: c.invoke(nb["id"], "x = 6 * 7"))
+            _run(lambda: c.suspend(nb["id"]))
+            console.print(f"notebook after suspend/resume: x -> {_run(lambda: c.invoke(nb['id'], 'x'))}")
+            if keep:
+                console.print(f"server at {url}; Ctrl-C stops")
+                proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@sessions.command("create")
+def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. counter"),
+             id: Optional[str] = typer.Option(None, "--id", help="Client-chosen session ID."),
+             label: list[str] = typer.Option([], "--label", "-l", help="key=value, repeatable"),
+             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Create and start a session."""
+    labels = dict(x.split("=", 1) for x in label if "=" in x)
+    with _client(server, token) as c:
+        _print(_run(lambda: c.create_session(template, id=id, labels=labels)))
+
+
+@sessions.command("get")
+def s_get(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Show one session."""
+    with _client(server, token) as c:
+        _print(_run(lambda: c.get_session(sid)))
+
+
+@sessions.command("list")
+def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ..."),
+           template: Optional[str] = None, limit: int = typer.Option(50, help="Page size."),
+           all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+           server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """List sessions as a table."""
+    with _client(server, token) as c:
+        if all_pages:
+            items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit)))
+            nxt = None
+        else:
+            page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit))
+            items, nxt = page["items"], page["metadata"]["continue"]
+    t = Table("ID", "STATE", "TEMPLATE", "WORKER", "EPOCH")
+    for s in items:
+        t.add_row(s["id"], s["state"], s["actorTemplate"], s.get("worker") or "-", str(s["epoch"]))
+    console.print(t)
+    if nxt:
+        console.print(f"more: --all, or the API's ?continue={nxt}")
+
+
+@sessions.command("invoke")
+def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as JSON if it is JSON, else a string"),
+             stream: bool = typer.Option(False, help="Stream chunks."),
+             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Invoke a session (wakes it if suspended)."""
+    try:
+        value: Any = json.loads(input)
+    except ValueError:
+        value = input
+    with _client(server, token) as c:
+        if stream:
+            for chunk in _run(lambda: list(c.invoke_stream(sid, value))):
+                _print(chunk)
+        else:
+            _print(_run(lambda: c.invoke(sid, value)))
+
+
+@sessions.command("suspend")
+def s_suspend(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Snapshot a session and free its slot."""
+    with _client(server, token) as c:
+        _print(_run(lambda: c.suspend(sid)))
+
+
+@sessions.command("resume")
+def s_resume(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Wake a suspended session now."""
+    with _client(server, token) as c:
+        _print(_run(lambda: c.resume(sid)))
+
+
+@sessions.command("delete")
+def s_delete(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Delete a session and its snapshots."""
+    with _client(server, token) as c:
+        _run(lambda: c.delete_session(sid))
+    console.print(f"deleted {sid}")
+
+
+@app.command()
+def pools(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Worker pools with replicas, ready replicas and free slots."""
+    with _client(server, token) as c:
+        items = _run(c.pools)
+    t = Table("NAME", "REPLICAS", "READY", "SLOTS", "FREE")
+    for p in items:
+        st = p["status"]
+        t.add_row(p["metadata"]["name"], str(st["replicas"]), str(st["readyReplicas"]), str(st["slots"]),
+                  str(st["freeSlots"]))
+    console.print(t)
+
+
+@app.command()
+def templates(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Actor templates the control plane knows."""
+    with _client(server, token) as c:
+        items = _run(c.templates)
+    t = Table("NAME", "RUNS", "POOL", "MAX IDLE", "SNAPSHOT EVERY")
+    for x in items:
+        sp = x["spec"]
+        runs = sp.get("entrypoint") or " ".join(sp.get("command") or []) or (sp.get("container") or {}).get("image", "")
+        sm = sp.get("stateManagement", {})
+        t.add_row(x["metadata"]["name"], runs, sp.get("workerPool") or "(default)", str(sm.get("maxIdleTime")),
+                  str(sm.get("snapshotInterval")))
+    console.print(t)
+
+
+@app.command()
+def stats(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Runtime-wide figures: workers, slots, sessions by state, worker-seconds."""
+    with _client(server, token) as c:
+        _print(_run(c.stats))
+
+
+if __name__ == "__main__":
+    app()

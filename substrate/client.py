@@ -1,0 +1,127 @@
+"""A small Python client SDK for the REST API (httpx), used by the CLI and the tests.
+
+    with SubstrateClient("http://127.0.0.1:8080") as c:
+        s = c.create_session("counter")
+        c.invoke(s["id"], "increment")        # -> {"count": 1}
+
+Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import httpx
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
+                 details: dict[str, Any] | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+        self.retry_after_s = retry_after_s
+        self.details = details or {}
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        body = resp.json()
+        code, message, details = body.get("code", "error"), body.get("message", resp.text), body.get("details")
+    except ValueError:
+        code, message, details = "error", resp.text, None
+    ra = resp.headers.get("retry-after")
+    raise ApiError(resp.status_code, code, message, float(ra) if ra else None, details)
+
+
+class SubstrateClient:
+    """Synchronous client. ``base_url`` like ``http://127.0.0.1:8080``; ``token`` for bearer auth."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "SubstrateClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        resp = self.http.request(method, path, **kw)
+        _raise_for(resp)
+        return None if resp.status_code == 204 or not resp.content else resp.json()
+
+    def create_session(self, template: str, *, id: str | None = None, labels: dict[str, str] | None = None,
+                       env: dict[str, str] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"actorTemplate": template}
+        if id is not None:
+            body["id"] = id
+        if labels:
+            body["labels"] = labels
+        if env:
+            body["env"] = env
+        return self._req("POST", "/v1/sessions", json=body)
+
+    def get_session(self, sid: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/sessions/{sid}")
+
+    def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
+                      continue_: str | None = None) -> dict[str, Any]:
+        params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
+                                    "continue": continue_}.items() if v is not None}
+        return self._req("GET", "/v1/sessions", params=params)
+
+    def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
+        """Every session matching ``filters``, following ``continue`` tokens."""
+        token = None
+        while True:
+            page = self.list_sessions(continue_=token, **filters)
+            yield from page["items"]
+            token = page["metadata"]["continue"]
+            if not token:
+                return
+
+    def invoke(self, sid: str, input: Any) -> Any:  # noqa: A002
+        """One turn; returns the agent's ``output``."""
+        return self._req("POST", f"/v1/sessions/{sid}/invoke", json={"input": input})["output"]
+
+    def invoke_stream(self, sid: str, input: Any) -> Iterator[Any]:  # noqa: A002
+        """One streamed turn; yields the agent's chunks."""
+        with self.http.stream("POST", f"/v1/sessions/{sid}/invoke", params={"stream": "true"},
+                              json={"input": input}) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            for line in resp.iter_lines():
+                if not line:
+                    continue
+                msg = json.loads(line)
+                if "chunk" in msg:
+                    yield msg["chunk"]
+                elif "error" in msg:
+                    err = msg["error"]
+                    raise ApiError(200, err.get("code", "error"), err.get("message", ""))
+
+    def suspend(self, sid: str) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sessions/{sid}/suspend")
+
+    def resume(self, sid: str) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sessions/{sid}/resume")
+
+    def delete_session(self, sid: str) -> None:
+        self._req("DELETE", f"/v1/sessions/{sid}")
+
+    def pools(self) -> list[dict[str, Any]]:
+        return self._req("GET", "/v1/workerpools")["items"]
+
+    def templates(self) -> list[dict[str, Any]]:
+        return self._req("GET", "/v1/actortemplates")["items"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._req("GET", "/v1/stats")

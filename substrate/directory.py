@@ -1,0 +1,477 @@
+"""The session directory: session records, the worker registry and slot tables, in Redis.
+
+Protocol (DESIGN invariant 1, single activation):
+* Every state change of a session is one compare-and-set Lua script on the session's hash (``_CAS``):
+  it checks the expected states, epoch and worker, optionally bumps the activation epoch, and writes.
+  Claiming an activation (``STARTING``/``RESUMING``) bumps the epoch, so exactly one claimant wins and
+  the epoch it got is the fencing token workers check on every call.
+* A worker slot is claimed by one Lua script on that worker's slot table (``_CLAIM_SLOT``), which also
+  checks the worker is READY. Slot and session live in different hash slots (Redis Cluster), so claiming
+  a slot and claiming the activation are two steps; the loser of the second step gives the slot back, and
+  the state manager frees slots whose session no longer points at them (a crash between the two steps).
+* A snapshot commit (``_COMMIT``) succeeds only if the record still carries the committing epoch, so a
+  zombie activation can never move the snapshot pointer.
+
+All redis-py errors become ``DirectoryUnavailable`` (503) so the API answers clearly when Redis is down.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable, ParamSpec, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from substrate.errors import Conflict, DirectoryUnavailable, NotFound
+from substrate.keys import Keys
+from substrate.models import (
+    TRANSITIONAL,
+    SessionRecord,
+    SessionState,
+    SnapshotRef,
+    WorkerRecord,
+    WorkerState,
+)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_JSON_FIELDS = {"labels", "env", "snapshot", "previousSnapshot", "restoredFrom"}
+_INT_FIELDS = {"epoch", "slot", "turns"}
+_FLOAT_FIELDS = {"createdAt", "updatedAt", "lastActiveAt", "stateDeadline"}
+
+# KEYS[1] session hash. ARGV[1] JSON {from?, epoch?, worker?, to?, bump?, set?, del?, now}
+# -> {1, state, epoch} on success, {0, state, epoch} on a failed check, {-1} if absent.
+_CAS = """
+local h = KEYS[1]
+if redis.call('EXISTS', h) == 0 then return {-1} end
+local a = cjson.decode(ARGV[1])
+local cur = redis.call('HMGET', h, 'state', 'epoch', 'worker')
+local state, epoch, worker = cur[1], tonumber(cur[2]) or 0, cur[3] or ''
+if a['from'] then
+  local ok = false
+  for _, s in ipairs(a['from']) do if s == state then ok = true end end
+  if not ok then return {0, state, epoch} end
+end
+if a['epoch'] and tonumber(a['epoch']) ~= epoch then return {0, state, epoch} end
+if a['worker'] and a['worker'] ~= worker then return {0, state, epoch} end
+if a['bump'] then epoch = epoch + 1; redis.call('HSET', h, 'epoch', epoch) end
+if a['to'] then state = a['to']; redis.call('HSET', h, 'state', state) end
+if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
+if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
+redis.call('HSET', h, 'updatedAt', a['now'])
+return {1, state, epoch}
+"""
+
+# KEYS[1] session hash. ARGV[1] JSON {epoch, states, ref, to?, set?, del?, now}
+# Moves snapshot -> previousSnapshot and sets snapshot = ref, only if epoch and state match.
+# -> {1, dropped previousSnapshot JSON or ''} | {0, state, epoch} | {-1}
+_COMMIT = """
+local h = KEYS[1]
+if redis.call('EXISTS', h) == 0 then return {-1} end
+local a = cjson.decode(ARGV[1])
+local cur = redis.call('HMGET', h, 'state', 'epoch', 'snapshot', 'previousSnapshot')
+local state, epoch = cur[1], tonumber(cur[2]) or 0
+if tonumber(a['epoch']) ~= epoch then return {0, state, epoch} end
+local ok = false
+for _, s in ipairs(a['states']) do if s == state then ok = true end end
+if not ok then return {0, state, epoch} end
+if cur[3] then redis.call('HSET', h, 'previousSnapshot', cur[3]) end
+redis.call('HSET', h, 'snapshot', a['ref'])
+if a['to'] then redis.call('HSET', h, 'state', a['to']) end
+if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
+if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
+redis.call('HSET', h, 'updatedAt', a['now'])
+return {1, cur[4] or ''}
+"""
+
+# KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] session id.
+# -> slot index >= 0 | -1 full | -2 worker not READY | -3 worker unknown
+_CLAIM_SLOT = """
+local st = redis.call('HMGET', KEYS[1], 'state', 'slots')
+if not st[1] then return -3 end
+if st[1] ~= 'READY' then return -2 end
+local n = tonumber(st[2])
+local taken = redis.call('HGETALL', KEYS[2])
+local used = {}
+for i = 1, #taken, 2 do
+  if taken[i + 1] == ARGV[1] then return tonumber(taken[i]) end
+  used[taken[i]] = true
+end
+for i = 0, n - 1 do
+  if not used[tostring(i)] then redis.call('HSET', KEYS[2], i, ARGV[1]); return i end
+end
+return -1
+"""
+
+# KEYS[1] slot table. ARGV[1] slot, ARGV[2] session id: frees the slot only if that session holds it.
+_TOUCH = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'lastActiveAt', ARGV[1]) end"
+
+_RELEASE_SLOT = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+def _translate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except RedisError as e:
+            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e.__class__.__name__}: {e}") from e
+        except OSError as e:
+            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e}") from e
+
+    return wrapper
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in fields.items():
+        if v is None:
+            continue
+        if k in _JSON_FIELDS:
+            out[k] = json.dumps(v.model_dump() if hasattr(v, "model_dump") else v, separators=(",", ":"))
+        elif hasattr(v, "value"):  # enums
+            out[k] = str(v.value)
+        else:
+            out[k] = str(v)
+    return out
+
+
+def decode_session(raw: dict[str, str]) -> SessionRecord:
+    """Build a ``SessionRecord`` from a Redis hash (str -> str)."""
+    data: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in _JSON_FIELDS:
+            data[k] = json.loads(v)
+        elif k in _INT_FIELDS:
+            data[k] = int(v)
+        elif k in _FLOAT_FIELDS:
+            data[k] = float(v)
+        else:
+            data[k] = v
+    return SessionRecord.model_validate(data)
+
+
+@dataclass(frozen=True)
+class CasResult:
+    """Outcome of a compare-and-set: ``ok``, and the state and epoch the record has now."""
+
+    ok: bool
+    state: SessionState | None
+    epoch: int
+    found: bool = True
+
+
+class Directory:
+    """Async directory client. One instance per process; safe to share between tasks.
+
+    ``redis_url`` is any redis-py URL; ``prefix`` namespaces every key (one per deployment/test run).
+    Methods raise ``DirectoryUnavailable`` when Redis cannot be reached, ``NotFound``/``Conflict`` as said.
+    """
+
+    def __init__(self, redis_url: str, prefix: str = "substrate", *, socket_timeout_s: float = 2.0) -> None:
+        self.keys = Keys(prefix)
+        self.redis: aioredis.Redis = aioredis.from_url(
+            redis_url, decode_responses=True, socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s, health_check_interval=0, max_connections=256,
+        )
+        self._cas = self.redis.register_script(_CAS)
+        self._commit = self.redis.register_script(_COMMIT)
+        self._claim = self.redis.register_script(_CLAIM_SLOT)
+        self._release = self.redis.register_script(_RELEASE_SLOT)
+        self._touch = self.redis.register_script(_TOUCH)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    @_translate
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # sessions ---------------------------------------------------------------------------------------
+    @_translate
+    async def create_session(self, rec: SessionRecord) -> None:
+        """Write a new record; ``Conflict(code="session_exists")`` if the ID is taken (even if DELETED)."""
+        key = self.keys.session(rec.id)
+        fields = _encode(rec.model_dump())
+        # HSETNX on the state field is the existence claim; the rest follows in the same transaction.
+        async with self.redis.pipeline(transaction=True) as p:
+            p.hsetnx(key, "state", fields["state"])
+            created, *_ = await p.execute()
+        if not created:
+            raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hset(key, mapping=fields)
+            p.zadd(self.keys.sessions_index, {rec.id: rec.createdAt})
+            if rec.state in TRANSITIONAL and rec.stateDeadline:
+                p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline})
+            await p.execute()
+
+    @_translate
+    async def get_session(self, sid: str) -> SessionRecord:
+        """The record, or ``NotFound(code="session_not_found")`` (also for DELETED records)."""
+        raw = await self.redis.hgetall(self.keys.session(sid))
+        if not raw or raw.get("state") == SessionState.DELETED.value or "actorTemplate" not in raw:
+            raise NotFound(f"session {sid!r} not found", code="session_not_found")
+        return decode_session(raw)
+
+    @_translate
+    async def transition(self, sid: str, *, from_states: Iterable[SessionState] | None = None,
+                         epoch: int | None = None, worker: str | None = None,
+                         to: SessionState | None = None, bump: bool = False,
+                         set: dict[str, Any] | None = None, unset: Iterable[str] = (),
+                         deadline_s: float | None = None) -> CasResult:
+        """Compare-and-set on one session (see module doc). ``deadline_s`` sets ``stateDeadline`` to
+        now + deadline_s for a transitional ``to`` state; leaving a transitional state clears it."""
+        now = time.time()
+        fields = dict(set or {})
+        dels = list(unset)
+        if to is not None:
+            if to in TRANSITIONAL and deadline_s is not None:
+                fields["stateDeadline"] = now + deadline_s
+            elif to not in TRANSITIONAL:
+                dels.append("stateDeadline")
+        args: dict[str, Any] = {"now": repr(now)}
+        if from_states is not None:
+            args["from"] = [s.value for s in from_states]
+        if epoch is not None:
+            args["epoch"] = epoch
+        if worker is not None:
+            args["worker"] = worker
+        if to is not None:
+            args["to"] = to.value
+        if bump:
+            args["bump"] = True
+        if fields:
+            args["set"] = _encode(fields)
+        if dels:
+            args["del"] = dels
+        res = await self._cas(keys=[self.keys.session(sid)], args=[json.dumps(args)])
+        if res[0] == -1:
+            return CasResult(False, None, 0, found=False)
+        result = CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
+        if result.ok and to is not None:
+            if to in TRANSITIONAL and "stateDeadline" in fields:
+                await self.redis.zadd(self.keys.deadlines, {sid: fields["stateDeadline"]})
+            elif to not in TRANSITIONAL:
+                await self.redis.zrem(self.keys.deadlines, sid)
+        return result
+
+    @_translate
+    async def commit_snapshot(self, sid: str, *, epoch: int, ref: SnapshotRef,
+                              states: Iterable[SessionState] = (SessionState.RUNNING, SessionState.SUSPENDING),
+                              to: SessionState | None = None, set: dict[str, Any] | None = None,
+                              unset: Iterable[str] = ()) -> tuple[bool, SnapshotRef | None]:
+        """Point the session at snapshot ``ref`` if it still carries ``epoch`` (and is in ``states``).
+
+        Returns ``(committed, dropped)`` where ``dropped`` is the snapshot that fell out of the
+        two-deep (snapshot, previousSnapshot) window and may be garbage-collected.
+        """
+        args: dict[str, Any] = {"epoch": epoch, "states": [s.value for s in states],
+                                "ref": ref.model_dump_json(), "now": repr(time.time())}
+        dels = list(unset)
+        if to is not None:
+            args["to"] = to.value
+            if to not in TRANSITIONAL:
+                dels.append("stateDeadline")
+        if set:
+            args["set"] = _encode(set)
+        if dels:
+            args["del"] = dels
+        res = await self._commit(keys=[self.keys.session(sid)], args=[json.dumps(args)])
+        if res[0] != 1:
+            return False, None
+        if to is not None and to not in TRANSITIONAL:
+            await self.redis.zrem(self.keys.deadlines, sid)
+        dropped = SnapshotRef.model_validate_json(res[1]) if res[1] else None
+        return True, dropped
+
+    @_translate
+    async def set_fields(self, sid: str, fields: dict[str, Any]) -> None:
+        """Unconditional write of non-lifecycle fields (e.g. ``lastActiveAt``) of an existing record."""
+        key = self.keys.session(sid)
+        async with self.redis.pipeline(transaction=True) as p:
+            p.exists(key)
+            p.hset(key, mapping=_encode(fields))
+            exists, _ = await p.execute()
+        if not exists:
+            await self.redis.delete(key)
+
+    @_translate
+    async def delete_session(self, sid: str) -> None:
+        """Remove the record and its index entries (idempotent)."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.delete(self.keys.session(sid))
+            p.zrem(self.keys.sessions_index, sid)
+            p.zrem(self.keys.deadlines, sid)
+            await p.execute()
+
+    @_translate
+    async def get_sessions(self, sids: list[str]) -> list[SessionRecord]:
+        """Records for ``sids`` in order, skipping missing ones (one pipelined round trip)."""
+        if not sids:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for sid in sids:
+                p.hgetall(self.keys.session(sid))
+            raws = await p.execute()
+        return [decode_session(r) for r in raws if r and "actorTemplate" in r and
+                r.get("state") != SessionState.DELETED.value]
+
+    @_translate
+    async def list_sessions(self, *, state: SessionState | None = None, template: str | None = None,
+                            limit: int = 100, offset: int = 0, scan_cap: int = 5000
+                            ) -> tuple[list[SessionRecord], int | None]:
+        """A page of sessions ordered by creation time, filtered by state/template.
+
+        Returns ``(items, next_offset)``; ``next_offset`` is None at the end. Scans at most ``scan_cap``
+        index entries per call, so a selective filter over a huge directory answers in bounded time
+        (with fewer items and a ``next_offset`` to continue from).
+        """
+        items: list[SessionRecord] = []
+        pos = offset
+        scanned = 0
+        batch = max(limit, 100)
+        while len(items) < limit and scanned < scan_cap:
+            sids = await self.redis.zrange(self.keys.sessions_index, pos, pos + batch - 1)
+            if not sids:
+                return items, None
+            for i, rec in enumerate(await self._get_sessions_aligned(sids)):
+                if rec is not None and (state is None or rec.state == state) and \
+                        (template is None or rec.actorTemplate == template):
+                    items.append(rec)
+                    if len(items) == limit:
+                        pos += i + 1
+                        break
+            else:
+                pos += len(sids)
+            scanned += len(sids)
+        total = await self.redis.zcard(self.keys.sessions_index)
+        return items, (pos if pos < total else None)
+
+    async def _get_sessions_aligned(self, sids: list[str]) -> list[SessionRecord | None]:
+        async with self.redis.pipeline(transaction=False) as p:
+            for sid in sids:
+                p.hgetall(self.keys.session(sid))
+            raws = await p.execute()
+        return [decode_session(r) if r and "actorTemplate" in r and r.get("state") != "DELETED" else None
+                for r in raws]
+
+    @_translate
+    async def count_sessions(self) -> int:
+        return int(await self.redis.zcard(self.keys.sessions_index))
+
+    @_translate
+    async def all_session_ids(self) -> list[str]:
+        return list(await self.redis.zrange(self.keys.sessions_index, 0, -1))
+
+    @_translate
+    async def expired_deadlines(self, now: float | None = None, limit: int = 500) -> list[str]:
+        """Session IDs whose transitional-state deadline has passed."""
+        return list(await self.redis.zrangebyscore(self.keys.deadlines, "-inf", now or time.time(),
+                                                   start=0, num=limit))
+
+    # workers ----------------------------------------------------------------------------------------
+    @_translate
+    async def register_worker(self, rec: WorkerRecord) -> None:
+        """Add or refresh a worker record and its lease."""
+        fields = {k: str(v.value if hasattr(v, "value") else v) for k, v in rec.model_dump().items()
+                  if v is not None and k != "freeSlots"}
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hset(self.keys.worker(rec.id), mapping=fields)
+            p.zadd(self.keys.workers_index, {rec.id: rec.leaseExpiresAt})
+            await p.execute()
+
+    @_translate
+    async def heartbeat(self, wid: str, lease_expires_at: float,
+                        last_active: dict[str, float] | None = None) -> bool:
+        """Renew a worker's lease and record its sessions' last activity (s since epoch).
+
+        Returns False if the worker record is gone (it was declared dead: the worker must stop serving).
+        """
+        key = self.keys.worker(wid)
+        if not await self.redis.exists(key):
+            return False
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hset(key, "leaseExpiresAt", repr(lease_expires_at))
+            p.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
+            for sid, ts in (last_active or {}).items():
+                # only touch records that exist: a deleted session must not be resurrected
+                self._touch(keys=[self.keys.session(sid)], args=[repr(ts)], client=p)
+            await p.execute()
+        return True
+
+    @_translate
+    async def set_worker_state(self, wid: str, state: WorkerState) -> None:
+        await self.redis.hset(self.keys.worker(wid), "state", state.value)
+
+    @_translate
+    async def deregister_worker(self, wid: str) -> dict[int, str]:
+        """Remove a worker; returns its slot table (slot -> session) as it was, for recovery."""
+        slots = await self.redis.hgetall(self.keys.worker_slots(wid))
+        async with self.redis.pipeline(transaction=False) as p:
+            p.delete(self.keys.worker(wid), self.keys.worker_slots(wid))
+            p.zrem(self.keys.workers_index, wid)
+            await p.execute()
+        return {int(k): v for k, v in slots.items()}
+
+    @_translate
+    async def list_workers(self) -> list[WorkerRecord]:
+        """Every registered worker with its free-slot count (two pipelined round trips)."""
+        wids = await self.redis.zrange(self.keys.workers_index, 0, -1)
+        if not wids:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for wid in wids:
+                p.hgetall(self.keys.worker(wid))
+                p.hlen(self.keys.worker_slots(wid))
+            res = await p.execute()
+        out = []
+        for i, wid in enumerate(wids):
+            raw, used = res[2 * i], res[2 * i + 1]
+            if not raw or "address" not in raw:
+                continue
+            rec = WorkerRecord.model_validate(raw)
+            rec.freeSlots = max(0, rec.slots - int(used))
+            out.append(rec)
+        return out
+
+    @_translate
+    async def get_worker(self, wid: str) -> WorkerRecord | None:
+        raw = await self.redis.hgetall(self.keys.worker(wid))
+        if not raw or "address" not in raw:
+            return None
+        return WorkerRecord.model_validate(raw)
+
+    @_translate
+    async def worker_slots(self, wid: str) -> dict[int, str]:
+        return {int(k): v for k, v in (await self.redis.hgetall(self.keys.worker_slots(wid))).items()}
+
+    @_translate
+    async def claim_slot(self, wid: str, sid: str) -> int:
+        """Claim a free slot of worker ``wid`` for ``sid`` (idempotent per session).
+
+        Returns the slot index, or -1 (full), -2 (worker not READY), -3 (worker unknown).
+        """
+        return int(await self._claim(keys=[self.keys.worker(wid), self.keys.worker_slots(wid)], args=[sid]))
+
+    @_translate
+    async def release_slot(self, wid: str, slot: int, sid: str) -> bool:
+        """Free ``slot`` of ``wid`` if ``sid`` holds it. Returns whether it was freed."""
+        return bool(await self._release(keys=[self.keys.worker_slots(wid)], args=[slot, sid]))
+
+    # stats ------------------------------------------------------------------------------------------
+    @_translate
+    async def add_worker_seconds(self, seconds: float) -> None:
+        await self.redis.hincrbyfloat(self.keys.stats, "workerSeconds", seconds)
+
+    @_translate
+    async def get_stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in (await self.redis.hgetall(self.keys.stats)).items()}

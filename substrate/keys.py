@@ -1,0 +1,56 @@
+"""Every Redis key name of the directory, in one place (style after arq).
+
+Keys of one session share the hash tag ``{<session-id>}`` and keys of one worker share ``{w:<worker-id>}``,
+so each Lua script touches keys of one hash slot only and the directory also runs on Redis Cluster.
+Cross-entity indexes (the session list, the worker list, the deadline queue) are single keys updated
+beside the atomic step; they are derived data, repaired by the state manager's scans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder bound to a prefix (one prefix per deployment or per test run)."""
+
+    prefix: str = "substrate"
+
+    # sessions ---------------------------------------------------------------------------------------
+    def session(self, sid: str) -> str:
+        """Hash: the session record (see ``substrate.models.SessionRecord``)."""
+        return f"{self.prefix}:{{{sid}}}:session"
+
+    def session_events(self, sid: str) -> str:
+        """Pub/sub channel: state changes of one session (wakes parked requests in other routers)."""
+        return f"{self.prefix}:{{{sid}}}:events"
+
+    @property
+    def sessions_index(self) -> str:
+        """Sorted set: session id -> createdAt (s). Listing and pagination."""
+        return f"{self.prefix}:sessions"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: session id -> deadline (s) of its current transitional state."""
+        return f"{self.prefix}:deadlines"
+
+    # workers ----------------------------------------------------------------------------------------
+    def worker(self, wid: str) -> str:
+        """Hash: the worker record (address, pool, slots, state, lease)."""
+        return f"{self.prefix}:{{w:{wid}}}:worker"
+
+    def worker_slots(self, wid: str) -> str:
+        """Hash: slot index -> session id, for occupied slots of one worker."""
+        return f"{self.prefix}:{{w:{wid}}}:slots"
+
+    @property
+    def workers_index(self) -> str:
+        """Sorted set: worker id -> lease expiry (s)."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def stats(self) -> str:
+        """Hash: runtime-wide counters (worker-seconds integral, ...)."""
+        return f"{self.prefix}:stats"

@@ -1,0 +1,40 @@
+"""Placement: which worker gets the next activation. Pure functions over a snapshot of the registry.
+
+Policy: among READY workers of the session's pool whose lease is valid and that have a free slot, pick
+the one with the most free slots (spreads load and keeps every worker's tail short); ties are broken at
+random so routers sharing nothing do not all pile onto one worker. The Lua slot claim in the directory
+is authoritative: a stale view only costs a retry on the next candidate.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Iterable
+
+from substrate.models import WorkerRecord, WorkerState
+
+
+def candidates(workers: Iterable[WorkerRecord], pool: str, *, now: float | None = None,
+               exclude: Iterable[str] = (), rng: random.Random | None = None) -> list[WorkerRecord]:
+    """Workers to try, best first: READY, in ``pool``, lease valid, ``freeSlots > 0``, not excluded."""
+    now = time.time() if now is None else now
+    skip = set(exclude)
+    ok = [w for w in workers if w.pool == pool and w.state == WorkerState.READY and w.leaseExpiresAt > now
+          and w.freeSlots > 0 and w.id not in skip]
+    r = rng or random
+    ok.sort(key=lambda w: (-w.freeSlots, r.random()))
+    return ok
+
+
+def lru_victims(sessions: Iterable[tuple[str, float, bool]], *, min_idle_s: float, now: float | None = None
+                ) -> list[str]:
+    """Sessions to suspend under slot pressure, least recently used first.
+
+    ``sessions`` are ``(session_id, last_active_s, running)``; only running sessions idle for at least
+    ``min_idle_s`` qualify (a session in the middle of a turn is never a victim).
+    """
+    now = time.time() if now is None else now
+    idle = [(last, sid) for sid, last, running in sessions if running and now - last >= min_idle_s]
+    idle.sort()
+    return [sid for _, sid in idle]

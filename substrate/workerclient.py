@@ -1,0 +1,107 @@
+"""Client of the workers' internal HTTP API (see ``workers/server.py``), over one pooled aiohttp session.
+
+Errors come back as our own: a worker that cannot be reached becomes ``WorkerUnavailable`` (502); an
+error answer is rebuilt from its ``code`` (``stale_epoch`` -> ``StaleEpoch``, ``snapshot_corrupt`` ->
+``SnapshotCorrupt`` ...), so callers branch on types, not on status numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from substrate import errors as E
+from substrate.models import ActorTemplate, SnapshotRef
+
+EPOCH_HEADER = "X-Substrate-Epoch"
+
+_BY_CODE: dict[str, type[E.SubstrateError]] = {
+    "stale_epoch": E.StaleEpoch, "not_active": E.NotFound, "snapshot_corrupt": E.SnapshotCorrupt,
+    "snapshot_store_unavailable": E.StoreUnavailable, "no_capacity": E.NoCapacity,
+    "busy": E.Conflict, "invalid_state": E.Conflict, "directory_unavailable": E.DirectoryUnavailable,
+}
+
+
+def error_from(status: int, body: Any) -> E.SubstrateError:
+    """Rebuild a ``SubstrateError`` from a worker's error answer (status, parsed JSON body)."""
+    code = body.get("code", "worker_error") if isinstance(body, dict) else "worker_error"
+    message = body.get("message", str(body)) if isinstance(body, dict) else str(body)
+    cls = _BY_CODE.get(code, E.SubstrateError)
+    err = cls(message, code=code, details=body.get("details") if isinstance(body, dict) else None)
+    if cls is E.SubstrateError:
+        err.status = status if status >= 400 else 502
+    return err
+
+
+class WorkerClient:
+    """Calls one of many workers by address. One instance per process (it owns the connection pool)."""
+
+    def __init__(self, *, timeout_s: float = 300.0, connect_timeout_s: float = 2.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
+                timeout=self._timeout, auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(self, method: str, url: str, *, epoch: int | None = None, json_body: Any = None,
+                    params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
+        headers = {EPOCH_HEADER: str(epoch)} if epoch is not None else {}
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        try:
+            async with self.session.request(method, url, json=json_body, headers=headers, params=params,
+                                            timeout=timeout or self._timeout) as resp:
+                if resp.status == 204:
+                    return None
+                try:
+                    body = await resp.json(content_type=None)
+                except (ValueError, aiohttp.ContentTypeError):
+                    body = {"code": "worker_error", "message": (await resp.text())[:500]}
+                if resp.status >= 400:
+                    raise error_from(resp.status, body)
+                return body
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+            raise E.WorkerUnavailable(f"worker at {url.split('/v1')[0]} did not answer: "
+                                      f"{e.__class__.__name__}: {e}") from e
+
+    async def activate(self, address: str, *, session: str, epoch: int, template: ActorTemplate, slot: int,
+                       env: dict[str, str], snapshot: SnapshotRef | None) -> dict[str, Any]:
+        """Start or restore an activation. Raises SnapshotCorrupt, StoreUnavailable, NoCapacity,
+        StaleEpoch, WorkerUnavailable."""
+        return await self._call("POST", f"{address}/v1/activations", json_body={
+            "session": session, "epoch": epoch, "template": template.name,
+            "spec": template.spec.model_dump(mode="json", exclude_none=True), "slot": slot, "env": env,
+            "snapshot": snapshot.model_dump() if snapshot else None})
+
+    async def suspend(self, address: str, session: str, epoch: int, *, idle_s: float | None = None
+                      ) -> SnapshotRef:
+        params = {"idle_s": repr(idle_s)} if idle_s is not None else None
+        body = await self._call("POST", f"{address}/v1/activations/{session}/suspend", epoch=epoch,
+                                params=params)
+        return SnapshotRef.model_validate(body["snapshot"])
+
+    async def snapshot(self, address: str, session: str, epoch: int) -> SnapshotRef:
+        body = await self._call("POST", f"{address}/v1/activations/{session}/snapshot", epoch=epoch)
+        return SnapshotRef.model_validate(body["snapshot"])
+
+    async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
+        await self._call("DELETE", f"{address}/v1/activations/{session}", epoch=epoch, timeout_s=10)
+
+    async def healthy(self, address: str, timeout_s: float = 0.5) -> bool:
+        """True if the worker answers ``/healthz`` with 200 within ``timeout_s``."""
+        try:
+            async with self.session.get(f"{address}/healthz",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False

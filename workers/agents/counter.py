@@ -1,0 +1,45 @@
+"""The counter agent: its count must survive everything (suspend, resume, worker crash, move).
+
+Input ``"increment"`` adds one and answers ``{"count": N}``; ``"get"`` answers the count. A dict
+``{"op": "increment"|"get", "work_s": 0.2, "burn": false}`` does the same after sleeping (or burning
+CPU, ``burn: true``) ``work_s`` seconds, which the load tests use to model a turn's run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from workers.handler import Agent, AgentError
+
+
+class Counter(Agent):
+    count = 0
+
+    async def start(self, state: dict[str, Any] | None) -> None:
+        self.count = int((state or {}).get("count", 0))
+
+    async def invoke(self, input: Any) -> Any:  # noqa: A002
+        op, work_s, burn = input, 0.0, False
+        if isinstance(input, dict):
+            op = input.get("op", "increment")
+            work_s = float(input.get("work_s", 0) or 0)
+            burn = bool(input.get("burn", False))
+            if not 0 <= work_s <= 3600:
+                raise AgentError("work_s must be between 0 and 3600")
+        if work_s:
+            if burn:
+                end = time.perf_counter() + work_s
+                while time.perf_counter() < end:
+                    pass
+            else:
+                await asyncio.sleep(work_s)
+        if op == "increment":
+            self.count += 1
+        elif op != "get":
+            raise AgentError(f"unknown input {op!r}: use 'increment' or 'get'")
+        return {"count": self.count}
+
+    async def snapshot(self) -> dict[str, Any]:
+        return {"count": self.count}

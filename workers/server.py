@@ -1,0 +1,467 @@
+"""The worker agent: an HTTP server hosting up to N session activations (slots) of one pool.
+
+Internal API, called by the router and the state manager only (never by clients):
+
+    POST   /v1/activations                      activate {session, epoch, template, spec, env, snapshot?, slot}
+    POST   /v1/activations/{sid}/invoke         one turn; body {"input": ...}; ?stream=1 for NDJSON chunks
+    POST   /v1/activations/{sid}/snapshot       take and commit a snapshot now (crash recovery point)
+    POST   /v1/activations/{sid}/suspend        snapshot, commit + SUSPENDED, free the slot; ?idle_s=N
+                                                 refuses (409 busy) if the session was active < N s ago
+    DELETE /v1/activations/{sid}                end the activation without a snapshot
+    GET    /v1/activations                      what is active here
+    GET    /healthz                             200 when serving
+
+Every call on an activation carries ``X-Substrate-Epoch``; a call with another epoch than the
+activation's gets 409 ``stale_epoch`` (DESIGN invariant 1), an unknown session 404 ``not_active``.
+The worker registers itself in the directory with a lease, renews it every ``heartbeat_s`` and reports
+its sessions' last activity there (so the router's hot path writes nothing). If its record is gone (it
+was declared dead) it stops serving and exits: its sessions may already live elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from snapshot.commit import SnapshotManager
+from snapshot.store import make_store
+from substrate.directory import Directory
+from substrate.errors import (
+    BadRequest,
+    Conflict,
+    NoCapacity,
+    NotFound,
+    SnapshotCorrupt,
+    StaleEpoch,
+    SubstrateError,
+)
+from substrate.logs import configure_logging
+from substrate.models import ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
+from substrate.settings import Settings, get_settings
+from workers.command import CommandAgent
+from workers.handler import Agent, AgentError, SessionContext, load_agent_class
+
+log = logging.getLogger("substrate.worker")
+
+EPOCH_HEADER = "X-Substrate-Epoch"
+
+
+@dataclass
+class Activation:
+    """One session live in a slot of this worker."""
+
+    sid: str
+    epoch: int
+    template: str
+    spec: ActorTemplateSpec
+    slot: int
+    agent: Agent
+    workspace: Path
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_active: float = field(default_factory=time.time)
+    touched: bool = True
+    dirty_turns: int = 0
+    last_snapshot_at: float = field(default_factory=time.time)
+    closing: bool = False
+
+
+def _error(exc: SubstrateError) -> web.Response:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
+    return web.json_response(exc.to_dict(), status=exc.status, headers=headers)
+
+
+class Worker:
+    """The worker's state and behaviour; ``app()`` builds its aiohttp application."""
+
+    def __init__(self, settings: Settings, directory: Directory, snapshots: SnapshotManager, *,
+                 worker_id: str, pool: str, slots: int, root: Path) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.snapshots = snapshots
+        self.id = worker_id
+        self.pool = pool
+        self.slots = slots
+        self.root = root
+        self.activations: dict[str, Activation] = {}
+        self.address = ""
+        self.started_at = time.time()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.stopping = asyncio.Event()
+        self._agent_classes: dict[str, type[Agent]] = {}
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    async def register(self, address: str) -> None:
+        self.address = address
+        await self.directory.register_worker(WorkerRecord(
+            id=self.id, pool=self.pool, address=address, slots=self.slots, state=WorkerState.READY,
+            leaseExpiresAt=time.time() + self.settings.worker.lease_s, startedAt=self.started_at,
+            pid=os.getpid()))
+        self._tasks = [asyncio.create_task(self._heartbeat_loop()),
+                       asyncio.create_task(self._periodic_snapshot_loop())]
+
+    async def _heartbeat_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                touched = {a.sid: a.last_active for a in self.activations.values() if a.touched}
+                alive = await self.directory.heartbeat(
+                    self.id, time.time() + self.settings.worker.lease_s, touched)
+                for sid in touched:
+                    if sid in self.activations:
+                        self.activations[sid].touched = False
+                if not alive:
+                    log.error("worker record gone (declared dead): stopping", extra={"worker": self.id})
+                    self.stopping.set()
+                    break
+            except Exception:  # noqa: BLE001 - a control loop never dies
+                log.warning("heartbeat failed", exc_info=True)
+            await asyncio.sleep(self.settings.worker.heartbeat_s)
+
+    async def _periodic_snapshot_loop(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for act in list(self.activations.values()):
+                interval = act.spec.stateManagement.snapshot_interval_s
+                if not interval or act.closing or act.dirty_turns == 0 or act.lock.locked():
+                    continue
+                if now - act.last_snapshot_at < interval:
+                    continue
+                try:
+                    await self.snapshot(act.sid, act.epoch)
+                except Exception:  # noqa: BLE001 - retried on the next tick
+                    log.warning("periodic snapshot failed", extra={"session": act.sid}, exc_info=True)
+
+    async def shutdown(self) -> None:
+        """Stop loops, end activations (without snapshot: a drain suspends them before this), deregister."""
+        self.stopping.set()
+        for t in self._tasks:
+            t.cancel()
+        for act in list(self.activations.values()):
+            await self._drop(act)
+        try:
+            await self.directory.deregister_worker(self.id)
+        except Exception:  # noqa: BLE001
+            log.warning("deregister failed", exc_info=True)
+
+    # ---------------------------------------------------------------------------------- operations
+    def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec) -> Agent:
+        if spec.entrypoint:
+            cls = self._agent_classes.get(spec.entrypoint)
+            if cls is None:
+                cls = self._agent_classes[spec.entrypoint] = load_agent_class(spec.entrypoint)
+            return cls(ctx)
+        if spec.command:
+            return CommandAgent(ctx, list(spec.command))
+        raise BadRequest("template has no entrypoint or command this worker can run",
+                         code="unsupported_template")
+
+    def _get(self, sid: str, epoch: int | None) -> Activation:
+        act = self.activations.get(sid)
+        if act is None or act.closing:
+            raise NotFound(f"session {sid!r} is not active on worker {self.id}", code="not_active")
+        if epoch is not None and epoch != act.epoch:
+            raise StaleEpoch(f"epoch {epoch} is not the current activation epoch {act.epoch} of {sid!r}",
+                             details={"epoch": act.epoch})
+        return act
+
+    async def activate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Start (or restore) an activation. Idempotent for the same epoch; a newer epoch replaces an
+        older activation of the same session (the old one is a zombie)."""
+        try:
+            sid, epoch, template = str(body["session"]), int(body["epoch"]), str(body["template"])
+            spec = ActorTemplateSpec.model_validate(body["spec"])
+            slot = int(body.get("slot", -1))
+            env = {str(k): str(v) for k, v in (body.get("env") or {}).items()}
+            ref = SnapshotRef.model_validate(body["snapshot"]) if body.get("snapshot") else None
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"bad activation request: {e}") from e
+        old = self.activations.get(sid)
+        if old is not None:
+            if old.epoch == epoch:
+                return {"session": sid, "epoch": epoch, "restored": False, "worker": self.id}
+            if old.epoch > epoch:
+                raise StaleEpoch(f"activation epoch {epoch} is older than {old.epoch}", details={"epoch": old.epoch})
+            await self._drop(old)
+        if len(self.activations) >= self.slots:
+            raise NoCapacity(f"worker {self.id} has no free slot")
+        workspace = self.root / "workspaces" / sid
+        if workspace.exists():
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+        workspace.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] | None = None
+        if ref is not None:
+            state = await self.snapshots.restore(sid, ref, workspace, template)
+        for e in spec.env:
+            if e.value is not None:
+                env.setdefault(e.name, e.value)
+        ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
+        agent = self._agent_for(ctx, spec)
+        try:
+            await agent.start(state)
+        except Exception as e:
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+            raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+        self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
+                                           agent=agent, workspace=workspace)
+        return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
+
+    async def snapshot(self, sid: str, epoch: int) -> SnapshotRef:
+        """Take and commit a snapshot of a running activation (no state change)."""
+        act = self._get(sid, epoch)
+        async with act.lock:
+            if act.closing:
+                raise NotFound(f"session {sid!r} is not active", code="not_active")
+            dirty = act.dirty_turns
+            state = await act.agent.snapshot()
+            ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
+            if not await self.snapshots.commit(sid, epoch, ref):
+                await self._drop(act)
+                raise StaleEpoch(f"snapshot of {sid!r} rejected: epoch {epoch} is no longer current")
+            act.dirty_turns -= dirty
+            act.last_snapshot_at = time.time()
+            return ref
+
+    async def suspend(self, sid: str, epoch: int, idle_s: float | None) -> SnapshotRef:
+        """Snapshot, commit with the move to SUSPENDED in one step, then free the slot (invariant 2).
+
+        If object storage fails the session goes back to RUNNING on this slot and the error is raised.
+        """
+        act = self._get(sid, epoch)
+        async with act.lock:
+            if act.closing:
+                raise NotFound(f"session {sid!r} is not active", code="not_active")
+            if idle_s is not None and time.time() - act.last_active < idle_s:
+                raise Conflict(f"session {sid!r} was active {time.time() - act.last_active:.1f}s ago",
+                               code="busy")
+            cas = await self.directory.transition(
+                sid, from_states=[SessionState.RUNNING], epoch=epoch, worker=self.id,
+                to=SessionState.SUSPENDING, deadline_s=self.settings.state.transition_deadline_s)
+            if not cas.ok:
+                if cas.epoch != epoch:
+                    await self._drop(act)
+                    raise StaleEpoch(f"session {sid!r} moved on to epoch {cas.epoch}")
+                raise Conflict(f"session {sid!r} is {cas.state.value if cas.state else 'gone'}, not RUNNING",
+                               code="invalid_state")
+            try:
+                state = await act.agent.snapshot()
+                ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
+            except BaseException:
+                await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
+                                                to=SessionState.RUNNING)
+                raise
+            committed = await self.snapshots.commit(sid, epoch, ref, suspend=True)
+            act.closing = True
+            await self._drop(act)
+            if not committed:
+                raise StaleEpoch(f"suspend of {sid!r} rejected: epoch {epoch} is no longer current")
+            await self.directory.release_slot(self.id, act.slot, sid)
+            return ref
+
+    async def deactivate(self, sid: str, epoch: int | None) -> None:
+        act = self._get(sid, epoch)
+        async with act.lock:
+            act.closing = True
+            await self._drop(act)
+
+    async def _drop(self, act: Activation) -> None:
+        act.closing = True
+        if self.activations.get(act.sid) is act:
+            del self.activations[act.sid]
+        try:
+            await act.agent.stop()
+        except Exception:  # noqa: BLE001
+            log.warning("agent stop failed", extra={"session": act.sid}, exc_info=True)
+        await asyncio.to_thread(shutil.rmtree, act.workspace, True)
+
+    # ------------------------------------------------------------------------------------ HTTP layer
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes([
+            web.get("/healthz", self._h_health),
+            web.get("/v1/activations", self._h_list),
+            web.post("/v1/activations", self._h_activate),
+            web.post("/v1/activations/{sid}/invoke", self._h_invoke),
+            web.post("/v1/activations/{sid}/snapshot", self._h_snapshot),
+            web.post("/v1/activations/{sid}/suspend", self._h_suspend),
+            web.delete("/v1/activations/{sid}", self._h_delete),
+        ])
+        return app
+
+    @staticmethod
+    def _epoch(request: web.Request) -> int:
+        raw = request.headers.get(EPOCH_HEADER)
+        if raw is None:
+            raise BadRequest(f"missing {EPOCH_HEADER} header", code="missing_epoch")
+        try:
+            return int(raw)
+        except ValueError:
+            raise BadRequest(f"bad {EPOCH_HEADER} header {raw!r}", code="bad_epoch") from None
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        if self.stopping.is_set():
+            return web.json_response({"status": "stopping"}, status=503)
+        return web.json_response({"status": "ok", "worker": self.id, "active": len(self.activations)})
+
+    async def _h_list(self, request: web.Request) -> web.Response:
+        return web.json_response({"worker": self.id, "slots": self.slots, "items": [
+            {"session": a.sid, "epoch": a.epoch, "slot": a.slot, "template": a.template,
+             "lastActive": a.last_active, "busy": a.lock.locked()} for a in self.activations.values()]})
+
+    async def _h_activate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            return web.json_response(await self.activate(body), status=201)
+        except SubstrateError as e:
+            return _error(e)
+        except json.JSONDecodeError:
+            return _error(BadRequest("body is not JSON"))
+
+    async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
+        sid = request.match_info["sid"]
+        try:
+            act = self._get(sid, self._epoch(request))
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise BadRequest("body must be JSON: {\"input\": ...}", code="bad_json") from None
+            if not isinstance(body, dict) or "input" not in body:
+                raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
+            stream = request.query.get("stream") in ("1", "true")
+            async with act.lock:
+                if act.closing:  # suspended or dropped while this request waited for the turn
+                    raise NotFound(f"session {sid!r} is not active", code="not_active")
+                act.last_active = time.time()
+                act.touched = True
+                try:
+                    if stream:
+                        return await self._stream_turn(request, act, body["input"])
+                    try:
+                        output = await act.agent.invoke(body["input"])
+                    except AgentError as e:
+                        raise SubstrateError(str(e), code="agent_error") from e
+                    except NotImplementedError as e:
+                        raise SubstrateError("agent does not implement invoke", code="agent_error") from e
+                    except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
+                        log.exception("agent crashed in a turn", extra={"session": sid})
+                        raise SubstrateError(f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed") from e
+                    act.dirty_turns += 1
+                    return web.json_response({"output": output})
+                finally:
+                    act.last_active = time.time()
+        except SubstrateError as e:
+            if e.code in ("agent_error",):
+                e.status = 422
+            return _error(e)
+
+    async def _stream_turn(self, request: web.Request, act: Activation, input: Any) -> web.StreamResponse:  # noqa: A002
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        try:
+            async for chunk in act.agent.stream(input):
+                await resp.write(json.dumps({"chunk": chunk}).encode() + b"\n")
+            act.dirty_turns += 1
+            await resp.write(b'{"done": true}\n')
+        except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+            code = "agent_error" if isinstance(e, AgentError) else "agent_crashed"
+            await resp.write(json.dumps({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def _h_snapshot(self, request: web.Request) -> web.Response:
+        try:
+            ref = await self.snapshot(request.match_info["sid"], self._epoch(request))
+            return web.json_response({"snapshot": ref.model_dump()})
+        except SubstrateError as e:
+            return _error(e)
+
+    async def _h_suspend(self, request: web.Request) -> web.Response:
+        try:
+            idle = request.query.get("idle_s")
+            ref = await self.suspend(request.match_info["sid"], self._epoch(request),
+                                     float(idle) if idle else None)
+            return web.json_response({"snapshot": ref.model_dump()})
+        except SubstrateError as e:
+            return _error(e)
+
+    async def _h_delete(self, request: web.Request) -> web.Response:
+        try:
+            epoch = request.headers.get(EPOCH_HEADER)
+            await self.deactivate(request.match_info["sid"], int(epoch) if epoch else None)
+            return web.Response(status=204)
+        except SubstrateError as e:
+            return _error(e)
+
+
+async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
+                ready_fd: int | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT or until it is declared dead."""
+    directory = Directory(settings.redis.url or "redis://127.0.0.1:6379/0", settings.redis.key_prefix,
+                          socket_timeout_s=settings.redis.socket_timeout_s)
+    root = Path(settings.worker.root_dir) / worker_id
+    store = make_store(settings.snapshot)
+    snapshots = SnapshotManager(store, directory, settings.snapshot, root / "tmp")
+    worker = Worker(settings, directory, snapshots, worker_id=worker_id, pool=pool, slots=slots, root=root)
+    runner = web.AppRunner(worker.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    site = web.SockSite(runner, sock)
+    await site.start()
+    address = f"http://{host}:{sock.getsockname()[1]}"
+    await worker.register(address)
+    log.info("worker ready", extra={"worker": worker_id, "pool": pool, "address": address, "slots": slots})
+    if ready_fd is not None:
+        os.write(ready_fd, (address + "\n").encode())
+        os.close(ready_fd)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stopping.set)
+    await worker.stopping.wait()
+    await worker.shutdown()
+    await runner.cleanup()
+    await directory.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m workers.server --pool P --slots N [--worker-id ID] [--port 0]``."""
+    ap = argparse.ArgumentParser(description="Run one worker of a WorkerPool.")
+    ap.add_argument("--pool", default="default")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--worker-id", default=None)
+    ap.add_argument("--host", default=None)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--ready-fd", type=int, default=None, help="write the address to this fd when ready")
+    args = ap.parse_args(argv)
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_json)
+    wid = args.worker_id or f"{args.pool}-{uuid.uuid4().hex[:8]}"
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(settings, worker_id=wid, pool=args.pool, slots=args.slots,
+                      host=args.host or settings.worker.host, port=args.port, ready_fd=args.ready_fd))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
