@@ -22,7 +22,7 @@ from starlette.routing import Route
 from api import proxy
 from api.runtime import Runtime
 from substrate import metrics
-from substrate.errors import InvalidInput, NotFound, PayloadTooLarge, SubstrateError
+from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError
 from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
@@ -35,6 +35,13 @@ class CreateSession(BaseModel):
     id: str | None = Field(None, description="client-chosen ID, [a-z0-9][a-z0-9-_.]{0,127}; generated if absent")
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
+
+
+class ResumeSession(BaseModel):
+    """Optional body of ``POST /v1/sessions/{id}/resume``."""
+
+    model_config = ConfigDict(extra="forbid")
+    worker: str | None = Field(None, description="place the activation on this worker only")
 
 
 def session_view(rec: SessionRecord) -> dict[str, Any]:
@@ -168,10 +175,16 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         return session_view(rec)
 
     @app.post("/v1/sessions/{sid}/resume", dependencies=v1, tags=["sessions"])
-    async def resume_session(sid: str, request: Request) -> dict[str, Any]:
-        """Wake a suspended (or FAILED) session now instead of on its next request."""
+    async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:
+        """Wake a suspended (or FAILED) session now instead of on its next request. ``worker`` pins the
+        placement to one worker (like a Pod's ``nodeName``): 503 if it has no free slot."""
         rt = _rt(request)
-        route, _ = await rt.activator.wake(_check_id(sid))
+        pin = body.worker if body else None
+        if pin is not None and pin not in rt.view.workers:
+            await rt.view.refresh()
+            if pin not in rt.view.workers:
+                raise InvalidInput(f"unknown worker {pin!r}", code="unknown_worker")
+        route, _ = await rt.activator.wake(_check_id(sid), worker=pin)
         rt.routes.put(sid, route)
         return session_view(await rt.directory.get_session(sid))
 
@@ -264,6 +277,3 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     app.openapi = _openapi  # type: ignore[method-assign]
     return app
 
-
-def _not_found(sid: str) -> NotFound:
-    return NotFound(f"session {sid!r} not found", code="session_not_found")

@@ -78,7 +78,9 @@ class Runtime:
         """Wait until every pool has a READY worker (embedded mode)."""
         if self.pools is None:
             return True
-        return await self.pools.wait_ready(timeout_s)
+        ok = await self.pools.wait_ready(timeout_s)
+        await self.view.refresh()
+        return ok
 
     async def stop(self) -> None:
         if self.state_manager is not None:

@@ -515,6 +515,7 @@ class TargetRunner:
             all_done = asyncio.gather(*tasks, return_exceptions=True)
             finished, _ = await asyncio.wait(
                 {all_done, stopper}, timeout=max_wall + self.cfg.lead_in_s, return_when=asyncio.FIRST_COMPLETED)
+            ended_s = self.now()
             if all_done not in finished:
                 stopped_by = "interrupted" if stopper in finished else "wall_cap"
                 for t in tasks:
@@ -540,6 +541,7 @@ class TargetRunner:
             "started_at": datetime.fromtimestamp(started_wall, tz=UTC).isoformat(),
             "wall_s": round(time.time() - started_wall, 3),
             "stopped_by": stopped_by,
+            "ended_s": round(ended_s, 3),
             "stats_source": self.stats_source,
             "turns": self.turns,
             "sessions": self.sessions,

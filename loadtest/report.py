@@ -115,6 +115,15 @@ def session_hold_s(start_s: float, last_end_s: float, idle_split_s: float) -> fl
     return max(0.0, last_end_s + idle_split_s - start_s)
 
 
+def clipped_holds_s(sessions: Sequence[Mapping[str, Any]], ended_s: float) -> float:
+    """Analytical always-on worker-seconds of the part of the plan that ran: each session record's
+    hold ``[start_s, end_s]`` clipped to ``[0, ended_s]`` (ended_s = when the replay stopped; a
+    complete run clips nothing)."""
+    return analytical_baseline_worker_seconds(
+        min(s["end_s"], ended_s) - max(0.0, s["start_s"]) for s in sessions
+    )
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None
@@ -183,13 +192,20 @@ def summarize_target(
 
 
 def compare(result: Mapping[str, Any]) -> dict[str, Any]:
-    """Baseline block + ratios for a result holding ``targets.ours`` (and maybe ``targets.baseline``)
-    and ``plan.baseline_worker_seconds`` (analytical, wall seconds)."""
+    """Baseline block + ratios for a result holding ``targets.ours`` (and maybe ``targets.baseline``).
+
+    The analytical always-on figure comes from ours' session records clipped to when ours stopped
+    (:func:`clipped_holds_s`), else from ``plan.baseline_worker_seconds``. Ratios are
+    baseline / ours (> 1: ours is cheaper / faster)."""
     ours = result["targets"]["ours"]["summary"]
     plan = result["plan"]
     base_target = result["targets"].get("baseline")
     compress = float(result["config"].get("compress") or 1.0)
-    analytical = plan.get("baseline_worker_seconds")
+    ours_target = result["targets"]["ours"]
+    if ours_target.get("sessions") and ours_target.get("ended_s") is not None:
+        analytical = clipped_holds_s(ours_target["sessions"], ours_target["ended_s"])
+    else:
+        analytical = plan.get("baseline_worker_seconds")
     if base_target is not None:
         bsum = base_target["summary"]
         mode = "measured"
@@ -248,7 +264,9 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [
         ("turns (run / planned)", f"{summary['turns_run']} / {summary['turns_planned']}"),
         ("ok", str(summary["ok"])),
-        ("errors", str(summary["errors"])),
+        ("errors", str(summary["errors"]) + (
+            " (" + ", ".join(f"{k} x{v}" for k, v in sorted(summary["errors_by_kind"].items())) + ")"
+            if summary.get("errors_by_kind") else "")),
         ("lost_state", str(summary["lost_state"])),
         ("trace-failed turns (replayed)", str(summary["trace_failed"])),
         ("sessions (created / planned)", f"{summary['sessions']['created']} / {summary['sessions']['planned']}"),
@@ -281,6 +299,11 @@ def render_markdown(result: Mapping[str, Any]) -> str:
                          f"stopped by {targets[n].get('stopped_by')})" for n in names),
         "",
     ]
+    partial = [n for n in names if targets[n].get("stopped_by") not in (None, "done")]
+    if partial:
+        why = ", ".join(f"{n} stopped by {targets[n]['stopped_by']}" for n in partial)
+        lines += [f"**Partial run** ({why}): turns not sent are `not_run`; the analytical baseline "
+                  "is clipped to the time run.", ""]
     rows_by_target = {n: dict(target_rows(targets[n]["summary"])) for n in names}
     keys = [k for k, _ in target_rows(targets["ours"]["summary"])]
     lines.append(markdown_table([{"": k, **{n: rows_by_target[n][k] for n in names}} for k in keys]))

@@ -289,6 +289,8 @@ class LocalDirStore:
     def _list(self, prefix: str) -> list[str]:
         base = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         if not base.is_dir():
+            if os.path.lexists(self.root) and not self.root.is_dir():
+                raise NotADirectoryError(f"snapshot store root {self.root} is not a directory")
             return []
         keys: list[str] = []
         root = os.fspath(self.root)

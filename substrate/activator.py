@@ -131,16 +131,18 @@ class Activator:
             address = w.address if w else None
         return address
 
-    async def place(self, sid: str, template: ActorTemplate) -> tuple[WorkerRecord, int]:
-        """Claim a slot for ``sid`` in the template's pool. Lazy-suspends an idle session under pressure;
-        waits up to ``slot_wait_s``; then raises ``NoCapacity`` (503 + Retry-After)."""
+    async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None
+                    ) -> tuple[WorkerRecord, int]:
+        """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). Lazy-suspends an
+        idle session under pressure; waits up to ``slot_wait_s``; then raises ``NoCapacity`` (503)."""
         pool = self.catalog.pool_for(template).name
         deadline = time.monotonic() + self.settings.api.slot_wait_s
         tried_refresh = False
         self.waiting_for_slots += 1
         try:
             while True:
-                for w in candidates(self.view.workers.values(), pool):
+                pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
+                for w in candidates(pinned, pool):
                     slot = await self.directory.claim_slot(w.id, sid)
                     if slot >= 0:
                         w.freeSlots = max(0, w.freeSlots - 1)
@@ -228,7 +230,7 @@ class Activator:
             log.warning("undo of a failed create incomplete", extra={"session": sid}, exc_info=True)
 
     # --------------------------------------------------------------------------------------- wake
-    async def wake(self, sid: str) -> tuple[Route, bool]:
+    async def wake(self, sid: str, *, worker: str | None = None) -> tuple[Route, bool]:
         """Make ``sid`` RUNNING and return its route and whether this call woke it.
 
         Parks the caller while the session resumes (one resume per session per process; other
@@ -248,7 +250,7 @@ class Activator:
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             self._wakes[sid] = fut
-            task = asyncio.create_task(self._wake_once(sid))
+            task = asyncio.create_task(self._wake_once(sid, worker))
 
             def _done(t: asyncio.Task[Route], f: asyncio.Future[Route] = fut) -> None:
                 self._wakes.pop(sid, None)
@@ -287,7 +289,7 @@ class Activator:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    async def _wake_once(self, sid: str) -> Route:
+    async def _wake_once(self, sid: str, worker: str | None = None) -> Route:
         for _ in range(20):
             rec = await self.directory.get_session(sid)
             route = self.route_of(rec)
@@ -303,13 +305,13 @@ class Activator:
                 continue
             if rec.state not in _WAKEABLE:
                 raise NotFound(f"session {sid!r} not found", code="session_not_found")
-            return await self._resume(rec)
+            return await self._resume(rec, worker)
         raise Conflict(f"session {sid!r} kept changing while waking", code="conflict")
 
-    async def _resume(self, rec: SessionRecord) -> Route:
+    async def _resume(self, rec: SessionRecord, pin: str | None = None) -> Route:
         template = self.catalog.template(rec.actorTemplate)
         t0 = time.perf_counter()
-        worker, slot = await self.place(rec.id, template)
+        worker, slot = await self.place(rec.id, template, worker=pin)
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
             set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)

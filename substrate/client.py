@@ -111,8 +111,9 @@ class SubstrateClient:
     def suspend(self, sid: str) -> dict[str, Any]:
         return self._req("POST", f"/v1/sessions/{sid}/suspend")
 
-    def resume(self, sid: str) -> dict[str, Any]:
-        return self._req("POST", f"/v1/sessions/{sid}/resume")
+    def resume(self, sid: str, *, worker: str | None = None) -> dict[str, Any]:
+        """Wake a session now; ``worker`` pins it to one worker."""
+        return self._req("POST", f"/v1/sessions/{sid}/resume", json={"worker": worker} if worker else None)
 
     def delete_session(self, sid: str) -> None:
         self._req("DELETE", f"/v1/sessions/{sid}")

@@ -15,6 +15,7 @@ with autoscaling, else ``spec.replicas``. Scale-down waits ``scale_down_delay_s`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
@@ -146,13 +147,12 @@ class PoolController:
         await self.backend.close()
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        """True once every pool with desired > 0 has a READY worker."""
+        """True once every pool has the READY workers it wants at zero demand."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             workers = await self.directory.list_workers()
-            ready = {w.pool for w in workers if w.state == WorkerState.READY}
-            want = {p.name for p in self.catalog.pools.values() if desired_replicas(p.spec, 0) > 0}
-            if want <= ready:
+            ready = collections.Counter(w.pool for w in workers if w.state == WorkerState.READY)
+            if all(ready[p.name] >= desired_replicas(p.spec, 0) for p in self.catalog.pools.values()):
                 return True
             await asyncio.sleep(0.05)
         return False

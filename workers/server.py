@@ -243,6 +243,8 @@ class Worker:
         If object storage fails the session goes back to RUNNING on this slot and the error is raised.
         """
         act = self._get(sid, epoch)
+        if idle_s is not None and act.lock.locked():  # mid-turn: an idle/pressure suspend must not wait
+            raise Conflict(f"session {sid!r} is in the middle of a turn", code="busy")
         async with act.lock:
             if act.closing:
                 raise NotFound(f"session {sid!r} is not active", code="not_active")

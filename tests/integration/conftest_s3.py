@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import logging
+
 import pytest
 
 from snapshot.store import S3Store
@@ -24,6 +26,7 @@ S3_TEST_CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing
 def moto_server() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one access-log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

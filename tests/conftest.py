@@ -1,0 +1,212 @@
+"""Shared fixtures: a real Redis (the machine's, or an embedded one), a real S3 endpoint (moto server),
+and whole runtimes started the way a user starts them (``substrate up`` in a child process, real worker
+processes, real HTTP). Each runtime gets its own Redis key prefix, so test runs never see each other.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from substrate.client import SubstrateClient
+from substrate.embedded import EmbeddedRedis
+from substrate.keys import Keys
+
+pytest_plugins = ["tests.integration.conftest_s3"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """``SUBSTRATE_TEST_REDIS_URL``, else 127.0.0.1:6379 db 0 if it answers, else an embedded server."""
+    url = os.environ.get("SUBSTRATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_timeout=1).ping()
+        yield url
+        return
+    except redis.RedisError:
+        pass
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+POOL_YAML = """
+apiVersion: substrate.agent.dev/v1
+kind: WorkerPool
+metadata: {{name: default}}
+spec:
+  replicas: {replicas}
+  slots: {slots}
+"""
+
+TEMPLATES_YAML = """
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: counter}}
+spec:
+  entrypoint: workers.agents.counter:Counter
+  stateManagement: {{snapshotInterval: {snapshot_interval}, maxIdleTime: {max_idle}}}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: notebook}}
+spec:
+  entrypoint: workers.agents.notebook:Notebook
+  stateManagement: {{snapshotInterval: {snapshot_interval}, maxIdleTime: {max_idle}}}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: shell}}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  stateManagement: {{snapshotInterval: {snapshot_interval}, maxIdleTime: {max_idle}}}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: echo-command}}
+spec:
+  command: ["{python}", "-u", "-m", "workers.agents.echo_jsonl"]
+  stateManagement: {{snapshotInterval: {snapshot_interval}, maxIdleTime: {max_idle}}}
+"""
+
+
+class RuntimeProc:
+    """A whole runtime in a child process: ``substrate up`` with its own key prefix and config."""
+
+    def __init__(self, tmp: Path, redis_url: str, *, replicas: int = 2, slots: int = 8,
+                 snapshot_interval: str = "0", max_idle: str = "0", extra_yaml: str = "",
+                 env: dict[str, str] | None = None) -> None:
+        self.prefix = f"t{uuid.uuid4().hex[:10]}"
+        self.keys = Keys(self.prefix)
+        self.redis_url = redis_url
+        cfg = tmp / f"config-{self.prefix}"
+        cfg.mkdir(parents=True)
+        (cfg / "pool.yaml").write_text(POOL_YAML.format(replicas=replicas, slots=slots))
+        (cfg / "templates.yaml").write_text(TEMPLATES_YAML.format(
+            snapshot_interval=snapshot_interval, max_idle=max_idle, python=sys.executable) + extra_yaml)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.var = tmp / f"var-{self.prefix}"
+        self.env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
+                    "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_WORKER__ROOT_DIR": str(self.var / "workers"),
+                    "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
+                    "SUBSTRATE_LOG_LEVEL": "WARNING", "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2",
+                    "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
+                    **(env or {})}
+        self.log = open(tmp / f"runtime-{self.prefix}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
+                                     env=self.env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = SubstrateClient(self.url, timeout_s=30)
+        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.replicas = replicas
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"runtime exited: {self.logs()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200 and \
+                        len(self.workers()) >= self.replicas:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"runtime not ready: {self.logs()[-3000:]}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    # ------------------------------------------------------------------ directory inspection helpers
+    def session_raw(self, sid: str) -> dict[str, str]:
+        return self.r.hgetall(self.keys.session(sid))
+
+    def workers(self) -> dict[str, dict[str, str]]:
+        ids = self.r.zrange(self.keys.workers_index, 0, -1)
+        out = {}
+        for wid in ids:
+            raw = self.r.hgetall(self.keys.worker(wid))
+            if raw:
+                out[wid] = raw
+        return out
+
+    def slots(self, wid: str) -> dict[str, str]:
+        return self.r.hgetall(self.keys.worker_slots(wid))
+
+    def worker_activations(self, wid: str) -> list[dict[str, Any]]:
+        return httpx.get(self.workers()[wid]["address"] + "/v1/activations", timeout=5).json()["items"]
+
+    def kill_worker(self, wid: str) -> None:
+        os.kill(int(self.workers()[wid]["pid"]), signal.SIGKILL)
+
+    def wait_for(self, pred: Callable[[], bool], timeout_s: float = 20, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def stop(self) -> None:
+        if self.log.closed:
+            return
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # everything it started must be gone: no worker process outlives the runtime
+        for key in self.r.scan_iter(f"{self.prefix}:*", count=1000):
+            self.r.delete(key)
+        self.log.close()
+
+
+@pytest.fixture
+def runtime_factory(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., RuntimeProc]]:
+    made: list[RuntimeProc] = []
+
+    def make(**kw: Any) -> RuntimeProc:
+        rt = RuntimeProc(tmp_path, kw.pop("redis_url", redis_url), **kw)
+        made.append(rt)
+        return rt
+
+    yield make
+    for rt in made:
+        rt.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_runtime(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[RuntimeProc]:
+    """One runtime for a module of tests that do not disturb each other (2 workers x 8 slots)."""
+    rt = RuntimeProc(tmp_path_factory.mktemp("rt"), redis_url, replicas=2, slots=8)
+    yield rt
+    rt.stop()
+
+
+def dedent(s: str) -> str:
+    return textwrap.dedent(s)

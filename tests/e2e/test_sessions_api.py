@@ -1,0 +1,276 @@
+"""The core end to end: real Redis, real worker processes, real HTTP (issue 2)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import uuid
+
+import httpx
+import pytest
+
+from substrate.client import ApiError
+
+
+def _sid() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def test_create_invoke_get_delete_counter(shared_runtime):
+    c = shared_runtime.client
+    s = c.create_session("counter", labels={"team": "a"})
+    assert s["state"] == "RUNNING" and s["actorTemplate"] == "counter" and s["epoch"] == 1
+    assert [c.invoke(s["id"], "increment")["count"] for _ in range(3)] == [1, 2, 3]
+    assert c.invoke(s["id"], "get") == {"count": 3}
+    got = c.get_session(s["id"])
+    assert got["state"] == "RUNNING" and got["labels"] == {"team": "a"} and got["worker"] == s["worker"]
+    c.delete_session(s["id"])
+    with pytest.raises(ApiError) as e:
+        c.get_session(s["id"])
+    assert e.value.status == 404 and e.value.code == "session_not_found"
+    # the slot it held is free again
+    assert s["id"] not in shared_runtime.slots(s["worker"]).values()
+
+
+def test_routes_to_the_worker_that_holds_the_session(shared_runtime):
+    c = shared_runtime.client
+    sessions = [c.create_session("counter") for _ in range(6)]
+    for s in sessions:
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
+        assert r.status_code == 200
+        assert r.headers["x-substrate-worker"] == s["worker"]
+        acts = {a["session"] for a in shared_runtime.worker_activations(s["worker"])}
+        assert s["id"] in acts
+    assert len({s["worker"] for s in sessions}) == 2, "placement spreads sessions over both workers"
+    for s in sessions:
+        c.delete_session(s["id"])
+
+
+def test_notebook_shell_and_command_agents(shared_runtime):
+    c = shared_runtime.client
+    nb = c.create_session("notebook")
+    c.invoke(nb["id"], "x = 40\nprint('hi')")
+    out = c.invoke(nb["id"], "x + 2")
+    assert out["repr"] == "42"
+    assert "ZeroDivisionError" in c.invoke(nb["id"], "1/0")["error"]
+    sh = c.create_session("shell")
+    out = c.invoke(sh["id"], "echo hello > f.txt && cat f.txt && echo err >&2; exit 3")
+    assert out == {"stdout": "hello\n", "stderr": "err\n", "exitCode": 3}
+    assert c.invoke(sh["id"], "cat f.txt")["stdout"] == "hello\n"
+    cmd = c.create_session("echo-command")
+    assert c.invoke(cmd["id"], {"a": 1}) == {"echo": {"a": 1}, "turns": 1}
+    assert c.invoke(cmd["id"], "b")["turns"] == 2
+    for s in (nb, sh, cmd):
+        c.delete_session(s["id"])
+
+
+def test_streaming_invoke(shared_runtime):
+    c = shared_runtime.client
+    s = c.create_session("counter")
+    chunks = list(c.invoke_stream(s["id"], "increment"))
+    assert chunks == [{"count": 1}]
+    c.delete_session(s["id"])
+
+
+def test_list_filters_and_pagination(shared_runtime):
+    c = shared_runtime.client
+    label = uuid.uuid4().hex[:6]
+    mine = [c.create_session("counter", id=f"pg-{label}-{i}")["id"] for i in range(5)]
+    mine.append(c.create_session("notebook", id=f"pg-{label}-nb")["id"])
+    pages, token = [], None
+    while True:
+        page = c.list_sessions(template="counter", limit=2, continue_=token)
+        assert len(page["items"]) <= 2
+        pages.extend(i["id"] for i in page["items"])
+        token = page["metadata"]["continue"]
+        if not token:
+            break
+    assert set(mine[:5]) <= set(pages) and mine[5] not in pages
+    assert all(i["state"] == "RUNNING" for i in c.list_sessions(state="RUNNING", limit=1000)["items"])
+    assert c.list_sessions(state="SUSPENDED", template="notebook")["items"] == []
+    for sid in mine:
+        c.delete_session(sid)
+
+
+def test_pools_templates_stats_metrics_openapi(shared_runtime):
+    c = shared_runtime.client
+    pools = c.pools()
+    assert pools[0]["metadata"]["name"] == "default"
+    assert pools[0]["status"]["readyReplicas"] == 2 and pools[0]["status"]["slots"] == 16
+    assert {t["metadata"]["name"] for t in c.templates()} >= {"counter", "notebook", "shell"}
+    st = c.stats()
+    assert st["workers"] == 2 and st["slots"] == 16
+    m = c.http.get("/metrics").text
+    assert "agent_substrate_warm_pool_ready" in m
+    spec = c.http.get("/openapi.json").json()
+    assert "/v1/sessions/{sid}/invoke" in spec["paths"] and "/v1/sessions" in spec["paths"]
+
+
+# ------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("method,path,body,status,code", [
+    ("GET", "/v1/sessions/nope-does-not-exist", None, 404, "session_not_found"),
+    ("POST", "/v1/sessions/nope-does-not-exist/invoke", {"input": "get"}, 404, "session_not_found"),
+    ("DELETE", "/v1/sessions/nope-does-not-exist", None, 404, "session_not_found"),
+    ("POST", "/v1/sessions/nope-does-not-exist/suspend", None, 404, "session_not_found"),
+    ("GET", "/v1/sessions/Bad_ID", None, 422, "invalid_session_id"),
+    ("POST", "/v1/sessions/-bad/invoke", {"input": "get"}, 422, "invalid_session_id"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "id": "UPPER"}, 422, "invalid_session_id"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "id": "x" * 129}, 422, "invalid_session_id"),
+    ("POST", "/v1/sessions", {"actorTemplate": "no-such-template"}, 422, "unknown_template"),
+    ("POST", "/v1/sessions", {"id": "abc"}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "bogus": 1}, 422, "invalid_input"),
+    ("GET", "/v1/sessions?limit=0", None, 422, "invalid_input"),
+    ("GET", "/v1/sessions?state=NAPPING", None, 422, "invalid_input"),
+    ("GET", "/v1/sessions?continue=abc", None, 422, "invalid_continue"),
+    ("GET", "/v1/nothing-here", None, 404, "not_found"),
+])
+def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status, code):
+    before = shared_runtime.r.zcard(shared_runtime.keys.sessions_index)
+    r = shared_runtime.client.http.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["code"] == code and r.json()["message"]
+    assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
+
+
+def test_bad_invoke_bodies(shared_runtime):
+    c = shared_runtime.client
+    s = c.create_session("counter")
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", content=b"not json")
+    assert r.status_code == 400 and r.json()["code"] == "bad_json"
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"no": "input"})
+    assert r.status_code == 400 and r.json()["code"] == "missing_input"
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "explode"})
+    assert r.status_code == 422 and r.json()["code"] == "agent_error"
+    assert c.invoke(s["id"], "get") == {"count": 0}, "failed turns change nothing"
+    c.delete_session(s["id"])
+
+
+def test_duplicate_id_is_409_and_keeps_the_first(shared_runtime):
+    c = shared_runtime.client
+    sid = _sid()
+    c.create_session("counter", id=sid)
+    c.invoke(sid, "increment")
+    with pytest.raises(ApiError) as e:
+        c.create_session("notebook", id=sid)
+    assert e.value.status == 409 and e.value.code == "session_exists"
+    got = c.get_session(sid)
+    assert got["actorTemplate"] == "counter" and c.invoke(sid, "get") == {"count": 1}
+    c.delete_session(sid)
+
+
+def test_body_over_limit_is_413(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_API__MAX_BODY_BYTES": "1000"})
+    s = rt.client.create_session("counter")
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "x" * 2000})
+    assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
+    r = rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "labels": {"x": "y" * 2000}})
+    assert r.status_code == 413
+    assert rt.client.invoke(s["id"], "get") == {"count": 0}
+    assert rt.r.zcard(rt.keys.sessions_index) == 1
+
+
+def test_no_free_slot_is_503_with_retry_after_not_a_hang(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=1, env={"SUBSTRATE_API__SLOT_WAIT_S": "0.3"})
+    c = rt.client
+    busy = c.create_session("counter")
+    with cf.ThreadPoolExecutor(1) as ex:
+        # the only slot is mid-turn, so it is not an idle victim for lazy suspension
+        fut = ex.submit(c.invoke, busy["id"], {"op": "increment", "work_s": 3})
+        rt.wait_for(lambda: any(a["busy"] for a in rt.worker_activations(busy["worker"])), what="busy turn")
+        r = c.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": "overflow"})
+        assert r.status_code == 503 and r.json()["code"] == "no_capacity"
+        assert int(r.headers["retry-after"]) >= 1
+        assert rt.r.exists(rt.keys.session("overflow")) == 0, "nothing half-written"
+        assert fut.result()["count"] == 1
+
+
+def test_lazy_suspension_under_pressure(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=1)
+    c = rt.client
+    a = c.create_session("counter")
+    c.invoke(a["id"], "increment")
+    import time
+    time.sleep(1.2)  # a becomes an idle victim (min idle 1 s)
+    b = c.create_session("counter")
+    assert b["state"] == "RUNNING"
+    assert c.get_session(a["id"])["state"] == "SUSPENDED"
+    assert c.invoke(b["id"], "increment") == {"count": 1}
+
+
+def test_concurrent_creates_and_invokes_never_share_a_slot(runtime_factory):
+    rt = runtime_factory(replicas=4, slots=32)
+    c = rt.client
+    with cf.ThreadPoolExecutor(32) as ex:
+        created = list(ex.map(lambda i: c.create_session("counter", id=f"cc-{i}"), range(100)))
+        outs = list(ex.map(lambda s: [c.invoke(s["id"], "increment")["count"] for _ in range(3)], created))
+    assert all(o == [1, 2, 3] for o in outs)
+    placements = collections.Counter((s["worker"], s["slot"]) for s in created)
+    assert max(placements.values()) == 1, "two sessions in one slot"
+    seen: dict[str, str] = {}
+    for wid in rt.workers():
+        for slot, sid in rt.slots(wid).items():
+            assert sid not in seen, f"{sid} holds slots on {seen[sid]} and {wid}"
+            seen[sid] = wid
+        for act in rt.worker_activations(wid):
+            assert seen.get(act["session"]) == wid, "session active on a worker that does not hold its slot"
+    assert len(seen) == 100
+
+
+def test_worker_rejects_a_stale_epoch(shared_runtime):
+    c = shared_runtime.client
+    s = c.create_session("counter")
+    addr = shared_runtime.workers()[s["worker"]]["address"]
+    url = f"{addr}/v1/activations/{s['id']}/invoke"
+    r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"] - 1)})
+    assert r.status_code == 409 and r.json()["code"] == "stale_epoch"
+    r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"] + 1)})
+    assert r.status_code == 409
+    assert c.invoke(s["id"], "get") == {"count": 0}, "rejected calls did nothing"
+    r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"])})
+    assert r.status_code == 200 and r.json() == {"output": {"count": 1}}
+    c.delete_session(s["id"])
+
+
+def test_worker_killed_mid_request_is_502_and_frees_the_slot(runtime_factory):
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(c.http.post, f"/v1/sessions/{s['id']}/invoke",
+                        json={"input": {"op": "increment", "work_s": 5}})
+        rt.wait_for(lambda: any(a["busy"] for a in rt.worker_activations(s["worker"])), what="busy turn")
+        rt.kill_worker(s["worker"])
+        r = fut.result()
+    assert r.status_code == 502 and r.json()["code"] == "worker_unavailable"
+    got = c.get_session(s["id"])
+    assert got["state"] == "SUSPENDED" and got["worker"] is None, "not left on the dead slot"
+    assert s["worker"] not in rt.workers()
+    # it comes back on the next request (no snapshot was taken: it restarts from scratch and says so)
+    assert c.invoke(s["id"], "get") == {"count": 0}
+    got = c.get_session(s["id"])
+    assert got["state"] == "RUNNING" and got["restoredFrom"]["reason"] == "worker_lost"
+    rt.wait_for(lambda: len(rt.workers()) == 2, what="the pool replaced the dead worker")
+
+
+def test_redis_down_is_503_and_nothing_half_written(runtime_factory):
+    from substrate.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as own:
+        rt = runtime_factory(redis_url=own.url, replicas=1, slots=2,
+                             env={"SUBSTRATE_REDIS__SOCKET_TIMEOUT_S": "0.5"})
+        c = rt.client
+        s = c.create_session("counter")
+        c.invoke(s["id"], "increment")
+        rt.r.execute_command("CLIENT", "PAUSE", "3000", "ALL")
+        try:
+            r = c.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": "during-outage"})
+            assert r.status_code == 503 and r.json()["code"] == "directory_unavailable"
+            assert "retry-after" in r.headers
+            r = c.http.get(f"/v1/sessions/{s['id']}")
+            assert r.status_code == 503 and r.json()["code"] == "directory_unavailable"
+        finally:
+            rt.r.execute_command("CLIENT", "UNPAUSE")
+        assert rt.r.exists(rt.keys.session("during-outage")) == 0
+        assert c.invoke(s["id"], "get") == {"count": 1}
+        rt.stop()

@@ -1,0 +1,186 @@
+"""S3Store against a real S3 API over HTTP (moto server on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from snapshot.archive import pack, unpack
+from snapshot.store import S3Store, snapshot_key
+from substrate.errors import Conflict, NotFound, StoreUnavailable
+# the fixtures (also importable from the root conftest, see tests/integration/conftest_s3.py)
+from tests.integration.conftest_s3 import moto_server, s3_store, s3_store_factory  # noqa: F401
+
+MiB = 1 << 20
+
+
+def write(path: Path, size: int) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+async def test_put_get_round_trip(s3_store: S3Store, tmp_path: Path) -> None:
+    src = write(tmp_path / "a", 300_000)
+    await s3_store.put_file("snaps/s1/a.tar.zst", src)
+    dest = tmp_path / "out"
+    dest.write_bytes(b"stale" * 200_000)
+    assert await s3_store.get_file("snaps/s1/a.tar.zst", dest) == 300_000
+    assert dest.read_bytes() == src.read_bytes()
+
+
+async def test_conditional_put_refuses_existing_key(s3_store: S3Store, tmp_path: Path) -> None:
+    first, second = write(tmp_path / "1", 1000), write(tmp_path / "2", 1000)
+    await s3_store.put_file("k/a", first)
+    with pytest.raises(Conflict) as info:
+        await s3_store.put_file("k/a", second)
+    assert info.value.code == "snapshot_exists"
+    await s3_store.get_file("k/a", tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == first.read_bytes()
+
+
+async def test_multipart_upload_with_conditional_complete(s3_store_factory: Callable[..., S3Store],
+                                                          tmp_path: Path) -> None:
+    store = s3_store_factory(multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB)
+    await store.ensure_bucket()
+    big = write(tmp_path / "big", 12 * MiB)
+    await store.put_file("k/big", big)
+
+    head = store._client.head_object(Bucket=store.bucket, Key="k/big")
+    assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 2 MiB: it really went multipart
+    assert await store.get_file("k/big", tmp_path / "out") == 12 * MiB
+    assert (tmp_path / "out").read_bytes() == big.read_bytes()
+
+    other = write(tmp_path / "other", 12 * MiB)
+    with pytest.raises(Conflict):
+        await store.put_file("k/big", other)
+    # the refused upload was aborted, the object is the first one
+    assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+    await store.get_file("k/big", tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == big.read_bytes()
+
+
+async def test_multipart_complete_is_what_refuses_a_concurrent_winner(
+        s3_store_factory: Callable[..., S3Store], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # another writer creates the key while our parts are in flight: only the conditional
+    # CompleteMultipartUpload can notice, and it must not overwrite the winner
+    store = s3_store_factory(multipart_threshold_bytes=5 * MiB, part_size_bytes=5 * MiB)
+    await store.ensure_bucket()
+    real_complete = store._complete
+
+    def complete_after_a_rival(full: str, upload_id: str, parts: list) -> None:
+        store._client.put_object(Bucket=store.bucket, Key=full, Body=b"the rival won")
+        real_complete(full, upload_id, parts)
+
+    monkeypatch.setattr(store, "_complete", complete_after_a_rival)
+    with pytest.raises(Conflict):
+        await store.put_file("k/race", write(tmp_path / "a", 11 * MiB))
+    await store.get_file("k/race", tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == b"the rival won"
+    assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+
+
+async def test_get_missing_is_not_found(s3_store: S3Store, s3_store_factory: Callable[..., S3Store],
+                                        tmp_path: Path) -> None:
+    with pytest.raises(NotFound) as info:
+        await s3_store.get_file("k/missing", tmp_path / "out")
+    assert info.value.code == "snapshot_missing"
+    assert not (tmp_path / "out").exists()
+    no_bucket = s3_store_factory()  # bucket never created
+    with pytest.raises(NotFound):
+        await no_bucket.get_file("k/missing", tmp_path / "out")
+    assert await no_bucket.list_keys("k/") == []
+
+
+async def test_list_and_delete(s3_store: S3Store, tmp_path: Path) -> None:
+    src = write(tmp_path / "a", 10)
+    keys = [snapshot_key("snaps", "s1", e, 0) for e in (2, 1, 3)] + [snapshot_key("snaps", "s10", 1, 0)]
+    for key in keys:
+        await s3_store.put_file(key, src)
+    assert await s3_store.list_keys("snaps/s1/") == sorted(keys[:3])
+    await s3_store.delete(keys[0])
+    await s3_store.delete(keys[0])  # idempotent
+    assert await s3_store.list_keys("snaps/s1/") == sorted(keys[1:3])
+    assert await s3_store.list_keys("snaps/") == sorted(keys[1:])
+
+
+async def test_prefix_namespaces_keys_and_bucket_is_created_on_first_put(
+        s3_store_factory: Callable[..., S3Store], tmp_path: Path) -> None:
+    store = s3_store_factory(prefix="tenant-a")
+    src = write(tmp_path / "a", 10)
+    await store.put_file("snaps/s1/x", src)  # no ensure_bucket(): created on demand
+    assert await store.list_keys("snaps/") == ["snaps/s1/x"]
+    raw = store._client.list_objects_v2(Bucket=store.bucket)["Contents"]
+    assert [o["Key"] for o in raw] == ["tenant-a/snaps/s1/x"]
+
+
+async def test_snapshot_round_trip_through_s3(s3_store: S3Store, tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    (ws / "d").mkdir(parents=True)
+    (ws / "d" / "f.txt").write_text("hello")
+    manifest, _, sha = pack(ws, {"n": 1}, session="s1", epoch=4, template="t", out_path=tmp_path / "a")
+    key = snapshot_key("snaps", "s1", 4, 1)
+    await s3_store.put_file(key, tmp_path / "a")
+    await s3_store.get_file(key, tmp_path / "b")
+    got, state = unpack(tmp_path / "b", tmp_path / "restored", expect_session="s1", expect_sha256=sha)
+    assert got == manifest and state == {"n": 1}
+    assert (tmp_path / "restored" / "d" / "f.txt").read_text() == "hello"
+
+
+async def test_unreachable_endpoint_is_store_unavailable(tmp_path: Path) -> None:
+    store = S3Store("some-bucket", endpoint_url="http://127.0.0.1:1", access_key_id="k", secret_access_key="s",
+                    max_attempts=2)
+    src = write(tmp_path / "a", 10)
+    try:
+        for call in (store.put_file("k/a", src), store.get_file("k/a", tmp_path / "out"),
+                     store.list_keys("k/"), store.delete("k/a"), store.ensure_bucket()):
+            with pytest.raises(StoreUnavailable) as info:
+                await call
+            assert info.value.status == 503 and info.value.code == "snapshot_store_unavailable"
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def failing_endpoint() -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # answers botocore's "Expect: 100-continue" at once
+
+        def _fail(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _fail
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_server_errors_are_store_unavailable(failing_endpoint: str, tmp_path: Path) -> None:
+    store = S3Store("some-bucket", endpoint_url=failing_endpoint, access_key_id="k", secret_access_key="s",
+                    max_attempts=1)
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            await store.put_file("k/a", write(tmp_path / "a", 10))
+        assert info.value.details["httpStatus"] == 503
+        with pytest.raises(StoreUnavailable):
+            await store.get_file("k/a", tmp_path / "out")
+    finally:
+        store.close()
