@@ -64,6 +64,12 @@ class Runtime:
         return rt
 
     async def start(self) -> None:
+        ensure = getattr(self.store, "ensure_bucket", None)
+        if ensure is not None and self.settings.snapshot.create_bucket:
+            try:
+                await ensure()
+            except Exception:  # noqa: BLE001 - suspends fail (and retry) until the store is reachable
+                log.warning("could not ensure the snapshot bucket exists", exc_info=True)
         try:
             await self.view.refresh()
         except Exception:  # noqa: BLE001 - Redis may come later; /readyz says so

@@ -595,11 +595,7 @@ def unpack(archive_path: Path, workspace: Path, *, expect_session: str,
             refused: _Refused | None = None
             try:
                 manifest, state = _extract(raw, staging, verify_content=expect_sha256 is None)
-            except (OSError, MemoryError) as e:
-                refused = _classify(e)
-                if refused is None:
-                    raise
-            except Exception as e:  # zstd, tar, our own refusals
+            except Exception as e:  # zstd, tar and our own refusals; local OSErrors (ENOSPC...) go through
                 refused = _classify(e)
                 if refused is None:
                     raise

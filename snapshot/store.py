@@ -114,7 +114,8 @@ class ObjectStore(Protocol):
     async def get_file(self, key: str, dest: Path) -> int:
         """Download ``key`` into the file ``dest`` (created or truncated); returns the bytes written.
 
-        Raises ``NotFound(code="snapshot_missing")`` or ``StoreUnavailable``; on error ``dest`` is removed.
+        Raises ``NotFound(code="snapshot_missing")`` or ``StoreUnavailable``; a partly written ``dest`` is
+        removed on error.
         """
         ...
 
@@ -452,8 +453,9 @@ class S3Store:
     def _create_multipart(self, full: str) -> str:
         return self._client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
 
-    def _upload_part(self, full: str, upload_id: str, fd: int, number: int, offset: int, length: int) -> dict:
-        body = os.pread(fd, length, offset)
+    def _upload_part(self, full: str, upload_id: str, path: Path, number: int, offset: int, length: int) -> dict:
+        with open(path, "rb", buffering=0) as f:  # one handle per part: parts run in parallel threads
+            body = os.pread(f.fileno(), length, offset)
         if len(body) != length:
             raise OSError(f"file shrank during upload (part {number})")
         etag = self._client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
@@ -473,29 +475,31 @@ class S3Store:
     async def _put_multipart(self, key: str, full: str, path: Path, size: int) -> None:
         part = max(self.part_size_bytes, math.ceil(size / S3_MAX_PARTS))
         upload_id = await self._call("put", key, self._create_multipart, full)
-        fd = os.open(path, os.O_RDONLY)
         try:
             sem = asyncio.Semaphore(self.max_concurrent_parts)
+            failed = False
 
-            async def one(number: int, offset: int) -> dict:
+            async def one(number: int, offset: int) -> dict | None:
+                nonlocal failed
                 async with sem:
-                    return await self._call("put", key, self._upload_part, full, upload_id, fd, number, offset,
-                                            min(part, size - offset))
+                    if failed:  # another part failed: do not start more
+                        return None
+                    try:
+                        return await self._call("put", key, self._upload_part, full, upload_id, path, number,
+                                                offset, min(part, size - offset))
+                    except BaseException:
+                        failed = True
+                        raise
 
-            tasks = [asyncio.ensure_future(one(i + 1, off)) for i, off in enumerate(range(0, size, part))]
-            try:
-                parts = await asyncio.gather(*tasks)
-            except BaseException:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-            await self._call("put", key, self._complete, full, upload_id, list(parts))
+            results = await asyncio.gather(*(one(i + 1, off) for i, off in enumerate(range(0, size, part))),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            await self._call("put", key, self._complete, full, upload_id, list(results))
         except BaseException:
             await asyncio.shield(asyncio.to_thread(self._abort, full, upload_id))
             raise
-        finally:
-            os.close(fd)
 
     async def put_file(self, key: str, path: Path) -> None:
         full = self._full(key)

@@ -98,10 +98,7 @@ if st[1] ~= 'READY' then return -2 end
 local n = tonumber(st[2])
 local taken = redis.call('HGETALL', KEYS[2])
 local used = {}
-for i = 1, #taken, 2 do
-  if taken[i + 1] == ARGV[1] then return tonumber(taken[i]) end
-  used[taken[i]] = true
-end
+for i = 1, #taken, 2 do used[taken[i]] = true end
 for i = 0, n - 1 do
   if not used[tostring(i)] then redis.call('HSET', KEYS[2], i, ARGV[1]); return i end
 end
@@ -456,7 +453,8 @@ class Directory:
 
     @_translate
     async def claim_slot(self, wid: str, sid: str) -> int:
-        """Claim a free slot of worker ``wid`` for ``sid`` (idempotent per session).
+        """Claim a free slot of worker ``wid`` for ``sid``. Every call claims its own slot (two routers
+        racing to resume one session must not share one: the loser frees exactly the slot it took).
 
         Returns the slot index, or -1 (full), -2 (worker not READY), -3 (worker unknown).
         """

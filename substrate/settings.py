@@ -64,6 +64,8 @@ class SnapshotSettings(BaseModel):
     #: committed snapshots kept per session (older ones are garbage-collected)
     retention: int = 2
     zstd_level: int = 3
+    #: create the bucket at start-up if it is missing (S3 store)
+    create_bucket: bool = True
 
 
 class StateSettings(BaseModel):

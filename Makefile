@@ -1,0 +1,29 @@
+# Every target installs what it needs first (uv from PyPI if missing, then the locked dependencies).
+UV := $(shell command -v uv 2>/dev/null)
+ifeq ($(UV),)
+UV := python3 -m uv
+endif
+
+.PHONY: install demo dev test lint bench replay locust clean
+
+install:
+	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
+	$(UV) sync --frozen --all-extras
+
+demo: install          ## start the embedded default, create + invoke + suspend + wake a session, stop
+	$(UV) run substrate demo
+
+dev: install           ## run the embedded default on 127.0.0.1:8080 until Ctrl-C
+	$(UV) run substrate up
+
+lint: install
+	$(UV) run lint-imports
+
+test: install lint     ## the whole suite (unit, integration, e2e); needs no server installed by hand
+	$(UV) run pytest -q
+
+bench: install         ## micro-benchmarks + a short trace replay -> bench-results/bench.md
+	$(UV) run python -m loadtest.bench
+
+clean:
+	rm -rf var bench-results replay-results .pytest_cache

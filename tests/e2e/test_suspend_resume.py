@@ -1,0 +1,257 @@
+"""Suspend to object storage and wake on the next request, recovery, and faults (issue 3)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from substrate.client import ApiError
+
+
+def _s3_env(endpoint: str) -> dict[str, str]:
+    return {"SUBSTRATE_SNAPSHOT__STORE": "s3", "SUBSTRATE_SNAPSHOT__ENDPOINT_URL": endpoint,
+            "SUBSTRATE_SNAPSHOT__BUCKET": f"b-{uuid.uuid4().hex[:10]}", "SUBSTRATE_SNAPSHOT__REGION": "us-east-1",
+            "SUBSTRATE_SNAPSHOT__ACCESS_KEY_ID": "testing", "SUBSTRATE_SNAPSHOT__SECRET_ACCESS_KEY": "testing"}
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_env(request, moto_server):
+    return {} if request.param == "local" else _s3_env(moto_server)
+
+
+def test_counter_counts_across_suspend_and_resume_on_another_worker(runtime_factory, store_env):
+    rt = runtime_factory(replicas=2, slots=4, env=store_env)
+    c = rt.client
+    s = c.create_session("counter")
+    workers = sorted(rt.workers())
+    where = [s["worker"]]
+    for n in range(1, 11):
+        assert c.invoke(s["id"], "increment") == {"count": n}
+        st = c.suspend(s["id"])
+        assert st["state"] == "SUSPENDED" and st["worker"] is None and st["snapshot"]["epoch"] == st["epoch"]
+        other = next(w for w in workers if w != where[-1])
+        resumed = c.resume(s["id"], worker=other)
+        assert resumed["state"] == "RUNNING" and resumed["worker"] == other
+        assert resumed["restoredFrom"]["snapshotKey"] == st["snapshot"]["key"]
+        where.append(other)
+    assert c.invoke(s["id"], "get") == {"count": 10}
+    assert len(set(where)) == 2 and all(a != b for a, b in zip(where, where[1:]))
+
+
+def test_wake_on_request_after_suspend(runtime_factory, store_env):
+    rt = runtime_factory(replicas=1, slots=4, env=store_env)
+    c = rt.client
+    s = c.create_session("counter")
+    for n in range(1, 6):
+        c.suspend(s["id"])
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
+        assert r.status_code == 200 and r.json() == {"output": {"count": n}}
+        assert r.headers["x-substrate-woke"] == "1"
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert "x-substrate-woke" not in r.headers
+
+
+def test_notebook_variables_and_shell_files_survive(runtime_factory, store_env):
+    rt = runtime_factory(replicas=2, slots=4, env=store_env)
+    c = rt.client
+    nb = c.create_session("notebook")
+    c.invoke(nb["id"], "import math\nxs = [1, 2, 3]\ndef f(v):\n    return v * 10\ny = math.pi")
+    c.suspend(nb["id"])
+    assert c.invoke(nb["id"], "sum(xs), round(y, 2)")["repr"] == "(6, 3.14)"
+    c.suspend(nb["id"])
+    assert c.invoke(nb["id"], "xs.append(4); len(xs)")["repr"] == "4"
+    sh = c.create_session("shell")
+    c.invoke(sh["id"], "mkdir -p d && head -c 300000 /dev/urandom > d/blob && sha256sum d/blob > sum.txt")
+    c.suspend(sh["id"])
+    assert c.invoke(sh["id"], "sha256sum -c sum.txt")["exitCode"] == 0
+
+
+def test_concurrent_requests_share_one_resume(runtime_factory):
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    c.suspend(s["id"])
+    epoch_before = c.get_session(s["id"])["epoch"]
+    with cf.ThreadPoolExecutor(20) as ex:
+        outs = list(ex.map(lambda _: c.invoke(s["id"], "increment")["count"], range(20)))
+    assert sorted(outs) == list(range(2, 22)), "every turn ran once, on one activation"
+    assert c.get_session(s["id"])["epoch"] == epoch_before + 1, "exactly one activation"
+
+
+def test_idle_sessions_are_suspended_automatically(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=4, max_idle="1s")
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDED", timeout_s=15, what="idle suspend")
+    assert rt.slots(s["worker"]) == {}, "the slot was given back"
+    assert c.invoke(s["id"], "increment") == {"count": 2}
+
+
+def test_periodic_snapshots_bound_the_loss_on_sigkill(runtime_factory):
+    rt = runtime_factory(replicas=2, slots=4, snapshot_interval="0.3s")
+    c = rt.client
+    s = c.create_session("counter")
+    for _ in range(5):
+        c.invoke(s["id"], "increment")
+    rt.wait_for(lambda: "snapshot" in rt.session_raw(s["id"]), what="a periodic snapshot")
+    rt.wait_for(lambda: '"epoch":1' in rt.session_raw(s["id"])["snapshot"], what="snapshot")
+    time.sleep(0.8)  # the latest turn is in a snapshot too
+    rt.kill_worker(s["worker"])
+    rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDED", what="crash detected")
+    got = c.get_session(s["id"])
+    assert got["reason"] == "worker_lost" and "lost" in got["message"]
+    assert c.invoke(s["id"], "get") == {"count": 5}
+    after = c.get_session(s["id"])
+    assert after["restoredFrom"]["reason"] == "worker_lost"
+    assert after["restoredFrom"]["snapshotEpoch"] == 1
+
+
+def test_corrupt_snapshot_fails_clearly_and_the_previous_good_one_is_used(runtime_factory, tmp_path):
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    good = c.suspend(s["id"])["snapshot"]
+    c.invoke(s["id"], "increment")
+    bad = c.suspend(s["id"])["snapshot"]
+    assert c.get_session(s["id"])["previousSnapshot"]["key"] == good["key"]
+    path = Path(rt.env["SUBSTRATE_SNAPSHOT__LOCAL_DIR"]) / bad["key"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.status_code == 500 and r.json()["code"] == "snapshot_corrupt"
+    failed = c.get_session(s["id"])
+    assert failed["state"] == "FAILED" and failed["reason"] == "snapshot_corrupt"
+    assert failed["snapshot"]["key"] == good["key"]
+    assert rt.slots(rt.workers().popitem()[0]) == {}, "the failed resume freed its slot"
+    # FAILED is not a dead end: the next request resumes from the previous good snapshot
+    assert c.invoke(s["id"], "get") == {"count": 1}
+    assert c.get_session(s["id"])["restoredFrom"]["snapshotKey"] == good["key"]
+
+
+def test_truncated_and_foreign_snapshots_are_refused(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    a = c.create_session("counter")
+    b = c.create_session("counter")
+    c.invoke(b["id"], "increment")
+    snap_a = c.suspend(a["id"])["snapshot"]
+    snap_b = c.suspend(b["id"])["snapshot"]
+    root = Path(rt.env["SUBSTRATE_SNAPSHOT__LOCAL_DIR"])
+    # a's pointer names b's object (with b's checksum): a foreign archive
+    import json as _json
+    rt.r.hset(rt.keys.session(a["id"]), "snapshot", _json.dumps(snap_b))
+    r = c.http.post(f"/v1/sessions/{a['id']}/invoke", json={"input": "get"})
+    assert r.status_code == 500 and r.json()["code"] == "snapshot_corrupt"
+    assert "foreign" in r.json()["message"] or "session" in r.json()["message"]
+    # truncation of b's own archive
+    p = root / snap_b["key"]
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    r = c.http.post(f"/v1/sessions/{b['id']}/invoke", json={"input": "get"})
+    assert r.status_code == 500 and r.json()["code"] == "snapshot_corrupt"
+    assert c.get_session(b["id"])["state"] == "FAILED"
+    assert snap_a["key"] != snap_b["key"]
+
+
+def test_s3_down_during_suspend_keeps_the_session_running(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=4, env={**_s3_env("http://127.0.0.1:9"),
+                                                    "SUBSTRATE_SNAPSHOT__CREATE_BUCKET": "false"})
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    with pytest.raises(ApiError) as e:
+        c.suspend(s["id"])
+    assert e.value.status == 503 and e.value.code == "snapshot_store_unavailable" and e.value.retry_after_s
+    got = c.get_session(s["id"])
+    assert got["state"] == "RUNNING" and got["worker"] == s["worker"] and got["snapshot"] is None
+    assert c.invoke(s["id"], "increment") == {"count": 2}, "nothing freed, nothing lost"
+
+
+def test_s3_down_during_resume_is_503_and_stays_suspended(runtime_factory):
+    from moto.server import ThreadedMotoServer
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    rt = runtime_factory(replicas=1, slots=4, env=_s3_env(f"http://127.0.0.1:{port}"))
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    c.suspend(s["id"])
+    moto.stop()
+    try:
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+        assert r.status_code == 503 and r.json()["code"] == "snapshot_store_unavailable"
+        assert "retry-after" in r.headers
+        got = c.get_session(s["id"])
+        assert got["state"] == "SUSPENDED" and got["worker"] is None
+    finally:
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        moto.start()
+    try:
+        assert c.invoke(s["id"], "get") == {"count": 1}
+    finally:
+        moto.stop()
+
+
+def test_chaos_sigkill_workers_under_load(runtime_factory):
+    """Workers are SIGKILLed while sessions take turns. Every session must come back with state no older
+    than its last snapshot, and the counter must never skip or repeat within one activation."""
+    rt = runtime_factory(replicas=3, slots=8, snapshot_interval="0.2s")
+    c = rt.client
+    sids = [c.create_session("counter")["id"] for _ in range(12)]
+    stop = threading.Event()
+    problems: list[str] = []
+    acked = {sid: 0 for sid in sids}
+
+    def drive(sid: str) -> None:
+        last_epoch, last = 1, 0
+        while not stop.is_set():
+            r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"})
+            if r.status_code != 200:
+                if r.status_code not in (502, 503):
+                    problems.append(f"{sid}: {r.status_code} {r.text}")
+                time.sleep(0.05)
+                continue
+            n, epoch = r.json()["output"]["count"], int(r.headers["x-substrate-epoch"])
+            if epoch == last_epoch and n != last + 1:
+                problems.append(f"{sid}: count {n} after {last} in one activation (double activation?)")
+            if epoch != last_epoch and n > last + 1:
+                problems.append(f"{sid}: skipped from {last} to {n} across a restore")
+            last_epoch, last = epoch, n
+            acked[sid] = max(acked[sid], n)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=drive, args=(sid,)) for sid in sids]
+    for t in threads:
+        t.start()
+    rng = random.Random(7)
+    try:
+        for _ in range(4):
+            time.sleep(1.5)
+            victims = list(rt.workers())
+            if victims:
+                rt.kill_worker(rng.choice(victims))
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not problems, problems[:5]
+    for sid in sids:
+        rec = c.get_session(sid)  # zero sessions lost
+        n = c.invoke(sid, "get")["count"]
+        snap = c.get_session(sid)
+        assert n >= 1 and rec["id"] == sid
+        assert snap["state"] == "RUNNING"
