@@ -106,6 +106,12 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool) -> R
         headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json"}
         try:
             resp = await runtime.http.post(url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError:
+            # the request never reached the worker (it is gone): safe to route again
+            cache.drop(sid)
+            await runtime.activator.check_worker(route.worker)
+            route = None
+            continue
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
             cache.drop(sid)
             await runtime.activator.check_worker(route.worker)

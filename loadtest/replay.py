@@ -208,7 +208,11 @@ def extract_count(payload: Any) -> int | None:
 
 
 def classify(payload: Any, headers: dict[str, str] | Any) -> tuple[str, bool | None, float | None, str | None]:
-    """-> (kind "wake"|"warm", woke, server wake_ms, state_before). The ``session`` block is optional."""
+    """-> (kind "wake"|"warm", woke, server wake_ms, state_before).
+
+    The ``session`` block is optional; the headers ``X-Substrate-Woke: 1`` and
+    ``X-Substrate-Wake-Ms`` stand in for ``woke`` and ``wake_ms``. ``woke`` is None when neither
+    the block nor the header says anything."""
     block = payload.get("session") if isinstance(payload, dict) else None
     block = block if isinstance(block, dict) else {}
     woke_field = block.get("woke")
@@ -221,6 +225,9 @@ def classify(payload: Any, headers: dict[str, str] | Any) -> tuple[str, bool | N
     else:
         woke = bool(woke_field) or header_woke
     wake_ms = block.get("wake_ms")
+    if wake_ms is None and headers is not None and headers.get("X-Substrate-Wake-Ms"):
+        with contextlib.suppress(ValueError):
+            wake_ms = float(headers.get("X-Substrate-Wake-Ms"))
     wake_ms = float(wake_ms) if isinstance(wake_ms, (int, float)) and not isinstance(wake_ms, bool) else None
     is_wake = bool(woke) or (isinstance(state_before, str) and state_before.upper() in WAKE_STATES)
     return ("wake" if is_wake else "warm"), woke, wake_ms, state_before
@@ -300,7 +307,8 @@ class TargetRunner:
                     {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "queue_s": None,
                      "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
                      "latency_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
-                     "state_before": None, "count": None, "expected": None, "retries": 0, "error": None}
+                     "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
+                     "retries": 0, "error": None}
                 )
 
     # -- clock
@@ -402,6 +410,12 @@ class TargetRunner:
             return
         rec["added_ms"] = latency_ms - pt.work_s * 1000.0
         rec["kind"], rec["woke"], rec["wake_ms"], rec["state_before"] = classify(payload, headers)
+        rec["worker"] = headers.get("X-Substrate-Worker")
+        block = payload.get("session") if isinstance(payload, dict) else None
+        epoch = block.get("epoch") if isinstance(block, dict) else None
+        if epoch is None and headers.get("X-Substrate-Epoch", "").isdigit():
+            epoch = int(headers["X-Substrate-Epoch"])
+        rec["epoch"] = epoch
         rec["count"] = extract_count(payload)
         rec["status"], (lo, hi) = check_count(rec["count"], prev, uncertain)
         rec["expected"] = [lo, hi]
@@ -616,7 +630,7 @@ def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     duration_s = parse_duration(args.duration) if args.duration else None
     window = select_window(turns, start_s, duration_s)
     idle_split_s = parse_duration(args.idle_split)
-    run_id = args.run_id or secrets.token_hex(3)
+    run_id = re.sub(r"[^a-z0-9-]", "-", (args.run_id or secrets.token_hex(3)).lower())[:40]
     plan = build_plan(window, compress=args.compress, idle_split_s=idle_split_s, max_sessions=args.max_sessions,
                       failed_turns=args.failed_turns, run_id=run_id)
     cfg = {

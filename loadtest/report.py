@@ -13,7 +13,8 @@ TurnRecord
     (status code or null), ``latency_ms`` (client-measured, send -> body read, retries included),
     ``added_ms`` (= latency_ms - work_s * 1000: what the runtime added), ``kind`` (``warm`` |
     ``wake``; null when no 200 came back), ``woke`` (bool|null), ``wake_ms`` (server-reported),
-    ``state_before``, ``count`` (counter value returned), ``expected`` ([lo, hi] accepted counts),
+    ``state_before``, ``worker`` (X-Substrate-Worker), ``epoch`` (activation epoch),
+    ``count`` (counter value returned), ``expected`` ([lo, hi] accepted counts),
     ``retries`` (503 retries), ``error`` (text|null).
 SessionRecord
     ``id``, ``key`` (``owner#n``), ``owner``, ``start_s``, ``end_s`` (planned delete),

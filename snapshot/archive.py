@@ -29,8 +29,8 @@ implementation in this Python (3.11.7) predates the 2025 fixes for filter bypass
 * nothing is ever created *through* a symlink: every parent of a member must be a directory created by this
   extraction, files are opened with ``O_EXCL | O_NOFOLLOW``, so a link (to anywhere) can never make the
   extraction write outside the staging directory;
-* permission bits are sanitised like the data filter (no setuid/setgid/sticky, no group/other write, owner
-  can always read and write files and enter directories); ownership is never restored.
+* permission bits are sanitised like the data filter (no setuid/setgid/sticky, no group/other write; the
+  owner can always read and write files and has full access to directories); ownership is never restored.
 
 Everything is extracted into a fresh staging directory beside the workspace and swapped in only once the
 whole archive has been read and verified, so a refused archive leaves the existing workspace untouched.
@@ -235,8 +235,9 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
     followed. ``out_path`` is created or truncated, and removed again if packing fails.
 
     Returns ``(manifest, compressed_size_bytes, sha256_hex_of_the_compressed_file)``.
-    Raises ``TypeError``/``ValueError`` if ``state`` is not JSON-serialisable, ``FileNotFoundError`` if the
-    workspace does not exist, ``OSError`` on I/O failures.
+    Raises ``TypeError``/``ValueError`` if ``state`` is not JSON-serialisable, ``ValueError`` if ``out_path``
+    lies inside the workspace, ``FileNotFoundError``/``NotADirectoryError`` if the workspace is missing or
+    not a directory, ``OSError`` on I/O failures.
     """
     workspace = Path(workspace)
     out_path = Path(out_path)
@@ -245,6 +246,8 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
     root_st = os.stat(root)
     if not stat.S_ISDIR(root_st.st_mode):
         raise NotADirectoryError(root)
+    if out_path.resolve().is_relative_to(workspace.resolve()):
+        raise ValueError(f"the archive {out_path} cannot be written inside the workspace it archives")
     now = time.time()
     cctx = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True)
     files = ws_bytes = skipped = 0
@@ -589,7 +592,7 @@ def unpack(archive_path: Path, workspace: Path, *, expect_session: str,
     parent = workspace.parent
     parent.mkdir(parents=True, exist_ok=True)
     with open(archive_path, "rb", buffering=0) as f:
-        raw = _HashingReader(f)  # type: ignore[arg-type]
+        raw = _HashingReader(f)
         staging = tempfile.mkdtemp(prefix=f".{workspace.name}.unpack-", dir=parent)
         try:
             refused: _Refused | None = None

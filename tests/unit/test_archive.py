@@ -265,6 +265,9 @@ def test_pack_failure_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         pack_ws(tmp_path / "missing", tmp_path / "b")
     assert not (tmp_path / "b").exists()
+    with pytest.raises(ValueError):
+        pack_ws(ws, ws / "inside.tar.zst")
+    assert not (ws / "inside.tar.zst").exists()
 
 
 names = st.text(alphabet="abcXYZ019-_. ü", min_size=1, max_size=8).filter(lambda s: s not in (".", ".."))

@@ -1,0 +1,360 @@
+"""Replay planning, response checks, report arithmetic and report files (pure, no server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest import report as rpt
+from loadtest.bench_report import format_cell, markdown_table, write_table
+from loadtest.replay import (
+    build_plan,
+    check_count,
+    classify,
+    extract_count,
+    label_value,
+    main,
+    retry_after_s,
+    write_outputs,
+)
+from loadtest.traces import Turn
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "loadtest" / "fixtures" / "sessions_small.csv"
+
+
+# ------------------------------------------------------------------------------------ percentiles
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = list(range(1, 101))
+    assert rpt.percentile(xs, 50) == pytest.approx(50.5)
+    assert rpt.percentile(xs, 99) == pytest.approx(99.01)
+    assert rpt.percentile(xs, 95) == pytest.approx(95.05)
+    assert rpt.percentile(xs, 0) == 1
+    assert rpt.percentile(xs, 100) == 100
+    assert rpt.percentile([3, 1, 2], 50) == 2  # unsorted input
+    assert rpt.percentile([7.0], 99) == 7.0
+    assert rpt.percentile([], 50) is None
+    with pytest.raises(ValueError):
+        rpt.percentile([1, 2], 101)
+
+
+def test_latency_stats():
+    s = rpt.latency_stats([10.0, 20.0, 30.0, 40.0])
+    assert s == {"n": 4, "p50": pytest.approx(25.0), "p95": pytest.approx(38.5), "p99": pytest.approx(39.7),
+                 "mean": 25.0, "max": 40.0}
+    assert rpt.latency_stats([]) == {"n": 0, "p50": None, "p95": None, "p99": None, "mean": None, "max": None}
+
+
+# ------------------------------------------------------------------------------------ capacity / cost
+
+
+def test_sessions_per_slot():
+    samples = [
+        {"t_s": 0, "alive": 2, "slots": 4},
+        {"t_s": 1, "alive": 12, "slots": 8},
+        {"t_s": 2, "alive": 6, "slots": 4},
+        {"t_s": 3, "alive": 5, "slots": 0},  # no capacity: not in the mean
+        {"t_s": 4, "alive": 5, "slots": None},
+    ]
+    out = rpt.sessions_per_slot(40, samples)
+    assert out["peak_slots"] == 8
+    assert out["per_slot_peak"] == pytest.approx(40 / 8)
+    assert out["per_slot_mean"] == pytest.approx((0.5 + 1.5 + 1.5) / 3)
+    assert out["mean_slots"] == pytest.approx(16 / 4)
+    empty = rpt.sessions_per_slot(3, [])
+    assert empty["per_slot_peak"] is None and empty["per_slot_mean"] is None
+
+
+def test_worker_seconds_prefers_the_server_counter():
+    samples = [
+        {"t_s": 0.0, "workers": 1, "workerSeconds": 100.0},
+        {"t_s": 1.0, "workers": 3, "workerSeconds": 101.0},
+        {"t_s": 2.0, "workers": 3, "workerSeconds": 104.0},
+    ]
+    assert rpt.worker_seconds_from_stats(samples) == (pytest.approx(4.0), "stats.workerSeconds")
+
+
+def test_worker_seconds_integrates_workers_without_the_counter():
+    samples = [{"t_s": 0.0, "workers": 1}, {"t_s": 2.0, "workers": 3}, {"t_s": 3.0, "workers": 2},
+               {"t_s": 5.0, "workers": 0}]
+    # 1 worker for 2 s + 3 for 1 s + 2 for 2 s
+    assert rpt.worker_seconds_from_stats(samples) == (pytest.approx(2 + 3 + 4), "integrated stats.workers")
+    assert rpt.worker_seconds_from_stats([{"t_s": 0, "workers": None}]) == (None, None)
+
+
+def test_analytical_baseline_from_a_plan():
+    turns = [
+        Turn("a", 1000, 100), Turn("a", 1300, 200),  # one session: 1000 -> 1500, + idle split 600
+        Turn("b", 1100, 50),  # 1100 -> 1150 + 600
+        Turn("a", 3000, 10),  # gap 1500 > 600: second session of a, 3000 -> 3010 + 600
+    ]
+    plan = build_plan(turns, compress=10, idle_split_s=600, run_id="t")
+    holds_trace = [1500 + 600 - 1000, 1150 + 600 - 1100, 3010 + 600 - 3000]
+    assert [round(s.hold_s, 9) for s in plan.sessions] == pytest.approx([h / 10 for h in holds_trace])
+    assert plan.baseline_worker_seconds == pytest.approx(sum(holds_trace) / 10)
+    assert rpt.analytical_baseline_worker_seconds([1.0, 2.5, -1.0]) == 3.5
+    assert rpt.session_hold_s(10, 25, 30) == 45
+
+
+def test_clipped_holds_only_count_the_time_run():
+    sessions = [{"start_s": 0.0, "end_s": 10.0}, {"start_s": 5.0, "end_s": 50.0}, {"start_s": 30.0, "end_s": 40.0}]
+    assert rpt.clipped_holds_s(sessions, 1000) == 10 + 45 + 10
+    assert rpt.clipped_holds_s(sessions, 20) == 10 + 15 + 0
+
+
+# ------------------------------------------------------------------------------------ plan
+
+
+def test_build_plan_compresses_and_names_sessions():
+    turns = [Turn("a", 500, 20), Turn("b", 510, 30, ok=False), Turn("a", 560, 10)]
+    plan = build_plan(turns, compress=100, idle_split_s=1800, run_id="abc")
+    assert [s.id for s in plan.sessions] == ["rp-abc-00000", "rp-abc-00001"]
+    a, b = plan.sessions
+    assert (a.key, a.start_s, [t.at_s for t in a.turns], [t.work_s for t in a.turns]) == (
+        "a#0", 0.0, [0.0, 0.6], [0.2, 0.1])
+    assert a.end_s == pytest.approx(0.7 + 18.0)
+    assert b.turns[0].trace_ok is False and b.turns[0].work_s == pytest.approx(0.3)
+    assert plan.turns == 3 and plan.owners == 2 and plan.trace_failed_turns == 1
+    assert plan.wall_span_s == pytest.approx(max(a.end_s, b.end_s))
+    skipped = build_plan(turns, compress=100, idle_split_s=1800, failed_turns="skip")
+    assert skipped.turns == 2 and skipped.trace_failed_turns == 0
+    capped = build_plan(turns, compress=100, idle_split_s=1800, max_sessions=1)
+    assert [s.key for s in capped.sessions] == ["a#0"]
+    with pytest.raises(ValueError):
+        build_plan(turns, compress=0, idle_split_s=1)
+
+
+# ------------------------------------------------------------------------------------ responses
+
+
+def test_check_count_detects_resets_and_tolerates_unanswered_increments():
+    assert check_count(1, 0, 0) == ("ok", (1, 1))
+    assert check_count(5, 4, 0) == ("ok", (5, 5))
+    assert check_count(1, 4, 0) == ("lost_state", (5, 5))  # reset
+    assert check_count(4, 4, 0) == ("lost_state", (5, 5))  # increment lost
+    assert check_count(7, 4, 0) == ("lost_state", (5, 5))  # replayed increments
+    assert check_count(6, 4, 1) == ("ok", (5, 6))  # the failed turn did land
+    assert check_count(5, 4, 1) == ("ok", (5, 6))  # ... or did not
+    assert check_count(None, 4, 0) == ("error", (5, 5))
+
+
+def test_extract_count():
+    assert extract_count({"output": {"count": 3}}) == 3
+    assert extract_count({"output": 4}) == 4
+    assert extract_count({"output": {"count": 2.0}}) == 2
+    assert extract_count({"output": {"count": True}}) is None
+    assert extract_count({"output": {"stdout": "x"}}) is None
+    assert extract_count(None) is None
+
+
+def test_classify_wake_vs_warm():
+    assert classify({"output": {}, "session": {"woke": True, "wake_ms": 12.5, "state_before": "SUSPENDED"}}, {}) == (
+        "wake", True, 12.5, "SUSPENDED")
+    assert classify({"output": {}, "session": {"woke": False, "state_before": "RUNNING"}}, {}) == (
+        "warm", False, None, "RUNNING")
+    # early builds: no session block, only the header
+    assert classify({"output": {}}, {"X-Substrate-Woke": "1", "X-Substrate-Wake-Ms": "33.0"}) == (
+        "wake", True, 33.0, None)
+    assert classify({"output": {}}, {}) == ("warm", None, None, None)
+    # a request that found the session still starting counts as a wake (cold path), not warm
+    assert classify({"output": {}, "session": {"woke": False, "state_before": "STARTING"}}, {})[0] == "wake"
+
+
+def test_small_helpers():
+    assert retry_after_s("2") == 2.0
+    assert retry_after_s("60") == 5.0  # capped
+    assert retry_after_s(None) == 1.0 and retry_after_s("soon") == 1.0
+    assert label_value("repo/x:1 y") == "repo-x-1-y"
+    assert label_value("__") == "x"
+    assert len(label_value("a" * 100)) == 63
+
+
+# ------------------------------------------------------------------------------------ canned result
+
+
+def _turn(session, i, *, kind="warm", added=5.0, status="ok", http=200, sent=1.0, work=0.1, trace_ok=True):
+    served = http == 200
+    return {"session": session, "i": i, "at_s": sent, "sent_s": sent, "queue_s": 0.0, "work_s": work,
+            "trace_ok": trace_ok, "status": status, "http": http,
+            "latency_ms": (added + work * 1000) if served else None, "added_ms": added if served else None,
+            "kind": kind if served else None, "woke": (kind == "wake") if served else None,
+            "wake_ms": (added - 2) if served and kind == "wake" else None, "state_before": None,
+            "worker": "w1", "epoch": 1, "count": i + 1 if served else None, "expected": [i + 1, i + 1],
+            "retries": 0, "error": None if status in ("ok", "lost_state") else "boom"}
+
+
+def canned_result(with_baseline: bool = False) -> dict:
+    turns = [
+        _turn("s0", 0, added=4.0, sent=0.5),
+        _turn("s0", 1, added=6.0, sent=12.0),
+        _turn("s0", 2, kind="wake", added=80.0, sent=25.0),
+        _turn("s1", 0, added=5.0, sent=3.0, trace_ok=False),
+        _turn("s1", 1, kind="wake", added=120.0, sent=30.0, status="lost_state"),
+        _turn("s1", 2, status="error", http=500, sent=31.0),
+        _turn("s2", 0, status="timeout", http=None, sent=2.0),
+        _turn("s2", 1, status="not_run", http=None, sent=None),
+    ]
+    sessions = [
+        {"id": f"s{i}", "key": f"o{i}#0", "owner": f"o{i}", "start_s": float(i), "end_s": 40.0 + i,
+         "hold_s": 40.0, "turns": 3 if i < 2 else 2, "created": i < 2, "create_ms": 3.0 if i < 2 else None,
+         "create_http": 201 if i < 2 else 503, "create_retries": 0, "deleted": i < 2, "final_count": None,
+         "error": None}
+        for i in range(3)
+    ]
+    stats = [{"t_s": float(t), "inflight": t % 3, "alive": 2, "ok": True, "workers": 1 if t < 20 else 2,
+              "slots": 4 if t < 20 else 8, "slotsUsed": 1, "sessions": {"RUNNING": 1, "SUSPENDED": 1},
+              "workerSeconds": 1000.0 + (t if t <= 20 else 20 + 2 * (t - 20))} for t in range(0, 43)]
+    ours = {"name": "ours", "host": "http://ours", "wall_s": 43.0, "stopped_by": "done", "ended_s": 43.0,
+            "turns": turns, "sessions": sessions, "stats": stats}
+    ours["summary"] = rpt.summarize_target(turns, sessions, stats)
+    result = {
+        "schema": "substrate-replay/v1",
+        "config": {"trace": "/x/trace.csv", "format": "plain", "compress": 100.0, "window_start_s": 0.0,
+                   "window_start_utc": None, "duration_s": None, "idle_split_s": 1800.0},
+        "plan": {"sessions": 3, "turns": 8, "owners": 3, "trace_failed_turns": 1, "wall_span_s": 42.0,
+                 "baseline_worker_seconds": 999.0},
+        "targets": {"ours": ours},
+    }
+    if with_baseline:
+        bturns = [_turn("s0", i, added=a, sent=float(i)) for i, a in enumerate([2.0, 3.0, 50.0])]
+        bstats = [{"t_s": float(t), "workers": 3, "slots": 3, "alive": 3, "workerSeconds": 10.0 + 3 * t}
+                  for t in range(0, 43)]
+        base = {"name": "baseline", "host": "http://base", "wall_s": 43.0, "stopped_by": "done", "ended_s": 43.0,
+                "turns": bturns, "sessions": sessions, "stats": bstats}
+        base["summary"] = rpt.summarize_target(bturns, sessions, bstats)
+        result["targets"]["baseline"] = base
+    result.update(rpt.compare(result))
+    return result
+
+
+def test_summarize_target_counts_and_latencies():
+    s = canned_result()["targets"]["ours"]["summary"]
+    assert (s["turns_planned"], s["turns_run"], s["ok"], s["errors"], s["lost_state"], s["not_run"]) == (
+        8, 7, 4, 2, 1, 1)
+    assert s["errors_by_kind"] == {"error:500": 1, "timeout:-": 1}
+    assert s["trace_failed"] == 1
+    assert (s["warm"], s["wake"]) == (3, 2)
+    assert s["warm_hit_rate"] == pytest.approx(3 / 5)
+    assert s["added_ms"]["warm"]["p50"] == pytest.approx(5.0)
+    assert s["added_ms"]["wake"]["p99"] == pytest.approx(80 + 0.99 * 40)
+    assert s["added_ms"]["all"]["n"] == 5
+    assert s["server_wake_ms"]["p50"] == pytest.approx(99.0)
+    assert s["sessions"] == {"planned": 3, "created": 2, "create_failed": 1,
+                             "create_ms": rpt.latency_stats([3.0, 3.0])}
+    cap = s["capacity"]
+    assert (cap["peak_slots"], cap["peak_workers"], cap["peak_inflight"]) == (8, 2, 2)
+    assert cap["per_slot_peak"] == pytest.approx(2 / 8)
+    # workerSeconds grows 1/s to t=20 then 2/s to t=42
+    assert s["worker_seconds"] == pytest.approx(20 + 2 * 22)
+    assert s["worker_seconds_source"] == "stats.workerSeconds"
+
+
+def test_compare_analytical_uses_clipped_session_holds():
+    r = canned_result()
+    base = r["baseline"]
+    assert base["mode"] == "analytical"
+    # sessions hold [0,40], [1,41], [2,42] all inside ended_s=43 -> 120 (not plan's 999)
+    assert base["worker_seconds"] == pytest.approx(120.0)
+    assert base["worker_seconds_trace"] == pytest.approx(120.0 * 100)
+    assert r["ratios"]["worker_seconds_baseline_over_ours"] == pytest.approx(120.0 / 64.0)
+    assert r["ratios"]["p99_added_baseline_over_ours"] is None
+    assert base["p99_added_ms"] is None
+
+
+def test_compare_measured_baseline_ratios():
+    r = canned_result(with_baseline=True)
+    assert r["baseline"]["mode"] == "measured"
+    assert r["baseline"]["worker_seconds"] == pytest.approx(3 * 42)
+    assert r["ratios"]["worker_seconds_baseline_over_ours"] == pytest.approx(126 / 64)
+    base_p99 = rpt.percentile([2.0, 3.0, 50.0], 99)
+    ours_p99 = rpt.percentile([4.0, 6.0, 80.0, 5.0, 120.0], 99)
+    assert r["ratios"]["p99_added_baseline_over_ours"] == pytest.approx(base_p99 / ours_p99)
+    assert rpt.ratio(1.0, 0.0) is None and rpt.ratio(None, 1.0) is None
+
+
+def test_render_markdown_reports_the_figures():
+    md = rpt.render_markdown(canned_result())
+    assert "| lost_state | 1 |" in md
+    assert "| errors | 2 (error:500 x1, timeout:- x1) |" in md
+    assert "| warm-hit rate | 60.0 % |" in md
+    assert "| worker-seconds (wall) | 120.0 | 64.0 | 1.9x |" in md
+    assert "analytical" in md and "Partial run" not in md
+    md2 = rpt.render_markdown(canned_result(with_baseline=True))
+    assert "Baseline (measured)" in md2 and "| ours | baseline |" in md2
+
+
+def test_render_markdown_flags_a_partial_run():
+    r = canned_result()
+    r["targets"]["ours"]["stopped_by"] = "wall_cap"
+    assert "**Partial run** (ours stopped by wall_cap)" in rpt.render_markdown(r)
+
+
+def test_write_outputs_writes_json_markdown_and_png(tmp_path):
+    result = canned_result(with_baseline=True)
+    paths = write_outputs(result, tmp_path / "out")
+    loaded = json.loads(paths["json"].read_text())
+    assert loaded["schema"] == "substrate-replay/v1"
+    assert loaded["ratios"] == pytest.approx(result["ratios"])
+    assert loaded["targets"]["ours"]["summary"]["lost_state"] == 1
+    assert paths["md"].read_text().startswith("## Trace replay: trace.csv (plain)")
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_plot_report_survives_an_empty_run(tmp_path):
+    r = canned_result()
+    r["targets"]["ours"]["turns"] = []
+    r["targets"]["ours"]["stats"] = []
+    out = rpt.plot_report(r, tmp_path / "empty.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_dry_run_plans_without_a_server(capsys):
+    assert main([str(FIXTURE), "--dry-run", "--compress", "100", "--idle-split", "30m"]) == 0
+    out = capsys.readouterr().out
+    assert "7 sessions / 4 owners / 10 turns (1 trace-failed)" in out
+    # analytical hold (trace s): alice 50+1800, 2530+5-2000+1800; bob 125-5+1800, 2510-2500+1800;
+    # carol 5+1800, 2140-2100+1800; dave 60+1800 -> /100 wall
+    holds = [1850, 2335, 1920, 1810, 1805, 1840, 1860]
+    assert f"{sum(holds) / 100:.1f} worker-seconds (wall)" in out
+
+
+def test_cli_window_and_errors(capsys, tmp_path):
+    assert main([str(FIXTURE), "--dry-run", "--start", "1900", "--duration", "700"]) == 0
+    assert "-> 4 turns" in capsys.readouterr().out  # arrivals 2000, 2100, 2500, 2530
+    assert main([str(tmp_path / "missing.csv"), "--dry-run"]) == 2
+    assert main([str(FIXTURE), "--dry-run", "--start", "2024-01-01"]) == 2  # absolute start, relative trace
+
+
+# ------------------------------------------------------------------------------------ bench table
+
+
+def test_markdown_table():
+    rows = [{"case": "warm", "p50_ms": 1.234, "n": 10}, {"case": "wake", "p50_ms": 41.5, "extra": True}]
+    assert markdown_table(rows) == (
+        "| case | p50_ms | n | extra |\n"
+        "|---|---:|---:|---|\n"
+        "| warm | 1.23 | 10 |  |\n"
+        "| wake | 41.5 |  | yes |"
+    )
+    assert markdown_table([]) == ""
+    assert markdown_table(rows, columns=["n"]) == "| n |\n|---:|\n| 10 |\n|  |"
+
+
+def test_format_cell():
+    assert [format_cell(v) for v in (None, False, 7, 1234.5, 123.4, 0.000123, "a|b")] == [
+        "", "no", "7", "1,234", "123", "0.000123", "a\\|b"]
+
+
+def test_write_table(tmp_path, capsys):
+    text = write_table([{"a": 1}], tmp_path / "t.md", title="Bench")
+    assert text == "## Bench\n\n| a |\n|---:|\n| 1 |"
+    assert (tmp_path / "t.md").read_text() == text + "\n"
+    assert capsys.readouterr().out.strip() == text
