@@ -213,7 +213,7 @@ def compare(result: Mapping[str, Any]) -> dict[str, Any]:
         base_ws = bsum.get("worker_seconds")
         base_p99 = bsum["added_ms"]["all"]["p99"]
         note = (
-            f"measured: the same trace replayed concurrently against {base_target['host']} "
+            f"the same trace replayed concurrently against {base_target['host']} "
             "(one slot per worker, no idle suspension)"
         )
     else:
@@ -221,7 +221,7 @@ def compare(result: Mapping[str, Any]) -> dict[str, Any]:
         base_ws = analytical
         base_p99 = None
         note = (
-            "analytical: no baseline host; each session holds one always-on worker from its first "
+            "no baseline host; each session holds one always-on worker from its first "
             "arrival to its last turn end + the idle split (pod-per-session); its added latency is "
             "not measured (an always-on pod's is about our warm path)"
         )
@@ -329,10 +329,10 @@ def render_markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _windows(turns: Sequence[Mapping[str, Any]], kind: str, window_s: float) -> tuple[list[float], list[float], list[float]]:
+def _windows(turns: Sequence[Mapping[str, Any]], kind: str | None, window_s: float) -> tuple[list[float], list[float], list[float]]:
     buckets: dict[int, list[float]] = {}
     for t in turns:
-        if t.get("kind") == kind and t.get("added_ms") is not None and t.get("sent_s") is not None:
+        if (kind is None or t.get("kind") == kind) and t.get("added_ms") is not None and t.get("sent_s") is not None:
             buckets.setdefault(int(t["sent_s"] // window_s), []).append(t["added_ms"])
     xs, p50, p99 = [], [], []
     for b in sorted(buckets):
@@ -366,7 +366,7 @@ def plot_report(result: Mapping[str, Any], path: str | Path, window_s: float | N
             ax.plot(xs, p99, "--", color=color, label=f"{kind} p99")
             plotted = True
     if "baseline" in result["targets"]:
-        xs, p50, p99 = _windows(result["targets"]["baseline"]["turns"], "warm", window_s)
+        xs, p50, p99 = _windows(result["targets"]["baseline"]["turns"], None, window_s)
         if xs:
             ax.plot(xs, p99, ":", color="tab:gray", label="baseline p99")
             plotted = True

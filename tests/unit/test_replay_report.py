@@ -242,7 +242,7 @@ def test_summarize_target_counts_and_latencies():
     assert s["added_ms"]["warm"]["p50"] == pytest.approx(5.0)
     assert s["added_ms"]["wake"]["p99"] == pytest.approx(80 + 0.99 * 40)
     assert s["added_ms"]["all"]["n"] == 5
-    assert s["server_wake_ms"]["p50"] == pytest.approx(99.0)
+    assert s["server_wake_ms"]["p50"] == pytest.approx((78.0 + 118.0) / 2)
     assert s["sessions"] == {"planned": 3, "created": 2, "create_failed": 1,
                              "create_ms": rpt.latency_stats([3.0, 3.0])}
     cap = s["capacity"]
