@@ -255,3 +255,22 @@ def test_chaos_sigkill_workers_under_load(runtime_factory):
         snap = c.get_session(sid)
         assert n >= 1 and rec["id"] == sid
         assert snap["state"] == "RUNNING"
+
+
+@pytest.mark.parametrize("env,code", [
+    ({"SUBSTRATE_API__MAX_PARKED": "0"}, "too_many_parked"),
+    ({"SUBSTRATE_API__PARK_TIMEOUT_S": "0.000001"}, "resume_timeout"),
+])
+def test_parked_requests_are_bounded(runtime_factory, env, code):
+    rt = runtime_factory(replicas=1, slots=2, env=env)
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    c.suspend(s["id"])
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.status_code == 503 and r.json()["code"] == code and int(r.headers["retry-after"]) >= 1
+    if code == "too_many_parked":
+        assert c.get_session(s["id"])["state"] == "SUSPENDED"
+    else:  # the resume itself went on in the background; the next request finds it running
+        rt.wait_for(lambda: c.get_session(s["id"])["state"] == "RUNNING", what="background resume")
+        assert c.invoke(s["id"], "get") == {"count": 1}
