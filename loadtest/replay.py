@@ -57,8 +57,8 @@ from loadtest.traces import (
     FORMATS,
     TIMESTAMPED_FORMATS,
     AzureOptions,
-    Turn,
     TraceError,
+    Turn,
     detect_format,
     format_timestamp,
     load_trace,
@@ -340,7 +340,7 @@ class TargetRunner:
 
         try:
             await self._request(http, "GET", "/healthz", timeout_s=5.0)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise ReplayError(f"{self.name}: cannot reach {self.host}: {e!r}") from e
 
     async def _create(self, http, ps: PlannedSession, srec: dict[str, Any]) -> bool:
@@ -353,7 +353,7 @@ class TargetRunner:
             try:
                 status, headers, payload = await self._request(
                     http, "POST", "/v1/sessions", json_body=body, timeout_s=self.cfg.request_timeout_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 srec["error"] = f"create: {e!r}"
                 return False
             srec["create_http"] = status
@@ -391,7 +391,7 @@ class TargetRunner:
                         await asyncio.sleep(retry_after_s(headers.get("Retry-After")))
                         continue
                     break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 rec["status"], rec["error"] = "timeout", f"no answer within {self.cfg.request_timeout_s + pt.work_s:.1f} s"
             except (aiohttp.ClientError, OSError) as e:
                 rec["status"], rec["error"] = "error", repr(e)
@@ -489,7 +489,7 @@ class TargetRunner:
                     sample["slots"] = sum(int(s.get("slots") or 0) for s in st)
                     sample["slotsUsed"] = sample["slots"] - sum(int(s.get("freeSlots") or 0) for s in st)
                     sample["ok"] = True
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, TypeError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError):
             pass
         self.samples.append(sample)
 
@@ -540,13 +540,12 @@ class TargetRunner:
             for t, srec in zip(tasks, self.sessions, strict=True):
                 if not t.cancelled() and t.exception() is not None and srec["error"] is None:
                     srec["error"] = f"replay bug: {t.exception()!r}"
-            if self._live:  # sessions left by a stop or the wall cap (or --keep-sessions is off)
-                if self.cfg.delete_sessions:
-                    srec_by_id = {s["id"]: s for s in self.sessions}
-                    await asyncio.wait(
-                        [asyncio.create_task(self._delete(http, sid, srec_by_id[sid], 5.0)) for sid in list(self._live)],
-                        timeout=15.0,
-                    )
+            if self._live and self.cfg.delete_sessions:  # sessions left behind by a stop or the wall cap
+                srec_by_id = {s["id"]: s for s in self.sessions}
+                await asyncio.wait(
+                    [asyncio.create_task(self._delete(http, sid, srec_by_id[sid], 5.0)) for sid in list(self._live)],
+                    timeout=15.0,
+                )
             done.set()
             await sampler
         result = {
@@ -569,6 +568,15 @@ class TargetRunner:
 # CLI
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only when it says something (not None/False, not already in the text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="substrate-replay",
@@ -578,7 +586,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Durations accept 90s, 30m, 2h, 1d, 1h30m or plain seconds. Example: substrate-replay "
         "../shared/traces/gentd26_requests_2024-11-15_to_11-26.csv --host http://127.0.0.1:8080 "
         "--compress 100 --start 2d --duration 1d --idle-split 30m --max-sessions 500 --out replay-results/",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     ap.add_argument("trace", help="trace file: GenTD26 CSV, Azure LLM CSV, OpenHands .json/.jsonl, "
                     "or a plain session_id,arrival_s,duration_s CSV")

@@ -276,8 +276,8 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("added ms wake p50 / p95 / p99", " / ".join(_ms(a["wake"][f"p{q}"]) for q in LATENCY_QUANTILES)),
         ("added ms all p99", _ms(a["all"]["p99"])),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
-        ("peak slots / peak workers", f"{cap['peak_slots'] if cap['peak_slots'] is not None else 'n/a'} / "
-         f"{cap['peak_workers'] if cap['peak_workers'] is not None else 'n/a'}"),
+        ("peak slots / peak workers", (f"{cap['peak_slots'] if cap['peak_slots'] is not None else 'n/a'} / "
+         f"{cap['peak_workers'] if cap['peak_workers'] is not None else 'n/a'}")),
         ("sessions per slot (distinct/peak, mean)", f"{_num(cap['per_slot_peak'])}, {_num(cap['per_slot_mean'])}"),
         ("worker-seconds", _num(summary["worker_seconds"], "{:.1f}")
          + (f" ({summary['worker_seconds_source']})" if summary.get("worker_seconds_source") else "")),
@@ -292,10 +292,10 @@ def render_markdown(result: Mapping[str, Any]) -> str:
     lines = [
         f"## Trace replay: {Path(str(cfg.get('trace', '?'))).name} ({cfg.get('format')})",
         "",
-        f"- window: {cfg.get('window_start_utc') or cfg.get('window_start_s')} + {cfg.get('duration_s') or 'all'} s "
-        f"of trace time; compression {cfg.get('compress')}x; idle split {cfg.get('idle_split_s')} s",
-        f"- plan: {plan['sessions']} sessions of {plan['owners']} owners, {plan['turns']} turns "
-        f"({plan.get('trace_failed_turns', 0)} failed in the trace), {_num(plan.get('wall_span_s'), '{:.0f}')} s wall",
+        (f"- window: {cfg.get('window_start_utc') or cfg.get('window_start_s')} + {cfg.get('duration_s') or 'all'} s "
+        f"of trace time; compression {cfg.get('compress')}x; idle split {cfg.get('idle_split_s')} s"),
+        (f"- plan: {plan['sessions']} sessions of {plan['owners']} owners, {plan['turns']} turns "
+        f"({plan.get('trace_failed_turns', 0)} failed in the trace), {_num(plan.get('wall_span_s'), '{:.0f}')} s wall"),
         "- " + ", ".join(f"{n}: {targets[n]['host']} ({_num(targets[n].get('wall_s'), '{:.0f}')} s, "
                          f"stopped by {targets[n].get('stopped_by')})" for n in names),
         "",
@@ -303,8 +303,8 @@ def render_markdown(result: Mapping[str, Any]) -> str:
     partial = [n for n in names if targets[n].get("stopped_by") not in (None, "done")]
     if partial:
         why = ", ".join(f"{n} stopped by {targets[n]['stopped_by']}" for n in partial)
-        lines += [f"**Partial run** ({why}): turns not sent are `not_run`; the analytical baseline "
-                  "is clipped to the time run.", ""]
+        lines += [(f"**Partial run** ({why}): turns not sent are `not_run`; the analytical baseline "
+                  "is clipped to the time run."), ""]
     rows_by_target = {n: dict(target_rows(targets[n]["summary"])) for n in names}
     keys = [k for k, _ in target_rows(targets["ours"]["summary"])]
     lines.append(markdown_table([{"": k, **{n: rows_by_target[n][k] for n in names}} for k in keys]))
@@ -324,8 +324,8 @@ def render_markdown(result: Mapping[str, Any]) -> str:
             ]),
         ]
         if base.get("mode") == "measured" and base.get("analytical_worker_seconds") is not None:
-            lines += ["", f"(Analytical always-on worker-seconds for comparison: "
-                          f"{base['analytical_worker_seconds']:.1f}.)"]
+            lines += ["", (f"(Analytical always-on worker-seconds for comparison: "
+                          f"{base['analytical_worker_seconds']:.1f}.)")]
     return "\n".join(lines)
 
 

@@ -122,7 +122,7 @@ def format_timestamp(unix_s: float) -> str:
     return datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_duration(text: str | float | int) -> float:
+def parse_duration(text: str | float) -> float:
     """``"1d"``, ``"30m"``, ``"1h30m"``, ``"90s"``, ``"250ms"``, ``"45"`` (seconds) -> seconds."""
     if isinstance(text, (int, float)):
         return float(text)

@@ -88,6 +88,12 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
             err.print(f"[red]error[/red]: {e}")
             raise typer.Exit(2) from None
         err.print(f"embedded Redis at {embedded.url}")
+    def _term(*_: object) -> None:
+        # uvicorn re-raises the signal it caught after a graceful shutdown; turn SIGTERM into an
+        # exception so the finally below still stops the embedded Redis
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _term)
     try:
         cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
                              log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)

@@ -401,7 +401,7 @@ class Directory:
             p.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
             for sid, ts in (last_active or {}).items():
                 # only touch records that exist: a deleted session must not be resurrected
-                self._touch(keys=[self.keys.session(sid)], args=[repr(ts)], client=p)
+                await self._touch(keys=[self.keys.session(sid)], args=[repr(ts)], client=p)
             await p.execute()
         return True
 

@@ -130,3 +130,15 @@ async def test_two_routers_resuming_one_session_activate_it_once_200_times(direc
         await directory.release_slot(rec.worker, rec.slot, sid)
     for r in routers:
         await r.directory.close()
+
+
+async def test_heartbeat_records_last_activity_without_resurrecting(directory):
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=2,
+                                                 leaseExpiresAt=now + 10, startedAt=now))
+    await directory.create_session(_rec("live"))
+    assert await directory.heartbeat("w1", now + 20, {"live": now + 5, "gone": now + 5})
+    assert (await directory.get_session("live")).lastActiveAt == pytest.approx(now + 5)
+    assert not await directory.redis.exists(directory.keys.session("gone"))
+    await directory.deregister_worker("w1")
+    assert not await directory.heartbeat("w1", now + 30), "a deregistered worker learns it is dead"

@@ -207,7 +207,7 @@ def canned_result(with_baseline: bool = False) -> dict:
     ]
     stats = [{"t_s": float(t), "inflight": t % 3, "alive": 2, "ok": True, "workers": 1 if t < 20 else 2,
               "slots": 4 if t < 20 else 8, "slotsUsed": 1, "sessions": {"RUNNING": 1, "SUSPENDED": 1},
-              "workerSeconds": 1000.0 + (t if t <= 20 else 20 + 2 * (t - 20))} for t in range(0, 43)]
+              "workerSeconds": 1000.0 + (t if t <= 20 else 20 + 2 * (t - 20))} for t in range(43)]
     ours = {"name": "ours", "host": "http://ours", "wall_s": 43.0, "stopped_by": "done", "ended_s": 43.0,
             "turns": turns, "sessions": sessions, "stats": stats}
     ours["summary"] = rpt.summarize_target(turns, sessions, stats)
@@ -222,7 +222,7 @@ def canned_result(with_baseline: bool = False) -> dict:
     if with_baseline:
         bturns = [_turn("s0", i, added=a, sent=float(i)) for i, a in enumerate([2.0, 3.0, 50.0])]
         bstats = [{"t_s": float(t), "workers": 3, "slots": 3, "alive": 3, "workerSeconds": 10.0 + 3 * t}
-                  for t in range(0, 43)]
+                  for t in range(43)]
         base = {"name": "baseline", "host": "http://base", "wall_s": 43.0, "stopped_by": "done", "ended_s": 43.0,
                 "turns": bturns, "sessions": sessions, "stats": bstats}
         base["summary"] = rpt.summarize_target(bturns, sessions, bstats)
