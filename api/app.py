@@ -116,6 +116,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
         """Create a session of an ActorTemplate on a free slot of a warm worker and start it."""
         rt = _rt(request)
+        limit = rt.settings.api.max_body_bytes
+        if len(await request.body()) > limit:  # a chunked body has no Content-Length to check up front
+            raise PayloadTooLarge(f"body is over the {limit}-byte limit")
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
         pool = rt.catalog.pool_for(template)
@@ -138,7 +141,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         ``metadata.continue`` token of the previous page."""
         offset = 0
         if continue_:
-            if not continue_.isdigit():
+            if not continue_.isdigit() or len(continue_) > 15:
                 raise InvalidInput("bad continue token", code="invalid_continue")
             offset = int(continue_)
         items, nxt = await _rt(request).directory.list_sessions(state=state, template=template, limit=limit,

@@ -57,6 +57,12 @@ def test_notebook_shell_and_command_agents(shared_runtime):
     out = c.invoke(sh["id"], "echo hello > f.txt && cat f.txt && echo err >&2; exit 3")
     assert out == {"stdout": "hello\n", "stderr": "err\n", "exitCode": 3}
     assert c.invoke(sh["id"], "cat f.txt")["stdout"] == "hello\n"
+    import time as _t
+    t0 = _t.monotonic()
+    sh2 = c.create_session("shell", env={"SHELL_TIMEOUT_S": "1"})
+    assert c.invoke(sh2["id"], "sleep 20; echo never")["exitCode"] == -9
+    assert _t.monotonic() - t0 < 15, "the timeout kills the command's children too"
+    c.delete_session(sh2["id"])
     cmd = c.create_session("echo-command")
     assert c.invoke(cmd["id"], {"a": 1}) == {"echo": {"a": 1}, "turns": 1}
     assert c.invoke(cmd["id"], "b")["turns"] == 2
@@ -122,6 +128,7 @@ def test_pools_templates_stats_metrics_openapi(shared_runtime):
     ("GET", "/v1/sessions?limit=0", None, 422, "invalid_input"),
     ("GET", "/v1/sessions?state=NAPPING", None, 422, "invalid_input"),
     ("GET", "/v1/sessions?continue=abc", None, 422, "invalid_continue"),
+    ("GET", "/v1/sessions?continue=99999999999999999999999999", None, 422, "invalid_continue"),
     ("GET", "/v1/nothing-here", None, 404, "not_found"),
 ])
 def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status, code):
@@ -165,6 +172,9 @@ def test_body_over_limit_is_413(runtime_factory):
     assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
     r = rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "labels": {"x": "y" * 2000}})
     assert r.status_code == 413
+    big = b'{"actorTemplate": "counter", "labels": {"x": "' + b"y" * 2000 + b'"}}'
+    r = rt.client.http.post("/v1/sessions", content=iter([big]), headers={"content-type": "application/json"})
+    assert r.status_code == 413, "a chunked body (no Content-Length) is limited too"
     assert rt.client.invoke(s["id"], "get") == {"count": 0}
     assert rt.r.zcard(rt.keys.sessions_index) == 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import Any
 
 from workers.handler import Agent, AgentError
@@ -29,7 +30,10 @@ class Shell(Agent):
             out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
             code = proc.returncode
         except asyncio.TimeoutError:
-            proc.kill()
+            try:  # the whole process group: a child of the shell must not hold the pipes open
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             out, err = await proc.communicate()
             code = -9
         return {"stdout": out[:_MAX_OUTPUT_BYTES].decode(errors="replace"),
