@@ -7,6 +7,7 @@ actor templates as the control plane sees them, ``/metrics``, ``/healthz``, ``/r
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
@@ -27,6 +28,10 @@ from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
 
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
 class CreateSession(BaseModel):
     """Body of ``POST /v1/sessions``."""
 
@@ -35,6 +40,24 @@ class CreateSession(BaseModel):
     id: str | None = Field(None, description="client-chosen ID, [a-z0-9][a-z0-9-_.]{0,127}; generated if absent")
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not _LABEL_KEY.match(k):
+                raise ValueError(f"label key {k!r} must be 1-63 letters, digits, '-', '_', '.', '/'")
+            if len(val) > 256:
+                raise ValueError(f"label {k!r} value is over 256 characters")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not _ENV_KEY.match(k):
+                raise ValueError(f"env name {k!r} must look like A_NAME")
+        return v
 
 
 class ResumeSession(BaseModel):
@@ -59,11 +82,13 @@ def _auth(request: Request) -> None:
     proxy.check_auth(_rt(request), request)
 
 
-def _body_limit(request: Request) -> None:
+async def _body_limit(request: Request) -> None:
     cl = request.headers.get("content-length")
     limit = _rt(request).settings.api.max_body_bytes
     if cl and cl.isdigit() and int(cl) > limit:
         raise PayloadTooLarge(f"body of {cl} bytes is over the {limit}-byte limit")
+    if len(await request.body()) > limit:  # a chunked body has no Content-Length to check up front
+        raise PayloadTooLarge(f"body is over the {limit}-byte limit")
 
 
 def _check_id(sid: str) -> str:
@@ -100,6 +125,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        if any(er.get("type") == "json_invalid" for er in e.errors()):
+            return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
         errs = [{"loc": list(er.get("loc", ())), "msg": er.get("msg", "")} for er in e.errors()]
         msg = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in errs)
         return JSONResponse({"code": "invalid_input", "message": msg or "invalid request",
@@ -116,16 +143,12 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
         """Create a session of an ActorTemplate on a free slot of a warm worker and start it."""
         rt = _rt(request)
-        limit = rt.settings.api.max_body_bytes
-        if len(await request.body()) > limit:  # a chunked body has no Content-Length to check up front
-            raise PayloadTooLarge(f"body is over the {limit}-byte limit")
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
         pool = rt.catalog.pool_for(template)
         now = time.time()
         rec = SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate=template.name, pool=pool.name,
-                            labels=body.labels, env=body.env, createdAt=now, updatedAt=now, lastActiveAt=now,
-                            stateDeadline=now + rt.settings.state.transition_deadline_s)
+                            labels=body.labels, env=body.env, createdAt=now, updatedAt=now, lastActiveAt=now)
         rec = await rt.activator.create(rec, template)
         route = rt.activator.route_of(rec)
         if route is not None:

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from substrate.activator import Route
 from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
 from substrate.models import SESSION_ID_RE
-from substrate.workerclient import EPOCH_HEADER
+from substrate.workerclient import EPOCH_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
     from api.runtime import Runtime
@@ -103,7 +103,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool) -> R
                 woke_ms = (time.perf_counter() - t0) * 1000
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
-        headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json"}
+        headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json",
+                   TOKEN_HEADER: runtime.settings.worker.internal_token or ""}
         try:
             resp = await runtime.http.post(url, data=body, headers=headers)
         except aiohttp.ClientConnectorError:
@@ -127,6 +128,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool) -> R
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
+            if route.restored:  # state since the last snapshot was lost: say so on the answer itself
+                extra["X-Substrate-Restored"] = route.restored
         if stream and resp.status == 200:
             return StreamingResponse(_relay(resp), status_code=200, media_type="application/x-ndjson",
                                      headers=extra)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +47,13 @@ class Runtime:
     async def build(cls, settings: Settings, *, embedded: bool = True, catalog: Catalog | None = None) -> "Runtime":
         if not settings.redis.url:
             raise RuntimeError("SUBSTRATE_REDIS_URL is not set (substrate up starts an embedded Redis)")
+        if not settings.worker.internal_token:
+            settings.worker.internal_token = secrets.token_urlsafe(24)
         directory = Directory(settings.redis.url, settings.redis.key_prefix,
                               socket_timeout_s=settings.redis.socket_timeout_s)
         catalog = catalog or load_catalog(settings.config_dir)
         view = WorkerView(directory, settings.api.worker_refresh_s)
-        client = WorkerClient(timeout_s=settings.api.invoke_timeout_s)
+        client = WorkerClient(timeout_s=settings.api.invoke_timeout_s, token=settings.worker.internal_token)
         activator = Activator(settings, directory, catalog, client, view)
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),

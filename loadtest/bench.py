@@ -46,6 +46,9 @@ spec:
 """
 
 
+BENCH_TOKEN = f"bench-{os.getpid()}"
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
@@ -75,6 +78,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_LOG_LEVEL": "WARNING",
                "SUBSTRATE_REDIS__KEY_PREFIX": f"bench{os.getpid()}",
+               "SUBSTRATE_WORKER__INTERNAL_TOKEN": BENCH_TOKEN,
                "SUBSTRATE_WORKER__ROOT_DIR": f"{self.tmp.name}/workers",
                "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots"}
         self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
@@ -141,7 +145,8 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
                 routed.append((await _post(http, f"{base}/v1/sessions/{s['id']}/invoke", body))[2])
                 if workers.get(wid):
                     direct.append((await _post(http, f"{workers[wid]}/v1/activations/{s['id']}/invoke", body,
-                                               {"X-Substrate-Epoch": str(s["epoch"])}))[2])
+                                               {"X-Substrate-Epoch": str(s["epoch"]),
+                                                "X-Substrate-Internal-Token": BENCH_TOKEN}))[2])
             rows.append(_row("invoke via router (RUNNING session)", routed))
             if direct:
                 rows.append(_row("invoke direct to worker", direct))

@@ -46,6 +46,7 @@ class StateManager:
         self._task: asyncio.Task[None] | None = None
         self._retry_at: dict[str, tuple[float, int]] = {}  # session -> (next attempt time, attempts)
         self._scans = 0
+        self._orphans: set[tuple[str, int, str]] = set()
         self._wait = wait_exponential(multiplier=settings.state.suspend_retry_base_s,
                                       max=settings.state.suspend_retry_max_s)
 
@@ -179,19 +180,26 @@ class StateManager:
         offset: int | None = 0
         while offset is not None:
             page, offset = await d.list_sessions(limit=1000, offset=offset)
+            now = time.time()
             for rec in page:
                 if rec.worker and rec.worker not in workers and rec.state in (
                         SessionState.RUNNING, SessionState.SUSPENDING):
                     await self.activator.recover_session(rec.id, rec.worker, reason="worker_lost")
+                elif rec.state.transitional and rec.stateDeadline and rec.stateDeadline < now:
+                    await self._roll(rec)  # past its deadline but missing from the deadline index
+        # A slot claim precedes the record write by one round trip, so an entry is freed only if it was
+        # already orphaned at the previous repair pass (two-phase: no race with a placement in flight).
+        orphans: set[tuple[str, int, str]] = set()
         for wid in workers:
             slots = await d.worker_slots(wid)
             recs = {r.id: r for r in await d.get_sessions(list(slots.values()))}
             for slot, sid in slots.items():
                 r = recs.get(sid)
                 if r is None or r.worker != wid or r.slot != slot:
-                    if r is not None and r.state.transitional and r.state != SessionState.SUSPENDING:
-                        continue  # being placed right now: the claim precedes the CAS
-                    await d.release_slot(wid, slot, sid)
+                    orphans.add((wid, slot, sid))
+        for wid, slot, sid in orphans & self._orphans:
+            await d.release_slot(wid, slot, sid)
+        self._orphans = orphans - self._orphans
         counts: dict[str, int] = {}
         offset = 0
         while offset is not None:

@@ -64,6 +64,8 @@ class Route:
     worker: str
     address: str
     epoch: int
+    #: why the activation that made this route restored older state (``worker_lost``, ``deadline``), if so
+    restored: str | None = None
 
 
 class WorkerView:
@@ -184,24 +186,31 @@ class Activator:
 
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
-        """Create and start a session (see module doc). Raises Conflict, NoCapacity, WorkerUnavailable,
-        DirectoryUnavailable; on any error nothing of the session remains."""
+        """Create and start a session in three directory round trips: claim a slot; write the record
+        already STARTING with epoch 1 on that slot (create-if-absent: 409 on a taken ID, and the slot is
+        given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
+        WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains."""
         t0 = time.perf_counter()
-        await self.directory.create_session(rec)
-        worker: WorkerRecord | None = None
-        slot = -1
         try:
             worker, slot = await self.place(rec.id, template)
-            cas = await self.directory.transition(
-                rec.id, from_states=[SessionState.PENDING], to=SessionState.STARTING, bump=True,
-                set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
-            if not cas.ok:
-                raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
-            await self.client.activate(worker.address, session=rec.id, epoch=cas.epoch, template=template,
+        except NoCapacity:
+            if await self.directory.redis.exists(self.directory.keys.session(rec.id)):
+                raise Conflict(f"session {rec.id!r} already exists", code="session_exists") from None
+            raise
+        now = time.time()
+        rec.state, rec.worker, rec.slot, rec.epoch = SessionState.STARTING, worker.id, slot, 1
+        rec.stateDeadline = now + self.settings.state.transition_deadline_s
+        try:
+            await self.directory.create_session(rec)
+        except BaseException:
+            await self.directory.release_slot(worker.id, slot, rec.id)
+            raise
+        try:
+            await self.client.activate(worker.address, session=rec.id, epoch=1, template=template,
                                        slot=slot, env=rec.env, snapshot=None)
             now = time.time()
             done = await self.directory.transition(
-                rec.id, from_states=[SessionState.STARTING], epoch=cas.epoch, to=SessionState.RUNNING,
+                rec.id, from_states=[SessionState.STARTING], epoch=1, to=SessionState.RUNNING,
                 set={"lastActiveAt": now})
             if not done.ok:
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
@@ -210,8 +219,7 @@ class Activator:
             raise
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="create").observe(
             time.perf_counter() - t0)
-        rec.state, rec.worker, rec.slot, rec.epoch, rec.lastActiveAt = \
-            SessionState.RUNNING, worker.id, slot, done.epoch, now
+        rec.state, rec.lastActiveAt, rec.stateDeadline = SessionState.RUNNING, now, None
         return rec
 
     async def _undo_create(self, sid: str, worker: WorkerRecord | None, slot: int, cause: BaseException) -> None:
@@ -352,7 +360,8 @@ class Activator:
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
-        return Route(worker.id, worker.address, epoch)
+        return Route(worker.id, worker.address, epoch,
+                     restored=rec.reason if rec.reason in ("worker_lost", "deadline") else None)
 
     async def _fail_corrupt(self, rec: SessionRecord, epoch: int, worker: WorkerRecord, slot: int,
                             e: SnapshotCorrupt) -> None:

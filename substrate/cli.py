@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from substrate.client import ApiError, SubstrateClient
@@ -49,16 +50,24 @@ def _run(fn: Any) -> Any:
     try:
         return fn()
     except ApiError as e:
-        err.print(f"[red]error {e.status} {e.code}[/red]: {e.message}")
+        err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}")
         raise typer.Exit(1) from None
     except Exception as e:  # noqa: BLE001 - connection errors etc. as one clear line
-        err.print(f"[red]error[/red]: {e.__class__.__name__}: {e}")
+        err.print(f"[red]error[/red]: {e.__class__.__name__}: {escape(str(e))}")
         raise typer.Exit(1) from None
+
+
+@app.callback()
+def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Base URL of the API for the "
+                                               "client commands (also accepted after the subcommand).")) -> None:
+    """Agent session runtime: many bursty, stateful agent sessions on few warm workers."""
+    if server:
+        os.environ["SUBSTRATE_SERVER"] = server
 
 
 @app.command()
 def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."),
-       port: int = typer.Option(None, help="Listen port (default 8080)."),
+       port: int = typer.Option(None, min=1, max=65535, help="Listen port (default 8080)."),
        config: Path = typer.Option(None, "--config", "-c", help="Folder of ActorTemplate/WorkerPool YAML "
                                                                "(default ./examples)."),
        ) -> None:
@@ -72,10 +81,14 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
+    from substrate.specs import SpecError, load_catalog
+
     settings = Settings()
-    if not Path(settings.config_dir).exists():
-        err.print(f"[red]error[/red]: config folder {settings.config_dir} not found (use --config DIR)")
-        raise typer.Exit(2)
+    try:
+        load_catalog(settings.config_dir)  # fail before starting anything, with the file and field
+    except SpecError as e:
+        err.print(f"[red]error[/red]: {escape(e.message)} (use --config DIR)")
+        raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_json)
     host = host or settings.api.host
     port = port or settings.api.port
@@ -161,7 +174,11 @@ def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. 
              label: list[str] = typer.Option([], "--label", "-l", help="key=value, repeatable"),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create and start a session."""
-    labels = dict(x.split("=", 1) for x in label if "=" in x)
+    bad = [x for x in label if "=" not in x or x.startswith("=")]
+    if bad:
+        err.print(f"[red]error[/red]: labels must be key=value, got {escape(', '.join(bad))}")
+        raise typer.Exit(2)
+    labels = dict(x.split("=", 1) for x in label)
     with _client(server, token) as c:
         _print(_run(lambda: c.create_session(template, id=id, labels=labels)))
 

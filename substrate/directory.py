@@ -89,6 +89,13 @@ redis.call('HSET', h, 'updatedAt', a['now'])
 return {1, cur[4] or ''}
 """
 
+# KEYS[1] session hash; ARGV field/value pairs. Creates the record only if the ID is free -> 1 | 0.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 # KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] session id.
 # -> slot index >= 0 | -1 full | -2 worker not READY | -3 worker unknown
 _CLAIM_SLOT = """
@@ -106,7 +113,13 @@ return -1
 """
 
 # KEYS[1] slot table. ARGV[1] slot, ARGV[2] session id: frees the slot only if that session holds it.
-_TOUCH = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'lastActiveAt', ARGV[1]) end"
+# KEYS[1] session hash; ARGV[1] lastActiveAt, ARGV[2] turns to add. Never creates a record.
+_TOUCH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'lastActiveAt', ARGV[1])
+if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'turns', ARGV[2]) end
+return 1
+"""
 
 _RELEASE_SLOT = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
@@ -180,6 +193,7 @@ class Directory:
             socket_connect_timeout=socket_timeout_s, health_check_interval=0, max_connections=256,
         )
         self._cas = self.redis.register_script(_CAS)
+        self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
         self._claim = self.redis.register_script(_CLAIM_SLOT)
         self._release = self.redis.register_script(_RELEASE_SLOT)
@@ -198,18 +212,17 @@ class Directory:
         """Write a new record; ``Conflict(code="session_exists")`` if the ID is taken (even if DELETED)."""
         key = self.keys.session(rec.id)
         fields = _encode(rec.model_dump())
-        # HSETNX on the state field is the existence claim; the rest follows in the same transaction.
-        async with self.redis.pipeline(transaction=True) as p:
-            p.hsetnx(key, "state", fields["state"])
-            created, *_ = await p.execute()
+        flat = [x for kv in fields.items() for x in kv]
+        # one round trip: the create-if-absent script and the index entries (NX: a failed create of a
+        # taken ID leaves the existing entries as they are)
+        async with self.redis.pipeline(transaction=False) as p:
+            await self._create(keys=[key], args=flat, client=p)
+            p.zadd(self.keys.sessions_index, {rec.id: rec.createdAt}, nx=True)
+            if rec.state in TRANSITIONAL and rec.stateDeadline:
+                p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline}, nx=True)
+            created = (await p.execute())[0]
         if not created:
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
-        async with self.redis.pipeline(transaction=False) as p:
-            p.hset(key, mapping=fields)
-            p.zadd(self.keys.sessions_index, {rec.id: rec.createdAt})
-            if rec.state in TRANSITIONAL and rec.stateDeadline:
-                p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline})
-            await p.execute()
 
     @_translate
     async def get_session(self, sid: str) -> SessionRecord:
@@ -250,16 +263,19 @@ class Directory:
             args["set"] = _encode(fields)
         if dels:
             args["del"] = dels
-        res = await self._cas(keys=[self.keys.session(sid)], args=[json.dumps(args)])
+        # The deadline index (another hash slot) rides in the same round trip, optimistically: if the CAS
+        # fails, the index may be off for this session; the record's own ``stateDeadline`` is the truth
+        # and the state manager's repair scan rolls any session past it.
+        async with self.redis.pipeline(transaction=False) as p:
+            await self._cas(keys=[self.keys.session(sid)], args=[json.dumps(args)], client=p)
+            if to is not None and to in TRANSITIONAL and "stateDeadline" in fields:
+                p.zadd(self.keys.deadlines, {sid: fields["stateDeadline"]})
+            elif to is not None and to not in TRANSITIONAL:
+                p.zrem(self.keys.deadlines, sid)
+            res = (await p.execute())[0]
         if res[0] == -1:
             return CasResult(False, None, 0, found=False)
-        result = CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
-        if result.ok and to is not None:
-            if to in TRANSITIONAL and "stateDeadline" in fields:
-                await self.redis.zadd(self.keys.deadlines, {sid: fields["stateDeadline"]})
-            elif to not in TRANSITIONAL:
-                await self.redis.zrem(self.keys.deadlines, sid)
-        return result
+        return CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
 
     @_translate
     async def commit_snapshot(self, sid: str, *, epoch: int, ref: SnapshotRef,
@@ -388,8 +404,10 @@ class Directory:
 
     @_translate
     async def heartbeat(self, wid: str, lease_expires_at: float,
-                        last_active: dict[str, float] | None = None) -> bool:
-        """Renew a worker's lease and record its sessions' last activity (s since epoch).
+                        last_active: dict[str, float] | None = None, turns: dict[str, int] | None = None,
+                        active_slots: int | None = None) -> bool:
+        """Renew a worker's lease and record its sessions' last activity (s since epoch) and the number
+        of turns each ran since the last heartbeat (added to ``turns``).
 
         Returns False if the worker record is gone (it was declared dead: the worker must stop serving).
         """
@@ -398,10 +416,13 @@ class Directory:
             return False
         async with self.redis.pipeline(transaction=False) as p:
             p.hset(key, "leaseExpiresAt", repr(lease_expires_at))
+            if active_slots is not None:
+                p.hset(key, "activeSlots", active_slots)
             p.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
+            turns = turns or {}
             for sid, ts in (last_active or {}).items():
                 # only touch records that exist: a deleted session must not be resurrected
-                await self._touch(keys=[self.keys.session(sid)], args=[repr(ts)], client=p)
+                await self._touch(keys=[self.keys.session(sid)], args=[repr(ts), turns.get(sid, 0)], client=p)
             await p.execute()
         return True
 

@@ -283,3 +283,5 @@ class WorkerRecord(BaseModel):
     startedAt: float
     pid: int | None = None
     freeSlots: int = 0
+    #: slots whose session is mid-turn or was active within the worker's active window
+    activeSlots: int = 0

@@ -7,7 +7,8 @@ tracked as *expectations* (after agent-sandbox's warm pool) so a stale view neve
 worker leaves only after it was drained: marked DRAINING (placement skips it) and its sessions
 suspended to object storage (DESIGN invariant 6). The loop logs and survives any error.
 
-Sizing, with ``busy`` = used slots + requests waiting for a slot and ``S`` = slots per worker:
+Sizing, with ``busy`` = active slots (mid-turn or active within the workers' active window; idle
+sessions are evictable) + requests waiting for a slot and ``S`` = slots per worker:
 ``desired = clamp(max(ceil(busy / (S * target%)), ceil(busy / S) + warmPool.readyReplicas), min, max)``
 with autoscaling, else ``spec.replicas``. Scale-down waits ``scale_down_delay_s`` of lower demand.
 """
@@ -34,13 +35,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerObs:
-    """One worker as the reconciler sees it."""
+    """One worker as the reconciler sees it: ``used`` slots hold a session, ``active`` of them are
+    mid-turn or were active within the worker's active window (the rest are evictable)."""
 
     id: str
     state: WorkerState
     slots: int
     used: int
     alive: bool = True
+    active: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
     workers; counts STARTING workers and expectations as capacity so it never over-creates."""
     alive = [w for w in obs.workers if w.alive]
     serving = [w for w in alive if w.state != WorkerState.DRAINING]
-    busy = sum(w.used for w in alive) + obs.waiting
+    # demand = active slots (idle sessions are evictable capacity: lazy suspension frees them on need)
+    busy = sum(w.used if w.active is None else min(w.active, w.used) for w in alive) + obs.waiting
     desired = desired_replicas(spec, busy)
     current = len(serving) + obs.starting
     remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0)
@@ -197,7 +201,8 @@ class PoolController:
                 st.expectations.pop(wid)
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
-                                    alive=w.leaseExpiresAt > now and w.id in running) for w in workers),
+                                    alive=w.leaseExpiresAt > now and w.id in running,
+                                    active=w.activeSlots) for w in workers),
             starting=len(st.expectations),
             waiting=getattr(self.activator, "waiting_for_slots", 0))
         allow_down = st.below_since is not None and time.monotonic() - st.below_since >= self.scale_down_delay_s

@@ -46,8 +46,14 @@ class ApiSettings(BaseModel):
 
 class WorkerSettings(BaseModel):
     host: str = "127.0.0.1"
+    #: shared secret the router and state manager send to workers (``X-Substrate-Internal-Token``);
+    #: generated at start-up when unset. Set the same value on every router of one deployment.
+    internal_token: str | None = None
     heartbeat_s: float = 1.0
     lease_s: float = 5.0
+    #: a slot counts as active (demand for the autoscaler) while its session is mid-turn or had a turn
+    #: within this window; idle sessions beyond it are evictable capacity (lazy suspension)
+    active_window_s: float = 2.0
     root_dir: Path = Path("var/workers")
 
 

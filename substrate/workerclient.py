@@ -16,6 +16,7 @@ from substrate import errors as E
 from substrate.models import ActorTemplate, SnapshotRef
 
 EPOCH_HEADER = "X-Substrate-Epoch"
+TOKEN_HEADER = "X-Substrate-Internal-Token"
 
 _BY_CODE: dict[str, type[E.SubstrateError]] = {
     "stale_epoch": E.StaleEpoch, "not_active": E.NotFound, "snapshot_corrupt": E.SnapshotCorrupt,
@@ -38,7 +39,9 @@ def error_from(status: int, body: Any) -> E.SubstrateError:
 class WorkerClient:
     """Calls one of many workers by address. One instance per process (it owns the connection pool)."""
 
-    def __init__(self, *, timeout_s: float = 300.0, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, *, timeout_s: float = 300.0, connect_timeout_s: float = 2.0,
+                 token: str | None = None) -> None:
+        self._auth = {TOKEN_HEADER: token} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -56,7 +59,7 @@ class WorkerClient:
 
     async def _call(self, method: str, url: str, *, epoch: int | None = None, json_body: Any = None,
                     params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
-        headers = {EPOCH_HEADER: str(epoch)} if epoch is not None else {}
+        headers = {EPOCH_HEADER: str(epoch), **self._auth} if epoch is not None else dict(self._auth)
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         try:
             async with self.session.request(method, url, json=json_body, headers=headers, params=params,

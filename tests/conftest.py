@@ -97,6 +97,9 @@ class RuntimeProc:
                  snapshot_interval: str = "0", max_idle: str = "0", extra_yaml: str = "",
                  env: dict[str, str] | None = None) -> None:
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
+        self.internal_token = uuid.uuid4().hex
+        #: headers a direct call to a worker needs (the control plane's shared secret)
+        self.worker_headers = {"X-Substrate-Internal-Token": self.internal_token}
         self.keys = Keys(self.prefix)
         self.redis_url = redis_url
         cfg = tmp / f"config-{self.prefix}"
@@ -112,6 +115,7 @@ class RuntimeProc:
                     "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
                     "SUBSTRATE_LOG_LEVEL": "WARNING", "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2",
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
+                    "SUBSTRATE_WORKER__INTERNAL_TOKEN": self.internal_token,
                     **(env or {})}
         self.log = open(tmp / f"runtime-{self.prefix}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
@@ -156,7 +160,8 @@ class RuntimeProc:
         return self.r.hgetall(self.keys.worker_slots(wid))
 
     def worker_activations(self, wid: str) -> list[dict[str, Any]]:
-        return httpx.get(self.workers()[wid]["address"] + "/v1/activations", timeout=5).json()["items"]
+        return httpx.get(self.workers()[wid]["address"] + "/v1/activations", timeout=5,
+                         headers=self.worker_headers).json()["items"]
 
     def kill_worker(self, wid: str) -> None:
         os.kill(int(self.workers()[wid]["pid"]), signal.SIGKILL)

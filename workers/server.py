@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ from workers.handler import Agent, AgentError, SessionContext, load_agent_class
 log = logging.getLogger("substrate.worker")
 
 EPOCH_HEADER = "X-Substrate-Epoch"
+TOKEN_HEADER = "X-Substrate-Internal-Token"
 
 
 @dataclass
@@ -75,15 +77,17 @@ class Activation:
     last_active: float = field(default_factory=time.time)
     touched: bool = True
     dirty_turns: int = 0
+    #: turns not yet reported to the directory by the heartbeat
+    unreported_turns: int = 0
     last_snapshot_at: float = field(default_factory=time.time)
     closing: bool = False
 
 
-def _error(exc: SubstrateError) -> web.Response:
+def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
-    return web.json_response(exc.to_dict(), status=exc.status, headers=headers)
+    return web.json_response(exc.to_dict(), status=status or exc.status, headers=headers)
 
 
 class Worker:
@@ -119,11 +123,19 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 touched = {a.sid: a.last_active for a in self.activations.values() if a.touched}
+                turns = {a.sid: a.unreported_turns for a in self.activations.values() if a.unreported_turns}
+                now = time.time()
+                window = self.settings.worker.active_window_s
+                active = sum(1 for a in self.activations.values()
+                             if a.lock.locked() or now - a.last_active < window)
                 alive = await self.directory.heartbeat(
-                    self.id, time.time() + self.settings.worker.lease_s, touched)
+                    self.id, now + self.settings.worker.lease_s, touched, turns, active)
                 for sid in touched:
                     if sid in self.activations:
                         self.activations[sid].touched = False
+                for sid, n in turns.items():
+                    if sid in self.activations:
+                        self.activations[sid].unreported_turns -= n
                 if not alive:
                     log.error("worker record gone (declared dead): stopping", extra={"worker": self.id})
                     self.stopping.set()
@@ -293,7 +305,17 @@ class Worker:
 
     # ------------------------------------------------------------------------------------ HTTP layer
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        token = self.settings.worker.internal_token
+
+        @web.middleware
+        async def internal_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            # only the control plane may call a worker; /healthz stays open for probes
+            if token and request.path != "/healthz" and not hmac.compare_digest(
+                    request.headers.get(TOKEN_HEADER, ""), token):
+                return _error(SubstrateError("missing or wrong internal token", code="unauthorized"), 401)
+            return await handler(request)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[internal_auth])
         app.add_routes([
             web.get("/healthz", self._h_health),
             web.get("/v1/activations", self._h_list),
@@ -363,6 +385,7 @@ class Worker:
                         log.exception("agent crashed in a turn", extra={"session": sid})
                         raise SubstrateError(f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed") from e
                     act.dirty_turns += 1
+                    act.unreported_turns += 1
                     return web.json_response({"output": output})
                 finally:
                     act.last_active = time.time()
@@ -378,6 +401,7 @@ class Worker:
             async for chunk in act.agent.stream(input):
                 await resp.write(json.dumps({"chunk": chunk}).encode() + b"\n")
             act.dirty_turns += 1
+            act.unreported_turns += 1
             await resp.write(b'{"done": true}\n')
         except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
             code = "agent_error" if isinstance(e, AgentError) else "agent_crashed"

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from substrate.models import WorkerPool
 from substrate.settings import Settings
@@ -72,6 +74,8 @@ class LocalBackend:
         for wid in dead:
             code = self.procs.pop(wid)[0].returncode
             log.warning("worker process exited", extra={"worker": wid, "returncode": code})
+            # a killed worker could not clean its folder (workspaces, archives in flight)
+            shutil.rmtree(Path(self.settings.worker.root_dir) / wid, ignore_errors=True)
         return dead
 
     def pid(self, worker_id: str) -> int | None:

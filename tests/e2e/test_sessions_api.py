@@ -24,6 +24,8 @@ def test_create_invoke_get_delete_counter(shared_runtime):
     assert c.invoke(s["id"], "get") == {"count": 3}
     got = c.get_session(s["id"])
     assert got["state"] == "RUNNING" and got["labels"] == {"team": "a"} and got["worker"] == s["worker"]
+    shared_runtime.wait_for(lambda: c.get_session(s["id"])["turns"] == 4, what="turns reported by heartbeat")
+    assert c.get_session(s["id"])["lastActiveAt"] > s["lastActiveAt"]
     c.delete_session(s["id"])
     with pytest.raises(ApiError) as e:
         c.get_session(s["id"])
@@ -125,6 +127,11 @@ def test_pools_templates_stats_metrics_openapi(shared_runtime):
     ("POST", "/v1/sessions", {"actorTemplate": "no-such-template"}, 422, "unknown_template"),
     ("POST", "/v1/sessions", {"id": "abc"}, 422, "invalid_input"),
     ("POST", "/v1/sessions", {"actorTemplate": "counter", "bogus": 1}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "labels": {"": "x"}}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "labels": {"k": "v" * 300}}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "env": {"1BAD": "x"}}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", {"actorTemplate": 5}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", [], 422, "invalid_input"),
     ("GET", "/v1/sessions?limit=0", None, 422, "invalid_input"),
     ("GET", "/v1/sessions?state=NAPPING", None, 422, "invalid_input"),
     ("GET", "/v1/sessions?continue=abc", None, 422, "invalid_continue"),
@@ -137,6 +144,12 @@ def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status
     assert r.status_code == status, r.text
     assert r.json()["code"] == code and r.json()["message"]
     assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
+
+
+def test_malformed_json_on_create_is_400(shared_runtime):
+    r = shared_runtime.client.http.post("/v1/sessions", content=b"{not json",
+                                        headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "bad_json"
 
 
 def test_bad_invoke_bodies(shared_runtime):
@@ -231,12 +244,18 @@ def test_worker_rejects_a_stale_epoch(shared_runtime):
     s = c.create_session("counter")
     addr = shared_runtime.workers()[s["worker"]]["address"]
     url = f"{addr}/v1/activations/{s['id']}/invoke"
-    r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"] - 1)})
+    h = shared_runtime.worker_headers
+    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"] - 1)})
     assert r.status_code == 409 and r.json()["code"] == "stale_epoch"
-    r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"] + 1)})
+    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"] + 1)})
     assert r.status_code == 409
     assert c.invoke(s["id"], "get") == {"count": 0}, "rejected calls did nothing"
     r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"])})
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized", "workers answer the control plane only"
+    r = httpx.get(f"{addr}/v1/activations", headers={"X-Substrate-Internal-Token": "wrong"})
+    assert r.status_code == 401
+    assert httpx.get(f"{addr}/healthz").status_code == 200
+    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"])})
     assert r.status_code == 200 and r.json() == {"output": {"count": 1}}
     c.delete_session(s["id"])
 

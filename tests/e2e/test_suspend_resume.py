@@ -108,7 +108,9 @@ def test_periodic_snapshots_bound_the_loss_on_sigkill(runtime_factory):
     rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDED", what="crash detected")
     got = c.get_session(s["id"])
     assert got["reason"] == "worker_lost" and "lost" in got["message"]
-    assert c.invoke(s["id"], "get") == {"count": 5}
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.json() == {"output": {"count": 5}}
+    assert r.headers["x-substrate-restored"] == "worker_lost", "the answer says state was restored"
     after = c.get_session(s["id"])
     assert after["restoredFrom"]["reason"] == "worker_lost"
     assert after["restoredFrom"]["snapshotEpoch"] == 1

@@ -1,0 +1,80 @@
+"""Placement and spec loading (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from substrate.errors import InvalidInput
+from substrate.models import SESSION_ID_RE, WorkerRecord, WorkerState, parse_duration_s
+from substrate.placement import candidates, lru_victims
+from substrate.specs import SpecError, load_catalog, load_documents
+
+
+def w(wid, free, pool="p", state=WorkerState.READY, lease=1e12):
+    return WorkerRecord(id=wid, pool=pool, address="x", slots=8, state=state, leaseExpiresAt=lease,
+                        startedAt=0, freeSlots=free)
+
+
+def test_candidates_prefer_most_free_and_skip_unusable():
+    ws = [w("a", 1), w("b", 5), w("c", 0), w("d", 9, pool="q"), w("e", 9, state=WorkerState.DRAINING),
+          w("f", 9, lease=0), w("g", 3)]
+    assert [x.id for x in candidates(ws, "p", now=1, rng=random.Random(0))] == ["b", "g", "a"]
+    assert [x.id for x in candidates(ws, "p", now=1, exclude=["b"])] == ["g", "a"]
+
+
+def test_lru_victims_only_idle_running_oldest_first():
+    now = 100.0
+    got = lru_victims([("new", 99.5, True), ("old", 10, True), ("mid", 50, True), ("off", 1, False)],
+                      min_idle_s=1, now=now)
+    assert got == ["old", "mid"]
+
+
+@pytest.mark.parametrize("sid,ok", [("a", True), ("a-b_c.d", True), ("0" * 128, True), ("0" * 129, False),
+                                    ("A", False), ("-a", False), ("", False), ("a/b", False), ("é", False)])
+def test_session_id_rule(sid, ok):
+    assert bool(SESSION_ID_RE.match(sid)) is ok
+
+
+@pytest.mark.parametrize("v,s", [("60s", 60), ("5m", 300), ("1h", 3600), ("250ms", 0.25), (3, 3), ("0", 0)])
+def test_durations(v, s):
+    assert parse_duration_s(v) == s
+
+
+@pytest.mark.parametrize("v", ["five", "-1s", "1d", ""])
+def test_bad_durations(v):
+    with pytest.raises(ValueError):
+        parse_duration_s(v)
+
+
+def test_examples_load_and_templates_find_their_pool():
+    cat = load_catalog("examples")
+    assert {"counter", "notebook", "shell", "echo-command"} <= set(cat.templates)
+    assert cat.pool_for(cat.template("counter")).name == "default"
+    with pytest.raises(InvalidInput) as e:
+        cat.template("nope")
+    assert e.value.code == "unknown_template"
+
+
+@pytest.mark.parametrize("docs,needle", [
+    ([{"kind": "ActorTemplate", "metadata": {"name": "x"}, "spec": {}}], "entrypoint"),
+    ([{"kind": "ActorTemplate", "metadata": {"name": "Bad Name"}, "spec": {"entrypoint": "a:B"}}], "name"),
+    ([{"kind": "ActorTemplate", "metadata": {"name": "x"}, "spec": {"entrypoint": "nocolon"}}], "entrypoint"),
+    ([{"kind": "WorkerPool", "metadata": {"name": "p"}, "spec": {"slots": 0}}], "slots"),
+    ([{"kind": "ActorTemplate", "metadata": {"name": "x"},
+       "spec": {"entrypoint": "a:B", "stateManagement": {"maxIdleTime": "soon"}}}], "maxIdleTime"),
+])
+def test_bad_specs_are_refused_with_the_field(docs, needle):
+    with pytest.raises(SpecError) as e:
+        load_documents(docs, "f.yaml")
+    assert needle in e.value.message and "f.yaml" in e.value.message
+
+
+def test_template_naming_an_unknown_pool(tmp_path):
+    (tmp_path / "t.yaml").write_text("kind: ActorTemplate\nmetadata: {name: x}\n"
+                                     "spec: {entrypoint: 'a:B', workerPool: ghost}\n"
+                                     "---\nkind: WorkerPool\nmetadata: {name: p}\n")
+    with pytest.raises(InvalidInput) as e:
+        load_catalog(tmp_path)
+    assert e.value.code == "unknown_pool"
