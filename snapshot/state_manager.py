@@ -46,6 +46,7 @@ class StateManager:
         self._task: asyncio.Task[None] | None = None
         self._retry_at: dict[str, tuple[float, int]] = {}  # session -> (next attempt time, attempts)
         self._scans = 0
+        self._idle_scan_at = 0.0
         self._orphans: set[tuple[str, int, str]] = set()
         self._wait = wait_exponential(multiplier=settings.state.suspend_retry_base_s,
                                       max=settings.state.suspend_retry_max_s)
@@ -102,7 +103,16 @@ class StateManager:
         return await self.directory.get_sessions(sids)
 
     async def suspend_idle(self) -> None:
+        idles = [t.spec.stateManagement.max_idle_time_s for t in self.catalog.templates.values()]
+        shortest = min((i for i in idles if i), default=None)
+        if shortest is None:
+            return  # no template suspends on idle: nothing to read
         now = time.time()
+        # reading every active record costs O(active sessions): do it about four times per shortest
+        # maxIdleTime, not on every scan
+        if now - self._idle_scan_at < min(max(self.settings.state.scan_interval_s, shortest / 4), 30.0):
+            return
+        self._idle_scan_at = now
         due: list[tuple[SessionRecord, float]] = []
         for rec in await self._active_records():
             if rec.state != SessionState.RUNNING:
