@@ -121,14 +121,15 @@ class PoolController:
     """Runs ``reconcile`` for every WorkerPool of the catalog against a backend."""
 
     def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, backend: Backend,
-                 activator: "object | None" = None, *, scale_down_delay_s: float = 10.0,
+                 activator: "object | None" = None, *, scale_down_delay_s: float | None = None,
                  create_timeout_s: float = 60.0) -> None:
         self.settings = settings
         self.directory = directory
         self.catalog = catalog
         self.backend = backend
         self.activator = activator
-        self.scale_down_delay_s = scale_down_delay_s
+        self.scale_down_delay_s = (settings.pool.scale_down_delay_s if scale_down_delay_s is None
+                                   else scale_down_delay_s)
         self.create_timeout_s = create_timeout_s
         self._state: dict[str, _PoolState] = {p: _PoolState() for p in catalog.pools}
         self._task: asyncio.Task[None] | None = None

@@ -86,6 +86,8 @@ class StateSettings(BaseModel):
 
 class PoolSettings(BaseModel):
     reconcile_interval_s: float = 1.0
+    #: demand must stay below capacity this long before a worker is drained (hysteresis)
+    scale_down_delay_s: float = 10.0
     #: a dead local worker process is restarted after this back-off
     restart_backoff_s: float = 0.5
 
