@@ -115,6 +115,8 @@ class Activator:
         self._wakes: dict[str, asyncio.Future[Route]] = {}
         self.parked = 0
         self.waiting_for_slots = 0
+        #: set when a placement found no free slot: wakes the pool controller at once
+        self.capacity_wanted = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ helpers
     def route_of(self, rec: SessionRecord) -> Route | None:
@@ -152,6 +154,7 @@ class Activator:
                     w.freeSlots = 0  # the view was stale: skip it until the next refresh
                 if not tried_refresh:
                     tried_refresh = True
+                    self.capacity_wanted.set()
                     await self.view.refresh()
                     continue
                 if await self._suspend_lru(pool):

@@ -166,8 +166,16 @@ class PoolController:
         return list(self._state.get(pool, _PoolState()).conditions)
 
     async def _loop(self) -> None:
+        wanted: asyncio.Event | None = getattr(self.activator, "capacity_wanted", None)
         while True:
-            await asyncio.sleep(self.settings.pool.reconcile_interval_s)
+            if wanted is None:
+                await asyncio.sleep(self.settings.pool.reconcile_interval_s)
+            else:  # level-triggered on a timer, and edge-triggered when a placement found no slot
+                try:
+                    await asyncio.wait_for(wanted.wait(), self.settings.pool.reconcile_interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                wanted.clear()
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 - a control loop never dies
