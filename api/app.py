@@ -140,7 +140,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     v1 = [Depends(_auth)]
 
     @app.post("/v1/sessions", status_code=201, dependencies=[*v1, Depends(_body_limit)], tags=["sessions"])
-    async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
+    async def create_session(body: CreateSession, request: Request) -> Response:
         """Create a session of an ActorTemplate on a free slot of a warm worker and start it."""
         rt = _rt(request)
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
@@ -153,7 +153,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         route = rt.activator.route_of(rec)
         if route is not None:
             rt.routes.put(sid, route)
-        return session_view(rec)
+        return JSONResponse(session_view(rec), status_code=201)  # skips FastAPI's generic encoder
 
     @app.get("/v1/sessions", dependencies=v1, tags=["sessions"])
     async def list_sessions(request: Request, state: SessionState | None = None,
@@ -173,9 +173,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 "metadata": {"continue": str(nxt) if nxt is not None else None}}
 
     @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])
-    async def get_session(sid: str, request: Request) -> dict[str, Any]:
+    async def get_session(sid: str, request: Request) -> Response:
         """One session: state, template, worker, epoch, snapshot, restoredFrom ..."""
-        return session_view(await _rt(request).directory.get_session(_check_id(sid)))
+        return JSONResponse(session_view(await _rt(request).directory.get_session(_check_id(sid))))
 
     @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=v1, tags=["sessions"])
     async def delete_session(sid: str, request: Request) -> Response:

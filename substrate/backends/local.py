@@ -1,19 +1,25 @@
-"""Local backend: workers are child processes of this one (the embedded default).
+"""Local backend: workers are processes on this machine (the embedded default).
 
-Each worker is ``python -m workers.server --pool P --slots N --worker-id ID`` with the parent's
-settings passed as JSON environment variables, so it reaches the same Redis and object store. A worker
-that exits is reported by ``reap()``; the pool controller recovers its sessions and starts another.
+By default workers are forked from a **zygote** (``python -m workers.zygote``, started once with the
+runtime's settings), which has already imported everything a worker needs, so a new worker serves in
+tens of milliseconds instead of the ~0.5-1.5 s of a cold interpreter: scale-up and replacing a dead
+worker are fast enough to happen on the request path. If the zygote cannot be used, workers start as
+``python -m workers.server --pool P --slots N --worker-id ID``. Settings reach workers as JSON
+environment variables, so they use the same Redis and object store. A worker that exits is reported by
+``reap()``; the pool controller recovers its sessions and starts another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from substrate.models import WorkerPool
@@ -22,13 +28,40 @@ from substrate.settings import Settings
 log = logging.getLogger(__name__)
 
 
-class LocalBackend:
-    """Start/stop worker processes on this machine."""
+@dataclass
+class _Worker:
+    pool: str
+    pid: int
+    popen: subprocess.Popen[bytes] | None = None  # None: a child of the zygote
 
-    def __init__(self, settings: Settings, *, python: str = sys.executable) -> None:
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        try:
+            os.kill(self.pid, 0)  # the zygote reaps its children at once: no zombies linger
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class LocalBackend:
+    """Start/stop worker processes on this machine (``fork_server`` uses the zygote)."""
+
+    def __init__(self, settings: Settings, *, python: str = sys.executable, fork_server: bool = True) -> None:
         self.settings = settings
         self.python = python
-        self.procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+        self.fork_server = fork_server
+        self.workers: dict[str, _Worker] = {}
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._zlock = asyncio.Lock()
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -43,45 +76,80 @@ class LocalBackend:
         env["SUBSTRATE_LOG_JSON"] = "true" if s.log_json else "false"
         return env
 
+    async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
+        """Ask the zygote for a worker; None if the zygote is unusable (the caller spawns cold)."""
+        async with self._zlock:
+            if self._zygote is None or self._zygote.poll() is not None:
+                self._zygote = subprocess.Popen(
+                    [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, start_new_session=True)
+            z = self._zygote
+            assert z.stdin is not None and z.stdout is not None
+            try:
+                req = {"worker_id": worker_id, "pool": pool.name, "slots": pool.spec.slots}
+                z.stdin.write(json.dumps(req).encode() + b"\n")
+                z.stdin.flush()
+                line = await asyncio.wait_for(asyncio.to_thread(z.stdout.readline), 30)
+                return int(json.loads(line)["pid"])
+            except (OSError, ValueError, KeyError, asyncio.TimeoutError):
+                log.warning("zygote failed; starting workers cold", exc_info=True)
+                self.fork_server = False
+                z.kill()
+                return None
+
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
-        proc = subprocess.Popen(
-            [self.python, "-m", "workers.server", "--pool", pool.name, "--slots", str(pool.spec.slots),
-             "--worker-id", worker_id], env=self._env(), stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs[worker_id] = (proc, pool.name)
-        log.info("worker process started", extra={"worker": worker_id, "pool": pool.name, "pid": proc.pid})
+        pid = await self._fork(pool, worker_id) if self.fork_server else None
+        if pid is not None:
+            self.workers[worker_id] = _Worker(pool.name, pid)
+        else:
+            proc = subprocess.Popen(
+                [self.python, "-m", "workers.server", "--pool", pool.name, "--slots", str(pool.spec.slots),
+                 "--worker-id", worker_id], env=self._env(), stdin=subprocess.DEVNULL, start_new_session=True)
+            self.workers[worker_id] = _Worker(pool.name, proc.pid, proc)
+        log.info("worker process started", extra={"worker": worker_id, "pool": pool.name,
+                                                   "pid": self.workers[worker_id].pid})
 
     async def delete(self, worker_id: str, grace_s: float = 10.0) -> None:
-        entry = self.procs.get(worker_id)
-        if entry is None:
+        """SIGTERM (the worker deregisters and exits), SIGKILL after ``grace_s``."""
+        w = self.workers.get(worker_id)
+        if w is None:
             return
-        proc = entry[0]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if w.alive():
+            w.signal(signal.SIGTERM)
             for _ in range(int(grace_s / 0.05)):
-                if proc.poll() is not None:
+                if not w.alive():
                     break
                 await asyncio.sleep(0.05)
             else:
-                proc.kill()
-                proc.wait()
-        self.procs.pop(worker_id, None)
+                w.signal(signal.SIGKILL)
+                if w.popen is not None:
+                    w.popen.wait()
+        self.workers.pop(worker_id, None)
 
     def running(self) -> dict[str, str]:
-        return {wid: pool for wid, (p, pool) in self.procs.items() if p.poll() is None}
+        return {wid: w.pool for wid, w in self.workers.items() if w.alive()}
 
     def reap(self) -> list[str]:
-        dead = [wid for wid, (p, _) in self.procs.items() if p.poll() is not None]
+        dead = [wid for wid, w in self.workers.items() if not w.alive()]
         for wid in dead:
-            code = self.procs.pop(wid)[0].returncode
-            log.warning("worker process exited", extra={"worker": wid, "returncode": code})
+            self.workers.pop(wid)
+            log.warning("worker process exited", extra={"worker": wid})
             # a killed worker could not clean its folder (workspaces, archives in flight)
             shutil.rmtree(Path(self.settings.worker.root_dir) / wid, ignore_errors=True)
         return dead
 
     def pid(self, worker_id: str) -> int | None:
-        entry = self.procs.get(worker_id)
-        return entry[0].pid if entry else None
+        w = self.workers.get(worker_id)
+        return w.pid if w else None
 
     async def close(self) -> None:
-        for wid in list(self.procs):
+        for wid in list(self.workers):
             await self.delete(wid)
+        if self._zygote is not None:
+            if self._zygote.stdin:
+                self._zygote.stdin.close()  # the zygote exits when its stdin closes
+            try:
+                self._zygote.wait(5)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+            self._zygote = None
