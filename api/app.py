@@ -273,8 +273,13 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             await rt.directory.ping()
         except SubstrateError as e:
             return proxy.error_response(e)
-        if not any(w.state.value == "READY" for w in rt.view.workers.values()):
-            return JSONResponse({"code": "no_workers", "message": "no READY worker yet"}, status_code=503)
+        from substrate.pool import desired_replicas
+
+        ready = [w.pool for w in rt.view.workers.values() if w.state.value == "READY"]
+        short = [p.name for p in rt.catalog.pools.values() if ready.count(p.name) < desired_replicas(p.spec, 0)]
+        if short:  # a pool that may scale to zero is ready without workers
+            return JSONResponse({"code": "no_workers", "message": f"pools without their ready workers: {short}"},
+                                status_code=503)
         return JSONResponse({"status": "ready"})
 
     def _openapi() -> dict[str, Any]:

@@ -157,7 +157,7 @@ class Activator:
                     self.capacity_wanted.set()
                     await self.view.refresh()
                     continue
-                if await self._suspend_lru(pool):
+                if await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s):
                     await self.view.refresh()
                     continue
                 if time.monotonic() >= deadline:

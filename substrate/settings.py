@@ -34,6 +34,8 @@ class ApiSettings(BaseModel):
     max_parked: int = 1000
     #: how long a request waits for a free slot before 503 (0 = answer at once)
     slot_wait_s: float = 2.0
+    #: under slot pressure, only sessions idle at least this long are suspended to make room
+    pressure_min_idle_s: float = 1.0
     #: Retry-After sent with 503 answers
     retry_after_s: int = 1
     #: how often the router refreshes its view of registered workers

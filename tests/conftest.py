@@ -95,7 +95,7 @@ class RuntimeProc:
 
     def __init__(self, tmp: Path, redis_url: str, *, replicas: int = 2, slots: int = 8,
                  snapshot_interval: str = "0", max_idle: str = "0", extra_yaml: str = "",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, pool_yaml: str | None = None) -> None:
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
         self.internal_token = uuid.uuid4().hex
         #: headers a direct call to a worker needs (the control plane's shared secret)
@@ -104,7 +104,7 @@ class RuntimeProc:
         self.redis_url = redis_url
         cfg = tmp / f"config-{self.prefix}"
         cfg.mkdir(parents=True)
-        (cfg / "pool.yaml").write_text(POOL_YAML.format(replicas=replicas, slots=slots))
+        (cfg / "pool.yaml").write_text(pool_yaml or POOL_YAML.format(replicas=replicas, slots=slots))
         (cfg / "templates.yaml").write_text(TEMPLATES_YAML.format(
             snapshot_interval=snapshot_interval, max_idle=max_idle, python=sys.executable) + extra_yaml)
         self.port = free_port()

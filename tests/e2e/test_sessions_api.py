@@ -303,3 +303,26 @@ def test_redis_down_is_503_and_nothing_half_written(runtime_factory):
         assert rt.r.exists(rt.keys.session("during-outage")) == 0
         assert c.invoke(s["id"], "get") == {"count": 1}
         rt.stop()
+
+
+def test_pool_scales_from_zero_on_demand_and_back(runtime_factory):
+    pool = """
+apiVersion: substrate.agent.dev/v1
+kind: WorkerPool
+metadata: {name: default}
+spec:
+  slots: 2
+  autoscaling: {minReplicas: 0, maxReplicas: 3, targetUtilization: 100}
+  warmPool: {readyReplicas: 0}
+"""
+    rt = runtime_factory(replicas=0, pool_yaml=pool, env={"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "1",
+                                                           "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.2"})
+    c = rt.client
+    assert rt.workers() == {} and c.http.get("/readyz").status_code == 200, "ready with no worker"
+    s = c.create_session("counter")  # waits for a worker forked on demand
+    assert s["state"] == "RUNNING" and len(rt.workers()) == 1
+    assert c.invoke(s["id"], "increment") == {"count": 1}
+    # no demand: the last worker is drained (its idle session suspended first) and removed
+    rt.wait_for(lambda: rt.workers() == {}, timeout_s=30, what="scale to zero")
+    assert c.get_session(s["id"])["state"] == "SUSPENDED"
+    assert c.invoke(s["id"], "increment") == {"count": 2}, "woken on a new worker, state intact"
