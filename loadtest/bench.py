@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -69,18 +70,24 @@ def _free_port() -> int:
 class Server:
     """``substrate up`` in a child process with a temporary config."""
 
-    def __init__(self, replicas: int, slots: int) -> None:
+    def __init__(self, replicas: int = 0, slots: int = 0, *, config: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="substrate-bench-")
         cfg = Path(self.tmp.name) / "config"
         cfg.mkdir()
-        (cfg / "bench.yaml").write_text(POOL % {"replicas": replicas, "slots": slots})
+        if config is not None:
+            for f in config.glob("*.yaml"):
+                shutil.copy(f, cfg / f.name)
+        else:
+            (cfg / "bench.yaml").write_text(POOL % {"replicas": replicas, "slots": slots})
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.prefix = f"bench{os.getpid()}-{self.port}"
         env = {**os.environ, "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_LOG_LEVEL": "WARNING",
-               "SUBSTRATE_REDIS__KEY_PREFIX": f"bench{os.getpid()}",
+               "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
                "SUBSTRATE_WORKER__INTERNAL_TOKEN": BENCH_TOKEN,
                "SUBSTRATE_WORKER__ROOT_DIR": f"{self.tmp.name}/workers",
-               "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots"}
+               "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -93,6 +100,19 @@ class Server:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.1)
+        raise RuntimeError("runtime did not become ready")
+
+    def wait_healthy(self, timeout_s: float = 60) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
         raise RuntimeError("runtime did not become ready")
 
     def stop(self) -> None:
@@ -136,7 +156,7 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
             url = os.environ.get("SUBSTRATE_REDIS_URL")
             if url:
                 rr = redis.Redis.from_url(url, decode_responses=True)
-                workers[wid] = rr.hget(f"bench{os.getpid()}:{{w:{wid}}}:worker", "address")
+                workers[wid] = rr.hget(f"{srv.prefix}:{{w:{wid}}}:worker", "address")
             routed, direct = [], []
             body = {"input": "get"}
             for _ in range(200):  # warm-up
@@ -233,6 +253,40 @@ async def bench_snapshots(repeats: int, sizes: tuple[int, ...]) -> list[dict[str
     return rows
 
 
+ROOT = Path(__file__).resolve().parents[1]
+GENTD26 = ROOT.parent / "shared" / "traces" / "gentd26_requests_2024-11-15_to_11-26.csv"
+#: the control loops' clocks compressed like the trace (see README: trace replay)
+REPLAY_ENV = {"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "3", "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.3",
+              "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.2"}
+
+
+def bench_replay(trace: Path, args: list[str], out: Path) -> list[dict[str, Any]]:
+    """Replay ``trace`` against a fresh runtime on the dense replay pool; one row of figures."""
+    from loadtest.replay import main as replay_main
+
+    srv = Server(config=ROOT / "loadtest" / "config", env=REPLAY_ENV)
+    try:
+        srv.wait_healthy()
+        replay_main([str(trace), "--host", srv.url, "--template", "replay-counter", "--out", str(out),
+                     "--no-progress", *args])
+    finally:
+        srv.stop()
+    res = json.loads((out / "result.json").read_text())
+    s = res["targets"]["ours"]["summary"]
+    added = s["added_ms"]
+    return [{"case": f"replay {trace.name} {' '.join(args)}", "n": s["turns_run"],
+             "p50_ms": added["all"]["p50"], "p95_ms": added["all"]["p95"], "p99_ms": added["all"]["p99"],
+             "errors": s["errors"] + s["lost_state"]},
+            {"case": "  replay: warm turns added latency", "n": added["warm"]["n"], "p50_ms": added["warm"]["p50"],
+             "p95_ms": added["warm"]["p95"], "p99_ms": added["warm"]["p99"]},
+            {"case": "  replay: wake turns added latency", "n": added["wake"]["n"], "p50_ms": added["wake"]["p50"],
+             "p95_ms": added["wake"]["p95"], "p99_ms": added["wake"]["p99"]},
+            {"case": "  replay: sessions per slot (distinct / peak slots)",
+             "n": s["capacity"]["distinct_sessions"], "per_s": s["capacity"]["per_slot_peak"]},
+            {"case": "  replay: worker-seconds, always-on baseline / ours", "n": s["turns_run"],
+             "per_s": (res.get("ratios") or {}).get("worker_seconds_baseline_over_ours")}]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=2000, help="turns per latency case")
@@ -241,7 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench-results", help="folder for bench.md and bench.json")
     ap.add_argument("--skip-runtime", action="store_true")
     ap.add_argument("--skip-snapshots", action="store_true")
-    ap.add_argument("--replay", default=None, help="also replay this trace (see substrate-replay --help)")
+    ap.add_argument("--replay", default=str(GENTD26), help="trace for the short replay (default: GenTD26 from "
+                    "../shared/traces; skipped if absent)")
+    ap.add_argument("--replay-args", default="--start 2024-11-21T17:00 --duration 1h --compress 120",
+                    help="window and compression of the short replay")
+    ap.add_argument("--skip-replay", action="store_true")
     args = ap.parse_args(argv)
     try:
         import uvloop
@@ -262,18 +320,19 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_snapshots:
             sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
             rows += asyncio.run(bench_snapshots(args.repeats, sizes))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.skip_replay and Path(args.replay).exists():
+            rows += bench_replay(Path(args.replay), args.replay_args.split(), out / "replay")
     finally:
         if red is not None:
             red.stop()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows)
     (out / "bench.md").write_text(f"# make bench ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores)\n\n"
                                   + table + "\n")
     (out / "bench.json").write_text(json.dumps(rows, indent=2))
     print(table)
-    if args.replay:
-        subprocess.run([sys.executable, "-m", "loadtest.replay", args.replay], check=False)
+    print(f"\nwrote {out / 'bench.md'} and {out / 'bench.json'}")
 
 
 if __name__ == "__main__":
