@@ -282,9 +282,9 @@ def bench_replay(trace: Path, args: list[str], out: Path) -> list[dict[str, Any]
             {"case": "  replay: wake turns added latency", "n": added["wake"]["n"], "p50_ms": added["wake"]["p50"],
              "p95_ms": added["wake"]["p95"], "p99_ms": added["wake"]["p99"]},
             {"case": "  replay: sessions per slot (distinct / peak slots)",
-             "n": s["capacity"]["distinct_sessions"], "per_s": s["capacity"]["per_slot_peak"]},
+             "n": s["capacity"]["distinct_sessions"], "value": s["capacity"]["per_slot_peak"]},
             {"case": "  replay: worker-seconds, always-on baseline / ours", "n": s["turns_run"],
-             "per_s": (res.get("ratios") or {}).get("worker_seconds_baseline_over_ours")}]
+             "value": (res.get("ratios") or {}).get("worker_seconds_baseline_over_ours")}]
 
 
 def main(argv: list[str] | None = None) -> None:
