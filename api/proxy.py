@@ -10,6 +10,7 @@ Bodies stream back unchanged; the router never parses the worker's answer.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -86,12 +87,13 @@ async def invoke(request: Request) -> Response:
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
         stream = request.query_params.get("stream") in ("1", "true")
-        return await _forward(runtime, sid, body, stream)
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return await _forward(runtime, sid, body, stream, rid)
     except SubstrateError as e:
         return error_response(e)
 
 
-async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool) -> Response:
+async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str) -> Response:
     cache = runtime.routes
     route = cache.get(sid)
     woke_ms: float | None = None
@@ -104,7 +106,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool) -> R
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json",
-                   TOKEN_HEADER: runtime.settings.worker.internal_token or ""}
+                   TOKEN_HEADER: runtime.settings.worker.internal_token or "", "X-Request-ID": rid}
         try:
             resp = await runtime.http.post(url, data=body, headers=headers)
         except aiohttp.ClientConnectorError:
@@ -124,7 +126,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool) -> R
             cache.drop(sid)
             route = None
             continue
-        extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch)}
+        extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"

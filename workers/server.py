@@ -40,6 +40,7 @@ from aiohttp import web
 
 from snapshot.commit import SnapshotManager
 from snapshot.store import make_store
+from substrate import metrics
 from substrate.directory import Directory
 from substrate.errors import (
     BadRequest,
@@ -310,7 +311,7 @@ class Worker:
         @web.middleware
         async def internal_auth(request: web.Request, handler: Any) -> web.StreamResponse:
             # only the control plane may call a worker; /healthz stays open for probes
-            if token and request.path != "/healthz" and not hmac.compare_digest(
+            if token and request.path not in ("/healthz", "/metrics") and not hmac.compare_digest(
                     request.headers.get(TOKEN_HEADER, ""), token):
                 return _error(SubstrateError("missing or wrong internal token", code="unauthorized"), 401)
             return await handler(request)
@@ -318,6 +319,7 @@ class Worker:
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[internal_auth])
         app.add_routes([
             web.get("/healthz", self._h_health),
+            web.get("/metrics", self._h_metrics),
             web.get("/v1/activations", self._h_list),
             web.post("/v1/activations", self._h_activate),
             web.post("/v1/activations/{sid}/invoke", self._h_invoke),
@@ -341,6 +343,11 @@ class Worker:
         if self.stopping.is_set():
             return web.json_response({"status": "stopping"}, status=503)
         return web.json_response({"status": "ok", "worker": self.id, "active": len(self.activations)})
+
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        """Prometheus metrics of this worker (snapshot sizes and durations are measured here)."""
+        payload, ctype = metrics.render_latest()
+        return web.Response(body=payload, headers={"Content-Type": ctype})
 
     async def _h_list(self, request: web.Request) -> web.Response:
         return web.json_response({"worker": self.id, "slots": self.slots, "items": [
@@ -382,7 +389,9 @@ class Worker:
                     except NotImplementedError as e:
                         raise SubstrateError("agent does not implement invoke", code="agent_error") from e
                     except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
-                        log.exception("agent crashed in a turn", extra={"session": sid})
+                        log.exception("agent crashed in a turn", extra={
+                            "session": sid, "epoch": act.epoch, "worker": self.id,
+                            "request_id": request.headers.get("X-Request-ID")})
                         raise SubstrateError(f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed") from e
                     act.dirty_turns += 1
                     act.unreported_turns += 1

@@ -40,7 +40,7 @@ def test_routes_to_the_worker_that_holds_the_session(shared_runtime):
     for s in sessions:
         r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
         assert r.status_code == 200
-        assert r.headers["x-substrate-worker"] == s["worker"]
+        assert r.headers["x-substrate-worker"] == s["worker"] and len(r.headers["x-request-id"]) == 32
         acts = {a["session"] for a in shared_runtime.worker_activations(s["worker"])}
         assert s["id"] in acts
     assert len({s["worker"] for s in sessions}) == 2, "placement spreads sessions over both workers"

@@ -55,6 +55,11 @@ def test_wake_on_request_after_suspend(runtime_factory, store_env):
         assert r.headers["x-substrate-woke"] == "1"
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
     assert "x-substrate-woke" not in r.headers
+    # workers serve their own metrics (snapshots are taken there), open to the scraper without the token
+    import httpx
+    addr = next(iter(rt.workers().values()))["address"]
+    m = httpx.get(f"{addr}/metrics").text
+    assert "agent_substrate_snapshot_duration_seconds_bucket" in m and 'op="upload"' in m
 
 
 def test_notebook_variables_and_shell_files_survive(runtime_factory, store_env):
