@@ -363,8 +363,11 @@ class Activator:
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
-        return Route(worker.id, worker.address, epoch,
-                     restored=rec.reason if rec.reason in ("worker_lost", "deadline") else None)
+        restored_what = None
+        if rec.reason in ("worker_lost", "deadline"):
+            # say whether older state came back, or none did (no snapshot had been taken yet)
+            restored_what = rec.reason if rec.snapshot else f"{rec.reason};snapshot=none"
+        return Route(worker.id, worker.address, epoch, restored=restored_what)
 
     async def _fail_corrupt(self, rec: SessionRecord, epoch: int, worker: WorkerRecord, slot: int,
                             e: SnapshotCorrupt) -> None:

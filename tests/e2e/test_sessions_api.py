@@ -276,7 +276,9 @@ def test_worker_killed_mid_request_is_502_and_frees_the_slot(runtime_factory):
     assert got["state"] == "SUSPENDED" and got["worker"] is None, "not left on the dead slot"
     assert s["worker"] not in rt.workers()
     # it comes back on the next request (no snapshot was taken: it restarts from scratch and says so)
-    assert c.invoke(s["id"], "get") == {"count": 0}
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.json() == {"output": {"count": 0}}
+    assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none"
     got = c.get_session(s["id"])
     assert got["state"] == "RUNNING" and got["restoredFrom"]["reason"] == "worker_lost"
     rt.wait_for(lambda: len(rt.workers()) == 2, what="the pool replaced the dead worker")
