@@ -47,7 +47,6 @@ from substrate.errors import (
     Conflict,
     NoCapacity,
     NotFound,
-    SnapshotCorrupt,
     StaleEpoch,
     SubstrateError,
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import os
 import threading
@@ -14,8 +13,6 @@ import pytest
 from snapshot.archive import pack, unpack
 from snapshot.store import S3Store, snapshot_key
 from substrate.errors import Conflict, NotFound, StoreUnavailable
-# the fixtures (also importable from the root conftest, see tests/integration/conftest_s3.py)
-from tests.integration.conftest_s3 import moto_server, s3_store, s3_store_factory  # noqa: F401
 
 MiB = 1 << 20
 
