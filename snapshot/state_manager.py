@@ -28,6 +28,7 @@ from substrate import metrics
 from substrate.activator import Activator
 from substrate.directory import Directory
 from substrate.errors import NotFound, SubstrateError
+from substrate.loops import run_forever
 from substrate.models import SessionRecord, SessionState
 from substrate.settings import Settings
 from substrate.specs import Catalog
@@ -52,19 +53,12 @@ class StateManager:
                                       max=settings.state.suspend_retry_max_s)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(run_forever(self.scan_once, self.settings.state.scan_interval_s,
+                                                     "state manager scan", first_delay=True))
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.state.scan_interval_s)
-            try:
-                await self.scan_once()
-            except Exception:  # noqa: BLE001 - a control loop never dies
-                log.warning("state manager scan failed", exc_info=True)
 
     async def scan_once(self) -> None:
         """One pass of every duty (see module docstring)."""

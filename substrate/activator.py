@@ -38,6 +38,7 @@ from substrate.errors import (
     SubstrateError,
     WorkerUnavailable,
 )
+from substrate.loops import run_forever
 from substrate.models import (
     ActorTemplate,
     RestoredFrom,
@@ -83,19 +84,11 @@ class WorkerView:
         self.refreshed_at = time.time()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(run_forever(self.refresh, self.refresh_s, "worker view refresh"))
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception:  # noqa: BLE001 - a control loop never dies
-                log.warning("worker view refresh failed", exc_info=True)
-            await asyncio.sleep(self.refresh_s)
 
     def address(self, wid: str | None) -> str | None:
         w = self.workers.get(wid or "")
