@@ -7,6 +7,7 @@ endif
 .PHONY: install demo dev test lint bench replay locust clean
 
 install:
+	@./scripts/system-deps.sh
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
 	$(UV) sync --frozen --all-extras
 

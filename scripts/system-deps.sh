@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install the Debian packages the test suite needs when they are missing (CI runs as root).
+#   bwrap    (bubblewrap)        agent sandboxes
+#   redis-server (redis-server)  embedded directory and Redis Cluster tests
+#   kubectl  (kubernetes-client) `kubectl kustomize` renders deploy/
+#   promtool (prometheus)        checks the shipped alert rules
+# Without root (or apt) it prints what is missing and goes on: tests that need a tool skip with a reason,
+# except the sandbox, which the runtime refuses to start without (see README "Security model").
+set -u
+declare -A pkg=([bwrap]=bubblewrap [redis-server]=redis-server [kubectl]=kubernetes-client [promtool]=prometheus)
+missing=()
+for cmd in "${!pkg[@]}"; do
+  command -v "$cmd" >/dev/null 2>&1 || missing+=("${pkg[$cmd]}")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "system-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1; } \
+    || echo "system-deps: could not install ${missing[*]}" >&2
+else
+  echo "system-deps: missing Debian packages: ${missing[*]} (apt-get install ${missing[*]})" >&2
+fi
+exit 0
