@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,11 +20,11 @@ API_GROUP = "substrate.agent.dev"
 API_VERSION = f"{API_GROUP}/v1"
 
 #: session IDs chosen by clients (DESIGN / issue 2): lower-case, 1..128 chars
-SESSION_ID_RE = re.compile(r"^[a-z0-9][a-z0-9\-_.]{0,127}$")
+SESSION_ID_RE = re.compile(r"[a-z0-9][a-z0-9\-_.]{0,127}")
 #: Kubernetes DNS-1123 subdomain-ish names for templates and pools
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?$")
+NAME_RE = re.compile(r"[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?")
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
 
 
 def parse_duration_s(value: str | int | float | None) -> float | None:
@@ -38,7 +38,7 @@ def parse_duration_s(value: str | int | float | None) -> float | None:
         if value < 0:
             raise ValueError("duration must be >= 0")
         return float(value)
-    m = _DURATION_RE.match(value)
+    m = _DURATION_RE.fullmatch(value)
     if not m:
         raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 1h)")
     n, unit = float(m.group(1)), m.group(2) or "s"
@@ -77,7 +77,7 @@ class ObjectMeta(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"invalid name {v!r}: use lower-case letters, digits, '-' and '.'")
         return v
 
@@ -112,12 +112,72 @@ class StateManagement(BaseModel):
         return v or None  # 0 disables idle suspension
 
 
+def parse_quantity_value(value: str | int | float | None, what: str) -> float | None:
+    """A Kubernetes quantity (``"512Mi"``, ``"500m"``, ``"2"``) as a float, parsed by the kubernetes
+    client's ``parse_quantity``. ``None`` passes through. Raises ``ValueError`` naming ``what``."""
+    if value is None:
+        return None
+    from kubernetes.utils import parse_quantity  # the library's parser (imported lazily: it is heavy)
+
+    try:
+        q = parse_quantity(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{what}: not a quantity: {value!r} (use e.g. 512Mi, 2Gi, 500m, 2)") from e
+    if q <= 0:
+        raise ValueError(f"{what} must be > 0, got {value!r}")
+    return float(q)
+
+
 class Isolation(BaseModel):
+    """Per-session isolation and limits (``workers/sandbox.py`` enforces them; README "Security model").
+
+    ``sandbox: false`` is the explicit opt-out from the per-session bubblewrap sandbox (the session's
+    status shows ``sandboxed: false``). ``network``: ``none`` (default: no network namespace interface
+    but the sandbox's own), ``loopback`` (its own loopback only) or ``egress`` (the host's network).
+    ``maxCpu``/``maxMemory``/``maxDiskBytes`` are Kubernetes quantities; ``turnTimeout`` a duration.
+    Malformed values are refused when the template is loaded."""
+
     model_config = ConfigDict(extra="allow")
     runtimeClass: str | None = None
     networkPolicy: str | None = None
+    sandbox: bool = True
+    network: Literal["none", "loopback", "egress"] = "none"
     maxCpu: str | None = None
-    maxMemory: str | None = None
+    maxMemory: str | None = "1Gi"
+    maxDiskBytes: str | None = "1Gi"
+    maxProcesses: int | None = Field(256, ge=1, le=65536)
+    turnTimeout: str | float | None = "300s"
+
+    @field_validator("maxCpu", "maxMemory", "maxDiskBytes")
+    @classmethod
+    def _quantity(cls, v: Any, info: Any) -> Any:
+        parse_quantity_value(v, f"isolation.{info.field_name}")
+        return v
+
+    @field_validator("turnTimeout")
+    @classmethod
+    def _turn_timeout(cls, v: Any) -> Any:
+        if parse_duration_s(v) == 0:
+            raise ValueError("turnTimeout must be > 0 (omit it for the default)")
+        return v
+
+    @property
+    def cpu_cores(self) -> float | None:
+        return parse_quantity_value(self.maxCpu, "isolation.maxCpu")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        v = parse_quantity_value(self.maxMemory, "isolation.maxMemory")
+        return None if v is None else int(v)
+
+    @property
+    def disk_bytes(self) -> int | None:
+        v = parse_quantity_value(self.maxDiskBytes, "isolation.maxDiskBytes")
+        return None if v is None else int(v)
+
+    @property
+    def turn_timeout_s(self) -> float:
+        return parse_duration_s(self.turnTimeout) or 300.0
 
 
 class ContainerSpec(BaseModel):
@@ -144,7 +204,7 @@ class ActorTemplateSpec(BaseModel):
     @field_validator("entrypoint")
     @classmethod
     def _entry(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*", v):
             raise ValueError(f"entrypoint must look like 'package.module:Class', got {v!r}")
         return v
 

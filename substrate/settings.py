@@ -57,6 +57,13 @@ class WorkerSettings(BaseModel):
     #: within this window; idle sessions beyond it are evictable capacity (lazy suspension)
     active_window_s: float = 2.0
     root_dir: Path = Path("var/workers")
+    #: per-slot sandbox uids are claimed in [sandbox_uid_base, sandbox_uid_base + sandbox_uid_span)
+    #: with flock files in sandbox_uid_lock_dir (when the worker runs as root); see workers/sandbox.py
+    sandbox_uid_base: int = 20000
+    sandbox_uid_span: int = 10000
+    sandbox_uid_lock_dir: Path = Path("/run/substrate/sandbox-uids")
+    #: keep one sandboxed agent host started per free slot, so a create does not pay the spawn
+    prestart_hosts: bool = True
 
 
 class SnapshotSettings(BaseModel):

@@ -16,6 +16,11 @@ activation's gets 409 ``stale_epoch`` (DESIGN invariant 1), an unknown session 4
 The worker registers itself in the directory with a lease, renews it every ``heartbeat_s`` and reports
 its sessions' last activity there (so the router's hot path writes nothing). If its record is gone (it
 was declared dead) it stops serving and exits: its sessions may already live elsewhere.
+
+Agents never run in this process: each activation's agent is a sandboxed child process
+(``workers/sandbox.py``) driven over JSON lines (``workers/command.py``); a free slot keeps a pre-started
+sandbox so an activation does not pay the spawn. The worker refuses to start when bubblewrap is missing
+or unusable, unless every template of its pool opts out (``isolation.sandbox: false``).
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ from substrate.errors import (
 from substrate.logs import configure_logging
 from substrate.models import ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
 from substrate.settings import Settings, get_settings
-from workers.command import CommandAgent
-from workers.handler import Agent, AgentError, SessionContext, load_agent_class
+from substrate.envpolicy import check_session_env
+from workers.command import HostedAgent, TurnFailed
+from workers.handler import AgentError, SessionContext
+from workers.sandbox import Limits, SandboxPool, SandboxUnavailable, Slot, find_bwrap
 
 log = logging.getLogger("substrate.worker")
 
@@ -71,8 +78,10 @@ class Activation:
     template: str
     spec: ActorTemplateSpec
     slot: int
-    agent: Agent
+    agent: HostedAgent
     workspace: Path
+    #: the local sandbox slot (uid, cgroup, folder) the agent runs in
+    sandbox_slot: Slot
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.time)
     touched: bool = True
@@ -94,7 +103,7 @@ class Worker:
     """The worker's state and behaviour; ``app()`` builds its aiohttp application."""
 
     def __init__(self, settings: Settings, directory: Directory, snapshots: SnapshotManager, *,
-                 worker_id: str, pool: str, slots: int, root: Path) -> None:
+                 worker_id: str, pool: str, slots: int, root: Path, sandboxes: SandboxPool) -> None:
         self.settings = settings
         self.directory = directory
         self.snapshots = snapshots
@@ -107,7 +116,7 @@ class Worker:
         self.started_at = time.time()
         self._tasks: list[asyncio.Task[Any]] = []
         self.stopping = asyncio.Event()
-        self._agent_classes: dict[str, type[Agent]] = {}
+        self.sandboxes = sandboxes
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def register(self, address: str) -> None:
@@ -166,22 +175,19 @@ class Worker:
             t.cancel()
         for act in list(self.activations.values()):
             await self._drop(act)
+        await self.sandboxes.close()
         try:
             await self.directory.deregister_worker(self.id)
         except Exception:  # noqa: BLE001
             log.warning("deregister failed", exc_info=True)
 
     # ---------------------------------------------------------------------------------- operations
-    def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec) -> Agent:
-        if spec.entrypoint:
-            cls = self._agent_classes.get(spec.entrypoint)
-            if cls is None:
-                cls = self._agent_classes[spec.entrypoint] = load_agent_class(spec.entrypoint)
-            return cls(ctx)
-        if spec.command:
-            return CommandAgent(ctx, list(spec.command))
-        raise BadRequest("template has no entrypoint or command this worker can run",
-                         code="unsupported_template")
+    def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec, slot: Slot) -> HostedAgent:
+        if not (spec.entrypoint or spec.command):
+            raise BadRequest("template has no entrypoint or command this worker can run",
+                             code="unsupported_template")
+        return HostedAgent(ctx, pool=self.sandboxes, slot=slot, limits=Limits.of(spec),
+                           entrypoint=spec.entrypoint, argv=list(spec.command) if spec.command else None)
 
     def _get(self, sid: str, epoch: int | None) -> Activation:
         act = self.activations.get(sid)
@@ -212,26 +218,43 @@ class Worker:
             await self._drop(old)
         if len(self.activations) >= self.slots:
             raise NoCapacity(f"worker {self.id} has no free slot")
-        workspace = self.root / "workspaces" / sid
-        if workspace.exists():
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
-        workspace.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] | None = None
-        if ref is not None:
-            state = await self.snapshots.restore(sid, ref, workspace, template)
-        for e in spec.env:
-            if e.value is not None:
-                env.setdefault(e.name, e.value)
-        ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
-        agent = self._agent_for(ctx, spec)
+        template_env = {e.name: e.value for e in spec.env if e.value is not None}
+        env = {**check_session_env(env, template_env), **template_env}  # defence in depth: API checked it too
         try:
-            await agent.start(state)
-        except Exception as e:
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
-            raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+            box = self.sandboxes.acquire()
+        except LookupError:
+            raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
+        workspace = box.workspace
+        try:
+            state: dict[str, Any] | None = None
+            if ref is not None:
+                state = await self.snapshots.restore(sid, ref, workspace, template)
+                await asyncio.to_thread(self.sandboxes.own_workspace, box)
+            ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
+            agent = self._agent_for(ctx, spec, box)
+            try:
+                await agent.start(state)
+            except SubstrateError as e:
+                await agent.stop()
+                raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+            except Exception as e:
+                await agent.stop()
+                raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+        except BaseException:
+            await self.sandboxes.release(box, None)
+            raise
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
-                                           agent=agent, workspace=workspace)
-        return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
+                                           agent=agent, workspace=workspace, sandbox_slot=box)
+        return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
+                "sandboxed": spec.isolation.sandbox}
+
+    async def _capture(self, act: Activation, epoch: int) -> SnapshotRef:
+        state = await act.agent.snapshot()
+        act.agent.freeze(True)  # no agent process runs while its workspace is packed
+        try:
+            return await self.snapshots.capture(act.sid, epoch, act.template, act.workspace, state)
+        finally:
+            act.agent.freeze(False)
 
     async def snapshot(self, sid: str, epoch: int) -> SnapshotRef:
         """Take and commit a snapshot of a running activation (no state change)."""
@@ -240,8 +263,7 @@ class Worker:
             if act.closing:
                 raise NotFound(f"session {sid!r} is not active", code="not_active")
             dirty = act.dirty_turns
-            state = await act.agent.snapshot()
-            ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
+            ref = await self._capture(act, epoch)
             if not await self.snapshots.commit(sid, epoch, ref):
                 await self._drop(act)
                 raise StaleEpoch(f"snapshot of {sid!r} rejected: epoch {epoch} is no longer current")
@@ -273,8 +295,7 @@ class Worker:
                 raise Conflict(f"session {sid!r} is {cas.state.value if cas.state else 'gone'}, not RUNNING",
                                code="invalid_state")
             try:
-                state = await act.agent.snapshot()
-                ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
+                ref = await self._capture(act, epoch)
             except BaseException:
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
                                                 to=SessionState.RUNNING)
@@ -301,7 +322,8 @@ class Worker:
             await act.agent.stop()
         except Exception:  # noqa: BLE001
             log.warning("agent stop failed", extra={"session": act.sid}, exc_info=True)
-        await asyncio.to_thread(shutil.rmtree, act.workspace, True)
+        # kills whatever is left of the session's processes, empties the workspace, pre-starts the next host
+        await self.sandboxes.release(act.sandbox_slot, None)
 
     # ------------------------------------------------------------------------------------ HTTP layer
     def app(self) -> web.Application:
@@ -359,8 +381,11 @@ class Worker:
             return web.json_response(await self.activate(body), status=201)
         except SubstrateError as e:
             return _error(e)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError, UnicodeDecodeError):
             return _error(BadRequest("body is not JSON"))
+        except Exception as e:  # noqa: BLE001 - always a JSON answer, never aiohttp's plain-text 500
+            log.exception("activation failed", extra={"worker": self.id})
+            return _error(SubstrateError(f"activation failed: {e.__class__.__name__}: {e}", code="activation_failed"))
 
     async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
@@ -368,7 +393,7 @@ class Worker:
             act = self._get(sid, self._epoch(request))
             try:
                 body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError, UnicodeDecodeError):  # also too deep / huge numbers
                 raise BadRequest("body must be JSON: {\"input\": ...}", code="bad_json") from None
             if not isinstance(body, dict) or "input" not in body:
                 raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
@@ -385,6 +410,8 @@ class Worker:
                         output = await act.agent.invoke(body["input"])
                     except AgentError as e:
                         raise SubstrateError(str(e), code="agent_error") from e
+                    except TurnFailed:
+                        raise
                     except NotImplementedError as e:
                         raise SubstrateError("agent does not implement invoke", code="agent_error") from e
                     except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
@@ -412,7 +439,8 @@ class Worker:
             act.unreported_turns += 1
             await resp.write(b'{"done": true}\n')
         except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-            code = "agent_error" if isinstance(e, AgentError) else "agent_crashed"
+            code = "agent_error" if isinstance(e, AgentError) else e.code if isinstance(e, TurnFailed) \
+                else "agent_crashed"
             await resp.write(json.dumps({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
         await resp.write_eof()
         return resp
@@ -442,6 +470,19 @@ class Worker:
             return _error(e)
 
 
+def pool_opts_out_of_sandbox(settings: Settings, pool: str) -> bool:
+    """True only if the config names templates for ``pool`` and every one sets ``isolation.sandbox: false``."""
+    from substrate.specs import load_catalog
+
+    try:
+        cat = load_catalog(settings.config_dir)
+    except Exception:  # noqa: BLE001 - no readable catalog (e.g. Kubernetes): the sandbox is required
+        return False
+    first = next(iter(cat.pools), None)
+    mine = [t for t in cat.templates.values() if (t.spec.workerPool or first) == pool]
+    return bool(mine) and all(not t.spec.isolation.sandbox for t in mine)
+
+
 async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
                 ready_fd: int | None = None) -> None:
     """Run a worker until SIGTERM/SIGINT or until it is declared dead."""
@@ -450,7 +491,21 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     root = Path(settings.worker.root_dir) / worker_id
     store = make_store(settings.snapshot)
     snapshots = SnapshotManager(store, directory, settings.snapshot, root / "tmp")
-    worker = Worker(settings, directory, snapshots, worker_id=worker_id, pool=pool, slots=slots, root=root)
+    try:
+        sandboxes = SandboxPool(root, slots, name=worker_id, bwrap=find_bwrap(),
+                                uid_base=settings.worker.sandbox_uid_base, uid_span=settings.worker.sandbox_uid_span,
+                                uid_lock_dir=settings.worker.sandbox_uid_lock_dir,
+                                prestart=settings.worker.prestart_hosts,
+                                require_sandbox=not pool_opts_out_of_sandbox(settings, pool))
+    except SandboxUnavailable as e:
+        log.error("worker refuses to start: agents must run sandboxed", extra={"worker": worker_id, "error": str(e)})
+        print(f"worker {worker_id}: refusing to start: {e}. (Only a pool whose every ActorTemplate sets "
+              "isolation.sandbox: false runs without bubblewrap.)", file=sys.stderr)
+        await directory.close()
+        raise SystemExit(2) from e
+    await sandboxes.start()
+    worker = Worker(settings, directory, snapshots, worker_id=worker_id, pool=pool, slots=slots, root=root,
+                    sandboxes=sandboxes)
     runner = web.AppRunner(worker.app(), access_log=None, handle_signals=False)
     await runner.setup()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
