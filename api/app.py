@@ -23,13 +23,24 @@ from starlette.routing import Route
 from api import proxy
 from api.runtime import Runtime
 from substrate import metrics
+from api.guard import Guard
+from substrate.envpolicy import check_session_env
 from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError
 from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
 
-_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?$")
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?")
+_CONTINUE = re.compile(r"[0-9]{1,15}")
+
+
+def _text_ok(s: str) -> bool:
+    """Valid Unicode text (no lone surrogate such as ``"\ud800"``, which JSON allows but UTF-8 cannot hold)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CreateSession(BaseModel):
@@ -44,19 +55,22 @@ class CreateSession(BaseModel):
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 64:
+            raise ValueError("at most 64 labels")
         for k, val in v.items():
-            if not _LABEL_KEY.match(k):
+            if not _LABEL_KEY.fullmatch(k):
                 raise ValueError(f"label key {k!r} must be 1-63 letters, digits, '-', '_', '.', '/'")
             if len(val) > 256:
                 raise ValueError(f"label {k!r} value is over 256 characters")
+            if not _text_ok(val) or "\0" in val:
+                raise ValueError(f"label {k!r} value is not valid Unicode text (lone surrogate or NUL)")
         return v
 
-    @field_validator("env")
+    @field_validator("actorTemplate", "id")
     @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
-            if not _ENV_KEY.match(k):
-                raise ValueError(f"env name {k!r} must look like A_NAME")
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not _text_ok(v):
+            raise ValueError("not valid Unicode text (lone surrogate)")
         return v
 
 
@@ -67,32 +81,41 @@ class ResumeSession(BaseModel):
     worker: str | None = Field(None, description="place the activation on this worker only")
 
 
-def session_view(rec: SessionRecord) -> dict[str, Any]:
-    """The public shape of a session (env values are not echoed: they may hold secrets)."""
+def session_view(rec: SessionRecord, rt: Runtime | None = None) -> dict[str, Any]:
+    """The public shape of a session (env values are not echoed: they may hold secrets).
+    ``sandboxed`` is false only when the session's template opts out of the per-session sandbox."""
     out = rec.model_dump(mode="json", exclude={"env"})
     out["env"] = sorted(rec.env)
+    if rt is not None:
+        t = rt.catalog.templates.get(rec.actorTemplate)
+        out["sandboxed"] = t.spec.isolation.sandbox if t is not None else True
     return out
+
+
+def _settings_of(scope: dict[str, Any], default: Settings) -> Settings:
+    rt = getattr(getattr(scope.get("app"), "state", None), "runtime", None)
+    return rt.settings if rt is not None else default
 
 
 def _rt(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def _auth(request: Request) -> None:
+def _auth(request: Request) -> None:  # api.guard checked it before the body; kept for direct ASGI use
     proxy.check_auth(_rt(request), request)
 
 
 async def _body_limit(request: Request) -> None:
     cl = request.headers.get("content-length")
     limit = _rt(request).settings.api.max_body_bytes
-    if cl and cl.isdigit() and int(cl) > limit:
+    if cl and cl.isascii() and cl.isdigit() and int(cl) > limit:
         raise PayloadTooLarge(f"body of {cl} bytes is over the {limit}-byte limit")
     if len(await request.body()) > limit:  # a chunked body has no Content-Length to check up front
         raise PayloadTooLarge(f"body is over the {limit}-byte limit")
 
 
 def _check_id(sid: str) -> str:
-    if not SESSION_ID_RE.match(sid):
+    if not SESSION_ID_RE.fullmatch(sid):
         raise InvalidInput(f"malformed session id {sid!r}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
                            code="invalid_session_id")
     return sid
@@ -115,6 +138,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan,
                   description="Runs many bursty, stateful agent sessions on few warm workers.")
+    # bearer token and body size before any body is read (chunked bodies too): api/guard.py
+    app.add_middleware(Guard, get_settings=lambda scope: _settings_of(scope, settings))
     # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)
     app.router.routes.insert(0, Route("/v1/sessions/{sid}/invoke", proxy.invoke, methods=["POST"]))
 
@@ -145,15 +170,16 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         rt = _rt(request)
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
+        env = check_session_env(body.env, [e.name for e in template.spec.env])
         pool = rt.catalog.pool_for(template)
         now = time.time()
         rec = SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate=template.name, pool=pool.name,
-                            labels=body.labels, env=body.env, createdAt=now, updatedAt=now, lastActiveAt=now)
+                            labels=body.labels, env=env, createdAt=now, updatedAt=now, lastActiveAt=now)
         rec = await rt.activator.create(rec, template)
         route = rt.activator.route_of(rec)
         if route is not None:
             rt.routes.put(sid, route)
-        return JSONResponse(session_view(rec), status_code=201)  # skips FastAPI's generic encoder
+        return JSONResponse(session_view(rec, _rt(request)), status_code=201)  # skips FastAPI's generic encoder
 
     @app.get("/v1/sessions", dependencies=v1, tags=["sessions"])
     async def list_sessions(request: Request, state: SessionState | None = None,
@@ -164,18 +190,18 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         ``metadata.continue`` token of the previous page."""
         offset = 0
         if continue_:
-            if not continue_.isdigit() or len(continue_) > 15:
+            if not _CONTINUE.fullmatch(continue_):  # ASCII digits only (str.isdigit takes '²', '٣')
                 raise InvalidInput("bad continue token", code="invalid_continue")
             offset = int(continue_)
         items, nxt = await _rt(request).directory.list_sessions(state=state, template=template, limit=limit,
                                                                offset=offset)
-        return {"items": [session_view(r) for r in items],
+        return {"items": [session_view(r, _rt(request)) for r in items],
                 "metadata": {"continue": str(nxt) if nxt is not None else None}}
 
     @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])
     async def get_session(sid: str, request: Request) -> Response:
         """One session: state, template, worker, epoch, snapshot, restoredFrom ..."""
-        return JSONResponse(session_view(await _rt(request).directory.get_session(_check_id(sid))))
+        return JSONResponse(session_view(await _rt(request).directory.get_session(_check_id(sid)), _rt(request)))
 
     @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=v1, tags=["sessions"])
     async def delete_session(sid: str, request: Request) -> Response:
@@ -198,7 +224,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             from substrate.errors import Conflict
             raise Conflict(f"session {sid!r} is {rec.state.value}; only a RUNNING session can be suspended",
                            code="invalid_state")
-        return session_view(rec)
+        return session_view(rec, _rt(request))
 
     @app.post("/v1/sessions/{sid}/resume", dependencies=v1, tags=["sessions"])
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:
@@ -212,7 +238,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 raise InvalidInput(f"unknown worker {pin!r}", code="unknown_worker")
         route, _ = await rt.activator.wake(_check_id(sid), worker=pin)
         rt.routes.put(sid, route)
-        return session_view(await rt.directory.get_session(sid))
+        return session_view(await rt.directory.get_session(sid), rt)
 
     @app.get("/v1/workerpools", dependencies=v1, tags=["control plane"])
     async def list_pools(request: Request) -> dict[str, Any]:

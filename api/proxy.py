@@ -9,17 +9,19 @@ Bodies stream back unchanged; the router never parses the worker's answer.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from substrate.activator import Route
-from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
+from api.guard import bearer_ok
+from substrate.errors import BadRequest, InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
 from substrate.models import SESSION_ID_RE
 from substrate.workerclient import EPOCH_HEADER, TOKEN_HEADER
 
@@ -66,9 +68,54 @@ def error_response(e: SubstrateError) -> Response:
 
 
 def check_auth(runtime: "Runtime", request: Request) -> None:
+    """Constant-time bearer check (``api.guard`` already ran it before the body; this keeps routes safe
+    when the app is mounted without the middleware)."""
     token = runtime.settings.api.auth_token
-    if token and request.headers.get("authorization") != f"Bearer {token}":
+    if token and not bearer_ok(request.headers.get("authorization"), token):
         raise Unauthorized("missing or wrong bearer token", code="unauthorized")
+
+
+#: invoke inputs nested deeper than this are refused (a worker or agent must never see them)
+MAX_JSON_DEPTH = 64
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
+def _depth_ok(doc: Any, limit: int) -> bool:
+    stack = [(doc, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((c, d + 1) for c in v.values())
+        elif isinstance(v, list):
+            stack.extend((c, d + 1) for c in v)
+    return True
+
+
+def check_invoke_body(body: bytes) -> None:
+    """Refuse an invoke body that is not ``{"input": ...}`` JSON, nests deeper than
+    ``MAX_JSON_DEPTH``, or holds numbers Python cannot hold (over 4300 digits, overflowing floats,
+    NaN/Infinity). Raises ``BadRequest`` (400 ``bad_json`` / ``missing_input``)."""
+    try:
+        doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        msg = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise BadRequest(f"body is not valid JSON: {msg}", code="bad_json") from None
+    if not isinstance(doc, dict) or "input" not in doc:
+        raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and not _depth_ok(doc, MAX_JSON_DEPTH):
+        raise BadRequest(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
 
 
 async def invoke(request: Request) -> Response:
@@ -77,15 +124,16 @@ async def invoke(request: Request) -> Response:
     sid = request.path_params["sid"]
     try:
         check_auth(runtime, request)
-        if not SESSION_ID_RE.match(sid):
+        if not SESSION_ID_RE.fullmatch(sid):
             raise InvalidInput(f"malformed session id {sid!r}", code="invalid_session_id")
         limit = runtime.settings.api.max_body_bytes
         cl = request.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > limit:
+        if cl is not None and cl.isascii() and cl.isdigit() and int(cl) > limit:
             raise PayloadTooLarge(f"body of {cl} bytes is over the {limit}-byte limit")
         body = await request.body()
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
+        check_invoke_body(body)
         stream = request.query_params.get("stream") in ("1", "true")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         return await _forward(runtime, sid, body, stream, rid)

@@ -340,6 +340,11 @@ class Activator:
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(worker.id)
             raise
+        except SubstrateError:  # e.g. the agent failed to start: never leave the session RESUMING
+            await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
+                                            to=SessionState.SUSPENDED, unset=("worker", "slot"))
+            await self.directory.release_slot(worker.id, slot, rec.id)
+            raise
         reason = rec.message if rec.reason == "worker_lost" else None
         restored = RestoredFrom(
             snapshotKey=rec.snapshot.key if rec.snapshot else None,

@@ -20,9 +20,11 @@ API_GROUP = "substrate.agent.dev"
 API_VERSION = f"{API_GROUP}/v1"
 
 #: session IDs chosen by clients (DESIGN / issue 2): lower-case, 1..128 chars
-SESSION_ID_RE = re.compile(r"[a-z0-9][a-z0-9\-_.]{0,127}")
+#: anchored with \A..\Z (never ``$``, which also matches before a final newline): ``match`` and
+#: ``fullmatch`` both check the whole string
+SESSION_ID_RE = re.compile(r"\A[a-z0-9][a-z0-9\-_.]{0,127}\Z")
 #: Kubernetes DNS-1123 subdomain-ish names for templates and pools
-NAME_RE = re.compile(r"[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?")
+NAME_RE = re.compile(r"\A[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?\Z")
 
 _DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
 

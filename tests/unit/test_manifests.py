@@ -339,6 +339,8 @@ def _schema_type(annotation: Any) -> str:
     origin = typing.get_origin(t) or t
     if isinstance(origin, type) and issubclass(origin, BaseModel):
         return "object"
+    if origin is typing.Literal:  # an enum of strings
+        return "string"
     return {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
             dict: "object"}[origin]
 
