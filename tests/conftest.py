@@ -83,6 +83,14 @@ spec:
 ---
 apiVersion: substrate.agent.dev/v1
 kind: ActorTemplate
+metadata: {{name: shell-fast}}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  env: [{{name: SHELL_TIMEOUT_S, value: "1"}}]
+  stateManagement: {{snapshotInterval: {snapshot_interval}, maxIdleTime: {max_idle}}}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
 metadata: {{name: echo-command}}
 spec:
   command: ["{python}", "-u", "-m", "workers.agents.echo_jsonl"]

@@ -486,6 +486,7 @@ def pool_opts_out_of_sandbox(settings: Settings, pool: str) -> bool:
 async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
                 ready_fd: int | None = None) -> None:
     """Run a worker until SIGTERM/SIGINT or until it is declared dead."""
+    import kubernetes.utils  # noqa: F401 - parse_quantity (isolation limits): seconds to import, never in a request
     directory = Directory(settings.redis.url or "redis://127.0.0.1:6379/0", settings.redis.key_prefix,
                           socket_timeout_s=settings.redis.socket_timeout_s)
     root = Path(settings.worker.root_dir) / worker_id
