@@ -99,8 +99,8 @@ class Host:
 
         cls = load_agent_class(str(msg["entrypoint"]))
         ctx = SessionContext(session_id=str(msg.get("session", "")), epoch=int(msg.get("epoch", 0)),
-                             template=str(msg.get("template", "")), workspace=Path(workspace), env=env)
-        ctx.limits = msg.get("limits") or {}  # type: ignore[attr-defined]
+                             template=str(msg.get("template", "")), workspace=Path(workspace), env=env,
+                             sandboxed=bool(msg.get("sandboxed")), limits=dict(msg.get("limits") or {}))
         self.agent = cls(ctx)
         self.send({"ok": True})
 
