@@ -375,6 +375,7 @@ class SandboxPool:
         self._site = _python_binds()
         self._closed = False
         self._warmup: asyncio.Task[None] | None = None
+        self._freed = asyncio.Event()
 
     # ---------------------------------------------------------------------------------- slot lifecycle
     async def start(self) -> None:
@@ -396,11 +397,18 @@ class SandboxPool:
     def free(self) -> int:
         return sum(1 for s in self.slots if not s.busy)
 
-    def acquire(self) -> Slot:
-        """A free slot (prefer one whose host is pre-started). Raises ``LookupError`` if none."""
-        free = [s for s in self.slots if not s.busy]
-        if not free:
-            raise LookupError("no free slot")
+    async def acquire(self, wait_s: float = 5.0) -> Slot:
+        """A free slot (prefer one whose host is pre-started), waiting up to ``wait_s`` for one being
+        torn down (the directory frees a slot before its sandbox is gone). ``LookupError`` if none."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not (free := [s for s in self.slots if not s.busy]):
+            self._freed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise LookupError("no free slot")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), remaining)
         s = next((s for s in free if s.ready is not None and s.ready.alive), free[0])
         s.busy = True
         return s
@@ -431,6 +439,7 @@ class SandboxPool:
             slot.cgroup.kill_all()
         await asyncio.to_thread(self._reset_workspace, slot)
         slot.busy = False
+        self._freed.set()
         if self.prestart and not self._closed and not self.unavailable:
             slot._prestart = asyncio.create_task(self._prestart(slot))
 

@@ -221,7 +221,7 @@ class Worker:
         template_env = {e.name: e.value for e in spec.env if e.value is not None}
         env = {**check_session_env(env, template_env), **template_env}  # defence in depth: API checked it too
         try:
-            box = self.sandboxes.acquire()
+            box = await self.sandboxes.acquire()
         except LookupError:
             raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
         workspace = box.workspace
@@ -302,10 +302,13 @@ class Worker:
                 raise
             committed = await self.snapshots.commit(sid, epoch, ref, suspend=True)
             act.closing = True
+            if self.activations.get(sid) is act:
+                del self.activations[sid]
+            if committed:  # the slot is free as soon as the state is safe; the sandbox is torn down after
+                await self.directory.release_slot(self.id, act.slot, sid)
             await self._drop(act)
             if not committed:
                 raise StaleEpoch(f"suspend of {sid!r} rejected: epoch {epoch} is no longer current")
-            await self.directory.release_slot(self.id, act.slot, sid)
             return ref
 
     async def deactivate(self, sid: str, epoch: int | None) -> None:
