@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench-results", help="folder for bench.md and bench.json")
     ap.add_argument("--skip-runtime", action="store_true")
     ap.add_argument("--skip-snapshots", action="store_true")
+    ap.add_argument("--skip-sandbox", action="store_true")
     ap.add_argument("--replay", default=str(GENTD26), help="trace for the short replay (default: GenTD26 from "
                     "../shared/traces; skipped if absent)")
     ap.add_argument("--replay-args", default="--start 2024-11-21T17:00 --duration 1h --compress 120",
@@ -317,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not args.skip_runtime:
             rows += asyncio.run(bench_runtime(args.n))
+        if not args.skip_sandbox:  # issue 7: create and 1 MiB wake with the sandbox on and off
+            from loadtest.bench_sandbox import bench_sandbox
+
+            rows += asyncio.run(bench_sandbox(min(args.n, 200)))
         if not args.skip_snapshots:
             sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
             rows += asyncio.run(bench_snapshots(args.repeats, sizes))

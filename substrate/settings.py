@@ -62,8 +62,9 @@ class WorkerSettings(BaseModel):
     sandbox_uid_base: int = 20000
     sandbox_uid_span: int = 10000
     sandbox_uid_lock_dir: Path = Path("/run/substrate/sandbox-uids")
-    #: keep one sandboxed agent host started per free slot, so a create does not pay the spawn
-    prestart_hosts: bool = True
+    #: keep a sandboxed agent host started for up to this many free slots (0: none), so a create does
+    #: not pay the spawn (each idle host is a Python process of ~10-15 MiB)
+    prestart_hosts: int = 16
 
 
 class SnapshotSettings(BaseModel):

@@ -78,10 +78,10 @@ class SandboxUnavailable(RuntimeError):
 class Limits:
     """The enforced bounds of one session (from its template's ``isolation``). Bytes, cores, seconds."""
 
-    memory_bytes: int | None = None
+    memory_bytes: int | None = 1 << 30
     cpu_cores: float | None = None
-    processes: int | None = None
-    disk_bytes: int | None = None
+    processes: int | None = 256
+    disk_bytes: int | None = 1 << 30
     turn_timeout_s: float = 300.0
     network: str = "none"
     sandboxed: bool = True
@@ -348,7 +348,7 @@ class SandboxPool:
     """
 
     def __init__(self, root: Path, slots: int, *, name: str, bwrap: str | None, uid_base: int,
-                 uid_span: int, uid_lock_dir: Path, prestart: bool = True, require_sandbox: bool = True) -> None:
+                 uid_span: int, uid_lock_dir: Path, prestart: int = 16, require_sandbox: bool = True) -> None:
         self.root = root
         self.name = name
         self.bwrap = bwrap
@@ -386,9 +386,14 @@ class SandboxPool:
         if self.prestart and not self.unavailable:
             self._warmup = asyncio.create_task(self._prestart_all())
 
+    def _warm(self) -> int:
+        return sum(1 for s in self.slots if s.ready is not None or (s._prestart is not None and not s._prestart.done()))
+
     async def _prestart_all(self) -> None:
         for s in self.slots:
             if self._closed:
+                return
+            if self._warm() >= self.prestart:
                 return
             if not s.busy and s.ready is None and (s._prestart is None or s._prestart.done()):
                 s._prestart = asyncio.create_task(self._prestart(s))
@@ -414,14 +419,19 @@ class SandboxPool:
         return s
 
     async def host_for(self, slot: Slot, limits: Limits) -> HostProcess:
-        """The slot's pre-started host if it fits ``limits`` (network none, sandboxed), else a new one."""
+        """The slot's pre-started host if it fits ``limits`` (network none, sandboxed), else a new one.
+        Taking one starts warming another free slot in the background."""
+        if self.prestart and not self._closed and not self.unavailable and \
+                (self._warmup is None or self._warmup.done()):
+            self._warmup = asyncio.create_task(self._prestart_all())
         ready, slot.ready = slot.ready, None
         if slot._prestart is not None and not slot._prestart.done() and ready is None:
             with contextlib.suppress(Exception):
                 await slot._prestart
             ready, slot.ready = slot.ready, None
+        # a pre-started host fits when what is fixed at spawn matches: network, sandbox, /tmp size
         if ready is not None and ready.alive and limits.network == "none" and limits.sandboxed \
-                and not self.unavailable:
+                and limits.disk_bytes == ready.limits.disk_bytes and not self.unavailable:
             ready.limits = limits
             if slot.cgroup is not None:
                 slot.cgroup.set(limits)
@@ -440,8 +450,11 @@ class SandboxPool:
         await asyncio.to_thread(self._reset_workspace, slot)
         slot.busy = False
         self._freed.set()
-        if self.prestart and not self._closed and not self.unavailable:
+        if self.prestart and not self._closed and not self.unavailable and self._warm() < self.prestart:
             slot._prestart = asyncio.create_task(self._prestart(slot))
+        elif self.prestart and not self._closed and not self.unavailable and \
+                (self._warmup is None or self._warmup.done()):
+            self._warmup = asyncio.create_task(self._prestart_all())
 
     async def close(self) -> None:
         self._closed = True
