@@ -319,3 +319,28 @@ def test_worker_refuses_deep_json_with_400(rt):
                    headers={**rt.worker_headers, "X-Substrate-Epoch": str(s["epoch"])})
     assert r.status_code == 400 and r.json()["code"] == "bad_json"
     rt.client.delete_session(s["id"])
+
+
+def test_notebook_resume_restores_imports_and_names_what_it_could_not(rt):
+    c = rt.client
+    nb = c.create_session("notebook")["id"]
+    c.invoke(nb, "import json as j\ndef f():\n    return 1\nx = 41")
+    c.suspend(nb)
+    out = c.invoke(nb, "j.dumps(x + 1)")
+    assert out["repr"] == "'42'", out
+    assert "f" in out["warning"] and "not restored" in out["warning"]
+    assert "warning" not in c.invoke(nb, "x"), "said once, on the first answer after the resume"
+    c.delete_session(nb)
+
+
+def test_notebook_output_is_per_cell_and_cells_time_out(rt):
+    c = rt.client
+    a = c.create_session("notebook-lim")["id"]
+    b = c.create_session("notebook")["id"]
+    assert c.invoke(a, "print('from a')")["stdout"] == "from a\n"
+    assert c.invoke(b, "import sys\nsys.stdout.write('from b\\n')")["stdout"] == "from b\n"
+    out = c.invoke(a, "import time\ntime.sleep(30)")  # notebook-lim: turnTimeout 3s -> cell timeout 2s
+    assert "TimeoutError" in out["error"]
+    assert c.invoke(a, "1")["repr"] == "1"
+    c.delete_session(a)
+    c.delete_session(b)
