@@ -25,7 +25,7 @@ from substrate.client import SubstrateClient
 from substrate.embedded import EmbeddedRedis
 from substrate.keys import Keys
 
-pytest_plugins = ["tests.integration.conftest_s3"]
+pytest_plugins = ["tests.integration.conftest_s3", "tests.redis_cluster"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,3 +215,11 @@ def shared_runtime(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> 
 
 def dedent(s: str) -> str:
     return textwrap.dedent(s)
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def directory_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The directory suite runs twice: on the standalone Redis and on a local three-master Redis Cluster."""
+    if request.param == "cluster":
+        return str(request.getfixturevalue("redis_cluster_url"))
+    return redis_url
