@@ -76,11 +76,13 @@ class StateManager:
 
     async def recover_dead_workers(self) -> None:
         now = time.time()
+        grace = self.settings.worker.lease_grace_s
         for w in await self.directory.list_workers():
-            if w.leaseExpiresAt < now:
+            if w.leaseExpiresAt + grace < now:
                 log.warning("worker lease expired", extra={"worker": w.id})
-                recovered = await self.activator.recover_worker(w.id)
-                if self.settings.state.eager_recovery:
+                # conditional on the lease in Redis: a worker that renewed meanwhile stays
+                recovered = await self.activator.recover_worker(w.id, force=False)
+                if recovered and self.settings.state.eager_recovery:
                     for sid in recovered:
                         asyncio.create_task(self._eager_wake(sid))
 
