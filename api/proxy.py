@@ -30,7 +30,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from substrate.activator import Route
-from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
+from substrate.errors import (
+    Conflict,
+    InvalidInput,
+    PayloadTooLarge,
+    StaleEpoch,
+    SubstrateError,
+    Unauthorized,
+    WorkerUnavailable,
+)
 from substrate.models import SESSION_ID_RE
 from substrate.workerclient import EPOCH_HEADER, IDEMPOTENCY_HEADER, TOKEN_HEADER
 
@@ -150,7 +158,14 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                                     retry_after_s=s.api.retry_after_s)
         if route is None:
             t0 = time.perf_counter()
-            route, woke = await act.wake(sid)
+            try:
+                route, woke = await act.wake(sid)
+            except (StaleEpoch, Conflict) as e:
+                if e.code not in ("stale_epoch", "conflict"):
+                    raise
+                # the session moved while it was being woken (a deadline roll, another router): again
+                await asyncio.sleep(min(0.05 * attempt, 0.5))
+                continue
             if woke:
                 woke_ms = (time.perf_counter() - t0) * 1000
                 restored = route.restored or restored

@@ -270,7 +270,8 @@ class Worker:
             for act in left:  # not suspended in time: back from the last snapshot, and the answer says so
                 try:
                     await self.directory.transition(
-                        act.sid, from_states=[SessionState.RUNNING, SessionState.SUSPENDING], epoch=act.epoch,
+                        act.sid, from_states=[SessionState.STARTING, SessionState.RESUMING, SessionState.RUNNING,
+                                              SessionState.SUSPENDING], epoch=act.epoch,
                         worker=self.id, to=SessionState.SUSPENDED, bump=True,
                         set={"reason": "worker_lost", "message": f"worker {self.id} stopped before the "
                              "session could be suspended; state since the last snapshot is gone"},
