@@ -122,7 +122,13 @@ class RuntimeProc:
         self.log = open(tmp / f"runtime-{self.prefix}-{self.port}.log", "wb")  # noqa: SIM115
         self.proc = self._spawn()
         self.client = SubstrateClient(self.url, timeout_s=30)
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        if redis_url.startswith("redis+cluster://"):
+            from redis.cluster import RedisCluster
+
+            self.r = RedisCluster.from_url(redis_url.replace("redis+cluster://", "redis://", 1),
+                                           decode_responses=True)
+        else:
+            self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.replicas = replicas
         self.shared = share_with is not None
         self._wait_ready(workers=wait_workers)
