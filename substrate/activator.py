@@ -42,8 +42,6 @@ from substrate.errors import (
     NoCapacity,
     NotFound,
     SnapshotCorrupt,
-    StaleEpoch,
-    StoreUnavailable,
     SubstrateError,
     WorkerUnavailable,
 )
