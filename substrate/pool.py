@@ -67,7 +67,7 @@ class PoolPlan:
 def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
     """Workers wanted for ``busy`` slots in use or wanted (see the module docstring)."""
     a = spec.autoscaling
-    if a is None:
+    if a is None or a.metrics:  # with HPA metrics, the HPA writes spec.replicas through /scale
         return spec.replicas
     s = spec.slots
     by_util = math.ceil(busy * 100 / (s * a.targetUtilization)) if busy else 0

@@ -36,7 +36,6 @@ from substrate.models import (
     ActorTemplate,
     ActorTemplateSpec,
     Autoscaling,
-    Condition,
     ContainerSpec,
     EnvVar,
     Isolation,
@@ -315,9 +314,7 @@ FIELD_PAIRS: list[tuple[type[BaseModel], str, str, set[str]]] = [
     (WorkerPoolSpec, "WorkerPool", "spec", set()),
     (Autoscaling, "WorkerPool", "spec.autoscaling", set()),
     (WarmPool, "WorkerPool", "spec.warmPool", set()),
-    # selector: the /scale labelSelectorPath, written by the controller (not in WorkerPoolStatus yet)
-    (WorkerPoolStatus, "WorkerPool", "status", {"selector"}),
-    (Condition, "WorkerPool", "status.conditions[]", set()),
+    (WorkerPoolStatus, "WorkerPool", "status", set()),
     (ActorTemplateSpec, "ActorTemplate", "spec", set()),
     (ContainerSpec, "ActorTemplate", "spec.container", set()),
     (EnvVar, "ActorTemplate", "spec.container.env[]", set()),
