@@ -208,11 +208,15 @@ class PoolController:
         for wid, t in list(st.expectations.items()):
             if wid in registered or wid not in running or time.monotonic() - t > self.create_timeout_s:
                 st.expectations.pop(wid)
+        # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,
+        # also after its expectation expired, so a Pod the scheduler cannot place is never re-created
+        unregistered = sum(1 for wid, p in running.items()
+                           if p == pool.name and wid not in registered and wid not in st.expectations)
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
-            starting=len(st.expectations),
+            starting=len(st.expectations) + unregistered,
             waiting=getattr(self.activator, "waiting_for_slots", 0))
         allow_down = st.below_since is not None and time.monotonic() - st.below_since >= self.scale_down_delay_s
         plan = reconcile(pool.spec, obs, allow_scale_down=allow_down)

@@ -137,6 +137,10 @@ class Settings(BaseSettings):
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     #: folder of ActorTemplate / WorkerPool YAML files for the local mode
     config_dir: Path = Path("examples")
+    #: where templates and pools come from: ``files`` (config_dir) or ``kubernetes`` (the API server)
+    catalog_source: Literal["files", "kubernetes"] = "files"
+    #: what ``api.main:app`` runs: ``embedded`` (substrate up) or ``router`` (API + proxy only)
+    role: Literal["embedded", "router"] = "embedded"
     log_level: str = "INFO"
     log_json: bool = True
 
