@@ -121,8 +121,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
 
 @app.command()
-def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_POOL", help="WorkerPool this worker serves."),
-           slots: int = typer.Option(None, envvar="SUBSTRATE_SLOTS", min=1, help="Session slots."),
+def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="WorkerPool this worker serves."),
+           slots: int = typer.Option(None, envvar="SUBSTRATE_WORKER_SLOTS", min=1, help="Session slots."),
            port: int = typer.Option(8081, envvar="SUBSTRATE_WORKER_PORT", min=0, max=65535, help="Listen port."),
            host: str = typer.Option("0.0.0.0", envvar="SUBSTRATE_WORKER_LISTEN_HOST", help="Listen address."),
            advertise: str = typer.Option(None, envvar="SUBSTRATE_POD_IP",
@@ -135,7 +135,7 @@ def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_POOL", help="WorkerP
     import importlib
 
     if not pool or not slots:
-        err.print("[red]error[/red]: --pool and --slots (or SUBSTRATE_POOL / SUBSTRATE_SLOTS) are required")
+        err.print("[red]error[/red]: --pool and --slots (or SUBSTRATE_WORKER_POOL / SUBSTRATE_WORKER_SLOTS) are required")
         raise typer.Exit(2)
     if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
         err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (mount the internal-token Secret)")

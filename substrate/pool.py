@@ -115,6 +115,8 @@ class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
     below_since: float | None = None
     conditions: list[Condition] = field(default_factory=list)
+    #: the last plan's desired worker count
+    desired: int = 0
 
 
 class PoolController:
@@ -161,6 +163,10 @@ class PoolController:
                 return True
             await asyncio.sleep(0.05)
         return False
+
+    def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
+        """The spec ``reconcile`` sizes against (a backend-specific controller may add surge capacity)."""
+        return pool.spec
 
     def conditions(self, pool: str) -> list[Condition]:
         return list(self._state.get(pool, _PoolState()).conditions)
@@ -219,7 +225,8 @@ class PoolController:
             starting=len(st.expectations) + unregistered,
             waiting=getattr(self.activator, "waiting_for_slots", 0))
         allow_down = st.below_since is not None and time.monotonic() - st.below_since >= self.scale_down_delay_s
-        plan = reconcile(pool.spec, obs, allow_scale_down=allow_down)
+        plan = reconcile(self.effective_spec(pool), obs, allow_scale_down=allow_down)
+        st.desired = plan.desired
         serving = sum(1 for w in obs.workers if w.alive and w.state != WorkerState.DRAINING) + obs.starting
         if serving > plan.desired:
             st.below_since = st.below_since or time.monotonic()

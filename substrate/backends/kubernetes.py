@@ -12,7 +12,8 @@
 * ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
   no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
 * Pods that fail repeatedly are re-created after a back-off (``failure_backoff_s`` doubling up to
-  ``failure_backoff_max_s``); ``create`` raises ``BackingOff`` meanwhile.
+  ``failure_backoff_max_s``); meanwhile ``create`` creates nothing (the pool controller's expectation for
+  it lapses on the next tick) and ``problems`` reports ``BackOff``.
 """
 
 from __future__ import annotations
@@ -29,14 +30,6 @@ from substrate.models import WorkerPool
 from substrate.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-class BackingOff(Exception):
-    """The pool's Pods failed recently; ``retry_in_s`` until the next create is allowed."""
-
-    def __init__(self, pool: str, retry_in_s: float) -> None:
-        super().__init__(f"pool {pool}: worker Pods failed, next create in {retry_in_s:.1f} s")
-        self.retry_in_s = retry_in_s
 
 
 @dataclass
@@ -97,7 +90,8 @@ class KubernetesBackend:
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
         b = self._backoff.get(pool.name)
         if b is not None and time.monotonic() < b.until:
-            raise BackingOff(pool.name, b.until - time.monotonic())
+            log.debug("create skipped: backing off", extra={"pool": pool.name})
+            return
         body = build_worker_pod(pool, worker_id, self.settings, namespace=self.namespace,
                                 gang=pool.name in self.gang_pools)
         self._created[worker_id] = _Created(pool.name)

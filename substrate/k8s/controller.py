@@ -31,7 +31,7 @@ from substrate.directory import Directory
 from substrate.k8s import dra, status as kstatus
 from substrate.k8s.api import GROUP, VERSION, Informer, Kube
 from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
-from substrate.models import ActorTemplate, WorkerPool, WorkerState
+from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
 from substrate.pool import PoolController, desired_replicas
 from substrate.settings import Settings
 from substrate.specs import Catalog, SpecError, load_documents
@@ -119,12 +119,26 @@ class KubePoolController(PoolController):
         self._ensured: dict[str, str] = {}
         self._finalizing: set[str] = set()
         self._last_status: dict[str, dict[str, Any]] = {}
+        self._rolling: set[str] = set()
 
     async def stop(self) -> None:
         # leave worker Pods running: a controller restart or failover must not touch serving workers
         if self._task:
             self._task.cancel()
         await self.backend.close()
+
+    def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
+        """While a pool rolls, ``max_surge`` extra workers (new template) so capacity never dips."""
+        if pool.name not in self._rolling:
+            return pool.spec
+        surge = self.settings.kubernetes.max_surge
+        spec = pool.spec.model_copy(update={"replicas": pool.spec.replicas + surge})
+        a = spec.autoscaling
+        if a is not None and not a.metrics:
+            spec.autoscaling = a.model_copy(update={"maxReplicas": a.maxReplicas + surge})
+            spec.warmPool = (spec.warmPool.model_copy(update={"readyReplicas": spec.warmPool.readyReplicas + surge})
+                             if spec.warmPool else WarmPool(readyReplicas=surge))
+        return spec
 
     async def _api(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
@@ -213,24 +227,25 @@ class KubePoolController(PoolController):
         return out
 
     async def _rollout(self, pool: WorkerPool) -> None:
+        """Replace workers built from an older pod template, ``max_surge`` at a time (module docstring)."""
         want = template_hash(pool)
         pods = self.kbackend.pods_of(pool.name)
         outdated = [n for n, p in pods.items()
                     if ((p.get("metadata") or {}).get("labels") or {}).get(HASH_LABEL) != want
                     and not (p.get("metadata") or {}).get("deletionTimestamp")]
         if not outdated:
+            self._rolling.discard(pool.name)
             return
+        self._rolling.add(pool.name)
         workers = {w.id: w for w in await self.directory.list_workers() if w.pool == pool.name}
-        draining_now = [n for n in outdated if n in self._draining]
-        budget = self.settings.kubernetes.max_surge - len(draining_now)
+        budget = self.settings.kubernetes.max_surge - sum(1 for n in outdated if n in self._draining)
         if budget <= 0:
             return
         st = self._state.get(pool.name)
-        desired = desired_replicas(pool.spec, 0) if st is None else max(desired_replicas(pool.spec, 0), 1)
+        desired = st.desired if st else desired_replicas(self.effective_spec(pool), 0)
         serving = [w for w in workers.values() if w.state == WorkerState.READY and w.id not in self._draining]
-        current = [w for w in serving if w.id not in outdated]
-        # only when the pool has its serving capacity (new workers ready) does the next old one go
-        if len(serving) < desired and current:
+        # the next old worker goes only once the surge worker(s) serve: capacity never dips below desired
+        if len(serving) < desired:
             return
         for name in outdated:
             if budget <= 0:

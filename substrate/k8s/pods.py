@@ -69,8 +69,8 @@ def worker_env(pool: WorkerPool, settings: Settings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "SUBSTRATE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "SUBSTRATE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "SUBSTRATE_POOL", "value": pool.name},
-        {"name": "SUBSTRATE_SLOTS", "value": str(pool.spec.slots)},
+        {"name": "SUBSTRATE_WORKER_POOL", "value": pool.name},
+        {"name": "SUBSTRATE_WORKER_SLOTS", "value": str(pool.spec.slots)},
         {"name": "SUBSTRATE_WORKER_PORT", "value": str(k.worker_port)},
         {"name": "SUBSTRATE_WORKER__ROOT_DIR", "value": f"{k.worker_root}/workers"},
         {"name": "SUBSTRATE_WORKER__HEARTBEAT_S", "value": str(w.heartbeat_s)},
