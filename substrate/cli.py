@@ -121,6 +121,31 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
 
 @app.command()
+def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the seed article's documents).")) -> None:
+    """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): seed apiVersions and
+    spellings translated, v1alpha2 DRA objects converted to resource.k8s.io/v1; warnings on stderr."""
+    import logging
+
+    import yaml
+
+    from substrate.specs import SpecError, convert_documents
+
+    logging.getLogger("substrate.specs").setLevel(logging.ERROR)  # warnings are printed below, once
+
+    out: list[Any] = []
+    for f in files:
+        try:
+            docs, warnings = convert_documents(list(yaml.safe_load_all(f.read_text())), str(f))
+        except (OSError, yaml.YAMLError, SpecError) as e:
+            err.print(f"[red]error[/red]: {escape(str(e))}")
+            raise typer.Exit(2) from None
+        for w in warnings:
+            err.print(f"[yellow]warning[/yellow]: {escape(w)}")
+        out += docs
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
+
+
+@app.command()
 def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="WorkerPool this worker serves."),
            slots: int = typer.Option(None, envvar="SUBSTRATE_WORKER_SLOTS", min=1, help="Session slots."),
            port: int = typer.Option(8081, envvar="SUBSTRATE_WORKER_PORT", min=0, max=65535, help="Listen port."),

@@ -121,12 +121,15 @@ def normalize(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         tpl_spec = (spec.get("template") or {}).get("spec")
         if isinstance(tpl_spec, dict):
             _check_pod_spec(tpl_spec, seed, warn)
-        for c in spec.get("resourceClaims") or []:
-            src = c.pop("source", None) if isinstance(c, dict) else None
-            if src:
-                c.update(src)
-                warn.append(f"resourceClaims[{c.get('name')}].source is the removed v1alpha2 shape: "
-                            f"flattened to {sorted(src)}")
+        pod_claims = (tpl_spec or {}).get("resourceClaims") if isinstance(tpl_spec, dict) else None
+        for where, claims in (("spec.resourceClaims", spec.get("resourceClaims")),
+                              ("spec.template.spec.resourceClaims", pod_claims)):
+            for c in claims or []:
+                src = c.pop("source", None) if isinstance(c, dict) else None
+                if src:
+                    c.update(src)
+                    warn.append(f"{where}[{c.get('name')}].source is the removed v1alpha2 shape: "
+                                f"flattened to {', '.join(sorted(src))}")
         auto = spec.get("autoscaling")
         if isinstance(auto, dict):
             if auto.get("metrics"):
@@ -150,10 +153,52 @@ def normalize(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return doc, warn
 
 
-def load_documents(docs: list[dict], source: str = "<memory>") -> Catalog:
+def _v1alpha2_claims(docs: list[Any], source: str) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """Seed ``resource.k8s.io/v1alpha2`` ResourceClaims among ``docs``: name -> (accelerators, notes)."""
+    from substrate.k8s.dra import translate_v1alpha2_claim
+
+    out = {}
+    for i, d in enumerate(docs):
+        if isinstance(d, dict) and d.get("apiVersion") == "resource.k8s.io/v1alpha2" and d.get("kind") == "ResourceClaim":
+            try:
+                out[(d.get("metadata") or {}).get("name")] = translate_v1alpha2_claim(d)
+            except ValueError as e:
+                raise SpecError(f"{source} document {i} (ResourceClaim v1alpha2): {e}") from e
+    return out
+
+
+def _use_v1alpha2_claims(doc: dict[str, Any], claims: dict[str, tuple[dict[str, Any], list[str]]]) -> list[str]:
+    """A pool referencing a translated v1alpha2 claim gets ``spec.accelerators`` from it (each worker its own
+    claim from the compiled ResourceClaimTemplate, count kept) instead of the removed object."""
+    warn: list[str] = []
+    spec = doc.get("spec") or {}
+    tpl_spec = (spec.get("template") or {}).get("spec") or {}
+    for holder in (spec, tpl_spec):
+        kept = []
+        for c in holder.get("resourceClaims") or []:
+            name = c.get("resourceClaimName")
+            if name in claims:
+                acc, notes = claims[name]
+                spec["accelerators"] = dict(acc)
+                warn += notes
+                warn.append(f"resourceClaims[{c.get('name')}] -> spec.accelerators {acc} (one claim per worker Pod)")
+                for ctr in tpl_spec.get("containers") or []:
+                    rc = (ctr.get("resources") or {}).get("claims")
+                    if rc:
+                        ctr["resources"]["claims"] = [x for x in rc if x.get("name") != c.get("name")]
+            else:
+                kept.append(c)
+        if "resourceClaims" in holder:
+            holder["resourceClaims"] = kept
+    return warn
+
+
+def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: bool = True) -> Catalog:
     """Build a catalog from already-parsed YAML documents. Raises ``SpecError``; translations and
-    ignored fields are in ``Catalog.warnings`` (see ``normalize``)."""
+    ignored fields are in ``Catalog.warnings`` (see ``normalize``), also logged unless ``log_warnings``
+    is false."""
     cat = Catalog()
+    v1alpha2 = _v1alpha2_claims(docs, source)
     for i, doc in enumerate(docs):
         if not isinstance(doc, dict):
             continue
@@ -162,6 +207,8 @@ def load_documents(docs: list[dict], source: str = "<memory>") -> Catalog:
             continue
         try:
             doc, warns = normalize(doc)
+            if kind == "WorkerPool" and v1alpha2:
+                warns += _use_v1alpha2_claims(doc, v1alpha2)
             if kind == "ActorTemplate":
                 t = ActorTemplate.model_validate(doc)
                 cat.templates[t.name] = t
@@ -177,8 +224,55 @@ def load_documents(docs: list[dict], source: str = "<memory>") -> Catalog:
         for w in warns:
             msg = f"{source} {kind} {name}: {w}"
             cat.warnings.append(msg)
-            log.warning(msg)
+            if log_warnings:
+                log.warning(msg)
     return cat
+
+
+def _clean(doc: dict[str, Any]) -> dict[str, Any]:
+    """Drop what the API server fills in (generation) and empty collections from a dumped document."""
+    doc["metadata"].pop("generation", None)
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if v not in ({}, [], None)}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return strip(doc)
+
+
+def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[dict[str, Any]], list[str]]:
+    """Documents as our API server takes them (``substrate convert``): WorkerPools/ActorTemplates
+    normalised (seed spellings translated), v1alpha2 ResourceClasses -> v1 DeviceClasses, v1alpha2
+    ResourceClaims folded into the pools that use them (``spec.accelerators``), other kinds unchanged.
+    Returns (documents, warnings). Raises ``SpecError``."""
+    from substrate.k8s.dra import translate_v1alpha2_class
+
+    cat = load_documents(docs, source)
+    out: list[dict[str, Any]] = []
+    warnings = list(cat.warnings)
+    for d in docs:
+        if not isinstance(d, dict):
+            continue
+        kind, api = d.get("kind"), d.get("apiVersion")
+        name = (d.get("metadata") or {}).get("name")
+        if kind in ("WorkerPool", "ActorTemplate"):
+            obj = (cat.pools if kind == "WorkerPool" else cat.templates)[name]
+            out.append(_clean(obj.model_dump(mode="json", exclude={"status"}, exclude_none=True)))
+        elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClass":
+            try:
+                out.append(translate_v1alpha2_class(d))
+            except ValueError as e:
+                raise SpecError(f"{source} ResourceClass {name}: {e}") from e
+            warnings.append(f"{source} ResourceClass {name}: v1alpha2 -> resource.k8s.io/v1 DeviceClass "
+                            f"(parameters {sorted((d.get('parameters') or {}))} have no v1 meaning and are dropped)")
+        elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClaim":
+            continue  # folded into the pools that reference it (see _use_v1alpha2_claims)
+        else:
+            out.append(d)
+    return out, warnings
 
 
 def load_catalog(path: Path | str) -> Catalog:

@@ -61,6 +61,7 @@ class KubeCatalog:
         self.raw_pools: dict[str, dict[str, Any]] = {}
         self.deleting: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
+        self._warned: set[tuple[str, Any]] = set()
         self.changed = asyncio.Event()
         for inf in (self.pools, self.templates):
             inf.add_listener(self.rebuild)
@@ -89,10 +90,15 @@ class KubeCatalog:
                     continue
                 doc = {k: v for k, v in doc.items() if k != "status"}
                 try:
-                    part = load_documents([doc], f"{doc.get('kind')}/{name}")
+                    part = load_documents([doc], f"{doc.get('kind')}/{name}", log_warnings=False)
                 except SpecError as e:
                     errors[name] = e.message
                     continue
+                gen = (doc.get("metadata") or {}).get("generation")
+                for w in part.warnings:  # once per object generation, not on every status update
+                    if (w, gen) not in self._warned:
+                        self._warned.add((w, gen))
+                        log.warning(w)
                 out.update(part.pools if src is self.pools.items else part.templates)  # type: ignore[arg-type]
         self.raw_pools = dict(self.pools.items)
         for n, e in errors.items():

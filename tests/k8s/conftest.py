@@ -36,13 +36,14 @@ def wait_for(pred: Callable[[], Any], timeout_s: float = 30, what: str = "condit
         if v:
             return v
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what} (last: {str(pred())[:300]})")
 
 
 class Cluster:
     """An emulated cluster with a kubelet, Secrets for Redis and the internal token, and helpers."""
 
-    def __init__(self, tmp: Path, redis_url: str) -> None:
+    def __init__(self, tmp: Path, redis_url: str, ns: str = NS, max_pods: int = 50) -> None:
+        self.ns = ns
         self.tmp = tmp
         self.redis_url = redis_url
         self.api = EmulatedCluster().start()
@@ -56,13 +57,13 @@ class Cluster:
         self.token = uuid.uuid4().hex
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         for name, key, value in (("substrate-redis", "url", redis_url), ("substrate-internal-token", "token", self.token)):
-            self.core.create_namespaced_secret(NS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+            self.core.create_namespaced_secret(ns, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
                                                     "data": {key: base64.b64encode(value.encode()).decode()}})
-        self.kubelet = TestKubelet(self.api.url, NS, tmp / "node").start()
+        self.kubelet = TestKubelet(self.api.url, ns, tmp / "node", max_pods=max_pods).start()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
                     "SUBSTRATE_WORKER__INTERNAL_TOKEN": self.token, "SUBSTRATE_KUBERNETES__API_URL": self.api.url,
-                    "SUBSTRATE_KUBERNETES__NAMESPACE": NS, "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(tmp / "snapshots"),
+                    "SUBSTRATE_KUBERNETES__NAMESPACE": ns, "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(tmp / "snapshots"),
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
                     "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2", "SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "2",
                     "SUBSTRATE_POOL__RECONCILE_INTERVAL_S": "0.3",
@@ -94,21 +95,21 @@ class Cluster:
     # ---------------------------------------------------------------------------- API helpers
     def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
         plural = doc["kind"].lower() + "s"
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, plural, doc)
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, plural, doc)
 
     def pool(self, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "workerpools", name)
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, "workerpools", name)
         except client.ApiException as e:
             if e.status == 404:
                 return None
             raise
 
     def patch_pool(self, name: str, body: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, "workerpools", name, body)
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, "workerpools", name, body)
 
     def pods(self, pool: str | None = None) -> list[dict[str, Any]]:
-        return [p for p in self.api.objects("v1/pods", NS)
+        return [p for p in self.api.objects("v1/pods", self.ns)
                 if pool is None or p["metadata"].get("labels", {}).get("substrate.agent.dev/pool") == pool]
 
     def workers(self, pool: str | None = None) -> dict[str, dict[str, str]]:
@@ -152,6 +153,20 @@ def cluster(tmp_path: Path, redis_url: str) -> Iterator[Cluster]:
     c = Cluster(tmp_path, redis_url)
     yield c
     c.close()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(**kw: Any) -> Cluster:
+        c = Cluster(tmp_path, redis_url, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
 
 
 def pool_doc(name: str = "agents", replicas: int = 2, slots: int = 4, **spec: Any) -> dict[str, Any]:

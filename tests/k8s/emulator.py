@@ -5,7 +5,8 @@
 * ``resourceVersion`` in a PATCH body as a precondition (409 Conflict when stale), as the API server does;
 * the status subresource: a PATCH of ``.../status`` changes only ``status``; a PATCH of the object ignores
   ``status`` (``/scale`` patches ``spec.replicas``);
-* ``labelSelector`` (equality terms) on list and watch.
+* ``labelSelector`` (equality terms) on list and watch;
+* speed: kmock keeps every request and scans them all on each dispatch; only recent ones are kept.
 
 ``EmulatedCluster`` runs it on a real HTTP port in a background thread with its own event loop, so tests
 and child processes talk to it over HTTP like to an API server.
@@ -65,6 +66,11 @@ class Emulator(kmock.KubernetesEmulator):
             self.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=namespaced,
                                                      subresources={"status", "scale"})
 
+    def _get_resources(self) -> list[Any]:
+        # kmock adds every stored object's resource by scanning all objects on each request (O(n)); every
+        # resource used here is declared up front, so the declared ones are the answer
+        return list(self.resources)
+
     def _next_rv(self) -> str:
         self.rv = next(self._rv)
         return str(self.rv)
@@ -74,6 +80,12 @@ class Emulator(kmock.KubernetesEmulator):
         return self.objects[key] if key in self.objects else None
 
     async def _handle(self, request: Any) -> Any:
+        # kmock keeps every request and dispatches by scanning them all (O(requests) per request, so a
+        # long test slows down quadratically); keep the recent ones only (the current one is the last)
+        if len(self._requests) > 16:
+            del self._requests[:-4]
+            for payload in self._payloads:
+                del payload._requests[:-4]
         if request.resource is not None and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {}) if request.action == enums.action.CREATE else None
             if request.action == enums.action.CREATE:

@@ -7,7 +7,8 @@ same port), maps each volume mount to a fresh host folder, resolves the containe
 starts the container command (``substrate ...`` runs this venv's ``python -m substrate.cli ...``) with only
 that env, and marks the Pod ``Running`` + ``Ready`` once ``/healthz`` answers. A Pod deleted from the API
 gets SIGTERM (SIGKILL after its grace period); a process that exits marks its Pod ``Failed``. Pods with
-``spec.nodeSelector`` ``test/unschedulable: "true"`` are marked ``Unschedulable`` instead of started.
+``spec.nodeSelector`` ``test/unschedulable: "true"``, and Pods beyond ``max_pods`` (the node is full), are
+marked ``Unschedulable`` instead of started.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from substrate.k8s.api import Informer, Kube
 
 
 class TestKubelet:
-    def __init__(self, api_url: str, namespace: str, root: Path) -> None:
+    def __init__(self, api_url: str, namespace: str, root: Path, max_pods: int = 50) -> None:
+        self.max_pods = max_pods
         cfg = client.Configuration()
         cfg.host = api_url
         self.kube = Kube(client.ApiClient(cfg))
@@ -74,7 +76,8 @@ class TestKubelet:
             phase = (pod.get("status") or {}).get("phase")
             if name not in self.procs and phase in (None, "Pending") and not (pod.get("metadata") or {}).get(
                     "deletionTimestamp"):
-                if ((pod.get("spec") or {}).get("nodeSelector") or {}).get("test/unschedulable") == "true":
+                full = len(self.procs) >= self.max_pods
+                if full or ((pod.get("spec") or {}).get("nodeSelector") or {}).get("test/unschedulable") == "true":
                     if not (pod.get("status") or {}).get("conditions"):
                         self._status(name, {"phase": "Pending", "conditions": [
                             {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
