@@ -94,9 +94,6 @@ class Kube:
                 raise
 
     # custom resources
-    def list_custom(self, ns: str, plural: str) -> list[dict[str, Any]]:
-        return list(self.call(self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural)["items"])
-
     def patch_pool(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.call(self.custom.patch_namespaced_custom_object, GROUP, VERSION, ns, "workerpools", name, body)
 
@@ -115,14 +112,6 @@ class Kube:
             if e.status == 409:
                 return body
             raise
-
-    def delete_object(self, api_version: str, plural: str, ns: str, name: str) -> None:
-        group, _, version = api_version.rpartition("/")
-        try:
-            self.call(self.custom.delete_namespaced_custom_object, group, version, ns, plural, name)
-        except KubeError as e:
-            if e.status != 404:
-                raise
 
     # leases
     def get_lease(self, ns: str, name: str) -> dict[str, Any] | None:
