@@ -69,7 +69,7 @@ def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Bas
 def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."),
        port: int = typer.Option(None, min=1, max=65535, help="Listen port (default 8080)."),
        config: Path = typer.Option(None, "--config", "-c", help="Folder of ActorTemplate/WorkerPool YAML "
-                                                               "(default ./examples)."),
+                                                               "(default: the examples shipped in the package)."),
        ) -> None:
     """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
     Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM."""

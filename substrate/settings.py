@@ -16,6 +16,10 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+#: the example WorkerPool and ActorTemplates shipped inside the package
+EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
+
+
 class RedisSettings(BaseModel):
     """Where the directory lives. ``url=None`` means: start an embedded Redis server."""
 
@@ -135,8 +139,12 @@ class Settings(BaseSettings):
     state: StateSettings = Field(default_factory=StateSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
-    #: folder of ActorTemplate / WorkerPool YAML files for the local mode
-    config_dir: Path = Path("examples")
+    #: folder of ActorTemplate / WorkerPool YAML files for the local mode (default: the example pool and
+    #: agents shipped inside the package, so ``substrate up`` runs from any folder)
+    config_dir: Path = EXAMPLES_DIR
+    #: the one folder for runtime data of the embedded default: ``workers/`` (workspaces) and
+    #: ``snapshots/`` (the local snapshot store) unless ``worker.root_dir`` / ``snapshot.local_dir`` are set
+    data_dir: Path = Path("var")
     #: where templates and pools come from: ``files`` (config_dir) or ``kubernetes`` (the API server)
     catalog_source: Literal["files", "kubernetes"] = "files"
     #: what ``api.main:app`` runs: ``embedded`` (substrate up) or ``router`` (API + proxy only)
@@ -148,6 +156,10 @@ class Settings(BaseSettings):
         short = os.environ.get("SUBSTRATE_REDIS_URL")
         if short and not self.redis.url:
             self.redis.url = short
+        if "root_dir" not in self.worker.model_fields_set:
+            self.worker.root_dir = self.data_dir / "workers"
+        if "local_dir" not in self.snapshot.model_fields_set:
+            self.snapshot.local_dir = self.data_dir / "snapshots"
 
 
 @lru_cache(maxsize=1)
