@@ -94,7 +94,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     port = port or settings.api.port
     embedded = None
     if not settings.redis.url:
-        embedded = EmbeddedRedis()
+        embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
         try:
             os.environ["SUBSTRATE_REDIS_URL"] = embedded.start()
         except RuntimeError as e:

@@ -21,9 +21,12 @@ EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
 
 
 class RedisSettings(BaseModel):
-    """Where the directory lives. ``url=None`` means: start an embedded Redis server."""
+    """Where the directory lives. ``url=None`` means: start an embedded Redis server (persistent: AOF
+    in ``data_dir``). A Redis Cluster: ``redis+cluster://host:port/0``."""
 
     url: str | None = None
+    #: data folder of the embedded Redis (append-only file), so a restart keeps every session
+    data_dir: Path = Path("var/redis")
     key_prefix: str = "substrate"
     socket_timeout_s: float = 2.0
 
@@ -38,6 +41,9 @@ class ApiSettings(BaseModel):
     max_parked: int = 1000
     #: how long a request waits for a free slot before 503 (0 = answer at once)
     slot_wait_s: float = 2.0
+    #: how long a placement waits for a worker that is being started for its pool (instead of
+    #: answering ``no_capacity``); a cold start on a busy machine can take several seconds
+    start_wait_s: float = 30.0
     #: under slot pressure, only sessions idle at least this long are suspended to make room
     pressure_min_idle_s: float = 1.0
     #: Retry-After sent with 503 answers
@@ -57,6 +63,15 @@ class WorkerSettings(BaseModel):
     internal_token: str | None = None
     heartbeat_s: float = 1.0
     lease_s: float = 5.0
+    #: a worker stops serving at its own lease expiry (self-fencing); others may declare it dead and
+    #: place its sessions elsewhere only this long after that (room for clock skew and a slow tick)
+    lease_grace_s: float = 1.0
+    #: how often a worker compares its activations with the directory and frees what it does not own
+    reconcile_s: float = 2.0
+    #: on SIGTERM (or ``substrate up`` stopping) a worker suspends every session within this bound
+    shutdown_grace_s: float = 20.0
+    #: answers of recent turns kept per activation (and in its snapshot), by idempotency key
+    idempotency_keys: int = 64
     #: a slot counts as active (demand for the autoscaler) while its session is mid-turn or had a turn
     #: within this window; idle sessions beyond it are evictable capacity (lazy suspension)
     active_window_s: float = 2.0
@@ -78,6 +93,11 @@ class SnapshotSettings(BaseModel):
     zstd_level: int = 3
     #: create the bucket at start-up if it is missing (S3 store)
     create_bucket: bool = True
+    #: the state manager's orphan sweep (objects no committed snapshot points at) runs this often
+    sweep_interval_s: float = 300.0
+    #: an object is deleted by the sweep only after it was found orphaned this long (an upload in
+    #: flight is never taken for garbage)
+    orphan_min_age_s: float = 900.0
 
 
 class StateSettings(BaseModel):
