@@ -68,7 +68,7 @@ class PoolPlan:
 def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
     """Workers wanted for ``busy`` slots in use or wanted (see the module docstring)."""
     a = spec.autoscaling
-    if a is None:
+    if a is None or a.metrics:  # with HPA metrics, the HPA writes spec.replicas through /scale
         return spec.replicas
     s = spec.slots
     by_util = math.ceil(busy * 100 / (s * a.targetUtilization)) if busy else 0
@@ -116,6 +116,8 @@ class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
     below_since: float | None = None
     conditions: list[Condition] = field(default_factory=list)
+    #: the last plan's desired worker count
+    desired: int = 0
 
 
 class PoolController:
@@ -168,6 +170,10 @@ class PoolController:
             await asyncio.sleep(0.05)
         return False
 
+    def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
+        """The spec ``reconcile`` sizes against (a backend-specific controller may add surge capacity)."""
+        return pool.spec
+
     def conditions(self, pool: str) -> list[Condition]:
         return list(self._state.get(pool, _PoolState()).conditions)
 
@@ -214,15 +220,20 @@ class PoolController:
         for wid, t in list(st.expectations.items()):
             if wid in registered or wid not in running or time.monotonic() - t > self.create_timeout_s:
                 st.expectations.pop(wid)
+        # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,
+        # also after its expectation expired, so a Pod the scheduler cannot place is never re-created
+        unregistered = sum(1 for wid, p in running.items()
+                           if p == pool.name and wid not in registered and wid not in st.expectations)
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
-            starting=len(st.expectations),
+            starting=len(st.expectations) + unregistered,
             # requests waiting for a slot and requests parked on a resume are demand too
             waiting=getattr(self.activator, "waiting_demand", 0))
         allow_down = st.below_since is not None and time.monotonic() - st.below_since >= self.scale_down_delay_s
-        plan = reconcile(pool.spec, obs, allow_scale_down=allow_down)
+        plan = reconcile(self.effective_spec(pool), obs, allow_scale_down=allow_down)
+        st.desired = plan.desired
         serving = sum(1 for w in obs.workers if w.alive and w.state != WorkerState.DRAINING) + obs.starting
         if serving > plan.desired:
             st.below_since = st.below_since or time.monotonic()

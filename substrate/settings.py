@@ -16,6 +16,10 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+#: the example WorkerPool and ActorTemplates shipped inside the package
+EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
+
+
 class RedisSettings(BaseModel):
     """Where the directory lives. ``url=None`` means: start an embedded Redis server (persistent: AOF
     in ``data_dir``). A Redis Cluster: ``redis+cluster://host:port/0``."""
@@ -114,6 +118,35 @@ class PoolSettings(BaseModel):
     restart_backoff_s: float = 0.5
 
 
+class KubernetesSettings(BaseModel):
+    """The Kubernetes mode (``substrate router|controller`` on a cluster; see docs/kubernetes.md).
+
+    ``api_url`` unset: in-cluster service-account config, else ``~/.kube/config``. Workers get the
+    connection settings through their Pod: Redis URL and internal token from Secrets (names below; empty
+    name = the value of this process is copied into the Pod as a literal, for tests and dev clusters)."""
+
+    namespace: str = "agent-substrate"
+    api_url: str | None = None
+    #: a Lease in ``namespace``; standbys take over within ``lease_duration_s`` of the leader's last renewal
+    lease_name: str = "substrate-controller"
+    lease_duration_s: float = 15.0
+    lease_renew_s: float = 5.0
+    #: the image worker Pods run when the pool's template names none
+    worker_image: str = "ghcr.io/agent-substrate/substrate:0.1.0"
+    worker_port: int = 8081
+    #: where the worker's workspace volume is mounted (an emptyDir unless the template brings one)
+    worker_root: str = "/var/lib/substrate"
+    redis_secret: str = "substrate-redis"
+    token_secret: str = "substrate-internal-token"
+    #: workers replaced at once when a pool's pod template changes
+    max_surge: int = 1
+    #: a Pod Unschedulable this long puts the pool's condition ``PodsSchedulable`` to False
+    unschedulable_grace_s: float = 10.0
+    #: back-off between re-creations of failing Pods of one pool (doubles up to the max)
+    failure_backoff_s: float = 1.0
+    failure_backoff_max_s: float = 60.0
+
+
 class Settings(BaseSettings):
     """The whole configuration tree. Construct with keyword overrides in tests."""
 
@@ -125,8 +158,17 @@ class Settings(BaseSettings):
     snapshot: SnapshotSettings = Field(default_factory=SnapshotSettings)
     state: StateSettings = Field(default_factory=StateSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
-    #: folder of ActorTemplate / WorkerPool YAML files for the local mode
-    config_dir: Path = Path("examples")
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+    #: folder of ActorTemplate / WorkerPool YAML files for the local mode (default: the example pool and
+    #: agents shipped inside the package, so ``substrate up`` runs from any folder)
+    config_dir: Path = EXAMPLES_DIR
+    #: the one folder for runtime data of the embedded default: ``workers/`` (workspaces) and
+    #: ``snapshots/`` (the local snapshot store) unless ``worker.root_dir`` / ``snapshot.local_dir`` are set
+    data_dir: Path = Path("var")
+    #: where templates and pools come from: ``files`` (config_dir) or ``kubernetes`` (the API server)
+    catalog_source: Literal["files", "kubernetes"] = "files"
+    #: what ``api.main:app`` runs: ``embedded`` (substrate up) or ``router`` (API + proxy only)
+    role: Literal["embedded", "router"] = "embedded"
     log_level: str = "INFO"
     log_json: bool = True
 
@@ -134,6 +176,10 @@ class Settings(BaseSettings):
         short = os.environ.get("SUBSTRATE_REDIS_URL")
         if short and not self.redis.url:
             self.redis.url = short
+        if "root_dir" not in self.worker.model_fields_set:
+            self.worker.root_dir = self.data_dir / "workers"
+        if "local_dir" not in self.snapshot.model_fields_set:
+            self.snapshot.local_dir = self.data_dir / "snapshots"
 
 
 @lru_cache(maxsize=1)

@@ -652,8 +652,10 @@ class Worker:
 
 
 async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
-                ready_fd: int | None = None) -> None:
-    """Run a worker until SIGTERM/SIGINT or until it is declared dead."""
+                ready_fd: int | None = None, advertise_host: str | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT or until it is declared dead. It listens on ``host:port`` and
+    registers ``http://<advertise_host or host>:<port>`` (on Kubernetes: binds 0.0.0.0, advertises the
+    Pod IP)."""
     directory = Directory(settings.redis.url or "redis://127.0.0.1:6379/0", settings.redis.key_prefix,
                           socket_timeout_s=settings.redis.socket_timeout_s)
     root = Path(settings.worker.root_dir) / worker_id
@@ -667,7 +669,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     sock.bind((host, port))
     site = web.SockSite(runner, sock)
     await site.start()
-    address = f"http://{host}:{sock.getsockname()[1]}"
+    address = f"http://{advertise_host or host}:{sock.getsockname()[1]}"
     await worker.register(address)
     log.info("worker ready", extra={"worker": worker_id, "pool": pool, "address": address, "slots": slots})
     if ready_fd is not None:
@@ -691,6 +693,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worker-id", default=None)
     ap.add_argument("--host", default=None)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--advertise-host", default=None, help="address to register (default: --host)")
     ap.add_argument("--ready-fd", type=int, default=None, help="write the address to this fd when ready")
     args = ap.parse_args(argv)
     settings = get_settings()
@@ -702,7 +705,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     asyncio.run(serve(settings, worker_id=wid, pool=args.pool, slots=args.slots,
-                      host=args.host or settings.worker.host, port=args.port, ready_fd=args.ready_fd))
+                      host=args.host or settings.worker.host, port=args.port, ready_fd=args.ready_fd,
+                      advertise_host=args.advertise_host))
     sys.exit(0)
 
 
