@@ -160,10 +160,11 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             t0 = time.perf_counter()
             try:
                 route, woke = await act.wake(sid)
-            except (StaleEpoch, Conflict) as e:
-                if e.code not in ("stale_epoch", "conflict"):
+            except (StaleEpoch, Conflict, WorkerUnavailable) as e:
+                if e.code not in ("stale_epoch", "conflict", "worker_unavailable"):
                     raise
-                # the session moved while it was being woken (a deadline roll, another router): again
+                # the session moved while it was being woken (a deadline roll, another router), or the
+                # worker chosen for it died while restoring it: wake it again
                 await asyncio.sleep(min(0.05 * attempt, 0.5))
                 continue
             if woke:
