@@ -5,6 +5,11 @@ session (DESIGN invariant 5: the cache entry carries the activation epoch and th
 one with 409 / an unknown one with 404, which drops the entry and retries through the directory), plus
 one proxied HTTP call over a pooled aiohttp ``ClientSession`` (measured 2-3x cheaper than httpx here).
 Bodies stream back unchanged; the router never parses the worker's answer.
+
+Tenancy (issue 10) adds no I/O here in the steady state: the caller is authenticated from a
+process-local cache (``api.auth``), the cached route carries the session's tenant (another tenant's
+session answers 404 exactly like a missing one, before anything is woken), and the per-activation token
+presented to the worker is reused per (session, epoch, worker) for half its lifetime.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from substrate import audit
 from substrate.activator import Route
-from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
+from substrate.errors import InvalidInput, NotFound, PayloadTooLarge, SubstrateError, WorkerUnavailable
 from substrate.models import SESSION_ID_RE
-from substrate.workerclient import EPOCH_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
+    from api.auth import Principal
     from api.runtime import Runtime
 
 _JSON = {"Content-Type": "application/json"}
@@ -65,10 +71,14 @@ def error_response(e: SubstrateError) -> Response:
     return Response(json.dumps(e.to_dict()), status_code=e.status, headers=headers)
 
 
-def check_auth(runtime: "Runtime", request: Request) -> None:
-    token = runtime.settings.api.auth_token
-    if token and request.headers.get("authorization") != f"Bearer {token}":
-        raise Unauthorized("missing or wrong bearer token", code="unauthorized")
+async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
+    """The caller (see ``api.auth``); also sets the audit actor for everything this request causes."""
+    principal = await runtime.auth.authenticate(request.headers)
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = rid
+    request.state.principal = principal
+    audit.actor.set(audit.Actor(principal.subject, principal.tenant, rid))
+    return principal
 
 
 async def invoke(request: Request) -> Response:
@@ -76,7 +86,7 @@ async def invoke(request: Request) -> Response:
     runtime: Runtime = request.app.state.runtime
     sid = request.path_params["sid"]
     try:
-        check_auth(runtime, request)
+        principal = await authenticate(runtime, request)
         if not SESSION_ID_RE.match(sid):
             raise InvalidInput(f"malformed session id {sid!r}", code="invalid_session_id")
         limit = runtime.settings.api.max_body_bytes
@@ -87,26 +97,28 @@ async def invoke(request: Request) -> Response:
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
         stream = request.query_params.get("stream") in ("1", "true")
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return await _forward(runtime, sid, body, stream, rid)
+        return await _forward(runtime, sid, body, stream, request.state.request_id, principal)
     except SubstrateError as e:
         return error_response(e)
 
 
-async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str) -> Response:
+async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str,
+                   principal: "Principal") -> Response:
     cache = runtime.routes
     route = cache.get(sid)
+    if route is not None and not principal.owns(route.tenant):
+        raise NotFound(f"session {sid!r} not found", code="session_not_found")
     woke_ms: float | None = None
     for _ in range(4):
         if route is None:
             t0 = time.perf_counter()
-            route, woke = await runtime.activator.wake(sid)
+            route, woke = await runtime.activator.wake(sid, tenant=None if principal.admin else principal.tenant)
             if woke:
                 woke_ms = (time.perf_counter() - t0) * 1000
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
-        headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json",
-                   TOKEN_HEADER: runtime.settings.worker.internal_token or "", "X-Request-ID": rid}
+        headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
+                   "Content-Type": "application/json", "X-Request-ID": rid}
         try:
             resp = await runtime.http.post(url, data=body, headers=headers)
         except aiohttp.ClientConnectorError:
