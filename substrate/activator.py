@@ -55,7 +55,7 @@ from substrate.models import (
     WorkerState,
 )
 from substrate.placement import candidates, lru_victims
-from substrate.quotas import Quotas
+from substrate.quotas import Quotas, translated
 from substrate.settings import Settings
 from substrate.specs import Catalog
 from substrate.workerclient import WorkerClient
@@ -146,6 +146,19 @@ class Activator:
                                 gpus=t.spec.resources.gpus if t else 0,
                                 epoch=epoch if epoch is not None else rec.epoch, result=result, reason=reason)
 
+    @translated
+    async def _index(self, tenant: str, sid: str, created_at: float | None) -> None:
+        """Add ``sid`` to (``created_at`` given) or drop it from its tenant's session index."""
+        key = self.directory.keys.tenant_sessions(tenant)
+        if created_at is None:
+            await self.directory.redis.zrem(key, sid)
+        else:
+            await self.directory.redis.zadd(key, {sid: created_at})
+
+    @translated
+    async def _exists(self, sid: str) -> bool:
+        return bool(await self.directory.redis.exists(self.directory.keys.session(sid)))
+
     async def release_quota(self, rec: SessionRecord, *, total: bool = False) -> None:
         if self.quotas is None:
             return
@@ -230,7 +243,7 @@ class Activator:
         WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains."""
         t0 = time.perf_counter()
         self.breaker.check(rec.tenant)
-        if await self.directory.redis.exists(self.directory.keys.session(rec.id)):
+        if await self._exists(rec.id):
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
         if self.quotas is not None:
             await self.quotas.acquire(rec.tenant, template, rec.id, create=True)
@@ -249,7 +262,7 @@ class Activator:
             if not (isinstance(e, Conflict) and e.code == "session_exists"):  # that one is someone else's
                 await self.release_quota(rec, total=True)
             raise
-        await self.directory.redis.zadd(self.directory.keys.tenant_sessions(rec.tenant), {rec.id: rec.createdAt})
+        await self._index(rec.tenant, rec.id, rec.createdAt)
         try:
             await self.client.activate(worker.address, session=rec.id, epoch=1, template=template,
                                        slot=slot, env=rec.env, snapshot=None, tenant=rec.tenant)
@@ -262,7 +275,10 @@ class Activator:
         except BaseException as e:
             await self._undo_create(rec.id, worker, slot, e)
             await self.release_quota(rec, total=True)
-            await self.directory.redis.zrem(self.directory.keys.tenant_sessions(rec.tenant), rec.id)
+            try:
+                await self._index(rec.tenant, rec.id, None)
+            except SubstrateError:
+                pass  # a stale index entry is skipped (and dropped) by the next listing
             if isinstance(e, SubstrateError):
                 self.breaker.failure(rec.tenant)
             raise
@@ -520,7 +536,7 @@ class Activator:
                 await self.directory.release_slot(rec.worker, rec.slot, sid)
         await self.directory.delete_session(sid)
         await self.release_quota(rec, total=True)
-        await self.directory.redis.zrem(self.directory.keys.tenant_sessions(rec.tenant), sid)
+        await self._index(rec.tenant, sid, None)
         if snapshot_gc is not None:
             asyncio.create_task(snapshot_gc(sid))
 

@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from substrate.errors import InvalidInput
 from substrate.keys import Keys
+from substrate.quotas import translated
 from substrate.settings import AuditSettings
 
 log = logging.getLogger("substrate.audit")
@@ -92,11 +93,13 @@ class AuditLog:
                             ) -> tuple[list[dict[str, Any]], str | None]:
         return await self._page(self.keys.tenant_audit(tenant), after, limit)
 
+    @translated
     async def session_tenant(self, sid: str) -> str | None:
         """The tenant of a session's records (for a deleted session whose record is gone), or None."""
         first = await self.redis.xrange(self.keys.session_audit(sid), count=1)
         return first[0][1].get("tenant") if first else None
 
+    @translated
     async def _page(self, key: str, after: str | None, limit: int) -> tuple[list[dict[str, Any]], str | None]:
         """Oldest first; ``after`` is the ``metadata.continue`` of the previous page (exclusive)."""
         start = "-"

@@ -20,6 +20,7 @@ from substrate.directory import decode_session
 from substrate.errors import InvalidInput
 from substrate.keys import Keys
 from substrate.models import SessionRecord, SessionState
+from substrate.quotas import translated
 
 
 def encode_cursor(created_at: float, sid: str) -> str:
@@ -39,6 +40,7 @@ def decode_cursor(token: str) -> tuple[float, str]:
         raise InvalidInput("bad continue token", code="invalid_continue") from None
 
 
+@translated
 async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int = 100,
                     cursor: str | None = None, state: SessionState | None = None, template: str | None = None,
                     scan_cap: int = 5000) -> tuple[list[SessionRecord], str | None]:

@@ -23,14 +23,17 @@ period at most.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from substrate.errors import TooManyRequests
+from substrate.errors import DirectoryUnavailable, TooManyRequests
 from substrate.keys import Keys
 from substrate.models import ActorTemplate, QuotaLimits, SessionRecord, SessionState
 from substrate.settings import QuotaSettings
@@ -92,6 +95,20 @@ return {0}
 """
 
 
+T = TypeVar("T")
+
+
+def translated(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Redis errors become ``DirectoryUnavailable`` (503), as in the directory."""
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisError, OSError) as e:
+            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e}") from e
+    return wrapper
+
+
 @dataclass(frozen=True)
 class Usage:
     running: int
@@ -121,6 +138,7 @@ class Quotas:
                 k(tenant, f"running:{template}"), k(tenant, f"total:{template}"), k(tenant, f"gpus:{template}"),
                 k(tenant, f"creates:{template}")]
 
+    @translated
     async def acquire(self, tenant: str, template: ActorTemplate, sid: str, *, create: bool) -> None:
         """Take a running place (and GPUs) for ``sid``, and with ``create`` a total place and a create in
         the rate window, if every limit allows; else raise ``TooManyRequests`` and take nothing."""
@@ -143,6 +161,7 @@ class Quotas:
             details={"limit": name, "scope": "tenant" if scope == 1 else "template", "tenant": tenant,
                      "template": template.name, "max": lim})
 
+    @translated
     async def release(self, tenant: str, template: str, sid: str, *, total: bool = False) -> None:
         """Give back ``sid``'s running place and GPUs (and its total place with ``total``). Idempotent."""
         k = self.keys.quota
@@ -154,6 +173,7 @@ class Quotas:
                     p.srem(k(tenant, f"total{suffix}"), sid)
             await p.execute()
 
+    @translated
     async def usage(self, tenant: str) -> Usage:
         k = self.keys.quota
         async with self.redis.pipeline(transaction=False) as p:
