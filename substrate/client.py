@@ -72,9 +72,10 @@ class SubstrateClient:
         return self._req("GET", f"/v1/sessions/{sid}")
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
-                      continue_: str | None = None) -> dict[str, Any]:
+                      continue_: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """One page of sessions (``tenant``: admins only, one tenant's)."""
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
-                                    "continue": continue_}.items() if v is not None}
+                                    "continue": continue_, "tenant": tenant}.items() if v is not None}
         return self._req("GET", "/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
