@@ -17,7 +17,8 @@ included, so it does no I/O in the steady state:
 * **Legacy shared token** ``api.auth_token``: still accepted, as an admin of tenant ``default``.
 * **Open mode**: with no key in Redis, none by file or env, no issuer and no shared token, every caller
   is ``Principal(tenant="default")`` (the embedded default as it always was). As soon as a key exists
-  (e.g. created by ``substrate keys create`` while routers run) every ``/v1`` call needs one.
+  (e.g. created by ``substrate keys create`` while routers run) every ``/v1`` call needs one, and it
+  stays so when the last key is revoked (fail closed: revoking keys never opens the API).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class Authenticator:
         try:
             if specs:
                 await self.store.import_specs(specs)
-            self.have_keys = await self.store.count() > 0
+            self.have_keys = bool(specs) or await self.store.ever_configured()
         except (RedisError, OSError) as e:
             # fail closed: if keys may exist we cannot tell, so demand them until Redis answers
             self.have_keys = True
@@ -216,7 +217,7 @@ class Authenticator:
     async def _reset(self) -> None:
         self._cache.clear()
         try:
-            self.have_keys = await self.store.count() > 0
+            self.have_keys = self.have_keys or await self.store.ever_configured()
         except (RedisError, OSError):
             self.have_keys = True
 

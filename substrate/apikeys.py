@@ -135,6 +135,14 @@ class ApiKeyStore:
     async def count(self) -> int:
         return int(await self.redis.hlen(self.keys.api_keys))
 
+    async def ever_configured(self) -> bool:
+        """Whether any key exists or ever was revoked: revoking the last key must not open the API."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hlen(self.keys.api_keys)
+            p.scard(self.revoked_key)
+            n, revoked = await p.execute()
+        return bool(n or revoked)
+
     async def version(self) -> int:
         return int(await self.redis.get(self.keys.auth_version) or 0)
 
