@@ -389,7 +389,8 @@ spec:
 """
     rt = runtime_factory(replicas=1, slots=4, extra_yaml=extra,
                          env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(),
-                              "SUBSTRATE_AUTH__SECRETS_DIR": str(secrets_dir)})
+                              "SUBSTRATE_AUTH__SECRETS_DIR": str(secrets_dir),
+                              "SUBSTRATE_QUOTA__BREAKER_FAILURES": "2"})
     a, b = _client(rt.url, KEY_A), _client(rt.url, KEY_B)
     sa, sb = a.create_session("keyed-shell"), b.create_session("keyed-shell")
     assert a.invoke(sa["id"], "echo $MODEL_KEY > seen.txt; echo $MODEL_KEY")["stdout"] == "team-a-value-456\n"
@@ -411,7 +412,14 @@ spec:
         except zstandard.ZstdError:
             pass
         assert b"team-a-value-456" not in raw and b"rotated-789" not in raw, p
+    for _ in range(2):
+        with pytest.raises(ApiError) as e:
+            a.create_session("missing-secret")
+        assert e.value.code == "secret_unavailable" and e.value.status == 422
+    # two failed activations in a row open team-a's circuit breaker; team-b is not affected
     with pytest.raises(ApiError) as e:
-        a.create_session("missing-secret")
-    assert e.value.code == "secret_unavailable" and e.value.status == 422
+        a.create_session("keyed-shell")
+    assert e.value.status == 429 and e.value.code == "tenant_circuit_open" and e.value.retry_after_s
+    assert b.create_session("keyed-shell")["tenant"] == "team-b"
+    assert rt.r.scard(rt.keys.quota("team-a", "total")) == 1, "failed creates hold no quota"
     assert os.environ.get("MODEL_KEY") is None

@@ -233,10 +233,15 @@ async def test_oidc_jwt_against_jwks_with_key_rotation():
             out.append(d)
         return {"keys": out}
 
+    async def discovery(req: web.Request) -> web.Response:
+        return web.json_response({"issuer": served["iss"], "jwks_uri": served["iss"] + "/jwks"})
+
+    async def jwks_route(req: web.Request) -> web.Response:
+        return web.json_response(jwks())
+
     app = web.Application()
-    app.router.add_get("/.well-known/openid-configuration",
-                       lambda req: web.json_response({"issuer": served["iss"], "jwks_uri": served["iss"] + "/jwks"}))
-    app.router.add_get("/jwks", lambda req: web.json_response(jwks()))
+    app.router.add_get("/.well-known/openid-configuration", discovery)
+    app.router.add_get("/jwks", jwks_route)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
