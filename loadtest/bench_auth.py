@@ -16,7 +16,6 @@ lookup); the first call of a new JWT costs one RS256 verify (~0.1-0.3 ms). Loopb
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics

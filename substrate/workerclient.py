@@ -17,7 +17,7 @@ import aiohttp
 
 from substrate import errors as E
 from substrate.models import ActorTemplate, SnapshotRef
-from substrate.tokens import ANY_SESSION, TokenMinter
+from substrate.tokens import TokenMinter
 
 EPOCH_HEADER = "X-Substrate-Epoch"
 
@@ -113,12 +113,6 @@ class WorkerClient:
     async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
         await self._call("DELETE", f"{address}/v1/activations/{session}", address=address, session=session,
                          epoch=epoch, timeout_s=10)
-
-    async def list_activations(self, address: str) -> dict[str, Any]:
-        """What is active on the worker at ``address`` (a worker-wide token, ``sub`` = ``*``)."""
-        result: dict[str, Any] = await self._call("GET", f"{address}/v1/activations", address=address,
-                                                  session=ANY_SESSION)
-        return result
 
     async def healthy(self, address: str, timeout_s: float = 0.5) -> bool:
         """True if the worker answers ``/healthz`` with 200 within ``timeout_s``."""

@@ -86,6 +86,9 @@ class Activation:
     unreported_turns: int = 0
     last_snapshot_at: float = field(default_factory=time.time)
     closing: bool = False
+    #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
+    #: stale cache sends one (a deleted ID re-created by another tenant at the same epoch)
+    tenant: str = ""
 
 
 def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
@@ -263,7 +266,8 @@ class Worker:
             await asyncio.to_thread(shutil.rmtree, workspace, True)
             raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
-                                           agent=agent, workspace=workspace)
+                                           agent=agent, workspace=workspace,
+                                           tenant=claims.tenant if claims else "")
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
 
     async def snapshot(self, sid: str, epoch: int) -> SnapshotRef:
@@ -391,7 +395,10 @@ class Worker:
     async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
         try:
-            act = self._get(sid, (await self.authorize(request, sid)).epoch)
+            claims = await self.authorize(request, sid)
+            act = self._get(sid, claims.epoch)
+            if act.tenant != claims.tenant:
+                raise NotFound(f"session {sid!r} of this tenant is not active on worker {self.id}", code="not_active")
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
