@@ -49,6 +49,7 @@ class Runtime:
     routes: RouteCache = field(default_factory=RouteCache)
     state_manager: StateManager | None = None
     pools: PoolController | None = None
+    kube_catalog: Any = None
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     @classmethod
@@ -57,9 +58,20 @@ class Runtime:
             raise RuntimeError("SUBSTRATE_REDIS_URL is not set (substrate up starts an embedded Redis)")
         directory = Directory(settings.redis.url, settings.redis.key_prefix,
                               socket_timeout_s=settings.redis.socket_timeout_s)
+        kube_catalog = None
+        if catalog is None and settings.catalog_source == "kubernetes":
+            from substrate.k8s.api import Kube, make_api_client
+            from substrate.k8s.controller import KubeCatalog
+
+            kube_catalog = KubeCatalog(Kube(make_api_client(settings)), settings.kubernetes.namespace)
+            kube_catalog.start()
+            if not await kube_catalog.wait_synced(30):
+                log.warning("WorkerPools/ActorTemplates not listed yet from the API server")
+            catalog = kube_catalog.catalog
         catalog = catalog or load_catalog(settings.config_dir)
         view = WorkerView(directory, settings.api.worker_refresh_s)
-        signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s)
+        signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s,
+                                 pepper=settings.worker.internal_token)
         client = WorkerClient(TokenMinter(signing, ttl_s=settings.auth.activation_token_ttl_s),
                               timeout_s=settings.api.invoke_timeout_s)
         quotas = Quotas(directory.redis, directory.keys, settings.quota, retry_after_s=settings.api.retry_after_s)
@@ -72,6 +84,7 @@ class Runtime:
         store = make_store(settings.snapshot)
         auth = Authenticator(settings, directory.redis, directory.keys, http)
         rt = cls(settings, directory, catalog, view, client, activator, http, store, auth, signing, quotas, audit)
+        rt.kube_catalog = kube_catalog
         if embedded:
             rt.state_manager = StateManager(settings, directory, catalog, activator, store)
             rt.pools = PoolController(settings, directory, catalog, LocalBackend(settings), activator)
@@ -117,6 +130,8 @@ class Runtime:
         await self.auth.stop()
         for t in self._tasks:
             t.cancel()
+        if self.kube_catalog is not None:
+            self.kube_catalog.stop()
         await self.http.close()
         await self.client.close()
         await self.directory.close()

@@ -116,9 +116,10 @@ class ApiKeyStore:
         """Revoke by key ID (as ``keys list`` shows it) or by the key itself. Raises ``NotFound``."""
         for rec in await self.list():
             if key_or_id in (rec.id, rec.sha256) or hash_key(key_or_id) == rec.sha256:
-                async with self.redis.pipeline(transaction=True) as p:
-                    p.hdel(self.keys.api_keys, rec.sha256)
+                # revoked first: a crash between the two steps leaves a key refused, never re-importable
+                async with self.redis.pipeline(transaction=False) as p:
                     p.sadd(self.revoked_key, rec.sha256)
+                    p.hdel(self.keys.api_keys, rec.sha256)
                     await p.execute()
                 await self._changed()
                 return rec

@@ -14,7 +14,9 @@ session, of another worker, expired, or of a stale epoch is refused (401 / 403 /
 leaked token drives one activation of one session for minutes, not the fleet.
 
 Signing keys live in Redis (hash ``auth:signing``: key id -> secret, ``current`` -> key id) beside the
-session directory every component already trusts. Rotation (``substrate keys rotate-signing``) adds a key,
+session directory every component already trusts; with ``worker.internal_token`` set (a Kubernetes
+Secret) the key actually used is HMAC-SHA256(internal_token, stored secret), so read access to Redis
+alone does not let anyone mint tokens a worker accepts. Rotation (``substrate keys rotate-signing``) adds a key,
 makes it current and keeps only the previous one besides: routers sign with the current key after their
 next refresh (``refresh_s``), workers accept any key of the ring and reload the ring on an unknown key ID,
 so rotation needs no restart and drops no call. A call signed with a key removed by a second rotation is
@@ -28,6 +30,8 @@ until their expiry; a hot-path call costs two dict lookups.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -74,6 +78,13 @@ class TokenNotForThisCall(Forbidden):
     code = "token_not_for_this_call"
 
 
+def derive_secret(stored: str, pepper: str | None) -> bytes:
+    """The HMAC key of a stored signing secret: the secret itself, or HMAC-SHA256(pepper, secret)."""
+    if not pepper:
+        return stored.encode()
+    return hmac.new(pepper.encode(), stored.encode(), hashlib.sha256).digest()
+
+
 def _new_key() -> tuple[str, str]:
     return f"k{int(time.time())}-{secrets.token_hex(3)}", secrets.token_urlsafe(32)
 
@@ -85,8 +96,10 @@ class SigningKeyRing:
     secret (bytes). Raises ``DirectoryUnavailable`` when Redis cannot be read at ``load``.
     """
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, refresh_s: float = 5.0) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, refresh_s: float = 5.0,
+                 pepper: str | None = None) -> None:
         self.redis = redis
+        self.pepper = pepper
         self.keys = keys
         self.refresh_s = refresh_s
         self.current = ""
@@ -107,7 +120,7 @@ class SigningKeyRing:
         except (RedisError, OSError) as e:
             raise DirectoryUnavailable(f"cannot read the token signing keys: {e}") from e
         self.current = raw.pop("current", "")
-        self.secrets = {k: v.encode() for k, v in raw.items()}
+        self.secrets = {k: derive_secret(v, self.pepper) for k, v in raw.items()}
         self.loaded_at = time.monotonic()
 
     async def refresh_if_stale(self, min_age_s: float = 0.5) -> bool:

@@ -179,7 +179,7 @@ def test_worker_refuses_calls_without_a_valid_activation_token(keyed):
     r = call(rt.worker_headers(addr, s2["id"], s2["epoch"], tenant="team-a"))  # another session's token
     assert r.status_code == 403 and r.json()["code"] == "token_not_for_this_call"
     r = call(rt.worker_headers(addr, s1["id"], s1["epoch"], tenant="team-b"))  # right session, other tenant
-    assert r.status_code == 404 and r.json()["code"] == "not_active"
+    assert r.status_code == 409 and r.json()["code"] == "tenant_mismatch"
     r = call(rt.worker_headers(addr, s1["id"], s1["epoch"], ttl_s=10, now=time.time() - 60))  # expired
     assert r.status_code == 401 and r.json()["code"] == "token_expired"
     other = [w["address"] for w in rt.workers().values() if w["address"] != addr][0]
