@@ -30,6 +30,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unknown_pool": (422, "the template names a WorkerPool that does not exist"),
     "unknown_worker": (422, "resume pinned to a worker that is not registered"),
     "invalid_continue": (422, "a `continue` token not made by this API"),
+    "invalid_idempotency_key": (422, "an `Idempotency-Key` over 200 characters"),
     "agent_error": (422, "the agent refused the input"),
     "secret_unavailable": (422, "a credential the template asks for cannot be resolved for this tenant"),
     "quota_max_running": (429, "the tenant (or the tenant's template) holds its maximum of live sessions"),
@@ -46,12 +47,14 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "checkpoint_unsupported": (501, "the template asks for process checkpoints this worker cannot take"),
     "worker_unavailable": (502, "the worker died mid-request; the session resumes from its last snapshot"),
     "session_moving": (502, "the session kept moving between workers; retry"),
+    "invoke_timeout": (502, "the worker did not answer within `api.invoke_timeout_s`"),
     "no_capacity": (503, "no free slot; retry after `Retry-After`"),
     "directory_unavailable": (503, "Redis is unreachable"),
     "snapshot_store_unavailable": (503, "object storage is unreachable"),
     "resume_timeout": (503, "the session did not resume within `api.park_timeout_s`"),
     "too_many_parked": (503, "too many requests wait for resumes in this router"),
     "no_workers": (503, "/readyz: a pool lacks its ready workers"),
+    "suspend_timeout": (503, "the object store was slower than the transition deadline; the session stays RUNNING"),
 }
 
 
