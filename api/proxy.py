@@ -14,6 +14,11 @@ used only while its worker is within its lease, and a call in flight to a worker
 (frozen, partitioned) is abandoned and retried instead of waiting out the invoke timeout. A worker that
 answers ``not_active`` for the record's current worker and epoch lost the activation: the record is
 repaired (guarded by both) and the session woken again.
+
+Tenancy (issue 10) adds no I/O here in the steady state: the caller is authenticated from a
+process-local cache (``api.auth``), the cached route carries the session's tenant (another tenant's
+session answers 404 exactly like a missing one, before anything is woken), and the per-activation token
+presented to the worker is reused per (session, epoch, worker) for half its lifetime.
 """
 
 from __future__ import annotations
@@ -29,20 +34,22 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from substrate import audit
 from substrate.activator import Route
 from substrate.errors import (
     Conflict,
     InvalidInput,
+    NotFound,
     PayloadTooLarge,
     StaleEpoch,
     SubstrateError,
-    Unauthorized,
     WorkerUnavailable,
 )
 from substrate.models import SESSION_ID_RE
-from substrate.workerclient import EPOCH_HEADER, IDEMPOTENCY_HEADER, TOKEN_HEADER
+from substrate.workerclient import IDEMPOTENCY_HEADER
 
 if TYPE_CHECKING:
+    from api.auth import Principal
     from api.runtime import Runtime
 
 _JSON = {"Content-Type": "application/json"}
@@ -84,10 +91,14 @@ def error_response(e: SubstrateError) -> Response:
     return Response(json.dumps(e.to_dict()), status_code=e.status, headers=headers)
 
 
-def check_auth(runtime: "Runtime", request: Request) -> None:
-    token = runtime.settings.api.auth_token
-    if token and request.headers.get("authorization") != f"Bearer {token}":
-        raise Unauthorized("missing or wrong bearer token", code="unauthorized")
+async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
+    """The caller (see ``api.auth``); also sets the audit actor for everything this request causes."""
+    principal = await runtime.auth.authenticate(request.headers)
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = rid
+    request.state.principal = principal
+    audit.actor.set(audit.Actor(principal.subject, principal.tenant, rid))
+    return principal
 
 
 async def invoke(request: Request) -> Response:
@@ -95,7 +106,7 @@ async def invoke(request: Request) -> Response:
     runtime: Runtime = request.app.state.runtime
     sid = request.path_params["sid"]
     try:
-        check_auth(runtime, request)
+        principal = await authenticate(runtime, request)
         if not SESSION_ID_RE.match(sid):
             raise InvalidInput(f"malformed session id {sid!r}", code="invalid_session_id")
         limit = runtime.settings.api.max_body_bytes
@@ -106,11 +117,11 @@ async def invoke(request: Request) -> Response:
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
         stream = request.query_params.get("stream") in ("1", "true")
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.state.request_id
         key = request.headers.get("idempotency-key") or rid
         if len(key) > 200:
             raise InvalidInput("Idempotency-Key is over 200 characters", code="invalid_idempotency_key")
-        return await _forward(runtime, sid, body, stream, rid, key)
+        return await _forward(runtime, sid, body, stream, rid, key, principal)
     except SubstrateError as e:
         return error_response(e)
 
@@ -139,10 +150,13 @@ async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers
             task.cancel()
 
 
-async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str) -> Response:
+async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,
+                   principal: "Principal") -> Response:
     cache = runtime.routes
     act = runtime.activator
     route = cache.get(sid)
+    if route is not None and not principal.owns(route.tenant):
+        raise NotFound(f"session {sid!r} not found", code="session_not_found")
     if route is not None and not runtime.view.leased(route.worker):
         cache.drop(sid)  # no cached route to a worker past its lease
         route = None
@@ -159,7 +173,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         if route is None:
             t0 = time.perf_counter()
             try:
-                route, woke = await act.wake(sid)
+                route, woke = await act.wake(sid, tenant=None if principal.admin else principal.tenant)
             except (StaleEpoch, Conflict, WorkerUnavailable) as e:
                 if e.code not in ("stale_epoch", "conflict", "worker_unavailable"):
                     raise
@@ -172,8 +186,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 restored = route.restored or restored
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
-        headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json",
-                   TOKEN_HEADER: s.worker.internal_token or "", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
+        headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
+                   "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
         try:
             resp = await _post(runtime, route, url, body, headers)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost):
@@ -201,7 +215,9 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 await act.repair_lost_activation(sid, route.worker, route.epoch)
                 route = None
                 continue
-            if resp.status == 409 and code == "stale_epoch":
+            if resp.status == 409 and code in ("stale_epoch", "tenant_mismatch"):
+                # a stale cache entry: an older epoch, or the ID was deleted and re-created by another
+                # tenant; the directory decides (and answers 404 to a caller who does not own it)
                 cache.drop(sid)
                 route = None
                 continue

@@ -174,16 +174,23 @@ class StateManager:
         metrics.RECOVERIES_TOTAL.labels(reason="deadline").inc()
         if rec.state == SessionState.PENDING:
             await d.delete_session(rec.id)
+            await self.activator.release_quota(rec, total=True)
+            await self.activator.record("deadline", rec, reason="PENDING->deleted")
             return
         if rec.state == SessionState.SUSPENDING:
             w = await d.get_worker(rec.worker or "")
             if w is not None and w.leaseExpiresAt > time.time():
-                await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
-                                   to=SessionState.RUNNING)
+                cas = await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
+                                         to=SessionState.RUNNING)
+                if cas.ok:
+                    await self.activator.record("deadline", rec, reason="SUSPENDING->RUNNING")
                 return
         cas = await d.transition(rec.id, from_states=[rec.state], epoch=rec.epoch, to=SessionState.SUSPENDED,
                                  set={"reason": "deadline", "message": f"{rec.state.value} did not finish in time"},
                                  unset=("worker", "slot"))
+        if cas.ok:  # suspended sessions hold no running quota
+            await self.activator.release_quota(rec)
+            await self.activator.record("deadline", rec, reason=f"{rec.state.value}->SUSPENDED")
         if cas.ok and rec.worker is not None and rec.slot is not None:
             w = await d.get_worker(rec.worker)
             if w is not None:
@@ -228,6 +235,13 @@ class StateManager:
                 counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
         for s in SessionState:
             metrics.SESSIONS.labels(state=s.value).set(counts.get(s.value, 0))
+        if self.activator.quotas is not None:  # quota bookkeeping is derived data: rebuild it from the records
+            records: dict[str, SessionRecord] = {}
+            offset = 0
+            while offset is not None:
+                page, offset = await d.list_sessions(limit=1000, offset=offset)
+                records.update((r.id, r) for r in page)
+            await self.activator.quotas.reconcile(records)
 
     async def sweep_orphans(self, now: float | None = None) -> list[str]:
         """One orphan sweep (see the module docstring). Returns the keys deleted."""

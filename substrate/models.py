@@ -126,6 +126,29 @@ class ContainerSpec(BaseModel):
     env: list[EnvVar] = Field(default_factory=list)
 
 
+class QuotaLimits(BaseModel):
+    """Limits of one tenant (or of one tenant's sessions of one ActorTemplate); ``None`` = unlimited.
+
+    ``maxRunning`` counts live activations (STARTING/RUNNING/RESUMING/SUSPENDING): suspended sessions
+    hold none; ``maxTotal`` counts every session that exists; ``maxGpus`` counts GPUs held by live
+    activations (``spec.resources.gpus`` of their template); ``maxCreatesPerMinute`` is a sliding window.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    maxRunning: int | None = Field(None, ge=0)
+    maxTotal: int | None = Field(None, ge=0)
+    maxGpus: int | None = Field(None, ge=0)
+    maxCreatesPerMinute: int | None = Field(None, ge=0)
+
+
+class TemplateResources(BaseModel):
+    """What one live session of a template holds (for quotas and the audit trail)."""
+
+    model_config = ConfigDict(extra="allow")
+    #: whole GPUs (devices of the pool's ResourceClaims) one live session holds
+    gpus: int = Field(0, ge=0)
+
+
 class ActorTemplateSpec(BaseModel):
     """What a session runs. Exactly one of ``entrypoint`` (``module:Class`` of a Python handler),
     ``command`` (an executable speaking JSON lines) or ``container`` (image, Kubernetes backend) is set.
@@ -140,6 +163,9 @@ class ActorTemplateSpec(BaseModel):
     workerPool: str | None = None
     stateManagement: StateManagement = Field(default_factory=StateManagement)
     isolation: Isolation = Field(default_factory=Isolation)
+    resources: TemplateResources = Field(default_factory=TemplateResources)
+    #: limits per tenant for this task class (each tenant's sessions of this template); see QuotaLimits
+    quota: QuotaLimits | None = None
 
     @field_validator("entrypoint")
     @classmethod
@@ -285,6 +311,8 @@ class SessionRecord(BaseModel):
     state: SessionState
     actorTemplate: str
     pool: str
+    #: the tenant that owns the session (``default`` when the API runs without keys)
+    tenant: str = "default"
     worker: str | None = None
     slot: int | None = None
     epoch: int = 0

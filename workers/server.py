@@ -11,8 +11,12 @@ Internal API, called by the router and the state manager only (never by clients)
     GET    /v1/activations                      what is active here
     GET    /healthz                             200 when serving
 
-Every call on an activation carries ``X-Substrate-Epoch``; a call with another epoch than the
-activation's gets 409 ``stale_epoch`` (DESIGN invariant 1), an unknown session 404 ``not_active``.
+Every call carries a per-activation token (``Authorization: Bearer``, see ``substrate.tokens``) bound to
+the session, its epoch, this worker and the tenant; the worker checks it on every call: no or a bad token
+401, another session's token 403, a token whose epoch is not the activation's 409 ``stale_epoch``
+(DESIGN invariant 1), an unknown session 404 ``not_active``. ``X-Substrate-Epoch``, if sent, must
+match the token's epoch. Credentials the template asks for are resolved per activation
+(``substrate.secrets``) into the agent's environment only.
 The worker registers itself in the directory with a lease, renews it every ``heartbeat_s`` and reports
 its sessions' last activity there (so the router's hot path writes nothing). If its record is gone (it
 was declared dead) it stops serving and exits: its sessions may already live elsewhere.
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -65,15 +68,17 @@ from substrate.errors import (
     SubstrateError,
 )
 from substrate.logs import configure_logging
+from substrate.loops import run_forever
 from substrate.models import ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
+from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
+from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
 from workers.command import CommandAgent
 from workers.handler import Agent, AgentError, SessionContext, load_agent_class
 
 log = logging.getLogger("substrate.worker")
 
 EPOCH_HEADER = "X-Substrate-Epoch"
-TOKEN_HEADER = "X-Substrate-Internal-Token"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: where the worker keeps its own data (the idempotency answers) inside a snapshot's state
 _STATE_KEY = "__substrate__"
@@ -102,6 +107,9 @@ class Activation:
     restored: str | None = None
     #: idempotency key -> (status, JSON body) of recent turns, oldest first
     answers: "OrderedDict[str, tuple[int, str]]" = field(default_factory=OrderedDict)
+    #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
+    #: stale cache sends one (a deleted ID re-created by another tenant at the same epoch)
+    tenant: str = ""
 
 
 def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
@@ -135,10 +143,15 @@ class Worker:
         self.lease_expires_at = 0.0
         self._closed = False
         self._agent_classes: dict[str, type[Agent]] = {}
+        self.signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s,
+                                      pepper=settings.worker.internal_token)
+        self.verifier = TokenVerifier(self.signing)
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def register(self, address: str) -> None:
         self.address = address
+        self.verifier.audience = address  # tokens for another worker are refused
+        await self.signing.load()
         lease = time.time() + self.settings.worker.lease_s
         await self.directory.register_worker(WorkerRecord(
             id=self.id, pool=self.pool, address=address, slots=self.slots, state=WorkerState.READY,
@@ -146,7 +159,12 @@ class Worker:
         self.lease_expires_at = lease
         self._tasks = [asyncio.create_task(self._heartbeat_loop()),
                        asyncio.create_task(self._periodic_snapshot_loop()),
-                       asyncio.create_task(self._reconcile_loop())]
+                       asyncio.create_task(self._reconcile_loop()),
+                       asyncio.create_task(run_forever(self._reload_signing, self.signing.refresh_s,
+                                                       "signing key refresh", first_delay=True))]
+
+    async def _reload_signing(self) -> None:
+        await self.signing.load(create=False)
 
     def serving(self) -> bool:
         """True while this worker's own lease is valid (self-fencing; see the module docstring)."""
@@ -324,9 +342,22 @@ class Worker:
                              details={"epoch": act.epoch})
         return act
 
-    async def activate(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def authorize(self, request: web.Request, sid: str, *, any_epoch: bool = False) -> ActivationClaims:
+        """Check the call's activation token for session ``sid`` (see the module docstring)."""
+        c = await self.verifier.claims(bearer(request.headers))
+        if c.session != sid:
+            raise TokenNotForThisCall(f"activation token is for session {c.session!r}, not {sid!r}")
+        if c.epoch is None and not any_epoch:
+            raise TokenNotForThisCall("activation token carries no epoch")
+        hdr = request.headers.get(EPOCH_HEADER)
+        if hdr is not None and c.epoch is not None and hdr.strip() != str(c.epoch):
+            raise BadRequest(f"{EPOCH_HEADER} {hdr!r} does not match the token's epoch", code="epoch_mismatch")
+        return c
+
+    async def activate(self, body: dict[str, Any], claims: ActivationClaims | None = None) -> dict[str, Any]:
         """Start (or restore) an activation. Idempotent for the same epoch; a newer epoch replaces an
-        older activation of the same session (the old one is a zombie)."""
+        older activation of the same session (the old one is a zombie). ``claims``: the verified token,
+        which must name this session and epoch; its tenant selects the template's credentials."""
         try:
             sid, epoch, template = str(body["session"]), int(body["epoch"]), str(body["template"])
             spec = ActorTemplateSpec.model_validate(body["spec"])
@@ -336,6 +367,9 @@ class Worker:
             restored = str(body["restored"]) if body.get("restored") else None
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"bad activation request: {e}") from e
+        if claims is not None and (claims.session != sid or claims.epoch != epoch):
+            raise TokenNotForThisCall(f"activation token is for {claims.session!r} at epoch {claims.epoch}, "
+                                      f"not {sid!r} at {epoch}")
         if self.stopping.is_set():
             raise NoCapacity(f"worker {self.id} is stopping")
         self._check_serving()
@@ -376,6 +410,9 @@ class Worker:
         for e in spec.env:
             if e.value is not None:
                 env.setdefault(e.name, e.value)
+        # credentials the template asks for, for this activation only (never in a record or a snapshot)
+        env.update(resolve_env(spec.env, tenant=claims.tenant if claims else "default",
+                               secrets_dir=self.settings.auth.secrets_dir))
         ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
         agent = self._agent_for(ctx, spec)
         try:
@@ -385,7 +422,7 @@ class Worker:
             raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
                                            agent=agent, workspace=workspace, answers=answers,
-                                           restored=restored)
+                                           restored=restored, tenant=claims.tenant if claims else "")
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
 
     async def snapshot(self, sid: str, epoch: int) -> SnapshotRef:
@@ -482,14 +519,12 @@ class Worker:
 
     # ------------------------------------------------------------------------------------ HTTP layer
     def app(self) -> web.Application:
-        token = self.settings.worker.internal_token
-
         @web.middleware
         async def internal_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-            # only the control plane may call a worker; /healthz stays open for probes
-            if token and request.path not in ("/healthz", "/metrics") and not hmac.compare_digest(
-                    request.headers.get(TOKEN_HEADER, ""), token):
-                return _error(SubstrateError("missing or wrong internal token", code="unauthorized"), 401)
+            # only the control plane may call a worker (each handler checks what the token is bound to);
+            # /healthz and /metrics stay open for probes and scrapers
+            if request.path not in ("/healthz", "/metrics") and bearer(request.headers) is None:
+                return _error(SubstrateError("missing activation token", code="missing_token"), 401)
             return await handler(request)
 
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[internal_auth])
@@ -505,16 +540,6 @@ class Worker:
         ])
         return app
 
-    @staticmethod
-    def _epoch(request: web.Request) -> int:
-        raw = request.headers.get(EPOCH_HEADER)
-        if raw is None:
-            raise BadRequest(f"missing {EPOCH_HEADER} header", code="missing_epoch")
-        try:
-            return int(raw)
-        except ValueError:
-            raise BadRequest(f"bad {EPOCH_HEADER} header {raw!r}", code="bad_epoch") from None
-
     async def _h_health(self, request: web.Request) -> web.Response:
         if self.stopping.is_set():
             return web.json_response({"status": "stopping"}, status=503)
@@ -526,6 +551,10 @@ class Worker:
         return web.Response(body=payload, headers={"Content-Type": ctype})
 
     async def _h_list(self, request: web.Request) -> web.Response:
+        try:
+            await self.authorize(request, ANY_SESSION, any_epoch=True)
+        except SubstrateError as e:
+            return _error(e)
         return web.json_response({"worker": self.id, "slots": self.slots, "items": [
             {"session": a.sid, "epoch": a.epoch, "slot": a.slot, "template": a.template,
              "lastActive": a.last_active, "busy": a.lock.locked()} for a in self.activations.values()]})
@@ -533,7 +562,8 @@ class Worker:
     async def _h_activate(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-            return web.json_response(await self.activate(body), status=201)
+            claims = await self.authorize(request, str(body.get("session", "")) if isinstance(body, dict) else "")
+            return web.json_response(await self.activate(body, claims), status=201)
         except SubstrateError as e:
             return _error(e)
         except json.JSONDecodeError:
@@ -543,7 +573,10 @@ class Worker:
         sid = request.match_info["sid"]
         try:
             self._check_serving()
-            act = self._get(sid, self._epoch(request))
+            claims = await self.authorize(request, sid)
+            act = self._get(sid, claims.epoch)
+            if act.tenant != claims.tenant:
+                raise Conflict(f"session {sid!r} here belongs to another tenant", code="tenant_mismatch")
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -628,7 +661,8 @@ class Worker:
 
     async def _h_snapshot(self, request: web.Request) -> web.Response:
         try:
-            ref = await self.snapshot(request.match_info["sid"], self._epoch(request))
+            sid = request.match_info["sid"]
+            ref = await self.snapshot(sid, (await self.authorize(request, sid)).epoch or 0)
             return web.json_response({"snapshot": ref.model_dump()})
         except SubstrateError as e:
             return _error(e)
@@ -636,7 +670,8 @@ class Worker:
     async def _h_suspend(self, request: web.Request) -> web.Response:
         try:
             idle = request.query.get("idle_s")
-            ref = await self.suspend(request.match_info["sid"], self._epoch(request),
+            sid = request.match_info["sid"]
+            ref = await self.suspend(sid, (await self.authorize(request, sid)).epoch or 0,
                                      float(idle) if idle else None)
             return web.json_response({"snapshot": ref.model_dump()})
         except SubstrateError as e:
@@ -644,8 +679,8 @@ class Worker:
 
     async def _h_delete(self, request: web.Request) -> web.Response:
         try:
-            epoch = request.headers.get(EPOCH_HEADER)
-            await self.deactivate(request.match_info["sid"], int(epoch) if epoch else None)
+            sid = request.match_info["sid"]
+            await self.deactivate(sid, (await self.authorize(request, sid, any_epoch=True)).epoch)
             return web.Response(status=204)
         except SubstrateError as e:
             return _error(e)

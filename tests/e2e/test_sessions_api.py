@@ -244,18 +244,19 @@ def test_worker_rejects_a_stale_epoch(shared_runtime):
     s = c.create_session("counter")
     addr = shared_runtime.workers()[s["worker"]]["address"]
     url = f"{addr}/v1/activations/{s['id']}/invoke"
-    h = shared_runtime.worker_headers
-    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"] - 1)})
+    def h(epoch: int) -> dict[str, str]:
+        return shared_runtime.worker_headers(addr, s["id"], epoch)
+    r = httpx.post(url, json={"input": "increment"}, headers=h(s["epoch"] - 1))
     assert r.status_code == 409 and r.json()["code"] == "stale_epoch"
-    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"] + 1)})
+    r = httpx.post(url, json={"input": "increment"}, headers=h(s["epoch"] + 1))
     assert r.status_code == 409
     assert c.invoke(s["id"], "get") == {"count": 0}, "rejected calls did nothing"
     r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"])})
-    assert r.status_code == 401 and r.json()["code"] == "unauthorized", "workers answer the control plane only"
-    r = httpx.get(f"{addr}/v1/activations", headers={"X-Substrate-Internal-Token": "wrong"})
+    assert r.status_code == 401 and r.json()["code"] == "missing_token", "workers answer the control plane only"
+    r = httpx.get(f"{addr}/v1/activations", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     assert httpx.get(f"{addr}/healthz").status_code == 200
-    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"])})
+    r = httpx.post(url, json={"input": "increment"}, headers=h(s["epoch"]))
     assert r.status_code == 200 and r.json() == {"output": {"count": 1}}
     c.delete_session(s["id"])
 
