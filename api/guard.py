@@ -5,8 +5,10 @@ lets an unauthenticated client make the router buffer and parse up to the whole 
 body (no ``Content-Length``) is buffered whole before its size is known. This middleware runs first for
 every ``/v1/`` request:
 
-1. ``Authorization: Bearer <token>`` is compared in constant time (``hmac.compare_digest``) when
-   ``api.auth_token`` is set -> 401 ``unauthorized``;
+1. the caller is authenticated with the runtime's ``api.auth`` (shared token compared in constant time,
+   API keys, JWTs) -> 401/403 as that answers; without a runtime, ``Authorization: Bearer <token>`` is
+   compared in constant time (``hmac.compare_digest``) against ``api.auth_token``. The route's own
+   dependency authenticates again (cheap: keys are cached) and keeps the principal;
 2. a ``Content-Length`` over ``api.max_body_bytes`` -> 413 at once; a malformed one -> 400 ``bad_request``;
 3. a body without ``Content-Length`` (chunked) is read at most ``max_body_bytes + 1`` bytes: over the
    limit -> 413 without reading further; else it is replayed to the app unchanged.
@@ -17,6 +19,10 @@ from __future__ import annotations
 import hmac
 import json
 from typing import Any, Awaitable, Callable
+
+from starlette.datastructures import Headers
+
+from substrate.errors import SubstrateError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -33,6 +39,10 @@ async def _answer(send: Send, status: int, code: str, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _Headers(scope: Scope) -> Headers:  # noqa: N802 - a constructor
+    return Headers(scope=scope)
+
+
 def bearer_ok(header: bytes | str | None, token: str) -> bool:
     """Constant-time check of an ``Authorization`` header value against ``Bearer <token>``."""
     if header is None:
@@ -44,7 +54,7 @@ def bearer_ok(header: bytes | str | None, token: str) -> bool:
 class Guard:
     """ASGI middleware; ``get_settings(scope)`` gives the settings per request (the runtime's)."""
 
-    def __init__(self, app: ASGIApp, get_settings: Callable[[Scope], Any]) -> None:
+    def __init__(self, app: ASGIApp, get_settings: Callable[[Scope], tuple[Any, Any]]) -> None:
         self.app = app
         self.get_settings = get_settings
 
@@ -52,9 +62,19 @@ class Guard:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        api = self.get_settings(scope).api
+        settings, auth = self.get_settings(scope)
+        api = settings.api
         headers = dict(scope["headers"])  # later duplicates win; both checks below refuse odd values
-        if api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
+        # the invoke route (api/proxy.py) authenticates before it reads its body: not twice on the hot path
+        # (a chunked invoke body is read here, so then the caller is authenticated here first)
+        is_invoke = scope.get("method") == "POST" and scope["path"].endswith("/invoke")
+        if auth is not None and (not is_invoke or b"content-length" not in headers):
+            try:
+                await auth.authenticate(_Headers(scope))
+            except SubstrateError as e:
+                await _answer(send, e.status, e.code, e.message)
+                return
+        elif auth is None and api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
             await _answer(send, 401, "unauthorized", "missing or wrong bearer token")
             return
         limit = int(api.max_body_bytes)

@@ -47,9 +47,6 @@ spec:
 """
 
 
-BENCH_TOKEN = f"bench-{os.getpid()}"
-
-
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
@@ -85,7 +82,6 @@ class Server:
         self.prefix = f"bench{os.getpid()}-{self.port}"
         env = {**os.environ, "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_LOG_LEVEL": "WARNING",
                "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
-               "SUBSTRATE_WORKER__INTERNAL_TOKEN": BENCH_TOKEN,
                "SUBSTRATE_WORKER__ROOT_DIR": f"{self.tmp.name}/workers",
                "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
@@ -157,6 +153,9 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
             if url:
                 rr = redis.Redis.from_url(url, decode_responses=True)
                 workers[wid] = rr.hget(f"{srv.prefix}:{{w:{wid}}}:worker", "address")
+            from loadtest.bench_auth import worker_headers
+
+            direct_h = worker_headers(url, srv.prefix, workers[wid], s["id"], s["epoch"]) if workers.get(wid) else {}
             routed, direct = [], []
             body = {"input": "get"}
             for _ in range(200):  # warm-up
@@ -165,8 +164,7 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
                 routed.append((await _post(http, f"{base}/v1/sessions/{s['id']}/invoke", body))[2])
                 if workers.get(wid):
                     direct.append((await _post(http, f"{workers[wid]}/v1/activations/{s['id']}/invoke", body,
-                                               {"X-Substrate-Epoch": str(s["epoch"]),
-                                                "X-Substrate-Internal-Token": BENCH_TOKEN}))[2])
+                                               direct_h))[2])
             rows.append(_row("invoke via router (RUNNING session)", routed))
             if direct:
                 rows.append(_row("invoke direct to worker", direct))
@@ -296,11 +294,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-runtime", action="store_true")
     ap.add_argument("--skip-snapshots", action="store_true")
     ap.add_argument("--skip-sandbox", action="store_true")
+    ap.add_argument("--skip-auth", action="store_true", help="skip the auth on/off router-overhead rows")
     ap.add_argument("--replay", default=str(GENTD26), help="trace for the short replay (default: GenTD26 from "
                     "../shared/traces; skipped if absent)")
     ap.add_argument("--replay-args", default="--start 2024-11-21T17:00 --duration 1h --compress 120",
                     help="window and compression of the short replay")
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--skip-k8s", action="store_true", help="skip the emulated-cluster figures (loadtest/bench_k8s.py)")
     args = ap.parse_args(argv)
     try:
         import uvloop
@@ -322,11 +322,19 @@ def main(argv: list[str] | None = None) -> None:
             from loadtest.bench_sandbox import bench_sandbox
 
             rows += asyncio.run(bench_sandbox(min(args.n, 200)))
+        if not args.skip_auth:
+            from loadtest.bench_auth import bench_auth
+
+            rows += asyncio.run(bench_auth(min(args.n, 1000)))
         if not args.skip_snapshots:
             sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
             rows += asyncio.run(bench_snapshots(args.repeats, sizes))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        if not args.skip_k8s:
+            from loadtest.bench_k8s import bench_k8s
+
+            rows += bench_k8s(os.environ["SUBSTRATE_REDIS_URL"])
         if not args.skip_replay and Path(args.replay).exists():
             rows += bench_replay(Path(args.replay), args.replay_args.split(), out / "replay")
     finally:

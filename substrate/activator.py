@@ -14,7 +14,20 @@ workers' internal API:
 * **capacity**: no free slot -> suspend the least-recently-used idle session of the pool (lazy
   suspension: ``maxIdleTime`` is a ceiling, not a floor), else wait up to ``slot_wait_s``, else 503.
 * **recover_worker**: a dead worker's sessions go to SUSPENDED (marked ``worker_lost``); they come
-  back from their last committed snapshot on the next request.
+  back from their last committed snapshot on the next request. Death is decided by lease expiry (plus
+  ``worker.lease_grace_s``; the worker itself stops serving at expiry), or by the backend knowing the
+  process is gone, never by one failed call or probe.
+* **lost activations**: a worker answering ``not_active`` for the record's current worker and epoch
+  lost the activation; ``repair_lost_activation`` moves the record (guarded by epoch and worker) to
+  SUSPENDED, marked ``activation_lost``, and the caller wakes it again.
+* **capacity waits for what it is creating**: while the pool controller starts a worker for the pool,
+  a placement waits for it (bounded by ``api.start_wait_s``, not ``park_timeout_s`` as issue 8 says:
+  a cold worker start on a loaded machine measured 4-6 s, over the 5 s park timeout) instead of
+  answering ``no_capacity``. A wake is still bounded by ``park_timeout_s`` for the waiting request.
+* **tenancy** (issue 10): creates and wakes take quota first (``substrate.quotas``: one atomic check;
+  released on every way out of a live state), pass the tenant's circuit breaker and parked share
+  (``substrate.fairness``), and automatic transitions (wake on invoke, idle/pressure suspend, crash
+  recovery) leave one audit record each (``substrate.audit``); explicit API calls are recorded by the API.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from substrate import metrics
+from substrate.audit import AuditLog
 from substrate.directory import Directory
 from substrate.errors import (
     Conflict,
@@ -33,11 +47,11 @@ from substrate.errors import (
     NoCapacity,
     NotFound,
     SnapshotCorrupt,
-    StaleEpoch,
-    StoreUnavailable,
     SubstrateError,
+    TooManyRequests,
     WorkerUnavailable,
 )
+from substrate.fairness import ParkedShare, TenantBreaker, victim_filter
 from substrate.loops import run_forever
 from substrate.models import (
     ActorTemplate,
@@ -48,6 +62,7 @@ from substrate.models import (
     WorkerState,
 )
 from substrate.placement import candidates, lru_victims
+from substrate.quotas import Quotas, translated
 from substrate.settings import Settings
 from substrate.specs import Catalog
 from substrate.workerclient import WorkerClient
@@ -55,6 +70,8 @@ from substrate.workerclient import WorkerClient
 log = logging.getLogger(__name__)
 
 _WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
+#: reasons a session was moved to SUSPENDED that lose the state since its last snapshot
+_LOSSY = ("worker_lost", "deadline", "activation_lost")
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
 
 
@@ -67,6 +84,8 @@ class Route:
     epoch: int
     #: why the activation that made this route restored older state (``worker_lost``, ``deadline``), if so
     restored: str | None = None
+    #: the tenant owning the session (the hot path checks it against the caller's)
+    tenant: str = "default"
 
 
 class WorkerView:
@@ -94,13 +113,24 @@ class WorkerView:
         w = self.workers.get(wid or "")
         return w.address if w else None
 
+    def leased(self, wid: str, now: float | None = None) -> bool:
+        """True while ``wid``'s lease (as last seen) is valid: a route to a worker past its lease is not
+        used (the worker stopped serving; its sessions may be moving elsewhere)."""
+        w = self.workers.get(wid)
+        return w is not None and w.leaseExpiresAt > (now or time.time())
+
 
 class Activator:
     """See the module docstring. One per process; safe to share between tasks."""
 
     def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, client: WorkerClient,
-                 view: WorkerView, *, parked_gauge: Callable[[int], None] | None = None) -> None:
+                 view: WorkerView, *, parked_gauge: Callable[[int], None] | None = None,
+                 quotas: Quotas | None = None, audit: AuditLog | None = None) -> None:
         self.settings = settings
+        self.quotas = quotas
+        self.audit = audit
+        self.breaker = TenantBreaker(settings.quota)
+        self.parked_share = ParkedShare(settings.api.max_parked, settings.quota.tenant_parked_share)
         self.directory = directory
         self.catalog = catalog
         self.client = client
@@ -108,18 +138,57 @@ class Activator:
         self._wakes: dict[str, asyncio.Future[Route]] = {}
         self.parked = 0
         self.waiting_for_slots = 0
+        #: pool -> workers being started for it (set by the pool controller of this process)
+        self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
         self.capacity_wanted = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ helpers
+    @property
+    def waiting_demand(self) -> int:
+        """Demand not visible in slot counts: requests waiting for a slot plus requests parked on a
+        resume (the pool controller adds it to the busy slots)."""
+        return self.waiting_for_slots + self.parked
+
     def route_of(self, rec: SessionRecord) -> Route | None:
-        """The route of a RUNNING record whose worker is known, else None."""
+        """The route of a RUNNING record whose worker is known and within its lease, else None."""
         if rec.state != SessionState.RUNNING or not rec.worker:
             return None
         address = self.view.address(rec.worker)
-        if address is None:
+        if address is None or not self.view.leased(rec.worker):
             return None
-        return Route(rec.worker, address, rec.epoch)
+        return Route(rec.worker, address, rec.epoch, tenant=rec.tenant)
+
+    async def record(self, action: str, rec: SessionRecord, *, result: str = "ok", reason: str = "",
+                      worker: str | None = None, epoch: int | None = None) -> None:
+        if self.audit is None:
+            return
+        t = self.catalog.templates.get(rec.actorTemplate)
+        await self.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
+                                worker=worker if worker is not None else rec.worker,
+                                gpus=t.spec.resources.gpus if t else 0,
+                                epoch=epoch if epoch is not None else rec.epoch, result=result, reason=reason)
+
+    @translated
+    async def _index(self, tenant: str, sid: str, created_at: float | None) -> None:
+        """Add ``sid`` to (``created_at`` given) or drop it from its tenant's session index."""
+        key = self.directory.keys.tenant_sessions(tenant)
+        if created_at is None:
+            await self.directory.redis.zrem(key, sid)
+        else:
+            await self.directory.redis.zadd(key, {sid: created_at})
+
+    @translated
+    async def _exists(self, sid: str) -> bool:
+        return bool(await self.directory.redis.exists(self.directory.keys.session(sid)))
+
+    async def release_quota(self, rec: SessionRecord, *, total: bool = False) -> None:
+        if self.quotas is None:
+            return
+        try:
+            await self.quotas.release(rec.tenant, rec.actorTemplate, rec.id, total=total)
+        except Exception:  # noqa: BLE001 - the repair pass reconciles quota from the records
+            log.warning("quota release failed", extra={"session": rec.id}, exc_info=True)
 
     async def _worker_address(self, wid: str) -> str | None:
         address = self.view.address(wid)
@@ -128,12 +197,13 @@ class Activator:
             address = w.address if w else None
         return address
 
-    async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None
-                    ) -> tuple[WorkerRecord, int]:
+    async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None,
+                    tenant: str = "default") -> tuple[WorkerRecord, int]:
         """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). Lazy-suspends an
         idle session under pressure; waits up to ``slot_wait_s``; then raises ``NoCapacity`` (503)."""
         pool = self.catalog.pool_for(template).name
         deadline = time.monotonic() + self.settings.api.slot_wait_s
+        park_deadline = time.monotonic() + max(self.settings.api.start_wait_s, self.settings.api.slot_wait_s)
         tried_refresh = False
         self.waiting_for_slots += 1
         try:
@@ -150,10 +220,13 @@ class Activator:
                     self.capacity_wanted.set()
                     await self.view.refresh()
                     continue
-                if await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s):
+                if await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant):
                     await self.view.refresh()
                     continue
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline and self.starting.get(pool, 0) > 0 and \
+                        time.monotonic() < park_deadline:
+                    pass  # a worker for this pool is starting: wait for it rather than refuse
+                elif time.monotonic() >= deadline:
                     raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
                                      retry_after_s=self.settings.api.retry_after_s,
                                      details={"pool": pool})
@@ -162,13 +235,22 @@ class Activator:
         finally:
             self.waiting_for_slots -= 1
 
-    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0) -> bool:
-        """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed."""
+    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default") -> bool:
+        """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed.
+        Fairness: a ``tenant`` at or over its share of the pool's slots only displaces its own sessions."""
         sids: list[str] = []
+        pool_slots = 0
         for w in self.view.workers.values():
             if w.pool == pool and w.state == WorkerState.READY:
+                pool_slots += w.slots
                 sids.extend((await self.directory.worker_slots(w.id)).values())
         recs = await self.directory.get_sessions(sids)
+        held: dict[str, int] = {}
+        for r in recs:
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        only = victim_filter(tenant, held, pool_slots)
+        if only is not None:
+            recs = [r for r in recs if r.tenant == only]
         order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
                             min_idle_s=min_idle_s)
         by_id = {r.id: r for r in recs}
@@ -187,74 +269,111 @@ class Activator:
         given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
         WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains."""
         t0 = time.perf_counter()
+        self.breaker.check(rec.tenant)
+        if await self._exists(rec.id):
+            raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
+        if self.quotas is not None:
+            await self.quotas.acquire(rec.tenant, template, rec.id, create=True)
         try:
-            worker, slot = await self.place(rec.id, template)
-        except NoCapacity:
-            if await self.directory.redis.exists(self.directory.keys.session(rec.id)):
-                raise Conflict(f"session {rec.id!r} already exists", code="session_exists") from None
+            worker, slot = await self.place(rec.id, template, tenant=rec.tenant)
+        except BaseException:
+            await self.release_quota(rec, total=True)
             raise
         now = time.time()
         rec.state, rec.worker, rec.slot, rec.epoch = SessionState.STARTING, worker.id, slot, 1
         rec.stateDeadline = now + self.settings.state.transition_deadline_s
         try:
-            await self.directory.create_session(rec)
-        except BaseException:
+            epoch = await self.directory.create_session(rec)  # above any epoch a deleted namesake reached
+        except BaseException as e:
             await self.directory.release_slot(worker.id, slot, rec.id)
+            if not (isinstance(e, Conflict) and e.code == "session_exists"):  # that one is someone else's
+                await self.release_quota(rec, total=True)
             raise
+        await self._index(rec.tenant, rec.id, rec.createdAt)
         try:
-            await self.client.activate(worker.address, session=rec.id, epoch=1, template=template,
-                                       slot=slot, env=rec.env, snapshot=None)
+            await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
+                                       slot=slot, env=rec.env, snapshot=None, tenant=rec.tenant)
             now = time.time()
             done = await self.directory.transition(
-                rec.id, from_states=[SessionState.STARTING], epoch=1, to=SessionState.RUNNING,
+                rec.id, from_states=[SessionState.STARTING], epoch=epoch, to=SessionState.RUNNING,
                 set={"lastActiveAt": now})
             if not done.ok:
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
         except BaseException as e:
-            await self._undo_create(rec.id, worker, slot, e)
+            await self._undo_create(rec.id, worker, slot, e, epoch)
+            await self.release_quota(rec, total=True)
+            try:
+                await self._index(rec.tenant, rec.id, None)
+            except SubstrateError:
+                pass  # a stale index entry is skipped (and dropped) by the next listing
+            if isinstance(e, SubstrateError):
+                self.breaker.failure(rec.tenant)
             raise
+        self.breaker.success(rec.tenant)
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="create").observe(
             time.perf_counter() - t0)
         rec.state, rec.lastActiveAt, rec.stateDeadline = SessionState.RUNNING, now, None
         return rec
 
-    async def _undo_create(self, sid: str, worker: WorkerRecord | None, slot: int, cause: BaseException) -> None:
+    async def _undo_create(self, sid: str, worker: WorkerRecord | None, slot: int, cause: BaseException,
+                           epoch: int) -> None:
         try:
+            # fence first: mark the record DELETED with a new epoch, so the worker's reconciliation frees
+            # an activation this undo cannot reach (a worker that timed out may still finish activating)
+            await self.directory.transition(sid, epoch=epoch, to=SessionState.DELETED, bump=True)
             if worker is not None and slot >= 0:
                 if isinstance(cause, WorkerUnavailable):
                     await self.check_worker(worker.id)
-                else:
-                    try:
-                        await self.client.deactivate(worker.address, sid)
-                    except SubstrateError:
-                        pass
+                try:
+                    await self.client.deactivate(worker.address, sid, epoch)
+                except SubstrateError:
+                    pass
                 await self.directory.release_slot(worker.id, slot, sid)
             await self.directory.delete_session(sid)
         except Exception:  # noqa: BLE001 - the state manager's scans repair what is left
             log.warning("undo of a failed create incomplete", extra={"session": sid}, exc_info=True)
 
     # --------------------------------------------------------------------------------------- wake
-    async def wake(self, sid: str, *, worker: str | None = None) -> tuple[Route, bool]:
+    async def wake(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
+                   audit_action: str | None = "wake") -> tuple[Route, bool]:
         """Make ``sid`` RUNNING and return its route and whether this call woke it.
 
         Parks the caller while the session resumes (one resume per session per process; other
         processes are arbitrated by the epoch CAS). Bounded by ``park_timeout_s`` and ``max_parked``.
-        Raises NotFound, TooManyParked, ResumeTimeout, NoCapacity, StoreUnavailable, SnapshotCorrupt.
+        Raises NotFound, TooManyParked, ResumeTimeout, NoCapacity, StoreUnavailable, SnapshotCorrupt,
+        TooManyRequests (quota, tenant share, circuit breaker).
+
+        ``tenant``: the caller's tenant; a session of another tenant is ``NotFound`` (checked before
+        anything is woken). ``audit_action``: the audit record's action for the wake (None: the caller
+        records it, as the explicit resume API does).
         """
-        from substrate.errors import ResumeTimeout, TooManyParked
+        from substrate.errors import TooManyParked
 
         rec = await self.directory.get_session(sid)
+        if tenant is not None and rec.tenant != tenant:
+            raise NotFound(f"session {sid!r} not found", code="session_not_found")
         route = self.route_of(rec)
         if route is not None:
             return route, False
         if self.parked >= self.settings.api.max_parked:
             raise TooManyParked(f"{self.parked} requests already wait for resumes; retry later",
                                 retry_after_s=self.settings.api.retry_after_s)
+        self.breaker.check(rec.tenant)
+        self.parked_share.enter(rec.tenant, self.settings.api.retry_after_s)
+        try:
+            return await self._park(sid, rec, worker, audit_action)
+        finally:
+            self.parked_share.leave(rec.tenant)
+
+    async def _park(self, sid: str, rec: SessionRecord, worker: str | None, audit_action: str | None
+                    ) -> tuple[Route, bool]:
+        from substrate.errors import ResumeTimeout
+
         fut = self._wakes.get(sid)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             self._wakes[sid] = fut
-            task = asyncio.create_task(self._wake_once(sid, worker))
+            task = asyncio.create_task(self._wake_once(sid, worker, audit_action))
 
             def _done(t: asyncio.Task[Route], f: asyncio.Future[Route] = fut) -> None:
                 self._wakes.pop(sid, None)
@@ -293,8 +412,12 @@ class Activator:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    async def _wake_once(self, sid: str, worker: str | None = None) -> Route:
-        for _ in range(20):
+    async def _wake_once(self, sid: str, worker: str | None = None, audit_action: str | None = None) -> Route:
+        # bounded in time (the caller waits ``park_timeout_s`` at most; this may go on a little longer
+        # so that a worker past its lease is recovered and the next request finds the session moved)
+        w = self.settings.worker
+        deadline = time.monotonic() + self.settings.api.park_timeout_s + w.lease_s + w.lease_grace_s
+        while time.monotonic() < deadline:
             rec = await self.directory.get_session(sid)
             route = self.route_of(rec)
             if route is not None:
@@ -302,20 +425,49 @@ class Activator:
             if rec.state.transitional:
                 rec = await self._wait_settled(sid, self.settings.api.park_timeout_s)
                 continue
-            if rec.state == SessionState.RUNNING:  # worker unknown to the view yet
+            if rec.state == SessionState.RUNNING:  # worker unknown to the view, or past its lease
                 await self.view.refresh()
-                if self.view.address(rec.worker) is None:
-                    await self.check_worker(rec.worker or "")
+                if self.route_of(rec) is None and not await self.check_worker(rec.worker or "", sid=sid):
+                    await asyncio.sleep(0.1)  # alive by its lease: it renews, or expires and is recovered
                 continue
             if rec.state not in _WAKEABLE:
                 raise NotFound(f"session {sid!r} not found", code="session_not_found")
-            return await self._resume(rec, worker)
-        raise Conflict(f"session {sid!r} kept changing while waking", code="conflict")
+            return await self._resume(rec, worker, audit_action)
+        raise Conflict(f"session {sid!r} did not settle while waking; retry", code="conflict")
 
-    async def _resume(self, rec: SessionRecord, pin: str | None = None) -> Route:
+    async def _resume(self, rec: SessionRecord, pin: str | None = None, audit_action: str | None = None) -> Route:
+        try:
+            route = await self._resume_held(rec, pin)
+        except SubstrateError as e:
+            if audit_action and e.code != "conflict":
+                await self.record(audit_action, rec, result=e.code, reason=rec.reason or "")
+            if not isinstance(e, (TooManyRequests, NoCapacity, Conflict)):
+                self.breaker.failure(rec.tenant)
+            raise
+        if audit_action:
+            await self.record(audit_action, rec, worker=route.worker, epoch=route.epoch, reason=rec.reason or "")
+        self.breaker.success(rec.tenant)
+        return route
+
+    async def _resume_held(self, rec: SessionRecord, pin: str | None = None) -> Route:
+        """``_resume`` holding running quota for the activation (given back if it does not happen)."""
         template = self.catalog.template(rec.actorTemplate)
+        if self.quotas is not None:
+            await self.quotas.acquire(rec.tenant, template, rec.id, create=False)
+        ok = False
+        try:
+            route = await self._resume_placed(rec, template, pin)
+            ok = True
+            return route
+        finally:
+            if not ok:
+                cur = await self.directory.get_sessions([rec.id])
+                if not cur or cur[0].state not in (SessionState.RUNNING, SessionState.RESUMING):
+                    await self.release_quota(rec)
+
+    async def _resume_placed(self, rec: SessionRecord, template: ActorTemplate, pin: str | None) -> Route:
         t0 = time.perf_counter()
-        worker, slot = await self.place(rec.id, template, worker=pin)
+        worker, slot = await self.place(rec.id, template, worker=pin, tenant=rec.tenant)
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
             set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
@@ -327,25 +479,27 @@ class Activator:
                 raise Conflict(f"session {rec.id!r} is {settled.state.value}", code="conflict")
             return route
         epoch = cas.epoch
+        restored_what = None
+        if rec.reason in _LOSSY:
+            # say whether older state came back, or none did (no snapshot had been taken yet)
+            restored_what = rec.reason if rec.snapshot else f"{rec.reason};snapshot=none"
         try:
             await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
-                                       slot=slot, env=rec.env, snapshot=rec.snapshot)
+                                       slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what,
+                                       tenant=rec.tenant)
         except SnapshotCorrupt as e:
             await self._fail_corrupt(rec, epoch, worker, slot, e)
             raise
-        except (StoreUnavailable, NoCapacity, WorkerUnavailable, StaleEpoch) as e:
+        except SubstrateError as e:
+            # back to SUSPENDED (guarded by the epoch: a deadline roll may have done it already), then
+            # fence the half-made activation on the worker; its reconciliation frees what this misses
             await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
                                             to=SessionState.SUSPENDED, unset=("worker", "slot"))
-            await self.directory.release_slot(worker.id, slot, rec.id)
+            await self._abandon(rec.id, worker, slot, epoch)
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(worker.id)
             raise
-        except SubstrateError:  # e.g. the agent failed to start: never leave the session RESUMING
-            await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
-                                            to=SessionState.SUSPENDED, unset=("worker", "slot"))
-            await self.directory.release_slot(worker.id, slot, rec.id)
-            raise
-        reason = rec.message if rec.reason == "worker_lost" else None
+        reason = rec.message if rec.reason in _LOSSY else None
         restored = RestoredFrom(
             snapshotKey=rec.snapshot.key if rec.snapshot else None,
             snapshotCreatedAt=rec.snapshot.createdAt if rec.snapshot else None,
@@ -355,17 +509,32 @@ class Activator:
             rec.id, from_states=[SessionState.RESUMING], epoch=epoch, to=SessionState.RUNNING,
             set={"restoredFrom": restored, "lastActiveAt": time.time()}, unset=("reason", "message"))
         if not done.ok:
+            # a deadline roll (or a delete) got there first: the activation just made is not the
+            # session's any more; drop it and give the slot back, or the worker holds it for good
+            await self._abandon(rec.id, worker, slot, epoch)
             raise Conflict(f"session {rec.id!r} changed while resuming", code="conflict")
         if reason:
             metrics.RECOVERIES_TOTAL.labels(reason="worker_lost").inc()
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
-        restored_what = None
-        if rec.reason in ("worker_lost", "deadline"):
-            # say whether older state came back, or none did (no snapshot had been taken yet)
-            restored_what = rec.reason if rec.snapshot else f"{rec.reason};snapshot=none"
-        return Route(worker.id, worker.address, epoch, restored=restored_what)
+        return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant)
+
+    async def _abandon(self, sid: str, worker: WorkerRecord, slot: int, epoch: int) -> None:
+        """Drop activation ``epoch`` of ``sid`` on ``worker`` (only that epoch or older) and free its
+        slot unless the record points at it again. Best effort: the worker's reconciliation and the
+        state manager's repair pass free whatever is left."""
+        try:
+            await self.client.deactivate(worker.address, sid, epoch)
+        except SubstrateError:
+            pass
+        try:
+            cur = await self.directory.get_session(sid)
+            if cur.worker == worker.id and cur.slot == slot:
+                return
+        except NotFound:
+            pass
+        await self.directory.release_slot(worker.id, slot, sid)
 
     async def _fail_corrupt(self, rec: SessionRecord, epoch: int, worker: WorkerRecord, slot: int,
                             e: SnapshotCorrupt) -> None:
@@ -380,6 +549,8 @@ class Activator:
         fields["badSnapshot"] = rec.snapshot.key if rec.snapshot else ""
         await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
                                         to=SessionState.FAILED, set=fields, unset=unset)
+        if rec.snapshot is not None:  # no longer a kept snapshot: the orphan sweep removes the object
+            await self.directory.forget_snapshot(rec.id, rec.snapshot.key)
         await self.directory.release_slot(worker.id, slot, rec.id)
         metrics.RECOVERIES_TOTAL.labels(reason="snapshot_corrupt").inc()
 
@@ -396,10 +567,13 @@ class Activator:
             return
         t0 = time.perf_counter()
         try:
-            await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s)
+            await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant)
         except WorkerUnavailable:
             await self.check_worker(rec.worker)
             raise
+        await self.release_quota(rec)
+        if reason != "explicit":  # automatic: no API call records it
+            await self.record("suspend", rec, reason=reason)
         metrics.SUSPEND_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
         metrics.SUSPENSIONS_TOTAL.labels(template=rec.actorTemplate, reason=reason).inc()
 
@@ -412,30 +586,69 @@ class Activator:
         if rec.worker:
             address = await self._worker_address(rec.worker)
             if address:
-                try:
-                    await self.client.deactivate(address, sid)
-                except SubstrateError:
-                    pass
+                try:  # the worker ends the activation at once, even mid-turn; if it cannot be reached
+                    # its reconciliation frees it (the record is gone, and epochs never repeat)
+                    await self.client.deactivate(address, sid, cas.epoch)
+                except SubstrateError as e:
+                    log.info("deactivate on delete failed; the worker's reconciliation frees it",
+                             extra={"session": sid, "worker": rec.worker, "code": e.code})
             if rec.slot is not None:
                 await self.directory.release_slot(rec.worker, rec.slot, sid)
         await self.directory.delete_session(sid)
+        await self.release_quota(rec, total=True)
+        await self._index(rec.tenant, sid, None)
         if snapshot_gc is not None:
             asyncio.create_task(snapshot_gc(sid))
 
     # ------------------------------------------------------------------------------------- recovery
-    async def check_worker(self, wid: str) -> bool:
-        """After a failed call: if the worker is gone (no answer to /healthz), recover its sessions.
-        Returns True if it was declared dead."""
-        w = self.view.workers.get(wid) or await self.directory.get_worker(wid)
-        if w is not None and await self.client.healthy(w.address):
-            return False
-        await self.recover_worker(wid)
-        return True
+    async def check_worker(self, wid: str, *, sid: str | None = None) -> bool:
+        """After a failed call to ``wid``: declare it dead only if its lease expired more than
+        ``lease_grace_s`` ago (the worker stopped serving at expiry, so nobody else serves its
+        sessions meanwhile), and recover its sessions. A record gone already (declared dead elsewhere)
+        recovers ``sid`` if it still points there. Returns True if ``wid`` is (now) known dead."""
+        if not wid:
+            return True
+        w = await self.directory.get_worker(wid)
+        if w is None:
+            self.view.workers.pop(wid, None)
+            if sid is not None:
+                await self.recover_session(sid, wid, reason="worker_lost")
+            return True
+        return await self.recover_worker(wid, force=False) is not None
 
-    async def recover_worker(self, wid: str, *, reason: str = "worker_lost") -> list[str]:
-        """Declare ``wid`` dead: remove it from the registry (it stops serving when it notices) and move
-        each of its sessions to SUSPENDED, marked with ``reason``, to come back from its last snapshot."""
-        slots = await self.directory.deregister_worker(wid)
+    async def repair_lost_activation(self, sid: str, wid: str, epoch: int) -> bool:
+        """Worker ``wid`` answered ``not_active`` for activation ``epoch`` of ``sid``: if the record still
+        says RUNNING there at that epoch, the activation is lost; move it (guarded by epoch and worker)
+        to SUSPENDED marked ``activation_lost`` and free its slot, so the next wake restores it from its
+        last snapshot (the answer says so). Returns whether it repaired."""
+        try:
+            rec = await self.directory.get_session(sid)
+        except NotFound:
+            return False
+        what = (f"activation {epoch} on worker {wid} was lost; state since the last snapshot "
+                f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
+        cas = await self.directory.transition(
+            sid, from_states=[SessionState.RUNNING], epoch=epoch, worker=wid, to=SessionState.SUSPENDED,
+            set={"reason": "activation_lost", "message": what}, unset=("worker", "slot"))
+        if cas.ok:
+            log.warning("lost activation repaired", extra={"session": sid, "worker": wid, "epoch": epoch})
+            metrics.RECOVERIES_TOTAL.labels(reason="activation_lost").inc()
+            if rec.slot is not None:
+                await self.directory.release_slot(wid, rec.slot, sid)
+            await self.release_quota(rec)
+            await self.record("recover", rec, reason="activation_lost", worker=wid)
+        return cas.ok
+
+    async def recover_worker(self, wid: str, *, reason: str = "worker_lost", force: bool = True
+                             ) -> list[str] | None:
+        """Declare ``wid`` dead and move each of its sessions to SUSPENDED, marked with ``reason``, to come
+        back from its last snapshot. ``force``: the process is known to be gone (the backend reaped
+        it); otherwise only if its lease expired more than ``lease_grace_s`` ago. Returns the sessions
+        recovered, or None if the worker is still within its lease (nothing done)."""
+        slots = await self.directory.expire_worker(wid, grace_s=self.settings.worker.lease_grace_s,
+                                                   force=force)
+        if slots is None:
+            return None
         self.view.workers.pop(wid, None)
         recovered = []
         for sid in slots.values():
@@ -455,8 +668,14 @@ class Activator:
             return False
         what = (f"worker {wid} was lost; state since the last snapshot "
                 f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
+        # bump: the dead worker's activation epoch is fenced for good (its reconciliation, should it come
+        # back, sees a newer epoch and frees the slot)
         cas = await self.directory.transition(sid, from_states=_LIVE, worker=wid, to=SessionState.SUSPENDED,
-                                              set={"reason": reason, "message": what}, unset=("worker", "slot"))
+                                              bump=True, set={"reason": reason, "message": what},
+                                              unset=("worker", "slot"))
+        if cas.ok:
+            await self.release_quota(rec)
+            await self.record("recover", rec, reason=reason, worker=wid)
         return cas.ok
 
 

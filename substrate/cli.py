@@ -4,6 +4,7 @@
     substrate demo                                       up + create/invoke/suspend/wake a session, then stop
     substrate sessions create|get|list|invoke|suspend|resume|delete ...
     substrate pools | templates | stats
+    substrate keys create|revoke|list|rotate-signing                 API keys and activation-token keys
 
 Client commands talk to ``--server`` (env ``SUBSTRATE_SERVER``, default http://127.0.0.1:8080).
 """
@@ -30,6 +31,10 @@ app = typer.Typer(help="Agent session runtime: many bursty, stateful agent sessi
                   no_args_is_help=True, add_completion=False)
 sessions = typer.Typer(help="Create, inspect, invoke and delete sessions.", no_args_is_help=True)
 app.add_typer(sessions, name="sessions")
+keys_app = typer.Typer(help="API keys (tenants) and the activation-token signing keys. Writes to the Redis at "
+                            "SUBSTRATE_REDIS_URL (prefix SUBSTRATE_REDIS__KEY_PREFIX), or with --file to a key "
+                            "file read by `substrate up` (SUBSTRATE_AUTH__API_KEYS_FILE).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 console = Console()
 err = Console(stderr=True)
 
@@ -69,7 +74,7 @@ def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Bas
 def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."),
        port: int = typer.Option(None, min=1, max=65535, help="Listen port (default 8080)."),
        config: Path = typer.Option(None, "--config", "-c", help="Folder of ActorTemplate/WorkerPool YAML "
-                                                               "(default ./examples)."),
+                                                               "(default: the examples shipped in the package)."),
        ) -> None:
     """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
     Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM."""
@@ -94,7 +99,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     port = port or settings.api.port
     embedded = None
     if not settings.redis.url:
-        embedded = EmbeddedRedis()
+        embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
         try:
             os.environ["SUBSTRATE_REDIS_URL"] = embedded.start()
         except RuntimeError as e:
@@ -118,6 +123,114 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+@app.command()
+def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the seed article's documents).")) -> None:
+    """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): seed apiVersions and
+    spellings translated, v1alpha2 DRA objects converted to resource.k8s.io/v1; warnings on stderr."""
+    import logging
+
+    import yaml
+
+    from substrate.specs import SpecError, convert_documents
+
+    logging.getLogger("substrate.specs").setLevel(logging.ERROR)  # warnings are printed below, once
+
+    out: list[Any] = []
+    for f in files:
+        try:
+            docs, warnings = convert_documents(list(yaml.safe_load_all(f.read_text())), str(f))
+        except (OSError, yaml.YAMLError, SpecError) as e:
+            err.print(f"[red]error[/red]: {escape(str(e))}")
+            raise typer.Exit(2) from None
+        for w in warnings:
+            err.print(f"[yellow]warning[/yellow]: {escape(w)}")
+        out += docs
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
+
+
+@app.command()
+def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="WorkerPool this worker serves."),
+           slots: int = typer.Option(None, envvar="SUBSTRATE_WORKER_SLOTS", min=1, help="Session slots."),
+           port: int = typer.Option(8081, envvar="SUBSTRATE_WORKER_PORT", min=0, max=65535, help="Listen port."),
+           host: str = typer.Option("0.0.0.0", envvar="SUBSTRATE_WORKER_LISTEN_HOST", help="Listen address."),
+           advertise: str = typer.Option(None, envvar="SUBSTRATE_POD_IP",
+                                         help="Address registered for routers (the Pod IP, downward API)."),
+           worker_id: str = typer.Option(None, envvar="SUBSTRATE_POD_NAME", help="Worker id (the Pod name)."),
+           ) -> None:
+    """Run one worker (one per Pod on Kubernetes): listens on HOST:PORT, registers the Pod IP, keeps its
+    workspaces under SUBSTRATE_WORKER__ROOT_DIR (a mounted volume), takes the internal token from
+    SUBSTRATE_WORKER__INTERNAL_TOKEN (a Secret). SIGTERM stops it within the Pod's grace period."""
+    import importlib
+
+    if not pool or not slots:
+        err.print("[red]error[/red]: --pool and --slots (or SUBSTRATE_WORKER_POOL / SUBSTRATE_WORKER_SLOTS) are required")
+        raise typer.Exit(2)
+    if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
+        err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (mount the internal-token Secret)")
+        raise typer.Exit(2)
+    if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
+        err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set")
+        raise typer.Exit(2)
+    argv = ["--pool", pool, "--slots", str(slots), "--host", host, "--port", str(port)]
+    if advertise:
+        argv += ["--advertise-host", advertise]
+    if worker_id:
+        argv += ["--worker-id", worker_id]
+    # the worker lives in the workers package (substrate imports none of it statically: import rule)
+    importlib.import_module("workers.server").main(argv)
+
+
+def _serve_api(host: str, port: int) -> None:
+    import uvicorn
+
+    from substrate.logs import configure_logging
+    from substrate.settings import Settings
+
+    settings = Settings()
+    configure_logging(settings.log_level, settings.log_json)
+    cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
+                         log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+    server = uvicorn.Server(cfg)
+    server.run()
+    if not server.started:
+        raise typer.Exit(1)
+
+
+@app.command()
+def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
+           port: int = typer.Option(8080, min=1, max=65535, help="Listen port."),
+           kubernetes: bool = typer.Option(True, "--kubernetes/--files",
+                                           help="Templates and pools from the Kubernetes API (default) or from "
+                                                "--config files.")) -> None:
+    """Run the public REST API and proxy only (stateless: run any number side by side). Needs
+    SUBSTRATE_REDIS_URL and SUBSTRATE_WORKER__INTERNAL_TOKEN (the same value on every router)."""
+    if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
+        err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set (a router has no embedded Redis)")
+        raise typer.Exit(2)
+    if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
+        err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (routers must share it)")
+        raise typer.Exit(2)
+    os.environ["SUBSTRATE_ROLE"] = "router"
+    os.environ["SUBSTRATE_CATALOG_SOURCE"] = "kubernetes" if kubernetes else "files"
+    _serve_api(host, port)
+
+
+@app.command()
+def controller(host: str = typer.Option("0.0.0.0", help="Probe/metrics listen address."),
+               port: int = typer.Option(8090, min=1, max=65535, help="Probe/metrics port.")) -> None:
+    """Run the pool controller and state manager against the Kubernetes API (one leader through a
+    coordination.k8s.io Lease; extra replicas wait as standbys)."""
+    import importlib
+
+    if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
+        err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set")
+        raise typer.Exit(2)
+    if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
+        err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (workers and routers share it)")
+        raise typer.Exit(2)
+    raise typer.Exit(importlib.import_module("api.controller").main(host, port))
 
 
 @app.command()
@@ -283,6 +396,142 @@ def stats(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Runtime-wide figures: workers, slots, sessions by state, worker-seconds."""
     with _client(server, token) as c:
         _print(_run(c.stats))
+
+
+def _keys_backend() -> tuple[Any, Any]:
+    """(settings, redis client) for the key commands; exits with a clear line if no Redis URL is set."""
+    import redis.asyncio as aioredis
+
+    from substrate.settings import Settings
+
+    settings = Settings()
+    if not settings.redis.url:
+        err.print("[red]error[/red]: set SUBSTRATE_REDIS_URL (the Redis of the runtime; `substrate up` prints "
+                  "its embedded one), or use --file")
+        raise typer.Exit(2)
+    return settings, aioredis.from_url(settings.redis.url, decode_responses=True, socket_timeout=5)
+
+
+def _async(coro_fn: Any) -> Any:
+    import asyncio
+
+    from substrate.errors import SubstrateError
+
+    async def run() -> Any:
+        settings, r = _keys_backend()
+        try:
+            return await coro_fn(settings, r)
+        finally:
+            await r.aclose()
+    try:
+        return asyncio.run(run())
+    except SubstrateError as e:
+        err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
+        raise typer.Exit(1) from None
+    except OSError as e:
+        err.print(f"[red]error[/red]: Redis unreachable: {escape(str(e))}")
+        raise typer.Exit(1) from None
+
+
+def _file_keys(path: Path) -> list[dict[str, Any]]:
+    import yaml
+
+    if not path.exists():
+        return []
+    data = yaml.safe_load(path.read_text()) or []
+    return list(data["keys"] if isinstance(data, dict) else data)
+
+
+@keys_app.command("create")
+def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for (lower-case name)."),
+                admin: bool = typer.Option(False, help="The key may see and touch every tenant's sessions."),
+                name: str = typer.Option("", help="A label for the key (shown by `keys list`)."),
+                file: Optional[Path] = typer.Option(None, "--file", help="Append the key's hash to this key file "
+                                                    "instead of writing to Redis.")) -> None:
+    """Create an API key and print it once (only its SHA-256 is stored)."""
+    from substrate.apikeys import ApiKeyStore, check_tenant, hash_key
+    from substrate.errors import SubstrateError
+    from substrate.keys import Keys
+
+    if file is not None:
+        import secrets as _secrets
+
+        import yaml
+
+        try:
+            check_tenant(tenant)
+        except SubstrateError as e:
+            err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
+            raise typer.Exit(2) from None
+        kid = _secrets.token_hex(4)
+        key = f"sk_{kid}_{_secrets.token_urlsafe(32)}"
+        entries = _file_keys(file)
+        entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
+        file.write_text(yaml.safe_dump(entries, sort_keys=False))
+        err.print(f"added to {file} (read by `substrate up` with SUBSTRATE_AUTH__API_KEYS_FILE={file})")
+        print(key)
+        return
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).create(tenant, admin=admin, name=name)
+    rec, key = _async(go)
+    err.print(f"key {rec.id} for tenant {rec.tenant}{' (admin)' if rec.admin else ''}; shown once:")
+    print(key)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str = typer.Argument(..., help="Key ID (from `keys list`) or the key itself."),
+                file: Optional[Path] = typer.Option(None, "--file", help="Remove it from this key file instead "
+                                                    "(takes effect when the runtime restarts).")) -> None:
+    """Revoke an API key: every router refuses it at once."""
+    from substrate.apikeys import ApiKeyStore, hash_key
+    from substrate.keys import Keys
+
+    if file is not None:
+        import yaml
+
+        entries = _file_keys(file)
+        keep = [e for e in entries if key_id not in (e.get("name"), e.get("sha256"), e.get("key"))
+                and e.get("sha256") != hash_key(key_id)]
+        if len(keep) == len(entries):
+            err.print(f"[red]error api_key_not_found[/red]: no key {escape(key_id)} in {file}")
+            raise typer.Exit(1)
+        file.write_text(yaml.safe_dump(keep, sort_keys=False))
+        console.print(f"removed from {file}; restart the runtime, or also run without --file to revoke at once")
+        return
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).revoke(key_id)
+    rec = _async(go)
+    console.print(f"revoked key {rec.id} of tenant {rec.tenant}")
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """API keys in Redis (IDs, tenants, roles; never the keys)."""
+    from substrate.apikeys import ApiKeyStore
+    from substrate.keys import Keys
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).list()
+    t = Table("ID", "TENANT", "ADMIN", "NAME", "CREATED")
+    for k in _async(go):
+        t.add_row(k.id, k.tenant, "yes" if k.admin else "", k.name,
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.createdAt)))
+    console.print(t)
+
+
+@keys_app.command("rotate-signing")
+def keys_rotate_signing() -> None:
+    """Rotate the key that signs per-activation tokens: routers sign with the new key after their next
+    refresh, workers accept the new and the previous one, so no call fails."""
+    from substrate.keys import Keys
+    from substrate.tokens import SigningKeyRing
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await SigningKeyRing(r, Keys(settings.redis.key_prefix)).rotate()
+    new, prev = _async(go)
+    console.print(f"signing key {new} is current; {prev or '(none)'} still accepted until the next rotation")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,15 @@ class Keys:
         """Pub/sub channel: state changes of one session (wakes parked requests in other routers)."""
         return f"{self.prefix}:{{{sid}}}:events"
 
+    def session_epoch_floor(self, sid: str) -> str:
+        """String: the last epoch a deleted session of this ID reached (a tombstone with a TTL), so a
+        re-created session starts above it: epochs never repeat for an ID while a zombie may live."""
+        return f"{self.prefix}:{{{sid}}}:epochfloor"
+
+    def session_snapshots(self, sid: str) -> str:
+        """Sorted set: committed snapshot refs (JSON) -> createdAt (s), the newest ``retention`` kept."""
+        return f"{self.prefix}:{{{sid}}}:snapshots"
+
     @property
     def sessions_index(self) -> str:
         """Sorted set: session id -> createdAt (s). Listing and pagination."""
@@ -54,3 +63,37 @@ class Keys:
     def stats(self) -> str:
         """Hash: runtime-wide counters (worker-seconds integral, ...)."""
         return f"{self.prefix}:stats"
+
+    # tenancy, auth, quotas, audit (issue 10) ---------------------------------------------------------
+    def tenant_sessions(self, tenant: str) -> str:
+        """Sorted set: session id -> createdAt (s) of one tenant's sessions (keyset listing per tenant)."""
+        return f"{self.prefix}:{{t:{tenant}}}:sessions"
+
+    def quota(self, tenant: str, what: str) -> str:
+        """Quota bookkeeping of one tenant (one hash tag, so the Lua check touches one slot):
+        ``running``/``total`` sets of session ids, ``gpus`` hash session -> GPUs, ``creates`` sorted set
+        of create times; ``<what>:<template>`` for the same per ActorTemplate."""
+        return f"{self.prefix}:{{t:{tenant}}}:quota:{what}"
+
+    def session_audit(self, sid: str) -> str:
+        """Stream: audit records of one session (capped; expires some time after the session is deleted)."""
+        return f"{self.prefix}:{{{sid}}}:audit"
+
+    def tenant_audit(self, tenant: str) -> str:
+        """Stream: audit records of one tenant (capped)."""
+        return f"{self.prefix}:{{t:{tenant}}}:audit"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: sha256(API key) hex -> JSON {id, tenant, admin, name, createdAt}."""
+        return f"{self.prefix}:auth:apikeys"
+
+    @property
+    def auth_version(self) -> str:
+        """Integer bumped on every key change; also the pub/sub channel routers listen on."""
+        return f"{self.prefix}:auth:version"
+
+    @property
+    def signing_keys(self) -> str:
+        """Hash: key id -> secret of the activation-token signing keys, plus ``current`` -> key id."""
+        return f"{self.prefix}:auth:signing"

@@ -188,6 +188,29 @@ class ContainerSpec(BaseModel):
     env: list[EnvVar] = Field(default_factory=list)
 
 
+class QuotaLimits(BaseModel):
+    """Limits of one tenant (or of one tenant's sessions of one ActorTemplate); ``None`` = unlimited.
+
+    ``maxRunning`` counts live activations (STARTING/RUNNING/RESUMING/SUSPENDING): suspended sessions
+    hold none; ``maxTotal`` counts every session that exists; ``maxGpus`` counts GPUs held by live
+    activations (``spec.resources.gpus`` of their template); ``maxCreatesPerMinute`` is a sliding window.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    maxRunning: int | None = Field(None, ge=0)
+    maxTotal: int | None = Field(None, ge=0)
+    maxGpus: int | None = Field(None, ge=0)
+    maxCreatesPerMinute: int | None = Field(None, ge=0)
+
+
+class TemplateResources(BaseModel):
+    """What one live session of a template holds (for quotas and the audit trail)."""
+
+    model_config = ConfigDict(extra="allow")
+    #: whole GPUs (devices of the pool's ResourceClaims) one live session holds
+    gpus: int = Field(0, ge=0)
+
+
 class ActorTemplateSpec(BaseModel):
     """What a session runs. Exactly one of ``entrypoint`` (``module:Class`` of a Python handler),
     ``command`` (an executable speaking JSON lines) or ``container`` (image, Kubernetes backend) is set.
@@ -202,6 +225,9 @@ class ActorTemplateSpec(BaseModel):
     workerPool: str | None = None
     stateManagement: StateManagement = Field(default_factory=StateManagement)
     isolation: Isolation = Field(default_factory=Isolation)
+    resources: TemplateResources = Field(default_factory=TemplateResources)
+    #: limits per tenant for this task class (each tenant's sessions of this template); see QuotaLimits
+    quota: QuotaLimits | None = None
 
     @field_validator("entrypoint")
     @classmethod
@@ -233,6 +259,8 @@ class Autoscaling(BaseModel):
     maxReplicas: int = Field(10, ge=1)
     #: percent of slots busy the autoscaler aims for
     targetUtilization: int = Field(70, ge=1, le=100)
+    #: HPA metrics (autoscaling/v2 MetricSpec): when set, a HorizontalPodAutoscaler drives /scale instead
+    metrics: list[dict[str, Any]] | None = None
 
 
 class WarmPool(BaseModel):
@@ -251,6 +279,37 @@ class WorkerPoolSpec(BaseModel):
     warmPool: WarmPool | None = None
     snapshotStorage: str | None = None
     resourceClaims: list[dict[str, Any]] = Field(default_factory=list)
+    #: GPUs by attributes, compiled to a DRA ResourceClaimTemplate (``substrate.k8s.dra``): count,
+    #: minMemory, product, architecture, minComputeCapability, migProfile, deviceClassName, gang
+    accelerators: dict[str, Any] | None = None
+
+    @field_validator("accelerators")
+    @classmethod
+    def _acc(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from substrate.k8s.dra import validate_accelerators
+
+            validate_accelerators(v)
+        return v
+
+    @field_validator("snapshotStorage")
+    @classmethod
+    def _storage(cls, v: str | None) -> str | None:
+        if v is not None:
+            from substrate.k8s.snapshot_uri import parse_storage_uri
+
+            parse_storage_uri(v)
+        return v
+
+    @field_validator("resourceClaims")
+    @classmethod
+    def _claims(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for c in v:
+            refs = [k for k in ("resourceClaimName", "resourceClaimTemplateName") if c.get(k)]
+            if not c.get("name") or len(refs) != 1:
+                raise ValueError("each resourceClaims entry needs a name and exactly one of "
+                                 "resourceClaimName / resourceClaimTemplateName")
+        return v
 
 
 class Condition(BaseModel):
@@ -266,6 +325,10 @@ class WorkerPoolStatus(BaseModel):
     readyReplicas: int = 0
     slots: int = 0
     freeSlots: int = 0
+    #: free slots on READY workers (what a wake can use now)
+    availableSlots: int = 0
+    #: label selector of the worker Pods in string form (the /scale subresource reads it)
+    selector: str = ""
     observedGeneration: int = 0
     conditions: list[Condition] = Field(default_factory=list)
 
@@ -310,6 +373,8 @@ class SessionRecord(BaseModel):
     state: SessionState
     actorTemplate: str
     pool: str
+    #: the tenant that owns the session (``default`` when the API runs without keys)
+    tenant: str = "default"
     worker: str | None = None
     slot: int | None = None
     epoch: int = 0

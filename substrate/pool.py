@@ -20,6 +20,7 @@ import collections
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,7 +68,7 @@ class PoolPlan:
 def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
     """Workers wanted for ``busy`` slots in use or wanted (see the module docstring)."""
     a = spec.autoscaling
-    if a is None:
+    if a is None or a.metrics:  # with HPA metrics, the HPA writes spec.replicas through /scale
         return spec.replicas
     s = spec.slots
     by_util = math.ceil(busy * 100 / (s * a.targetUtilization)) if busy else 0
@@ -115,6 +116,8 @@ class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
     below_since: float | None = None
     conditions: list[Condition] = field(default_factory=list)
+    #: the last plan's desired worker count
+    desired: int = 0
 
 
 class PoolController:
@@ -135,20 +138,25 @@ class PoolController:
         self._task: asyncio.Task[None] | None = None
         self._draining: set[str] = set()
         self._last_tick = time.monotonic()
-        self._seq = 0
 
     async def start(self) -> None:
+        prepare = getattr(self.backend, "start", None)
+        if prepare is not None:
+            await prepare()
         await self.tick()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for wid in list(self.backend.running()):
+
+        async def stop_one(wid: str) -> None:  # graceful: the worker suspends its sessions first
             try:
                 await self.backend.delete(wid)
             except Exception:  # noqa: BLE001
                 log.warning("stopping worker failed", extra={"worker": wid}, exc_info=True)
+
+        await asyncio.gather(*(stop_one(wid) for wid in list(self.backend.running())))
         await self.backend.close()
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -161,6 +169,10 @@ class PoolController:
                 return True
             await asyncio.sleep(0.05)
         return False
+
+    def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
+        """The spec ``reconcile`` sizes against (a backend-specific controller may add surge capacity)."""
+        return pool.spec
 
     def conditions(self, pool: str) -> list[Condition]:
         return list(self._state.get(pool, _PoolState()).conditions)
@@ -208,28 +220,36 @@ class PoolController:
         for wid, t in list(st.expectations.items()):
             if wid in registered or wid not in running or time.monotonic() - t > self.create_timeout_s:
                 st.expectations.pop(wid)
+        # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,
+        # also after its expectation expired, so a Pod the scheduler cannot place is never re-created
+        unregistered = sum(1 for wid, p in running.items()
+                           if p == pool.name and wid not in registered and wid not in st.expectations)
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
-            starting=len(st.expectations),
-            waiting=getattr(self.activator, "waiting_for_slots", 0))
+            starting=len(st.expectations) + unregistered,
+            # requests waiting for a slot and requests parked on a resume are demand too
+            waiting=getattr(self.activator, "waiting_demand", 0))
         allow_down = st.below_since is not None and time.monotonic() - st.below_since >= self.scale_down_delay_s
-        plan = reconcile(pool.spec, obs, allow_scale_down=allow_down)
+        plan = reconcile(self.effective_spec(pool), obs, allow_scale_down=allow_down)
+        st.desired = plan.desired
         serving = sum(1 for w in obs.workers if w.alive and w.state != WorkerState.DRAINING) + obs.starting
         if serving > plan.desired:
             st.below_since = st.below_since or time.monotonic()
         else:
             st.below_since = None
         for _ in range(plan.create):
-            self._seq += 1
-            wid = f"{pool.name}-{int(time.time()) % 100000:05d}-{self._seq}"
+            # unique across processes and hosts: two runtimes sharing one Redis never share a worker ID
+            wid = f"{pool.name}-{uuid.uuid4().hex[:12]}"
             st.expectations[wid] = time.monotonic()
+            self._publish_starting(pool.name, st)
             try:
                 await self.backend.create(pool, wid)
             except Exception:  # noqa: BLE001
                 st.expectations.pop(wid, None)
                 log.warning("worker create failed", extra={"pool": pool.name}, exc_info=True)
+        self._publish_starting(pool.name, st)
         for wid in plan.drain:
             if wid not in self._draining:
                 self._draining.add(wid)
@@ -252,11 +272,20 @@ class PoolController:
                       reason=plan.reason),
         ]
 
+    def _publish_starting(self, pool: str, st: _PoolState) -> None:
+        """Tell this process's placements a worker is starting for ``pool`` (they wait for it rather
+        than answer ``no_capacity``: capacity never refuses what it is creating)."""
+        starting = getattr(self.activator, "starting", None)
+        if isinstance(starting, dict):
+            starting[pool] = len(st.expectations)
+
     async def _drain(self, wid: str) -> None:
         """Mark DRAINING, suspend every session on the worker, then stop it (invariant 6)."""
         try:
             await self.directory.set_worker_state(wid, WorkerState.DRAINING)
-            for _ in range(100):
+            # sessions still starting or resuming there settle (or roll back at their deadline) first
+            deadline = time.monotonic() + self.settings.state.transition_deadline_s + 20
+            while time.monotonic() < deadline:
                 sids = list((await self.directory.worker_slots(wid)).values())
                 if not sids:
                     break

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from typing import Any, AsyncIterator
 
@@ -62,10 +63,16 @@ class HostedAgent(Agent):
         self.slot = slot
         self.limits = limits
         self.entrypoint = entrypoint
+        # a template that starts "python"/"python3" means this runtime's interpreter (and its packages),
+        # not whichever python is first on PATH (the sandbox binds that interpreter read-only)
+        if argv and argv[0] in ("python", "python3"):
+            argv = [sys.executable, *argv[1:]]
         self.argv = argv
         self.host: HostProcess | None = None
         self._state: dict[str, Any] | None = None
         self._first = True
+        #: a call is waiting for the host's answer (a stop meanwhile kills instead of talking)
+        self._reading = False
 
     @property
     def workspace_in_sandbox(self) -> str:
@@ -85,6 +92,7 @@ class HostedAgent(Agent):
     async def _recv(self, deadline: float) -> dict[str, Any]:
         host = self.host
         assert host is not None and host.proc.stdout is not None
+        self._reading = True
         try:
             line = await asyncio.wait_for(host.proc.stdout.readline(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
@@ -95,6 +103,8 @@ class HostedAgent(Agent):
         except (ValueError, asyncio.LimitOverrunError) as e:  # a line over the reader's limit
             await self._kill()
             raise TurnFailed(f"agent wrote an answer line that is too long: {e}", "agent_crashed") from e
+        finally:
+            self._reading = False
         if not line:
             raise await self._died("agent process exited")
         try:
@@ -220,7 +230,7 @@ class HostedAgent(Agent):
 
     async def stop(self) -> None:
         host = self.host
-        if host is None or not host.alive:
+        if host is None or not host.alive or self._reading:  # mid-turn (a DELETE): kill, do not talk
             await self._kill()
             return
         try:

@@ -72,18 +72,30 @@ class LocalBackend:
         env["SUBSTRATE_WORKER"] = s.worker.model_dump_json()
         env["SUBSTRATE_SNAPSHOT"] = s.snapshot.model_dump_json()
         env["SUBSTRATE_STATE"] = s.state.model_dump_json()
+        # workers need where template credentials are, not the API keys
+        env["SUBSTRATE_AUTH"] = s.auth.model_dump_json(include={"secrets_dir", "signing_refresh_s"})
         env["SUBSTRATE_LOG_LEVEL"] = s.log_level
         env["SUBSTRATE_LOG_JSON"] = "true" if s.log_json else "false"
         return env
 
+    def _ensure_zygote(self) -> subprocess.Popen[bytes]:
+        if self._zygote is None or self._zygote.poll() is not None:
+            self._zygote = subprocess.Popen(
+                [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, start_new_session=True)
+        return self._zygote
+
+    async def start(self) -> None:
+        """Start the zygote now (its imports take seconds on a busy machine), so that even the first
+        worker of a pool scaled to zero is a fast fork, well within a parked request's timeout."""
+        if self.fork_server:
+            async with self._zlock:
+                self._ensure_zygote()
+
     async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
         """Ask the zygote for a worker; None if the zygote is unusable (the caller spawns cold)."""
         async with self._zlock:
-            if self._zygote is None or self._zygote.poll() is not None:
-                self._zygote = subprocess.Popen(
-                    [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, start_new_session=True)
-            z = self._zygote
+            z = self._ensure_zygote()
             assert z.stdin is not None and z.stdout is not None
             try:
                 req = {"worker_id": worker_id, "pool": pool.name, "slots": pool.spec.slots}
@@ -109,11 +121,14 @@ class LocalBackend:
         log.info("worker process started", extra={"worker": worker_id, "pool": pool.name,
                                                    "pid": self.workers[worker_id].pid})
 
-    async def delete(self, worker_id: str, grace_s: float = 10.0) -> None:
-        """SIGTERM (the worker deregisters and exits), SIGKILL after ``grace_s``."""
+    async def delete(self, worker_id: str, grace_s: float | None = None) -> None:
+        """Graceful stop: SIGTERM (the worker suspends every session, deregisters and exits), SIGKILL only
+        after ``grace_s`` (default: the worker's own ``shutdown_grace_s`` plus 5 s)."""
         w = self.workers.get(worker_id)
         if w is None:
             return
+        if grace_s is None:
+            grace_s = self.settings.worker.shutdown_grace_s + 5.0
         if w.alive():
             w.signal(signal.SIGTERM)
             for _ in range(int(grace_s / 0.05)):
@@ -143,8 +158,8 @@ class LocalBackend:
         return w.pid if w else None
 
     async def close(self) -> None:
-        for wid in list(self.workers):
-            await self.delete(wid)
+        """Stop every worker gracefully, all at once (each suspends its sessions within its grace)."""
+        await asyncio.gather(*(self.delete(wid) for wid in list(self.workers)))
         if self._zygote is not None:
             if self._zygote.stdin:
                 self._zygote.stdin.close()  # the zygote exits when its stdin closes
