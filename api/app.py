@@ -239,20 +239,18 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/v1/stats", dependencies=v1, tags=["control plane"])
     async def stats(request: Request) -> dict[str, Any]:
-        """Runtime-wide figures for dashboards and the trace replay (workers, slots, sessions by state,
-        worker-seconds used since the directory was created)."""
+        """Runtime-wide figures for dashboards and the trace replay: workers, slots, sessions by state
+        (from counters the transitions maintain, not a scan), and the cumulative cost integrals since
+        the directory was created: ``workerSeconds``, ``slotSeconds`` (provisioned slots x time) and
+        ``processSeconds`` (workers plus the zygote that forks them)."""
         rt = _rt(request)
         workers = await rt.directory.list_workers()
-        by_state: dict[str, int] = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
-        offset: int | None = 0
-        while offset is not None:
-            page, offset = await rt.directory.list_sessions(limit=1000, offset=offset)
-            for r in page:
-                by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
         s = await rt.directory.get_stats()
         return {"workers": len(workers), "slots": sum(w.slots for w in workers),
-                "slotsUsed": sum(w.slots - w.freeSlots for w in workers), "sessions": by_state,
-                "workerSeconds": s.get("workerSeconds", 0.0), "parked": rt.activator.parked,
+                "slotsUsed": sum(w.slots - w.freeSlots for w in workers),
+                "sessions": await rt.directory.state_counts(),
+                "workerSeconds": s.get("workerSeconds", 0.0), "slotSeconds": s.get("slotSeconds", 0.0),
+                "processSeconds": s.get("processSeconds", 0.0), "parked": rt.activator.parked,
                 "routeCacheEntries": len(rt.routes)}
 
     @app.get("/metrics", include_in_schema=False)

@@ -45,13 +45,14 @@ _INT_FIELDS = {"epoch", "slot", "turns"}
 _FLOAT_FIELDS = {"createdAt", "updatedAt", "lastActiveAt", "stateDeadline"}
 
 # KEYS[1] session hash. ARGV[1] JSON {from?, epoch?, worker?, to?, bump?, set?, del?, now}
-# -> {1, state, epoch} on success, {0, state, epoch} on a failed check, {-1} if absent.
+# -> {1, state, epoch, previous state} on success, {0, state, epoch} on a failed check, {-1} if absent.
 _CAS = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
 local a = cjson.decode(ARGV[1])
 local cur = redis.call('HMGET', h, 'state', 'epoch', 'worker')
 local state, epoch, worker = cur[1], tonumber(cur[2]) or 0, cur[3] or ''
+local prev = state
 if a['from'] then
   local ok = false
   for _, s in ipairs(a['from']) do if s == state then ok = true end end
@@ -64,12 +65,12 @@ if a['to'] then state = a['to']; redis.call('HSET', h, 'state', state) end
 if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
 if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
 redis.call('HSET', h, 'updatedAt', a['now'])
-return {1, state, epoch}
+return {1, state, epoch, prev}
 """
 
 # KEYS[1] session hash. ARGV[1] JSON {epoch, states, ref, to?, set?, del?, now}
 # Moves snapshot -> previousSnapshot and sets snapshot = ref, only if epoch and state match.
-# -> {1, dropped previousSnapshot JSON or ''} | {0, state, epoch} | {-1}
+# -> {1, dropped previousSnapshot JSON or '', previous state} | {0, state, epoch} | {-1}
 _COMMIT = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
@@ -86,7 +87,7 @@ if a['to'] then redis.call('HSET', h, 'state', a['to']) end
 if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
 if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
 redis.call('HSET', h, 'updatedAt', a['now'])
-return {1, cur[4] or ''}
+return {1, cur[4] or '', state}
 """
 
 # KEYS[1] session hash; ARGV field/value pairs. Creates the record only if the ID is free -> 1 | 0.
@@ -119,6 +120,13 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'lastActiveAt', ARGV[1])
 if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'turns', ARGV[2]) end
 return 1
+"""
+
+# KEYS[1] session hash -> its state before deletion ('' if there was none); deletes it.
+_DELETE = """
+local st = redis.call('HGET', KEYS[1], 'state') or ''
+redis.call('DEL', KEYS[1])
+return st
 """
 
 _RELEASE_SLOT = """
@@ -198,6 +206,7 @@ class Directory:
         self._claim = self.redis.register_script(_CLAIM_SLOT)
         self._release = self.redis.register_script(_RELEASE_SLOT)
         self._touch = self.redis.register_script(_TOUCH)
+        self._delete = self.redis.register_script(_DELETE)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -223,6 +232,7 @@ class Directory:
             created = (await p.execute())[0]
         if not created:
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
+        await self._count_states(None, rec.state.value)
 
     @_translate
     async def get_session(self, sid: str) -> SessionRecord:
@@ -275,6 +285,8 @@ class Directory:
             res = (await p.execute())[0]
         if res[0] == -1:
             return CasResult(False, None, 0, found=False)
+        if res[0] == 1 and len(res) > 3 and res[3] != res[1]:
+            await self._count_states(res[3], res[1])
         return CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
 
     @_translate
@@ -303,6 +315,8 @@ class Directory:
             return False, None
         if to is not None and to not in TRANSITIONAL:
             await self.redis.zrem(self.keys.deadlines, sid)
+        if to is not None and len(res) > 2 and res[2] != to.value:
+            await self._count_states(res[2], to.value)
         dropped = SnapshotRef.model_validate_json(res[1]) if res[1] else None
         return True, dropped
 
@@ -321,10 +335,12 @@ class Directory:
     async def delete_session(self, sid: str) -> None:
         """Remove the record and its index entries (idempotent)."""
         async with self.redis.pipeline(transaction=False) as p:
-            p.delete(self.keys.session(sid))
+            await self._delete(keys=[self.keys.session(sid)], client=p)
             p.zrem(self.keys.sessions_index, sid)
             p.zrem(self.keys.deadlines, sid)
-            await p.execute()
+            prev = (await p.execute())[0]
+        if prev:
+            await self._count_states(prev, None)
 
     @_translate
     async def get_sessions(self, sids: list[str]) -> list[SessionRecord]:
@@ -492,5 +508,49 @@ class Directory:
         await self.redis.hincrbyfloat(self.keys.stats, "workerSeconds", seconds)
 
     @_translate
+    async def add_capacity_seconds(self, *, worker_s: float, slot_s: float, process_s: float) -> None:
+        """Add to the cumulative cost integrals: worker-seconds (worker processes), slot-seconds
+        (provisioned slots x time) and process-seconds (every process kept for sessions: workers and the
+        zygote that forks them)."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hincrbyfloat(self.keys.stats, "workerSeconds", worker_s)
+            p.hincrbyfloat(self.keys.stats, "slotSeconds", slot_s)
+            p.hincrbyfloat(self.keys.stats, "processSeconds", process_s)
+            await p.execute()
+
+    @_translate
     async def get_stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in (await self.redis.hgetall(self.keys.stats)).items()}
+
+    # session counts by state: counters moved by the transitions, corrected by a slow scan -------------
+    async def _count_states(self, from_state: str | None, to_state: str | None) -> None:
+        """Move one session between state counters (a second round trip beside the atomic step, like
+        the indexes: derived data that :meth:`reconcile_state_counts` repairs; DELETED is not counted)."""
+        async with self.redis.pipeline(transaction=False) as p:
+            if from_state and from_state != SessionState.DELETED.value:
+                p.hincrby(self.keys.state_counts, from_state, -1)
+            if to_state and to_state != SessionState.DELETED.value:
+                p.hincrby(self.keys.state_counts, to_state, 1)
+            await p.execute()
+
+    @_translate
+    async def state_counts(self) -> dict[str, int]:
+        """Sessions per lifecycle state (except DELETED) from the counters: O(states), not O(sessions)."""
+        raw = await self.redis.hgetall(self.keys.state_counts)
+        out = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
+        for k, v in raw.items():
+            if k in out:
+                out[k] = max(0, int(v))
+        return out
+
+    @_translate
+    async def reconcile_state_counts(self, scanned: dict[str, int], before: dict[str, int]) -> bool:
+        """Overwrite the counters with ``scanned`` (a full scan's counts) if they still equal ``before``
+        (read just before the scan started): nothing moved during the scan, so the scan is exact. Returns
+        whether the counters were corrected."""
+        now = await self.state_counts()
+        want = {s.value: scanned.get(s.value, 0) for s in SessionState if s != SessionState.DELETED}
+        if now != before or now == want:
+            return False
+        await self.redis.hset(self.keys.state_counts, mapping={k: str(v) for k, v in want.items()})
+        return True

@@ -54,3 +54,8 @@ class Keys:
     def stats(self) -> str:
         """Hash: runtime-wide counters (worker-seconds integral, ...)."""
         return f"{self.prefix}:stats"
+
+    @property
+    def state_counts(self) -> str:
+        """Hash: lifecycle state -> number of sessions in it (moved by transitions, repaired by a scan)."""
+        return f"{self.prefix}:state-counts"

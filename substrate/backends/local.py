@@ -138,6 +138,11 @@ class LocalBackend:
             shutil.rmtree(Path(self.settings.worker.root_dir) / wid, ignore_errors=True)
         return dead
 
+    def helper_processes(self) -> int:
+        """Processes kept for sessions besides the workers: the zygote, while it runs (counted in the
+        process-seconds cost: it is always on)."""
+        return 1 if self._zygote is not None and self._zygote.poll() is None else 0
+
     def pid(self, worker_id: str) -> int | None:
         w = self.workers.get(worker_id)
         return w.pid if w else None
