@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from api import proxy
 from api.runtime import Runtime
@@ -98,6 +98,37 @@ def _check_id(sid: str) -> str:
     return sid
 
 
+class RequestCounter:
+    """Pure ASGI middleware: ``agent_substrate_requests_total{route, code}`` for every HTTP answer, with
+    the matched route's template as ``route`` (never the raw path: bounded label values) and
+    ``unmatched`` for paths no route serves."""
+
+    def __init__(self, app: Any, routes: list[Any] | None = None) -> None:
+        self.app = app
+        #: routes to match when the router did not record one in the scope (plain Starlette routes)
+        self.routes = routes if routes is not None else []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is None:
+                route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "unmatched")
+            metrics.REQUESTS_TOTAL.labels(route=route, code=str(status)).inc()
+
+
 def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None) -> FastAPI:
     """Build the ASGI app. The runtime is built in the lifespan unless one is passed."""
     settings = settings or get_settings()
@@ -115,6 +146,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan,
                   description="Runs many bursty, stateful agent sessions on few warm workers.")
+    app.add_middleware(RequestCounter, routes=app.router.routes)
     # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)
     app.router.routes.insert(0, Route("/v1/sessions/{sid}/invoke", proxy.invoke, methods=["POST"]))
 

@@ -18,6 +18,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from substrate import metrics
 from substrate.activator import Route
 from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
 from substrate.models import SESSION_ID_RE
@@ -90,11 +91,13 @@ async def invoke(request: Request) -> Response:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         return await _forward(runtime, sid, body, stream, rid)
     except SubstrateError as e:
+        metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
 
 
 async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str) -> Response:
     cache = runtime.routes
+    t_start = time.perf_counter()
     route = cache.get(sid)
     woke_ms: float | None = None
     for _ in range(4):
@@ -143,6 +146,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             raise WorkerUnavailable(f"worker {route.worker} failed while answering") from e
         finally:
             resp.release()
+        if woke_ms is None:  # the hot path only: a wake is timed by the wake/resume histograms
+            metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
         return Response(data, status_code=resp.status, headers={**_JSON, **extra})
     raise WorkerUnavailable(f"session {sid!r} kept moving between workers; retry", code="session_moving")
 

@@ -12,7 +12,7 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
 * **demand** ``need`` = active slots (mid-turn or active within the workers' active window; idle sessions
   are evictable capacity: lazy suspension frees them on need) + placements waiting for a slot (parked
   wakes and creates) + activations in flight (slot claimed, not yet in a heartbeat) + a **forecast**:
-  ``ceil(rate x lead_time)``, the activations expected to arrive while a new worker starts, where
+  ``round(rate x lead_time)``, the activations expected to arrive while a new worker starts, where
   ``rate`` is the arrival rate of activations (creates + wakes) over a sliding window
   (``pool.forecast_window_s``) and ``lead_time`` the measured create-to-READY time of this pool's
   workers (an exponentially weighted mean);
@@ -104,8 +104,14 @@ def demand(obs: PoolObservation) -> int:
     """Slots wanted now (see the module docstring): active + waiting + in flight + forecast."""
     alive = [w for w in obs.workers if w.alive]
     active = sum(w.used if w.active is None else min(w.active, w.used) for w in alive)
-    forecast = math.ceil(max(0.0, obs.arrival_rate_per_s) * max(0.0, obs.lead_time_s) - 1e-9)
-    return active + max(0, obs.waiting) + max(0, obs.in_flight) + forecast
+    # an activation in flight already holds a claimed slot that the heartbeat may not call active yet:
+    # count it only beyond the used-but-not-active slots, so that it is not counted twice
+    idle_used = sum(w.used for w in alive) - active
+    in_flight = max(0, obs.in_flight - idle_used)
+    # expected arrivals while a new worker starts, rounded to the nearest slot (a trickle of one
+    # activation a minute does not hold a worker forever)
+    forecast = math.floor(max(0.0, obs.arrival_rate_per_s) * max(0.0, obs.lead_time_s) + 0.5)
+    return active + max(0, obs.waiting) + in_flight + forecast
 
 
 def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: bool = True) -> PoolPlan:
@@ -148,10 +154,12 @@ class SlidingWindow:
         return max((v for _, v in self._d), default=None)
 
     def rate(self) -> float:
+        """Increase of the counter over the whole window divided by the window's length (a sparse
+        burst is not read as a sustained rate; a sustained rate reads true once a window has passed)."""
         if len(self._d) < 2:
             return 0.0
         (t0, v0), (t1, v1) = self._d[0], self._d[-1]
-        return max(0.0, v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+        return max(0.0, v1 - v0) / max(t1 - t0, self.window_s) if self.window_s > 0 else 0.0
 
 
 class Backend(Protocol):
@@ -166,7 +174,9 @@ class Backend(Protocol):
         """Worker ids whose process/pod ended since the last call."""
         ...
     # optional: ``helper_processes() -> int``, processes kept for sessions besides the workers (the local
-    # zygote), counted in the process-seconds cost; a backend without it counts 0
+    # zygote), counted in the process-seconds cost; a backend without it counts 0.
+    # optional: ``gpu_memory(pool) -> (total_bytes, fragmented_bytes)`` of the pool's ResourceClaims;
+    # without it the GPU gauges export 0 ("unknown", as their help text says)
     async def close(self) -> None: ...
 
 
@@ -200,6 +210,12 @@ class PoolController:
         self._seq = 0
 
     async def start(self) -> None:
+        prepare = getattr(self.backend, "prepare", None)  # optional: e.g. the local zygote, started ahead
+        if callable(prepare):
+            try:
+                await prepare()
+            except Exception:  # noqa: BLE001 - workers then start the slow way
+                log.warning("backend prepare failed", exc_info=True)
         await self.tick()
         self._task = asyncio.create_task(self._loop())
 
@@ -295,6 +311,11 @@ class PoolController:
         recent = st.desired.max()
         plan = reconcile(pool.spec, replace(obs, recent_desired=None if recent is None else int(recent)))
         st.desired.add(t, float(desired_replicas(pool.spec, plan.need)))
+        if plan.create or plan.drain:
+            log.info("pool scaling", extra={"pool": pool.name, "desired": plan.desired, "need": plan.need,
+                                            "create": plan.create, "drain": list(plan.drain),
+                                            "waiting": obs.waiting, "inFlight": obs.in_flight,
+                                            "ratePerS": round(obs.arrival_rate_per_s, 2)})
         for _ in range(plan.create):
             self._seq += 1
             wid = f"{pool.name}-{int(time.time()) % 100000:05d}-{self._seq}"
@@ -318,6 +339,11 @@ class PoolController:
         for state in WorkerState:
             metrics.WORKERS.labels(pool=pool.name, state=state.value).set(
                 sum(1 for w in workers if w.state == state))
+        # GPU memory of the pool's ResourceClaims: a backend that knows it says so, else 0 (documented)
+        gpu = getattr(self.backend, "gpu_memory", None)
+        total, fragmented = gpu(pool.name) if callable(gpu) else (0, 0)
+        metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
+        metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
         st.conditions = [
             Condition(type="Ready", status="True" if ready else "False",
                       reason="WorkersReady" if ready else "NoReadyWorker",

@@ -212,6 +212,7 @@ class Worker:
             await self._drop(old)
         if len(self.activations) >= self.slots:
             raise NoCapacity(f"worker {self.id} has no free slot")
+        t0 = time.perf_counter()
         workspace = self.root / "workspaces" / sid
         if workspace.exists():
             await asyncio.to_thread(shutil.rmtree, workspace, True)
@@ -231,6 +232,8 @@ class Worker:
             raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
                                            agent=agent, workspace=workspace)
+        if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
+            metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
 
     async def snapshot(self, sid: str, epoch: int) -> SnapshotRef:

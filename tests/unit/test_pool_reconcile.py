@@ -79,15 +79,20 @@ def dense(max_replicas: int = 64) -> WorkerPoolSpec:
 
 
 def test_demand_counts_active_waiting_in_flight_and_the_forecast():
-    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 5, active=2),), waiting=3, in_flight=1,
+    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 2, active=2),), waiting=3, in_flight=1,
                           arrival_rate_per_s=10.0, lead_time_s=0.25)
-    # 2 active + 3 waiting + 1 in flight + ceil(10/s x 0.25 s) = 3 expected while a worker starts
+    # 2 active + 3 waiting + 1 in flight + round(10/s x 0.25 s) = 3 expected while a worker starts
     assert demand(obs) == 2 + 3 + 1 + 3
+    # an in-flight activation whose claimed slot shows as used but not yet active is not counted twice
+    claimed = PoolObservation(workers=(WorkerObs("a", R, 6, 3, active=2),), in_flight=1)
+    assert demand(claimed) == 2
 
 
 def test_forecast_alone_starts_a_worker_before_anyone_waits():
-    obs = PoolObservation(workers=(), arrival_rate_per_s=2.0, lead_time_s=0.1)
+    obs = PoolObservation(workers=(), arrival_rate_per_s=20.0, lead_time_s=0.1)
     assert reconcile(dense(), obs).create == 1
+    trickle = PoolObservation(workers=(), arrival_rate_per_s=1 / 60, lead_time_s=1.0)
+    assert reconcile(dense(), trickle).create == 0
     assert reconcile(dense(), PoolObservation(workers=())).create == 0  # no arrivals: scale to zero
 
 
@@ -124,6 +129,10 @@ def test_sliding_window_max_and_rate():
     assert w.rate() == 10.0 and w.max() == 100
     w.add(21, 100)  # samples older than t - 10 fall out
     assert w.rate() == 0.0
+    burst = SlidingWindow(10.0)
+    burst.add(0, 0)
+    burst.add(0.5, 5)  # 5 arrivals in half a second read as 5 per window, not 10/s
+    assert burst.rate() == 0.5
 
 
 @given(workers=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.booleans()), max_size=12),
