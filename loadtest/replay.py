@@ -298,15 +298,16 @@ class TargetRunner:
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         for ps in plan.sessions:
             self.sessions.append(
-                {"id": ps.id, "key": ps.key, "owner": ps.owner, "start_s": ps.start_s, "end_s": ps.end_s,
-                 "hold_s": ps.hold_s, "turns": len(ps.turns), "created": False, "create_ms": None,
+                {"id": ps.id, "key": ps.key, "owner": ps.owner, "start_s": ps.start_s, "last_end_s": ps.last_end_s,
+                 "end_s": ps.end_s, "hold_s": ps.hold_s, "turns": len(ps.turns), "created": False,
+                 "created_s": None, "deleted_s": None, "create_ms": None,
                  "create_http": None, "create_retries": 0, "deleted": False, "final_count": None, "error": None}
             )
             for i, pt in enumerate(ps.turns):
                 self.turns.append(
-                    {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "queue_s": None,
+                    {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "done_s": None, "queue_s": None,
                      "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
-                     "latency_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
+                     "latency_ms": None, "service_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
                      "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
                      "retries": 0, "error": None}
                 )
@@ -365,6 +366,7 @@ class TargetRunner:
         srec["create_ms"] = (time.monotonic() - started) * 1000.0
         if status in (200, 201):
             srec["created"] = True
+            srec["created_s"] = self.now()
             return True
         code = payload.get("code") if isinstance(payload, dict) else None
         srec["error"] = f"create: HTTP {status} {code or ''}".strip()
@@ -397,12 +399,15 @@ class TargetRunner:
                 rec["status"], rec["error"] = "error", repr(e)
             finally:
                 self.inflight -= 1
-            latency_ms = (time.monotonic() - started) * 1000.0
+            service_ms = (time.monotonic() - started) * 1000.0
+            rec["done_s"] = self.now()
         rec["http"] = status
         if rec["status"] in ("timeout", "error"):
             rec["expected"] = [prev + 1, prev + 1 + uncertain]
             return
-        rec["latency_ms"] = latency_ms
+        # latency runs from the turn's scheduled arrival, not from when the client got round to sending it
+        latency_ms = (rec["done_s"] - pt.at_s) * 1000.0
+        rec["latency_ms"], rec["service_ms"] = latency_ms, service_ms
         if status != 200:
             code = payload.get("code") if isinstance(payload, dict) else None
             rec["status"], rec["error"] = "error", f"HTTP {status} {code or ''}".strip()
@@ -429,6 +434,7 @@ class TargetRunner:
             status, _, _ = await self._request(http, "DELETE", f"/v1/sessions/{sid}", timeout_s=timeout_s)
             if status in (200, 202, 204, 404):
                 srec["deleted"] = True
+                srec["deleted_s"] = self.now()
                 self._live.discard(sid)
 
     async def _session(self, http, sem: asyncio.Semaphore, ps: PlannedSession, srec: dict[str, Any],
@@ -470,13 +476,15 @@ class TargetRunner:
 
         sample: dict[str, Any] = {"t_s": round(self.now(), 3), "inflight": self.inflight, "alive": self.alive,
                                   "ok": False, "workers": None, "slots": None, "slotsUsed": None,
-                                  "sessions": None, "workerSeconds": None}
+                                  "sessions": None, "workerSeconds": None, "slotSeconds": None,
+                                  "processSeconds": None}
         try:
             if self.stats_source != "/v1/workerpools":
                 status, _, payload = await self._request(http, "GET", "/v1/stats", timeout_s=2.0)
                 if status == 200 and isinstance(payload, dict):
                     self.stats_source = "/v1/stats"
-                    for k in ("workers", "slots", "slotsUsed", "sessions", "workerSeconds"):
+                    for k in ("workers", "slots", "slotsUsed", "sessions", "workerSeconds", "slotSeconds",
+                              "processSeconds"):
                         sample[k] = payload.get(k)
                     sample["ok"] = True
                 elif status in (404, 405) and self.stats_source is None:
@@ -560,7 +568,7 @@ class TargetRunner:
             "sessions": self.sessions,
             "stats": self.samples,
         }
-        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples)
+        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples, ended_s)
         return result
 
 
@@ -697,6 +705,8 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
                           run_id=cfg["run_id"])
         bar = _progress(plan.turns, name, pos, args.no_progress)
         runners.append((TargetRunner(name, rc, plan, stop, bar), bar))
+    if cfg.get("ours_idle_timeout_s") is None:
+        cfg["ours_idle_timeout_s"] = await idle_timeout_s(args.host, args.template, token)
     try:
         results = await asyncio.gather(*(r.run() for r, _ in runners))
     finally:
@@ -713,6 +723,31 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
     if args.baseline:
         result.update(rpt.compare(result))
     return result
+
+
+async def idle_timeout_s(host: str, template: str, token: str | None) -> float | None:
+    """The template's ``maxIdleTime`` in seconds as ``host`` reports it (the baseline's ``L`` = ours'
+    idle timeout); None if it cannot be read."""
+    import aiohttp
+
+    from substrate.models import parse_duration_s
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        async with aiohttp.ClientSession() as http, http.get(
+                host.rstrip("/") + "/v1/actortemplates", headers=headers,
+                timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            items = (await resp.json()).get("items") or []
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+        return None
+    for t in items:
+        if (t.get("metadata") or {}).get("name") == template:
+            raw = ((t.get("spec") or {}).get("stateManagement") or {}).get("maxIdleTime")
+            try:
+                return parse_duration_s(raw) if raw is not None else None
+            except (ValueError, TypeError):
+                return None
+    return None
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, window_s: float | None = None) -> dict[str, Path]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from substrate.models import Autoscaling, WarmPool, WorkerPoolSpec, WorkerState
@@ -135,6 +135,7 @@ def test_sliding_window_max_and_rate():
     assert burst.rate() == 0.5
 
 
+@settings(deadline=None)
 @given(workers=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.booleans()), max_size=12),
        waiting=st.integers(0, 100), in_flight=st.integers(0, 20), rate=st.floats(0, 200),
        lead=st.floats(0, 2), recent=st.one_of(st.none(), st.integers(0, 30)), starting=st.integers(0, 3))
