@@ -394,7 +394,8 @@ async def bench_snapshots(repeats: int, sizes: tuple[int, ...]) -> list[dict[str
 ROOT = Path(__file__).resolve().parents[1]
 GENTD26 = ROOT.parent / "shared" / "traces" / "gentd26_requests_2024-11-15_to_11-26.csv"
 #: the control loops' clocks compressed like the trace (see README: trace replay)
-REPLAY_ENV = {"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "1", "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.3",
+REPLAY_ENV = {"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "1", "SUBSTRATE_POOL__FORECAST_WINDOW_S": "1",
+              "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.3",
               "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.2"}
 
 

@@ -606,6 +606,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", default=None, help="window length in trace time (e.g. 1d); default: to the end")
     ap.add_argument("--idle-split", default="30m", help="a gap longer than this (trace time) starts a new session")
     ap.add_argument("--max-sessions", type=int, default=None, help="replay only the first N sessions (by start)")
+    ap.add_argument("--overlay", type=int, default=1, help="lay N consecutive windows of --duration over the "
+                    "first (N times the rate, same turn durations; owners of window k become owner@k)")
     ap.add_argument("--failed-turns", choices=("replay", "skip"), default="replay",
                     help="turns the trace recorded as failed: replay them (they used a worker) or drop them")
     ap.add_argument("--template", default="counter", help="ActorTemplate of the replayed sessions (counter semantics)")
@@ -634,6 +636,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def overlay_windows(turns: list[Turn], start_s: float | None, duration_s: float | None, n: int) -> list[Turn]:
+    """``n`` consecutive windows of ``duration_s`` laid over the first one (a day at ``n`` times its
+    rate with the same turn durations, unlike a higher compression that also shortens the turns).
+    Owners of window ``k`` > 0 are renamed ``owner@k`` so their sessions stay apart."""
+    if duration_s is None or start_s is None:
+        raise TraceError("--overlay needs --start and --duration")
+    out: list[Turn] = []
+    for k in range(n):
+        for t in select_window(turns, start_s + k * duration_s, duration_s):
+            owner = t.session_owner if k == 0 else f"{t.session_owner}@{k}"
+            out.append(Turn(owner, t.arrival_s - k * duration_s, t.duration_s, t.ok))
+    return sorted(out)
+
+
 def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     """Trace file + CLI options -> (plan, config block of result.json)."""
     fmt = None if args.format == "auto" else args.format
@@ -645,6 +661,9 @@ def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     start_s = resolve_start(args.start, turns[0].arrival_s, fmt in TIMESTAMPED_FORMATS)
     duration_s = parse_duration(args.duration) if args.duration else None
     window = select_window(turns, start_s, duration_s)
+    overlay = max(1, int(getattr(args, "overlay", 1) or 1))
+    if overlay > 1:
+        window = overlay_windows(turns, start_s, duration_s, overlay)
     idle_split_s = parse_duration(args.idle_split)
     run_id = re.sub(r"[^a-z0-9-]", "-", (args.run_id or secrets.token_hex(3)).lower())[:40]
     plan = build_plan(window, compress=args.compress, idle_split_s=idle_split_s, max_sessions=args.max_sessions,
@@ -668,6 +687,7 @@ def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         "retries": args.retries,
         "max_wall_s": parse_duration(args.max_wall) if args.max_wall else None,
         "run_id": run_id,
+        "overlay": overlay,
         "trace_turns_total": len(turns),
         "window_turns": len(window),
     }

@@ -21,7 +21,7 @@ from loadtest.replay import (
     retry_after_s,
     write_outputs,
 )
-from loadtest.traces import Turn
+from loadtest.traces import TraceError, Turn
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "loadtest" / "fixtures" / "sessions_small.csv"
@@ -382,3 +382,14 @@ def test_write_table(tmp_path, capsys):
     assert text == "## Bench\n\n| a |\n|---:|\n| 1 |"
     assert (tmp_path / "t.md").read_text() == text + "\n"
     assert capsys.readouterr().out.strip() == text
+
+
+def test_overlay_lays_consecutive_windows_over_the_first():
+    from loadtest.replay import overlay_windows
+
+    turns = [Turn("a", 10.0, 1.0), Turn("b", 110.0, 2.0), Turn("a", 150.0, 1.0), Turn("c", 250.0, 1.0)]
+    out = overlay_windows(turns, 0.0, 100.0, 2)
+    assert [(t.session_owner, t.arrival_s) for t in out] == [("a", 10.0), ("b@1", 10.0), ("a@1", 50.0)]
+    assert [t.duration_s for t in out] == [1.0, 2.0, 1.0], "durations are kept (not compressed)"
+    with pytest.raises(TraceError):
+        overlay_windows(turns, None, 100.0, 2)
