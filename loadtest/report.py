@@ -242,6 +242,13 @@ def summarize_target(
             # every turn that ran: failures are +inf in the tail
             "all": latency_stats([t["added_ms"] for t in served] + [math.inf] * len(failed)),
         },
+        # the same turns measured from when the client sent them (excludes the wait behind the session's
+        # create or previous turn): shows how much of the added latency is queueing in the trace itself
+        "service_added_ms": {
+            kind: latency_stats(t["service_ms"] - t["work_s"] * 1000 for t in served
+                                if t.get("kind") == kind and t.get("service_ms") is not None)
+            for kind in ("warm", "wake")
+        },
         "latency_ms": latency_stats([t["latency_ms"] for t in served] + [math.inf] * len(failed)),
         "service_ms": latency_stats(t.get("service_ms") for t in served),
         "server_wake_ms": latency_stats(t["wake_ms"] for t in served if t.get("wake_ms") is not None),
@@ -350,6 +357,12 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("added ms warm p50 / p95 / p99", " / ".join(_ms(a["warm"][f"p{q}"]) for q in LATENCY_QUANTILES)),
         ("added ms wake p50 / p95 / p99", " / ".join(_ms(a["wake"][f"p{q}"]) for q in LATENCY_QUANTILES)),
         ("added ms all (failures = inf) p50 / p99", f"{_ms(a['all']['p50'])} / {_ms(a['all']['p99'])}"),
+        ("  of which queueing: turn wait s p50 / p95 / p99", " / ".join(
+            _num(summary["queue_s"][f"p{q}"], "{:.3f}") for q in LATENCY_QUANTILES)),
+        ("  send -> answer added ms warm p50 / p95 / p99", " / ".join(
+            _ms((summary.get("service_added_ms") or {}).get("warm", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("  send -> answer added ms wake p50 / p95 / p99", " / ".join(
+            _ms((summary.get("service_added_ms") or {}).get("wake", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
          f"{_ms(summary['sessions']['create_ms']['p99'])}"),

@@ -393,3 +393,12 @@ def test_overlay_lays_consecutive_windows_over_the_first():
     assert [t.duration_s for t in out] == [1.0, 2.0, 1.0], "durations are kept (not compressed)"
     with pytest.raises(TraceError):
         overlay_windows(turns, None, 100.0, 2)
+
+
+def test_send_to_answer_latency_is_reported_beside_the_latency_from_arrival():
+    t = _turn("s0", 0, added=50.0, sent=1.0)
+    t["service_ms"] = 12.0 + t["work_s"] * 1000  # 38 ms of the 50 were spent waiting before the send
+    s = rpt.summarize_target([t], [], [])
+    assert s["added_ms"]["warm"]["p50"] == pytest.approx(50.0)
+    assert s["service_added_ms"]["warm"]["p50"] == pytest.approx(12.0)
+    assert s["service_added_ms"]["wake"]["n"] == 0
