@@ -96,7 +96,7 @@ class StateManager:
 
     async def _active_records(self) -> list[SessionRecord]:
         sids: list[str] = []
-        for w in self.activator.view.workers.values():
+        for w in list(self.activator.view.workers.values()):  # a recovery may drop workers meanwhile
             sids.extend((await self.directory.worker_slots(w.id)).values())
         return await self.directory.get_sessions(sids)
 

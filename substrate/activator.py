@@ -220,7 +220,7 @@ class Activator:
     async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0) -> bool:
         """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed."""
         sids: list[str] = []
-        for w in self.view.workers.values():
+        for w in list(self.view.workers.values()):  # a recovery may drop workers while we await
             if w.pool == pool and w.state == WorkerState.READY:
                 sids.extend((await self.directory.worker_slots(w.id)).values())
         recs = await self.directory.get_sessions(sids)
