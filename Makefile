@@ -4,7 +4,7 @@ ifeq ($(UV),)
 UV := python3 -m uv
 endif
 
-.PHONY: install demo dev test lint bench replay locust clean
+.PHONY: install demo dev test lint bench replay locust chaos clean
 
 install:
 	@./scripts/system-deps.sh
@@ -23,8 +23,11 @@ lint: install
 test: install lint     ## the whole suite (unit, integration, e2e); needs no server installed by hand
 	$(UV) run pytest -q
 
+chaos: install         ## fault injection + history check, 10 min -> chaos-results/report.md (exit 1 on a violation)
+	$(UV) run python -m loadtest.chaos --duration $${CHAOS_DURATION_S:-600} --out chaos-results
+
 bench: install         ## micro-benchmarks + a short trace replay -> bench-results/bench.md
 	$(UV) run python -m loadtest.bench
 
 clean:
-	rm -rf var bench-results replay-results .pytest_cache
+	rm -rf var bench-results replay-results chaos-results .pytest_cache

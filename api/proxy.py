@@ -5,10 +5,21 @@ session (DESIGN invariant 5: the cache entry carries the activation epoch and th
 one with 409 / an unknown one with 404, which drops the entry and retries through the directory), plus
 one proxied HTTP call over a pooled aiohttp ``ClientSession`` (measured 2-3x cheaper than httpx here).
 Bodies stream back unchanged; the router never parses the worker's answer.
+
+Retries (issue 8): every turn carries an idempotency key (the client's ``Idempotency-Key``, else the
+request ID) and the worker keeps the answers of recent keys, so after any connection error (a stale
+pooled keep-alive to a dead worker, a worker stopping, a crash before the answer) the router routes
+again and resends the same turn with the same key: it is answered, never run twice. A cached route is
+used only while its worker is within its lease, and a call in flight to a worker whose lease ran out
+(frozen, partitioned) is abandoned and retried instead of waiting out the invoke timeout. A worker that
+answers ``not_active`` for the record's current worker and epoch lost the activation: the record is
+repaired (guarded by both) and the session woken again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -20,9 +31,17 @@ from starlette.responses import Response, StreamingResponse
 
 from substrate import metrics
 from substrate.activator import Route
-from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError, Unauthorized, WorkerUnavailable
+from substrate.errors import (
+    Conflict,
+    InvalidInput,
+    PayloadTooLarge,
+    StaleEpoch,
+    SubstrateError,
+    Unauthorized,
+    WorkerUnavailable,
+)
 from substrate.models import SESSION_ID_RE
-from substrate.workerclient import EPOCH_HEADER, TOKEN_HEADER
+from substrate.workerclient import EPOCH_HEADER, IDEMPOTENCY_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
     from api.runtime import Runtime
@@ -89,67 +108,135 @@ async def invoke(request: Request) -> Response:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
         stream = request.query_params.get("stream") in ("1", "true")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return await _forward(runtime, sid, body, stream, rid)
+        key = request.headers.get("idempotency-key") or rid
+        if len(key) > 200:
+            raise InvalidInput("Idempotency-Key is over 200 characters", code="invalid_idempotency_key")
+        return await _forward(runtime, sid, body, stream, rid, key)
     except SubstrateError as e:
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
 
 
-async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str) -> Response:
+class _LeaseLost(Exception):
+    """The worker of a call in flight is past its lease (plus grace): it stopped serving."""
+
+
+async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers: dict[str, str]
+                ) -> aiohttp.ClientResponse:
+    """POST to the worker; raises ``_LeaseLost`` if the worker's lease runs out while we wait (a frozen
+    worker would otherwise hold the request for the whole invoke timeout)."""
+    task = asyncio.ensure_future(runtime.http.post(url, data=body, headers=headers))
+    grace = runtime.settings.worker.lease_grace_s
+    check_s = max(0.25, runtime.settings.api.worker_refresh_s)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=check_s)
+            if done:
+                return task.result()
+            w = runtime.view.workers.get(route.worker)
+            if w is None or w.leaseExpiresAt + grace < time.time():
+                raise _LeaseLost(route.worker)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str) -> Response:
     cache = runtime.routes
     t_start = time.perf_counter()
+    act = runtime.activator
     route = cache.get(sid)
+    if route is not None and not runtime.view.leased(route.worker):
+        cache.drop(sid)  # no cached route to a worker past its lease
+        route = None
     woke_ms: float | None = None
-    for _ in range(4):
+    restored: str | None = None
+    s = runtime.settings
+    deadline = time.monotonic() + s.api.park_timeout_s + s.worker.lease_s + s.worker.lease_grace_s
+    attempt = 0
+    while True:
+        attempt += 1
+        if attempt > 1 and (time.monotonic() > deadline or attempt > 12):
+            raise WorkerUnavailable(f"session {sid!r} kept moving between workers; retry", code="session_moving",
+                                    retry_after_s=s.api.retry_after_s)
         if route is None:
             t0 = time.perf_counter()
-            route, woke = await runtime.activator.wake(sid)
+            try:
+                route, woke = await act.wake(sid)
+            except (StaleEpoch, Conflict) as e:
+                if e.code not in ("stale_epoch", "conflict"):
+                    raise
+                # the session moved while it was being woken (a deadline roll, another router): again
+                await asyncio.sleep(min(0.05 * attempt, 0.5))
+                continue
             if woke:
                 woke_ms = (time.perf_counter() - t0) * 1000
+                restored = route.restored or restored
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json",
-                   TOKEN_HEADER: runtime.settings.worker.internal_token or "", "X-Request-ID": rid}
+                   TOKEN_HEADER: s.worker.internal_token or "", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
         try:
-            resp = await runtime.http.post(url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError:
-            # the request never reached the worker (it is gone): safe to route again
+            resp = await _post(runtime, route, url, body, headers)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost):
+            # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
+            # and resend with the same key; the worker answers a turn it already ran from its cache
             cache.drop(sid)
-            await runtime.activator.check_worker(route.worker)
+            await act.check_worker(route.worker, sid=sid)
             route = None
+            await asyncio.sleep(min(0.02 * attempt, 0.2))
             continue
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+        except TimeoutError as e:
             cache.drop(sid)
-            await runtime.activator.check_worker(route.worker)
-            raise WorkerUnavailable(f"worker {route.worker} failed during the request: "
-                                    f"{e.__class__.__name__}; the session will resume from its last "
-                                    "snapshot on the next request") from e
-        if resp.status in (404, 409):  # not active there / stale epoch: the cache was stale
-            resp.release()
-            cache.drop(sid)
-            route = None
-            continue
+            raise WorkerUnavailable(f"worker {route.worker} did not answer within the invoke timeout",
+                                    code="invoke_timeout") from e
+        if resp.status in (404, 409, 503):
+            try:
+                err = json.loads(await resp.read() or b"{}")
+            except (ValueError, aiohttp.ClientError):
+                err = {}
+            finally:
+                resp.release()
+            code = err.get("code") if isinstance(err, dict) else None
+            if resp.status == 404 and code == "not_active":
+                cache.drop(sid)
+                await act.repair_lost_activation(sid, route.worker, route.epoch)
+                route = None
+                continue
+            if resp.status == 409 and code == "stale_epoch":
+                cache.drop(sid)
+                route = None
+                continue
+            if resp.status == 503 and code == "worker_fenced":
+                cache.drop(sid)
+                route = None
+                await asyncio.sleep(min(0.05 * attempt, 0.5))
+                continue
+            return Response(json.dumps(err), status_code=resp.status, headers={**_JSON, "X-Request-ID": rid})
         extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
+        for h in ("X-Substrate-Restored", "X-Substrate-Replayed"):
+            if h in resp.headers:
+                extra[h] = resp.headers[h]
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
-            if route.restored:  # state since the last snapshot was lost: say so on the answer itself
-                extra["X-Substrate-Restored"] = route.restored
+            if restored:  # state since the last snapshot was lost: say so on the answer itself
+                extra["X-Substrate-Restored"] = restored
         if stream and resp.status == 200:
             return StreamingResponse(_relay(resp), status_code=200, media_type="application/x-ndjson",
                                      headers=extra)
         try:
             data = await resp.read()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            cache.drop(sid)
-            await runtime.activator.check_worker(route.worker)
-            raise WorkerUnavailable(f"worker {route.worker} failed while answering") from e
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+            cache.drop(sid)  # the answer was lost on the way: ask again with the same key
+            await act.check_worker(route.worker, sid=sid)
+            route = None
+            continue
         finally:
             resp.release()
         if woke_ms is None:  # the hot path only: a wake is timed by the wake/resume histograms
             metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
         return Response(data, status_code=resp.status, headers={**_JSON, **extra})
-    raise WorkerUnavailable(f"session {sid!r} kept moving between workers; retry", code="session_moving")
 
 
 async def _relay(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -41,6 +41,7 @@ class Runtime:
     routes: RouteCache = field(default_factory=RouteCache)
     state_manager: StateManager | None = None
     pools: PoolController | None = None
+    kube_catalog: Any = None
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     @classmethod
@@ -51,6 +52,16 @@ class Runtime:
             settings.worker.internal_token = secrets.token_urlsafe(24)
         directory = Directory(settings.redis.url, settings.redis.key_prefix,
                               socket_timeout_s=settings.redis.socket_timeout_s)
+        kube_catalog = None
+        if catalog is None and settings.catalog_source == "kubernetes":
+            from substrate.k8s.api import Kube, make_api_client
+            from substrate.k8s.controller import KubeCatalog
+
+            kube_catalog = KubeCatalog(Kube(make_api_client(settings)), settings.kubernetes.namespace)
+            kube_catalog.start()
+            if not await kube_catalog.wait_synced(30):
+                log.warning("WorkerPools/ActorTemplates not listed yet from the API server")
+            catalog = kube_catalog.catalog
         catalog = catalog or load_catalog(settings.config_dir)
         view = WorkerView(directory, settings.api.worker_refresh_s)
         client = WorkerClient(timeout_s=settings.api.invoke_timeout_s, token=settings.worker.internal_token)
@@ -61,6 +72,7 @@ class Runtime:
             auto_decompress=False, skip_auto_headers=("User-Agent",))
         store = make_store(settings.snapshot)
         rt = cls(settings, directory, catalog, view, client, activator, http, store)
+        rt.kube_catalog = kube_catalog
         if embedded:
             rt.state_manager = StateManager(settings, directory, catalog, activator, store)
             rt.pools = PoolController(settings, directory, catalog, LocalBackend(settings), activator)
@@ -97,6 +109,8 @@ class Runtime:
         if self.pools is not None:
             await self.pools.stop()
         await self.view.stop()
+        if self.kube_catalog is not None:
+            self.kube_catalog.stop()
         await self.http.close()
         await self.client.close()
         await self.directory.close()

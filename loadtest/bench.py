@@ -447,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replay-args", default="--start 2024-11-21T17:00 --duration 1h --compress 120",
                     help="window and compression of the short replay")
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--skip-k8s", action="store_true", help="skip the emulated-cluster figures (loadtest/bench_k8s.py)")
     args = ap.parse_args(argv)
     try:
         import uvloop
@@ -473,6 +474,10 @@ def main(argv: list[str] | None = None) -> None:
             rows += asyncio.run(bench_snapshots(args.repeats, sizes))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        if not args.skip_k8s:
+            from loadtest.bench_k8s import bench_k8s
+
+            rows += bench_k8s(os.environ["SUBSTRATE_REDIS_URL"])
         if not args.skip_replay and Path(args.replay).exists():
             rows += bench_replay(Path(args.replay), args.replay_args.split(), out / "replay")
     finally:

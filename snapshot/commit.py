@@ -6,8 +6,10 @@
 2. ``commit``: one Lua compare-and-set in the directory moves the session's ``snapshot`` pointer to the
    new object only if the record still carries the activation epoch that wrote it (DESIGN invariant 1: a
    zombie's commit is rejected). The old pointer becomes ``previousSnapshot``; the one that falls out of
-   that window is garbage-collected, as are any objects beyond ``retention`` that nothing points at.
-   A rejected commit deletes its own upload.
+   that window stays while ``snapshot.retention`` allows (the directory keeps the set of the newest
+   ``retention`` committed keys per session and returns the ones that fell out, deleted here). A
+   rejected commit deletes its own upload; whatever a crash leaves behind is removed by the state
+   manager's orphan sweep.
 3. ``restore``: download to a temp file, verify sha256 and the manifest (session), extract, swap in.
 
 The slot of a suspending session is released by the caller only after ``commit`` returned True
@@ -80,19 +82,20 @@ class SnapshotManager:
         """Point the session at ``ref`` if ``epoch`` is still current. With ``suspend`` the same atomic
         step moves the session to SUSPENDED and clears its worker and slot. Returns whether it committed.
         """
+        keep = max(1, self.settings.retention)
         if suspend:
             ok, dropped = await self.directory.commit_snapshot(
                 sid, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,), to=SessionState.SUSPENDED,
-                unset=("worker", "slot"))
+                unset=("worker", "slot"), retention=keep)
         else:
-            ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref)
+            ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref, retention=keep)
         if not ok:
             log.warning("snapshot commit rejected (stale epoch or state)",
                         extra={"session": sid, "epoch": epoch, "key": ref.key})
             await self._delete_quietly(ref.key)
             return False
-        if dropped is not None:
-            await self._delete_quietly(dropped.key)
+        for key in dropped:  # beyond ``snapshot.retention``; a failed delete is left to the sweep
+            await self._delete_quietly(key)
         return True
 
     async def restore(self, sid: str, ref: SnapshotRef, workspace: Path, template: str = "") -> dict[str, Any]:

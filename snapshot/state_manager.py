@@ -13,6 +13,11 @@ Every ``scan_interval_s`` (level-triggered; an error in one step is logged and t
    by the next epoch bump); SUSPENDING -> RUNNING if its worker is alive, else SUSPENDED.
 4. **Repairs** (every 10th scan): sessions pointing at a worker that is gone are recovered; slot-table
    entries whose session does not point back at them are freed.
+5. **Orphan sweep** (every ``snapshot.sweep_interval_s``): objects in the store that no kept snapshot
+   of an existing session names (uploads of failed or rejected commits, corrupt snapshots set aside,
+   snapshots of deleted sessions whose clean-up failed) are deleted once they have been found orphaned
+   for ``snapshot.orphan_min_age_s`` (two sightings that far apart, so an upload in flight is never
+   taken for garbage). At most ``sweep_max_deletes`` per pass.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class StateManager:
         self._scans = 0
         self._idle_scan_at = 0.0
         self._orphans: set[tuple[str, int, str]] = set()
+        self._orphan_objects: dict[str, float] = {}  # object key -> first seen orphaned (s)
+        self._swept_at = 0.0
+        self.sweep_max_deletes = 1000
         self._wait = wait_exponential(multiplier=settings.state.suspend_retry_base_s,
                                       max=settings.state.suspend_retry_max_s)
 
@@ -73,6 +81,12 @@ class StateManager:
                 await self.repair()
             except Exception:  # noqa: BLE001
                 log.warning("repair failed", exc_info=True)
+        if self.store is not None and time.time() - self._swept_at >= self.settings.snapshot.sweep_interval_s:
+            self._swept_at = time.time()
+            try:
+                await self.sweep_orphans()
+            except Exception:  # noqa: BLE001
+                log.warning("orphan sweep failed", exc_info=True)
 
     async def export_counts(self) -> None:
         """``agent_substrate_sessions`` from the directory's per-state counters (O(states))."""
@@ -80,11 +94,13 @@ class StateManager:
 
     async def recover_dead_workers(self) -> None:
         now = time.time()
+        grace = self.settings.worker.lease_grace_s
         for w in await self.directory.list_workers():
-            if w.leaseExpiresAt < now:
+            if w.leaseExpiresAt + grace < now:
                 log.warning("worker lease expired", extra={"worker": w.id})
-                recovered = await self.activator.recover_worker(w.id)
-                if self.settings.state.eager_recovery:
+                # conditional on the lease in Redis: a worker that renewed meanwhile stays
+                recovered = await self.activator.recover_worker(w.id, force=False)
+                if recovered and self.settings.state.eager_recovery:
                     for sid in recovered:
                         asyncio.create_task(self._eager_wake(sid))
 
@@ -175,8 +191,8 @@ class StateManager:
         if cas.ok and rec.worker is not None and rec.slot is not None:
             w = await d.get_worker(rec.worker)
             if w is not None:
-                try:
-                    await self.activator.client.deactivate(w.address, rec.id)
+                try:  # only that epoch's activation (or older); the worker's reconciliation backs this up
+                    await self.activator.client.deactivate(w.address, rec.id, rec.epoch)
                 except SubstrateError:
                     pass
             await d.release_slot(rec.worker, rec.slot, rec.id)
@@ -216,3 +232,39 @@ class StateManager:
         if await d.reconcile_state_counts(counts, counted_before):
             log.info("session state counters corrected", extra={"counts": counts})
         metrics.set_session_counts(await d.state_counts())
+
+    async def sweep_orphans(self, now: float | None = None) -> list[str]:
+        """One orphan sweep (see the module docstring). Returns the keys deleted."""
+        if self.store is None:
+            return []
+        now = time.time() if now is None else now
+        root = self.settings.snapshot.prefix.strip("/")
+        root = f"{root}/" if root else ""
+        by_session: dict[str, list[str]] = {}
+        for key in await self.store.list_keys(root):
+            sid, _, name = key[len(root):].partition("/")
+            if sid and name:
+                by_session.setdefault(sid, []).append(key)
+        d = self.directory
+        recs = {r.id: r for r in await d.get_sessions(list(by_session))}
+        orphans: set[str] = set()
+        for sid, keys in by_session.items():
+            rec = recs.get(sid)
+            keep: set[str] = set()
+            if rec is not None:
+                keep.update(await d.committed_snapshots(sid))
+                keep.update(r.key for r in (rec.snapshot, rec.previousSnapshot) if r is not None)
+            orphans.update(k for k in keys if k not in keep)
+        self._orphan_objects = {k: self._orphan_objects.get(k, now) for k in orphans}
+        due = [k for k, t in self._orphan_objects.items() if now - t >= self.settings.snapshot.orphan_min_age_s]
+        deleted = []
+        for key in due[:self.sweep_max_deletes]:
+            try:
+                await self.store.delete(key)
+                deleted.append(key)
+                self._orphan_objects.pop(key, None)
+            except Exception:  # noqa: BLE001 - retried by the next sweep
+                log.warning("orphan delete failed", extra={"key": key}, exc_info=True)
+        if deleted:
+            log.info("orphaned snapshot objects deleted", extra={"count": len(deleted)})
+        return deleted

@@ -14,7 +14,16 @@ workers' internal API:
 * **capacity**: no free slot -> suspend the least-recently-used idle session of the pool (lazy
   suspension: ``maxIdleTime`` is a ceiling, not a floor), else wait up to ``slot_wait_s``, else 503.
 * **recover_worker**: a dead worker's sessions go to SUSPENDED (marked ``worker_lost``); they come
-  back from their last committed snapshot on the next request.
+  back from their last committed snapshot on the next request. Death is decided by lease expiry (plus
+  ``worker.lease_grace_s``; the worker itself stops serving at expiry), or by the backend knowing the
+  process is gone, never by one failed call or probe.
+* **lost activations**: a worker answering ``not_active`` for the record's current worker and epoch
+  lost the activation; ``repair_lost_activation`` moves the record (guarded by epoch and worker) to
+  SUSPENDED, marked ``activation_lost``, and the caller wakes it again.
+* **capacity waits for what it is creating**: while the pool controller starts a worker for the pool,
+  a placement waits for it (bounded by ``api.start_wait_s``, not ``park_timeout_s`` as issue 8 says:
+  a cold worker start on a loaded machine measured 4-6 s, over the 5 s park timeout) instead of
+  answering ``no_capacity``. A wake is still bounded by ``park_timeout_s`` for the waiting request.
 """
 
 from __future__ import annotations
@@ -34,8 +43,6 @@ from substrate.errors import (
     NoCapacity,
     NotFound,
     SnapshotCorrupt,
-    StaleEpoch,
-    StoreUnavailable,
     SubstrateError,
     WorkerUnavailable,
 )
@@ -57,6 +64,8 @@ from substrate.workerclient import WorkerClient
 log = logging.getLogger(__name__)
 
 _WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
+#: reasons a session was moved to SUSPENDED that lose the state since its last snapshot
+_LOSSY = ("worker_lost", "deadline", "activation_lost")
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
 
 
@@ -96,6 +105,12 @@ class WorkerView:
         w = self.workers.get(wid or "")
         return w.address if w else None
 
+    def leased(self, wid: str, now: float | None = None) -> bool:
+        """True while ``wid``'s lease (as last seen) is valid: a route to a worker past its lease is not
+        used (the worker stopped serving; its sessions may be moving elsewhere)."""
+        w = self.workers.get(wid)
+        return w is not None and w.leaseExpiresAt > (now or time.time())
+
 
 class Activator:
     """See the module docstring. One per process; safe to share between tasks."""
@@ -115,16 +130,24 @@ class Activator:
         #: activations started since the process started, per pool (the arrival-rate forecast's counter)
         self.activations_total: dict[str, int] = {}
         self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
+        #: pool -> workers being started for it (set by the pool controller of this process)
+        self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
         self.capacity_wanted = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ helpers
+    @property
+    def waiting_demand(self) -> int:
+        """Demand not visible in slot counts: requests waiting for a slot plus requests parked on a
+        resume (the pool controller adds it to the busy slots)."""
+        return self.waiting_for_slots + self.parked
+
     def route_of(self, rec: SessionRecord) -> Route | None:
-        """The route of a RUNNING record whose worker is known, else None."""
+        """The route of a RUNNING record whose worker is known and within its lease, else None."""
         if rec.state != SessionState.RUNNING or not rec.worker:
             return None
         address = self.view.address(rec.worker)
-        if address is None:
+        if address is None or not self.view.leased(rec.worker):
             return None
         return Route(rec.worker, address, rec.epoch)
 
@@ -154,8 +177,15 @@ class Activator:
                 return got
         self.capacity_wanted.set()
         self.waiting_by_pool[pool] = self.waiting_by_pool.get(pool, 0) + 1
+        park_deadline = time.monotonic() + max(self.settings.api.start_wait_s, self.settings.api.slot_wait_s)
         try:
-            return await queue.wait(sid, worker, self.settings.api.slot_wait_s)
+            try:
+                return await queue.wait(sid, worker, self.settings.api.slot_wait_s)
+            except asyncio.TimeoutError:
+                if self.starting.get(pool, 0) <= 0 or time.monotonic() >= park_deadline:
+                    raise
+                # a worker for this pool is starting: wait for it rather than refuse
+                return await queue.wait(sid, worker, park_deadline - time.monotonic())
         except asyncio.TimeoutError:
             raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
                              retry_after_s=self.settings.api.retry_after_s, details={"pool": pool}) from None
@@ -256,37 +286,40 @@ class Activator:
         rec.state, rec.worker, rec.slot, rec.epoch = SessionState.STARTING, worker.id, slot, 1
         rec.stateDeadline = now + self.settings.state.transition_deadline_s
         try:
-            await self.directory.create_session(rec)
+            epoch = await self.directory.create_session(rec)  # above any epoch a deleted namesake reached
         except BaseException:
             await self.directory.release_slot(worker.id, slot, rec.id)
             raise
         try:
-            await self.client.activate(worker.address, session=rec.id, epoch=1, template=template,
+            await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
                                        slot=slot, env=rec.env, snapshot=None)
             now = time.time()
             done = await self.directory.transition(
-                rec.id, from_states=[SessionState.STARTING], epoch=1, to=SessionState.RUNNING,
+                rec.id, from_states=[SessionState.STARTING], epoch=epoch, to=SessionState.RUNNING,
                 set={"lastActiveAt": now})
             if not done.ok:
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
         except BaseException as e:
-            await self._undo_create(rec.id, worker, slot, e)
+            await self._undo_create(rec.id, worker, slot, e, epoch)
             raise
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="create").observe(
             time.perf_counter() - t0)
         rec.state, rec.lastActiveAt, rec.stateDeadline = SessionState.RUNNING, now, None
         return rec
 
-    async def _undo_create(self, sid: str, worker: WorkerRecord | None, slot: int, cause: BaseException) -> None:
+    async def _undo_create(self, sid: str, worker: WorkerRecord | None, slot: int, cause: BaseException,
+                           epoch: int) -> None:
         try:
+            # fence first: mark the record DELETED with a new epoch, so the worker's reconciliation frees
+            # an activation this undo cannot reach (a worker that timed out may still finish activating)
+            await self.directory.transition(sid, epoch=epoch, to=SessionState.DELETED, bump=True)
             if worker is not None and slot >= 0:
                 if isinstance(cause, WorkerUnavailable):
                     await self.check_worker(worker.id)
-                else:
-                    try:
-                        await self.client.deactivate(worker.address, sid)
-                    except SubstrateError:
-                        pass
+                try:
+                    await self.client.deactivate(worker.address, sid, epoch)
+                except SubstrateError:
+                    pass
                 await self.directory.release_slot(worker.id, slot, sid)
             await self.directory.delete_session(sid)
         except Exception:  # noqa: BLE001 - the state manager's scans repair what is left
@@ -353,7 +386,11 @@ class Activator:
             delay = min(delay * 2, 0.05)
 
     async def _wake_once(self, sid: str, worker: str | None = None) -> Route:
-        for _ in range(20):
+        # bounded in time (the caller waits ``park_timeout_s`` at most; this may go on a little longer
+        # so that a worker past its lease is recovered and the next request finds the session moved)
+        w = self.settings.worker
+        deadline = time.monotonic() + self.settings.api.park_timeout_s + w.lease_s + w.lease_grace_s
+        while time.monotonic() < deadline:
             rec = await self.directory.get_session(sid)
             route = self.route_of(rec)
             if route is not None:
@@ -361,15 +398,15 @@ class Activator:
             if rec.state.transitional:
                 rec = await self._wait_settled(sid, self.settings.api.park_timeout_s)
                 continue
-            if rec.state == SessionState.RUNNING:  # worker unknown to the view yet
+            if rec.state == SessionState.RUNNING:  # worker unknown to the view, or past its lease
                 await self.view.refresh()
-                if self.view.address(rec.worker) is None:
-                    await self.check_worker(rec.worker or "")
+                if self.route_of(rec) is None and not await self.check_worker(rec.worker or "", sid=sid):
+                    await asyncio.sleep(0.1)  # alive by its lease: it renews, or expires and is recovered
                 continue
             if rec.state not in _WAKEABLE:
                 raise NotFound(f"session {sid!r} not found", code="session_not_found")
             return await self._resume(rec, worker)
-        raise Conflict(f"session {sid!r} kept changing while waking", code="conflict")
+        raise Conflict(f"session {sid!r} did not settle while waking; retry", code="conflict")
 
     async def _resume(self, rec: SessionRecord, pin: str | None = None) -> Route:
         template = self.catalog.template(rec.actorTemplate)
@@ -390,20 +427,26 @@ class Activator:
                 raise Conflict(f"session {rec.id!r} is {settled.state.value}", code="conflict")
             return route
         epoch = cas.epoch
+        restored_what = None
+        if rec.reason in _LOSSY:
+            # say whether older state came back, or none did (no snapshot had been taken yet)
+            restored_what = rec.reason if rec.snapshot else f"{rec.reason};snapshot=none"
         try:
             await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
-                                       slot=slot, env=rec.env, snapshot=rec.snapshot)
+                                       slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what)
         except SnapshotCorrupt as e:
             await self._fail_corrupt(rec, epoch, worker, slot, e)
             raise
-        except (StoreUnavailable, NoCapacity, WorkerUnavailable, StaleEpoch) as e:
+        except SubstrateError as e:
+            # back to SUSPENDED (guarded by the epoch: a deadline roll may have done it already), then
+            # fence the half-made activation on the worker; its reconciliation frees what this misses
             await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
                                             to=SessionState.SUSPENDED, unset=("worker", "slot"))
-            await self.directory.release_slot(worker.id, slot, rec.id)
+            await self._abandon(rec.id, worker, slot, epoch)
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(worker.id)
             raise
-        reason = rec.message if rec.reason == "worker_lost" else None
+        reason = rec.message if rec.reason in _LOSSY else None
         restored = RestoredFrom(
             snapshotKey=rec.snapshot.key if rec.snapshot else None,
             snapshotCreatedAt=rec.snapshot.createdAt if rec.snapshot else None,
@@ -413,17 +456,32 @@ class Activator:
             rec.id, from_states=[SessionState.RESUMING], epoch=epoch, to=SessionState.RUNNING,
             set={"restoredFrom": restored, "lastActiveAt": time.time()}, unset=("reason", "message"))
         if not done.ok:
+            # a deadline roll (or a delete) got there first: the activation just made is not the
+            # session's any more; drop it and give the slot back, or the worker holds it for good
+            await self._abandon(rec.id, worker, slot, epoch)
             raise Conflict(f"session {rec.id!r} changed while resuming", code="conflict")
         if reason:
             metrics.RECOVERIES_TOTAL.labels(reason="worker_lost").inc()
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
-        restored_what = None
-        if rec.reason in ("worker_lost", "deadline"):
-            # say whether older state came back, or none did (no snapshot had been taken yet)
-            restored_what = rec.reason if rec.snapshot else f"{rec.reason};snapshot=none"
         return Route(worker.id, worker.address, epoch, restored=restored_what)
+
+    async def _abandon(self, sid: str, worker: WorkerRecord, slot: int, epoch: int) -> None:
+        """Drop activation ``epoch`` of ``sid`` on ``worker`` (only that epoch or older) and free its
+        slot unless the record points at it again. Best effort: the worker's reconciliation and the
+        state manager's repair pass free whatever is left."""
+        try:
+            await self.client.deactivate(worker.address, sid, epoch)
+        except SubstrateError:
+            pass
+        try:
+            cur = await self.directory.get_session(sid)
+            if cur.worker == worker.id and cur.slot == slot:
+                return
+        except NotFound:
+            pass
+        await self.directory.release_slot(worker.id, slot, sid)
 
     async def _fail_corrupt(self, rec: SessionRecord, epoch: int, worker: WorkerRecord, slot: int,
                             e: SnapshotCorrupt) -> None:
@@ -438,6 +496,8 @@ class Activator:
         fields["badSnapshot"] = rec.snapshot.key if rec.snapshot else ""
         await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
                                         to=SessionState.FAILED, set=fields, unset=unset)
+        if rec.snapshot is not None:  # no longer a kept snapshot: the orphan sweep removes the object
+            await self.directory.forget_snapshot(rec.id, rec.snapshot.key)
         await self.directory.release_slot(worker.id, slot, rec.id)
         metrics.RECOVERIES_TOTAL.labels(reason="snapshot_corrupt").inc()
 
@@ -471,10 +531,12 @@ class Activator:
         if rec.worker:
             address = await self._worker_address(rec.worker)
             if address:
-                try:
-                    await self.client.deactivate(address, sid)
-                except SubstrateError:
-                    pass
+                try:  # the worker ends the activation at once, even mid-turn; if it cannot be reached
+                    # its reconciliation frees it (the record is gone, and epochs never repeat)
+                    await self.client.deactivate(address, sid, cas.epoch)
+                except SubstrateError as e:
+                    log.info("deactivate on delete failed; the worker's reconciliation frees it",
+                             extra={"session": sid, "worker": rec.worker, "code": e.code})
             if rec.slot is not None:
                 await self.directory.release_slot(rec.worker, rec.slot, sid)
                 self.slot_freed(rec.pool or None)
@@ -483,19 +545,52 @@ class Activator:
             asyncio.create_task(snapshot_gc(sid))
 
     # ------------------------------------------------------------------------------------- recovery
-    async def check_worker(self, wid: str) -> bool:
-        """After a failed call: if the worker is gone (no answer to /healthz), recover its sessions.
-        Returns True if it was declared dead."""
-        w = self.view.workers.get(wid) or await self.directory.get_worker(wid)
-        if w is not None and await self.client.healthy(w.address):
-            return False
-        await self.recover_worker(wid)
-        return True
+    async def check_worker(self, wid: str, *, sid: str | None = None) -> bool:
+        """After a failed call to ``wid``: declare it dead only if its lease expired more than
+        ``lease_grace_s`` ago (the worker stopped serving at expiry, so nobody else serves its
+        sessions meanwhile), and recover its sessions. A record gone already (declared dead elsewhere)
+        recovers ``sid`` if it still points there. Returns True if ``wid`` is (now) known dead."""
+        if not wid:
+            return True
+        w = await self.directory.get_worker(wid)
+        if w is None:
+            self.view.workers.pop(wid, None)
+            if sid is not None:
+                await self.recover_session(sid, wid, reason="worker_lost")
+            return True
+        return await self.recover_worker(wid, force=False) is not None
 
-    async def recover_worker(self, wid: str, *, reason: str = "worker_lost") -> list[str]:
-        """Declare ``wid`` dead: remove it from the registry (it stops serving when it notices) and move
-        each of its sessions to SUSPENDED, marked with ``reason``, to come back from its last snapshot."""
-        slots = await self.directory.deregister_worker(wid)
+    async def repair_lost_activation(self, sid: str, wid: str, epoch: int) -> bool:
+        """Worker ``wid`` answered ``not_active`` for activation ``epoch`` of ``sid``: if the record still
+        says RUNNING there at that epoch, the activation is lost; move it (guarded by epoch and worker)
+        to SUSPENDED marked ``activation_lost`` and free its slot, so the next wake restores it from its
+        last snapshot (the answer says so). Returns whether it repaired."""
+        try:
+            rec = await self.directory.get_session(sid)
+        except NotFound:
+            return False
+        what = (f"activation {epoch} on worker {wid} was lost; state since the last snapshot "
+                f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
+        cas = await self.directory.transition(
+            sid, from_states=[SessionState.RUNNING], epoch=epoch, worker=wid, to=SessionState.SUSPENDED,
+            set={"reason": "activation_lost", "message": what}, unset=("worker", "slot"))
+        if cas.ok:
+            log.warning("lost activation repaired", extra={"session": sid, "worker": wid, "epoch": epoch})
+            metrics.RECOVERIES_TOTAL.labels(reason="activation_lost").inc()
+            if rec.slot is not None:
+                await self.directory.release_slot(wid, rec.slot, sid)
+        return cas.ok
+
+    async def recover_worker(self, wid: str, *, reason: str = "worker_lost", force: bool = True
+                             ) -> list[str] | None:
+        """Declare ``wid`` dead and move each of its sessions to SUSPENDED, marked with ``reason``, to come
+        back from its last snapshot. ``force``: the process is known to be gone (the backend reaped
+        it); otherwise only if its lease expired more than ``lease_grace_s`` ago. Returns the sessions
+        recovered, or None if the worker is still within its lease (nothing done)."""
+        slots = await self.directory.expire_worker(wid, grace_s=self.settings.worker.lease_grace_s,
+                                                   force=force)
+        if slots is None:
+            return None
         self.view.workers.pop(wid, None)
         recovered = []
         for sid in slots.values():
@@ -515,8 +610,11 @@ class Activator:
             return False
         what = (f"worker {wid} was lost; state since the last snapshot "
                 f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
+        # bump: the dead worker's activation epoch is fenced for good (its reconciliation, should it come
+        # back, sees a newer epoch and frees the slot)
         cas = await self.directory.transition(sid, from_states=_LIVE, worker=wid, to=SessionState.SUSPENDED,
-                                              set={"reason": reason, "message": what}, unset=("worker", "slot"))
+                                              bump=True, set={"reason": reason, "message": what},
+                                              unset=("worker", "slot"))
         return cas.ok
 
 

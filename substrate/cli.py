@@ -69,7 +69,7 @@ def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Bas
 def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."),
        port: int = typer.Option(None, min=1, max=65535, help="Listen port (default 8080)."),
        config: Path = typer.Option(None, "--config", "-c", help="Folder of ActorTemplate/WorkerPool YAML "
-                                                               "(default ./examples)."),
+                                                               "(default: the examples shipped in the package)."),
        ) -> None:
     """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
     Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM."""
@@ -94,7 +94,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     port = port or settings.api.port
     embedded = None
     if not settings.redis.url:
-        embedded = EmbeddedRedis()
+        embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
         try:
             os.environ["SUBSTRATE_REDIS_URL"] = embedded.start()
         except RuntimeError as e:
@@ -118,6 +118,114 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+@app.command()
+def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the seed article's documents).")) -> None:
+    """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): seed apiVersions and
+    spellings translated, v1alpha2 DRA objects converted to resource.k8s.io/v1; warnings on stderr."""
+    import logging
+
+    import yaml
+
+    from substrate.specs import SpecError, convert_documents
+
+    logging.getLogger("substrate.specs").setLevel(logging.ERROR)  # warnings are printed below, once
+
+    out: list[Any] = []
+    for f in files:
+        try:
+            docs, warnings = convert_documents(list(yaml.safe_load_all(f.read_text())), str(f))
+        except (OSError, yaml.YAMLError, SpecError) as e:
+            err.print(f"[red]error[/red]: {escape(str(e))}")
+            raise typer.Exit(2) from None
+        for w in warnings:
+            err.print(f"[yellow]warning[/yellow]: {escape(w)}")
+        out += docs
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
+
+
+@app.command()
+def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="WorkerPool this worker serves."),
+           slots: int = typer.Option(None, envvar="SUBSTRATE_WORKER_SLOTS", min=1, help="Session slots."),
+           port: int = typer.Option(8081, envvar="SUBSTRATE_WORKER_PORT", min=0, max=65535, help="Listen port."),
+           host: str = typer.Option("0.0.0.0", envvar="SUBSTRATE_WORKER_LISTEN_HOST", help="Listen address."),
+           advertise: str = typer.Option(None, envvar="SUBSTRATE_POD_IP",
+                                         help="Address registered for routers (the Pod IP, downward API)."),
+           worker_id: str = typer.Option(None, envvar="SUBSTRATE_POD_NAME", help="Worker id (the Pod name)."),
+           ) -> None:
+    """Run one worker (one per Pod on Kubernetes): listens on HOST:PORT, registers the Pod IP, keeps its
+    workspaces under SUBSTRATE_WORKER__ROOT_DIR (a mounted volume), takes the internal token from
+    SUBSTRATE_WORKER__INTERNAL_TOKEN (a Secret). SIGTERM stops it within the Pod's grace period."""
+    import importlib
+
+    if not pool or not slots:
+        err.print("[red]error[/red]: --pool and --slots (or SUBSTRATE_WORKER_POOL / SUBSTRATE_WORKER_SLOTS) are required")
+        raise typer.Exit(2)
+    if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
+        err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (mount the internal-token Secret)")
+        raise typer.Exit(2)
+    if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
+        err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set")
+        raise typer.Exit(2)
+    argv = ["--pool", pool, "--slots", str(slots), "--host", host, "--port", str(port)]
+    if advertise:
+        argv += ["--advertise-host", advertise]
+    if worker_id:
+        argv += ["--worker-id", worker_id]
+    # the worker lives in the workers package (substrate imports none of it statically: import rule)
+    importlib.import_module("workers.server").main(argv)
+
+
+def _serve_api(host: str, port: int) -> None:
+    import uvicorn
+
+    from substrate.logs import configure_logging
+    from substrate.settings import Settings
+
+    settings = Settings()
+    configure_logging(settings.log_level, settings.log_json)
+    cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
+                         log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+    server = uvicorn.Server(cfg)
+    server.run()
+    if not server.started:
+        raise typer.Exit(1)
+
+
+@app.command()
+def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
+           port: int = typer.Option(8080, min=1, max=65535, help="Listen port."),
+           kubernetes: bool = typer.Option(True, "--kubernetes/--files",
+                                           help="Templates and pools from the Kubernetes API (default) or from "
+                                                "--config files.")) -> None:
+    """Run the public REST API and proxy only (stateless: run any number side by side). Needs
+    SUBSTRATE_REDIS_URL and SUBSTRATE_WORKER__INTERNAL_TOKEN (the same value on every router)."""
+    if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
+        err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set (a router has no embedded Redis)")
+        raise typer.Exit(2)
+    if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
+        err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (routers must share it)")
+        raise typer.Exit(2)
+    os.environ["SUBSTRATE_ROLE"] = "router"
+    os.environ["SUBSTRATE_CATALOG_SOURCE"] = "kubernetes" if kubernetes else "files"
+    _serve_api(host, port)
+
+
+@app.command()
+def controller(host: str = typer.Option("0.0.0.0", help="Probe/metrics listen address."),
+               port: int = typer.Option(8090, min=1, max=65535, help="Probe/metrics port.")) -> None:
+    """Run the pool controller and state manager against the Kubernetes API (one leader through a
+    coordination.k8s.io Lease; extra replicas wait as standbys)."""
+    import importlib
+
+    if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
+        err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set")
+        raise typer.Exit(2)
+    if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
+        err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (workers and routers share it)")
+        raise typer.Exit(2)
+    raise typer.Exit(importlib.import_module("api.controller").main(host, port))
 
 
 @app.command()

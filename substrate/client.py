@@ -5,11 +5,18 @@
         c.invoke(s["id"], "increment")        # -> {"count": 1}
 
 Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``.
+
+Turns are safe to retry: ``invoke`` sends one ``Idempotency-Key`` per turn (or the caller's) and resends
+the same key after a connection error or a retryable answer (502/503/504), up to ``retries`` times with
+exponential back-off (honouring ``Retry-After``); the server answers a turn it already ran from its cache
+instead of running it twice.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from typing import Any, Iterator
 
 import httpx
@@ -39,9 +46,17 @@ def _raise_for(resp: httpx.Response) -> None:
 class SubstrateClient:
     """Synchronous client. ``base_url`` like ``http://127.0.0.1:8080``; ``token`` for bearer auth."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0) -> None:
+    #: answers worth retrying a turn on (the turn was not acknowledged; the same key makes it safe)
+    RETRYABLE_STATUS = (502, 503, 504)
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0,
+                 retries: int = 3, retry_backoff_s: float = 0.2,
+                 transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers,
+                                 transport=transport)
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
 
     def close(self) -> None:
         self.http.close()
@@ -87,9 +102,33 @@ class SubstrateClient:
             if not token:
                 return
 
-    def invoke(self, sid: str, input: Any) -> Any:  # noqa: A002
-        """One turn; returns the agent's ``output``."""
-        return self._req("POST", f"/v1/sessions/{sid}/invoke", json={"input": input})["output"]
+    def invoke(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Any:  # noqa: A002
+        """One turn; returns the agent's ``output``. Retried with the same idempotency key (see the
+        module docstring); raises ``ApiError`` once retries are spent or for a non-retryable answer."""
+        key = idempotency_key or uuid.uuid4().hex
+        path = f"/v1/sessions/{sid}/invoke"
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                resp = self.http.post(path, json={"input": input}, headers={"Idempotency-Key": key})
+            except (httpx.TransportError,):
+                if last:
+                    raise
+                self._backoff(attempt, None)
+                continue
+            if resp.status_code in self.RETRYABLE_STATUS and not last:
+                ra = resp.headers.get("retry-after")
+                self._backoff(attempt, float(ra) if ra else None)
+                continue
+            _raise_for(resp)
+            return resp.json()["output"]
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _backoff(self, attempt: int, retry_after_s: float | None) -> None:
+        delay = self.retry_backoff_s * (2 ** attempt)
+        if retry_after_s is not None:
+            delay = max(delay, min(retry_after_s, 5.0)) if self.retry_backoff_s else 0.0
+        time.sleep(delay)
 
     def invoke_stream(self, sid: str, input: Any) -> Iterator[Any]:  # noqa: A002
         """One streamed turn; yields the agent's chunks."""

@@ -68,9 +68,11 @@ redis.call('HSET', h, 'updatedAt', a['now'])
 return {1, state, epoch, prev}
 """
 
-# KEYS[1] session hash. ARGV[1] JSON {epoch, states, ref, to?, set?, del?, now}
-# Moves snapshot -> previousSnapshot and sets snapshot = ref, only if epoch and state match.
-# -> {1, dropped previousSnapshot JSON or '', previous state} | {0, state, epoch} | {-1}
+# KEYS[1] session hash, KEYS[2] its committed-snapshot set. ARGV[1] JSON {epoch, states, ref, key,
+# createdAt, retention, to?, set?, del?, now}. Moves snapshot -> previousSnapshot and sets snapshot =
+# ref, only if epoch and state match; keeps the newest ``retention`` committed snapshots in the set and
+# returns the keys that fell out (``previousSnapshot`` is cleared if it fell out: retention 1).
+# -> {1, previous state, dropped key ...} | {0, state, epoch} | {-1}
 _COMMIT = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
@@ -81,20 +83,87 @@ if tonumber(a['epoch']) ~= epoch then return {0, state, epoch} end
 local ok = false
 for _, s in ipairs(a['states']) do if s == state then ok = true end end
 if not ok then return {0, state, epoch} end
+if redis.call('ZCARD', KEYS[2]) == 0 then
+  for _, old in ipairs({cur[4], cur[3]}) do
+    if old then local r = cjson.decode(old); redis.call('ZADD', KEYS[2], tonumber(r['createdAt']) or 0, r['key']) end
+  end
+end
 if cur[3] then redis.call('HSET', h, 'previousSnapshot', cur[3]) end
 redis.call('HSET', h, 'snapshot', a['ref'])
+redis.call('ZADD', KEYS[2], tonumber(a['createdAt']), a['key'])
+local out = {1, state}
+local n = redis.call('ZCARD', KEYS[2])
+local keep = math.max(1, tonumber(a['retention']) or 2)
+if n > keep then
+  local old = redis.call('ZRANGE', KEYS[2], 0, n - keep - 1)
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, n - keep - 1)
+  for _, k in ipairs(old) do
+    out[#out + 1] = k
+    if cur[3] and cjson.decode(cur[3])['key'] == k then redis.call('HDEL', h, 'previousSnapshot') end
+  end
+end
 if a['to'] then redis.call('HSET', h, 'state', a['to']) end
 if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
 if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
 redis.call('HSET', h, 'updatedAt', a['now'])
-return {1, cur[4] or '', state}
+return out
 """
 
-# KEYS[1] session hash; ARGV field/value pairs. Creates the record only if the ID is free -> 1 | 0.
+# KEYS[1] session hash, KEYS[2] its epoch floor (tombstone of a deleted session of this ID); ARGV
+# field/value pairs. Creates the record only if the ID is free, with an epoch above the floor (epochs
+# never repeat for an ID) -> {1, epoch written} | {0} if the ID is taken.
 _CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0} end
+local floor = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local epoch = 1
+for i = 1, #ARGV, 2 do if ARGV[i] == 'epoch' then epoch = tonumber(ARGV[i + 1]) or 1 end end
+if floor > 0 and epoch <= floor then epoch = floor + 1 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
+redis.call('HSET', KEYS[1], 'epoch', epoch)
+return {1, epoch}
+"""
+
+# KEYS[1] session hash, KEYS[2] epoch floor, KEYS[3] snapshot set. ARGV[1] floor TTL (s).
+# Deletes the record and its snapshot set, leaving the epoch it reached as the floor of the next one.
+# -> {floor, state the record had ('' if none)}
+_DELETE = """
+local e = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') or 0
+local st = redis.call('HGET', KEYS[1], 'state') or ''
+local f = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+if e > f then f = e end
+if f > 0 then redis.call('SET', KEYS[2], f, 'EX', tonumber(ARGV[1])) end
+redis.call('DEL', KEYS[1], KEYS[3])
+return {f, st}
+"""
+
+# KEYS[1] worker hash. ARGV[1] lease expiry (s), ARGV[2] active slots ('' = leave).
+# Renews only an existing record (a worker declared dead must not come back unseen) -> 1 | 0.
+_RENEW = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'leaseExpiresAt', ARGV[1])
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'activeSlots', ARGV[2]) end
 return 1
+"""
+
+# KEYS[1] worker hash. ARGV[1] state. Never creates a record -> 1 | 0.
+_SET_WORKER_STATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1])
+return 1
+"""
+
+# KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] now (s), ARGV[2] grace (s), ARGV[3] '1' = force.
+# Removes the worker only if its lease expired more than ``grace`` ago (or ``force``: its process is
+# known to be gone). -> {1, slot, sid, slot, sid ...} removed (with the slot table it had) | {0} alive.
+_EXPIRE_WORKER = """
+local lease = tonumber(redis.call('HGET', KEYS[1], 'leaseExpiresAt') or '0') or 0
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if exists and ARGV[3] ~= '1' and lease + tonumber(ARGV[2]) >= tonumber(ARGV[1]) then return {0} end
+local out = {1}
+local taken = redis.call('HGETALL', KEYS[2])
+for i = 1, #taken do out[#out + 1] = taken[i] end
+redis.call('DEL', KEYS[1], KEYS[2])
+return out
 """
 
 # KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] session id.
@@ -120,13 +189,6 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'lastActiveAt', ARGV[1])
 if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'turns', ARGV[2]) end
 return 1
-"""
-
-# KEYS[1] session hash -> its state before deletion ('' if there was none); deletes it.
-_DELETE = """
-local st = redis.call('HGET', KEYS[1], 'state') or ''
-redis.call('DEL', KEYS[1])
-return st
 """
 
 _RELEASE_SLOT = """
@@ -177,6 +239,42 @@ def decode_session(raw: dict[str, str]) -> SessionRecord:
     return SessionRecord.model_validate(data)
 
 
+class _Queued:
+    """What a queued pipeline command returns: awaiting it does nothing (like redis-py's pipelines)."""
+
+    def __await__(self) -> Any:
+        if False:  # pragma: no cover - makes this a generator
+            yield
+        return None
+
+
+class _SequentialPipeline:
+    """The subset of a redis-py pipeline the directory uses, run command by command (Redis Cluster)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._queue: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    async def __aenter__(self) -> "_SequentialPipeline":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._queue.clear()
+
+    def __getattr__(self, name: str) -> Callable[..., _Queued]:
+        def queue(*args: Any, **kwargs: Any) -> _Queued:
+            self._queue.append((name, args, kwargs))
+            return _Queued()
+        return queue
+
+    async def execute(self) -> list[Any]:
+        out = []
+        for name, args, kwargs in self._queue:
+            out.append(await getattr(self._client, name)(*args, **kwargs))
+        self._queue.clear()
+        return out
+
+
 @dataclass(frozen=True)
 class CasResult:
     """Outcome of a compare-and-set: ``ok``, and the state and epoch the record has now."""
@@ -194,12 +292,30 @@ class Directory:
     Methods raise ``DirectoryUnavailable`` when Redis cannot be reached, ``NotFound``/``Conflict`` as said.
     """
 
-    def __init__(self, redis_url: str, prefix: str = "substrate", *, socket_timeout_s: float = 2.0) -> None:
+    #: how long a deleted session's last epoch is remembered (a re-created session of that ID starts
+    #: above it); far beyond any worker lease, so no zombie activation of the old session outlives it
+    epoch_floor_ttl_s = 7 * 24 * 3600
+
+    def __init__(self, redis_url: str, prefix: str = "substrate", *, socket_timeout_s: float = 2.0,
+                 cluster: bool | None = None) -> None:
+        """``cluster``: talk to a Redis Cluster (redis-py's cluster client); default: on when the URL's
+        query has ``cluster=1`` or the scheme is ``redis+cluster://``."""
         self.keys = Keys(prefix)
-        self.redis: aioredis.Redis = aioredis.from_url(
-            redis_url, decode_responses=True, socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s, health_check_interval=0, max_connections=256,
-        )
+        if cluster is None:
+            cluster = redis_url.startswith("redis+cluster://") or "cluster=1" in redis_url.partition("?")[2]
+        self.cluster = cluster
+        if cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            url = redis_url.replace("redis+cluster://", "redis://", 1).split("?")[0]
+            self.redis = RedisCluster.from_url(  # type: ignore[assignment]
+                url, decode_responses=True, socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s, max_connections=256)
+        else:
+            self.redis: aioredis.Redis = aioredis.from_url(
+                redis_url, decode_responses=True, socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s, health_check_interval=0, max_connections=256,
+            )
         self._cas = self.redis.register_script(_CAS)
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
@@ -207,6 +323,28 @@ class Directory:
         self._release = self.redis.register_script(_RELEASE_SLOT)
         self._touch = self.redis.register_script(_TOUCH)
         self._delete = self.redis.register_script(_DELETE)
+        self._renew = self.redis.register_script(_RENEW)
+        self._expire = self.redis.register_script(_EXPIRE_WORKER)
+        self._set_state = self.redis.register_script(_SET_WORKER_STATE)
+        self._scripts = (self._cas, self._create, self._commit, self._claim, self._release, self._touch,
+                         self._delete, self._renew, self._expire, self._set_state)
+        self._loaded = not cluster
+
+    async def _ready(self) -> None:
+        """On a cluster, load every script on every primary once: a script queued in a cluster
+        pipeline runs as EVALSHA, which the cluster client does not reload on its own."""
+        if self._loaded:
+            return
+        for sc in self._scripts:
+            await self.redis.script_load(sc.script)  # the cluster client sends it to every primary
+        self._loaded = True
+
+    def pipeline(self, transaction: bool = False) -> Any:
+        """A pipeline. On a cluster, whose client refuses scripts in pipelines, the queued commands run
+        one after the other instead (every script's keys share one hash slot, so each stays atomic)."""
+        if self.cluster:
+            return _SequentialPipeline(self.redis)
+        return self.redis.pipeline(transaction=transaction)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -217,22 +355,28 @@ class Directory:
 
     # sessions ---------------------------------------------------------------------------------------
     @_translate
-    async def create_session(self, rec: SessionRecord) -> None:
-        """Write a new record; ``Conflict(code="session_exists")`` if the ID is taken (even if DELETED)."""
+    async def create_session(self, rec: SessionRecord) -> int:
+        """Write a new record; ``Conflict(code="session_exists")`` if the ID is taken (even if DELETED).
+
+        Returns the epoch written: ``rec.epoch``, or above the last epoch a deleted session of this ID
+        reached (epochs never repeat for an ID); ``rec.epoch`` is updated to it."""
         key = self.keys.session(rec.id)
         fields = _encode(rec.model_dump())
         flat = [x for kv in fields.items() for x in kv]
         # one round trip: the create-if-absent script and the index entries (NX: a failed create of a
         # taken ID leaves the existing entries as they are)
-        async with self.redis.pipeline(transaction=False) as p:
-            await self._create(keys=[key], args=flat, client=p)
+        await self._ready()
+        async with self.pipeline() as p:
+            await self._create(keys=[key, self.keys.session_epoch_floor(rec.id)], args=flat, client=p)
             p.zadd(self.keys.sessions_index, {rec.id: rec.createdAt}, nx=True)
             if rec.state in TRANSITIONAL and rec.stateDeadline:
                 p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline}, nx=True)
             created = (await p.execute())[0]
-        if not created:
+        if int(created[0]) != 1:
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
+        rec.epoch = int(created[1])
         await self._count_states(None, rec.state.value)
+        return rec.epoch
 
     @_translate
     async def get_session(self, sid: str) -> SessionRecord:
@@ -276,7 +420,8 @@ class Directory:
         # The deadline index (another hash slot) rides in the same round trip, optimistically: if the CAS
         # fails, the index may be off for this session; the record's own ``stateDeadline`` is the truth
         # and the state manager's repair scan rolls any session past it.
-        async with self.redis.pipeline(transaction=False) as p:
+        await self._ready()
+        async with self.pipeline() as p:
             await self._cas(keys=[self.keys.session(sid)], args=[json.dumps(args)], client=p)
             if to is not None and to in TRANSITIONAL and "stateDeadline" in fields:
                 p.zadd(self.keys.deadlines, {sid: fields["stateDeadline"]})
@@ -293,13 +438,15 @@ class Directory:
     async def commit_snapshot(self, sid: str, *, epoch: int, ref: SnapshotRef,
                               states: Iterable[SessionState] = (SessionState.RUNNING, SessionState.SUSPENDING),
                               to: SessionState | None = None, set: dict[str, Any] | None = None,
-                              unset: Iterable[str] = ()) -> tuple[bool, SnapshotRef | None]:
+                              unset: Iterable[str] = (), retention: int = 2) -> tuple[bool, list[str]]:
         """Point the session at snapshot ``ref`` if it still carries ``epoch`` (and is in ``states``).
 
-        Returns ``(committed, dropped)`` where ``dropped`` is the snapshot that fell out of the
-        two-deep (snapshot, previousSnapshot) window and may be garbage-collected.
+        Returns ``(committed, dropped)``: ``dropped`` are the object keys of committed snapshots beyond
+        the newest ``retention`` (``snapshot.retention``, at least 1), to be deleted from the store.
+        With retention 1 ``previousSnapshot`` is cleared, as its object goes.
         """
-        args: dict[str, Any] = {"epoch": epoch, "states": [s.value for s in states],
+        args: dict[str, Any] = {"epoch": epoch, "states": [s.value for s in states], "key": ref.key,
+                                "createdAt": ref.createdAt, "retention": retention,
                                 "ref": ref.model_dump_json(), "now": repr(time.time())}
         dels = list(unset)
         if to is not None:
@@ -310,35 +457,38 @@ class Directory:
             args["set"] = _encode(set)
         if dels:
             args["del"] = dels
-        res = await self._commit(keys=[self.keys.session(sid)], args=[json.dumps(args)])
+        await self._ready()
+        res = await self._commit(keys=[self.keys.session(sid), self.keys.session_snapshots(sid)],
+                                 args=[json.dumps(args)])
         if res[0] != 1:
-            return False, None
+            return False, []
         if to is not None and to not in TRANSITIONAL:
             await self.redis.zrem(self.keys.deadlines, sid)
-        if to is not None and len(res) > 2 and res[2] != to.value:
-            await self._count_states(res[2], to.value)
-        dropped = SnapshotRef.model_validate_json(res[1]) if res[1] else None
-        return True, dropped
+        if to is not None and res[1] != to.value:
+            await self._count_states(res[1], to.value)
+        return True, [str(k) for k in res[2:]]
 
     @_translate
-    async def set_fields(self, sid: str, fields: dict[str, Any]) -> None:
-        """Unconditional write of non-lifecycle fields (e.g. ``lastActiveAt``) of an existing record."""
-        key = self.keys.session(sid)
-        async with self.redis.pipeline(transaction=True) as p:
-            p.exists(key)
-            p.hset(key, mapping=_encode(fields))
-            exists, _ = await p.execute()
-        if not exists:
-            await self.redis.delete(key)
+    async def forget_snapshot(self, sid: str, key: str) -> None:
+        """Drop ``key`` from the session's committed set (a corrupt snapshot: the sweep may delete it)."""
+        await self.redis.zrem(self.keys.session_snapshots(sid), key)
+
+    @_translate
+    async def committed_snapshots(self, sid: str) -> list[str]:
+        """Object keys of the session's committed snapshots still kept (oldest first)."""
+        return list(await self.redis.zrange(self.keys.session_snapshots(sid), 0, -1))
 
     @_translate
     async def delete_session(self, sid: str) -> None:
-        """Remove the record and its index entries (idempotent)."""
-        async with self.redis.pipeline(transaction=False) as p:
-            await self._delete(keys=[self.keys.session(sid)], client=p)
+        """Remove the record and its index entries (idempotent). The epoch it reached stays behind as
+        the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``)."""
+        await self._ready()
+        async with self.pipeline() as p:
+            await self._delete(keys=[self.keys.session(sid), self.keys.session_epoch_floor(sid),
+                                     self.keys.session_snapshots(sid)], args=[self.epoch_floor_ttl_s], client=p)
             p.zrem(self.keys.sessions_index, sid)
             p.zrem(self.keys.deadlines, sid)
-            prev = (await p.execute())[0]
+            prev = (await p.execute())[0][1]
         if prev:
             await self._count_states(prev, None)
 
@@ -347,7 +497,8 @@ class Directory:
         """Records for ``sids`` in order, skipping missing ones (one pipelined round trip)."""
         if not sids:
             return []
-        async with self.redis.pipeline(transaction=False) as p:
+        await self._ready()
+        async with self.pipeline() as p:
             for sid in sids:
                 p.hgetall(self.keys.session(sid))
             raws = await p.execute()
@@ -386,7 +537,8 @@ class Directory:
         return items, (pos if pos < total else None)
 
     async def _get_sessions_aligned(self, sids: list[str]) -> list[SessionRecord | None]:
-        async with self.redis.pipeline(transaction=False) as p:
+        await self._ready()
+        async with self.pipeline() as p:
             for sid in sids:
                 p.hgetall(self.keys.session(sid))
             raws = await p.execute()
@@ -413,7 +565,8 @@ class Directory:
         """Add or refresh a worker record and its lease."""
         fields = {k: str(v.value if hasattr(v, "value") else v) for k, v in rec.model_dump().items()
                   if v is not None and k != "freeSlots"}
-        async with self.redis.pipeline(transaction=False) as p:
+        await self._ready()
+        async with self.pipeline() as p:
             p.hset(self.keys.worker(rec.id), mapping=fields)
             p.zadd(self.keys.workers_index, {rec.id: rec.leaseExpiresAt})
             await p.execute()
@@ -422,18 +575,17 @@ class Directory:
     async def heartbeat(self, wid: str, lease_expires_at: float,
                         last_active: dict[str, float] | None = None, turns: dict[str, int] | None = None,
                         active_slots: int | None = None) -> bool:
-        """Renew a worker's lease and record its sessions' last activity (s since epoch) and the number
-        of turns each ran since the last heartbeat (added to ``turns``).
+        """Renew a worker's lease (one atomic script that renews only an existing record) and record its
+        sessions' last activity (s since epoch) and the turns each ran since the last heartbeat.
 
         Returns False if the worker record is gone (it was declared dead: the worker must stop serving).
         """
-        key = self.keys.worker(wid)
-        if not await self.redis.exists(key):
+        await self._ready()
+        alive = await self._renew(keys=[self.keys.worker(wid)],
+                                  args=[repr(lease_expires_at), "" if active_slots is None else active_slots])
+        if not alive:
             return False
-        async with self.redis.pipeline(transaction=False) as p:
-            p.hset(key, "leaseExpiresAt", repr(lease_expires_at))
-            if active_slots is not None:
-                p.hset(key, "activeSlots", active_slots)
+        async with self.pipeline() as p:
             p.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
             turns = turns or {}
             for sid, ts in (last_active or {}).items():
@@ -443,18 +595,31 @@ class Directory:
         return True
 
     @_translate
-    async def set_worker_state(self, wid: str, state: WorkerState) -> None:
-        await self.redis.hset(self.keys.worker(wid), "state", state.value)
+    async def set_worker_state(self, wid: str, state: WorkerState) -> bool:
+        """Set an existing worker's state (never creates a record). Returns whether it exists."""
+        await self._ready()
+        return bool(await self._set_state(keys=[self.keys.worker(wid)], args=[state.value]))
 
     @_translate
     async def deregister_worker(self, wid: str) -> dict[int, str]:
-        """Remove a worker; returns its slot table (slot -> session) as it was, for recovery."""
-        slots = await self.redis.hgetall(self.keys.worker_slots(wid))
-        async with self.redis.pipeline(transaction=False) as p:
-            p.delete(self.keys.worker(wid), self.keys.worker_slots(wid))
-            p.zrem(self.keys.workers_index, wid)
-            await p.execute()
-        return {int(k): v for k, v in slots.items()}
+        """Remove a worker unconditionally (it is stopping, or its process is known to be gone);
+        returns its slot table (slot -> session) as it was, for recovery."""
+        return await self.expire_worker(wid, force=True) or {}
+
+    @_translate
+    async def expire_worker(self, wid: str, *, grace_s: float = 0.0, force: bool = False,
+                            now: float | None = None) -> dict[int, str] | None:
+        """Remove worker ``wid`` if its lease expired more than ``grace_s`` ago (or ``force``), in one
+        atomic step with reading its slot table. Returns that table (slot -> session) if removed, None
+        if the lease is still valid (death is decided by lease expiry, never by one failed call)."""
+        await self._ready()
+        res = await self._expire(keys=[self.keys.worker(wid), self.keys.worker_slots(wid)],
+                                 args=[repr(now or time.time()), repr(grace_s), "1" if force else "0"])
+        if int(res[0]) != 1:
+            return None
+        await self.redis.zrem(self.keys.workers_index, wid)
+        flat = res[1:]
+        return {int(flat[i]): str(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     @_translate
     async def list_workers(self) -> list[WorkerRecord]:
@@ -462,7 +627,8 @@ class Directory:
         wids = await self.redis.zrange(self.keys.workers_index, 0, -1)
         if not wids:
             return []
-        async with self.redis.pipeline(transaction=False) as p:
+        await self._ready()
+        async with self.pipeline() as p:
             for wid in wids:
                 p.hgetall(self.keys.worker(wid))
                 p.hlen(self.keys.worker_slots(wid))
@@ -512,7 +678,7 @@ class Directory:
         """Add to the cumulative cost integrals: worker-seconds (worker processes), slot-seconds
         (provisioned slots x time) and process-seconds (every process kept for sessions: workers and the
         zygote that forks them)."""
-        async with self.redis.pipeline(transaction=False) as p:
+        async with self.pipeline() as p:
             p.hincrbyfloat(self.keys.stats, "workerSeconds", worker_s)
             p.hincrbyfloat(self.keys.stats, "slotSeconds", slot_s)
             p.hincrbyfloat(self.keys.stats, "processSeconds", process_s)
@@ -526,7 +692,7 @@ class Directory:
     async def _count_states(self, from_state: str | None, to_state: str | None) -> None:
         """Move one session between state counters (a second round trip beside the atomic step, like
         the indexes: derived data that :meth:`reconcile_state_counts` repairs; DELETED is not counted)."""
-        async with self.redis.pipeline(transaction=False) as p:
+        async with self.pipeline() as p:
             if from_state and from_state != SessionState.DELETED.value:
                 p.hincrby(self.keys.state_counts, from_state, -1)
             if to_state and to_state != SessionState.DELETED.value:

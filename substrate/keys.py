@@ -26,6 +26,15 @@ class Keys:
         """Pub/sub channel: state changes of one session (wakes parked requests in other routers)."""
         return f"{self.prefix}:{{{sid}}}:events"
 
+    def session_epoch_floor(self, sid: str) -> str:
+        """String: the last epoch a deleted session of this ID reached (a tombstone with a TTL), so a
+        re-created session starts above it: epochs never repeat for an ID while a zombie may live."""
+        return f"{self.prefix}:{{{sid}}}:epochfloor"
+
+    def session_snapshots(self, sid: str) -> str:
+        """Sorted set: committed snapshot refs (JSON) -> createdAt (s), the newest ``retention`` kept."""
+        return f"{self.prefix}:{{{sid}}}:snapshots"
+
     @property
     def sessions_index(self) -> str:
         """Sorted set: session id -> createdAt (s). Listing and pagination."""

@@ -171,6 +171,8 @@ class Autoscaling(BaseModel):
     maxReplicas: int = Field(10, ge=1)
     #: percent of slots busy the autoscaler aims for
     targetUtilization: int = Field(70, ge=1, le=100)
+    #: HPA metrics (autoscaling/v2 MetricSpec): when set, a HorizontalPodAutoscaler drives /scale instead
+    metrics: list[dict[str, Any]] | None = None
 
 
 class WarmPool(BaseModel):
@@ -189,6 +191,37 @@ class WorkerPoolSpec(BaseModel):
     warmPool: WarmPool | None = None
     snapshotStorage: str | None = None
     resourceClaims: list[dict[str, Any]] = Field(default_factory=list)
+    #: GPUs by attributes, compiled to a DRA ResourceClaimTemplate (``substrate.k8s.dra``): count,
+    #: minMemory, product, architecture, minComputeCapability, migProfile, deviceClassName, gang
+    accelerators: dict[str, Any] | None = None
+
+    @field_validator("accelerators")
+    @classmethod
+    def _acc(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from substrate.k8s.dra import validate_accelerators
+
+            validate_accelerators(v)
+        return v
+
+    @field_validator("snapshotStorage")
+    @classmethod
+    def _storage(cls, v: str | None) -> str | None:
+        if v is not None:
+            from substrate.k8s.snapshot_uri import parse_storage_uri
+
+            parse_storage_uri(v)
+        return v
+
+    @field_validator("resourceClaims")
+    @classmethod
+    def _claims(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for c in v:
+            refs = [k for k in ("resourceClaimName", "resourceClaimTemplateName") if c.get(k)]
+            if not c.get("name") or len(refs) != 1:
+                raise ValueError("each resourceClaims entry needs a name and exactly one of "
+                                 "resourceClaimName / resourceClaimTemplateName")
+        return v
 
 
 class Condition(BaseModel):
@@ -204,6 +237,10 @@ class WorkerPoolStatus(BaseModel):
     readyReplicas: int = 0
     slots: int = 0
     freeSlots: int = 0
+    #: free slots on READY workers (what a wake can use now)
+    availableSlots: int = 0
+    #: label selector of the worker Pods in string form (the /scale subresource reads it)
+    selector: str = ""
     observedGeneration: int = 0
     conditions: list[Condition] = Field(default_factory=list)
 

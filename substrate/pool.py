@@ -34,6 +34,7 @@ import collections
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -91,7 +92,7 @@ class PoolPlan:
 def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
     """Workers wanted for ``busy`` slots in use or wanted (see the module docstring)."""
     a = spec.autoscaling
-    if a is None:
+    if a is None or a.metrics:  # with HPA metrics, the HPA writes spec.replicas through /scale
         return spec.replicas
     s = spec.slots
     by_util = math.ceil(busy * 100 / (s * a.targetUtilization)) if busy else 0
@@ -184,9 +185,11 @@ class Backend(Protocol):
 class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
     conditions: list[Condition] = field(default_factory=list)
-    desired: SlidingWindow | None = None  # desired replicas over the scale-down window
+    desired_window: SlidingWindow | None = None  # desired replicas over the scale-down window
     arrivals: SlidingWindow | None = None  # cumulative activations over the forecast window
     lead_time_s: float | None = None  # EWMA of create -> READY
+    #: the last plan's desired worker count
+    desired: int = 0
 
 
 class PoolController:
@@ -207,10 +210,9 @@ class PoolController:
         self._task: asyncio.Task[None] | None = None
         self._draining: set[str] = set()
         self._last_tick = time.monotonic()
-        self._seq = 0
 
     async def start(self) -> None:
-        prepare = getattr(self.backend, "prepare", None)  # optional: e.g. the local zygote, started ahead
+        prepare = getattr(self.backend, "start", None)  # optional: e.g. the local zygote, started ahead
         if callable(prepare):
             try:
                 await prepare()
@@ -222,11 +224,14 @@ class PoolController:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for wid in list(self.backend.running()):
+
+        async def stop_one(wid: str) -> None:  # graceful: the worker suspends its sessions first
             try:
                 await self.backend.delete(wid)
             except Exception:  # noqa: BLE001
                 log.warning("stopping worker failed", extra={"worker": wid}, exc_info=True)
+
+        await asyncio.gather(*(stop_one(wid) for wid in list(self.backend.running())))
         await self.backend.close()
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -239,6 +244,10 @@ class PoolController:
                 return True
             await asyncio.sleep(0.05)
         return False
+
+    def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
+        """The spec ``reconcile`` sizes against (a backend-specific controller may add surge capacity)."""
+        return pool.spec
 
     def conditions(self, pool: str) -> list[Condition]:
         return list(self._state.get(pool, _PoolState()).conditions)
@@ -287,8 +296,8 @@ class PoolController:
                               now: float) -> None:
         st = self._state.setdefault(pool.name, _PoolState())
         t = time.monotonic()
-        if st.desired is None or st.arrivals is None:
-            st.desired = SlidingWindow(self.scale_down_delay_s)
+        if st.desired_window is None or st.arrivals is None:
+            st.desired_window = SlidingWindow(self.scale_down_delay_s)
             st.arrivals = SlidingWindow(self.settings.pool.forecast_window_s)
         registered = {w.id for w in workers}
         for wid, t_created in list(st.expectations.items()):
@@ -297,34 +306,42 @@ class PoolController:
                 st.lead_time_s = took if st.lead_time_s is None else 0.8 * st.lead_time_s + 0.2 * took
             if wid in registered or wid not in running or t - t_created > self.create_timeout_s:
                 st.expectations.pop(wid)
+        # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,
+        # also after its expectation expired, so a Pod the scheduler cannot place is never re-created
+        unregistered = sum(1 for wid, p in running.items()
+                           if p == pool.name and wid not in registered and wid not in st.expectations)
         act = self.activator
         st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0)))
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
-            starting=len(st.expectations),
+            starting=len(st.expectations) + unregistered,
             waiting=int(getattr(act, "waiting_by_pool", {}).get(pool.name, 0)),
             in_flight=int(getattr(act, "in_flight_by_pool", {}).get(pool.name, 0)),
             arrival_rate_per_s=st.arrivals.rate(),
             lead_time_s=st.lead_time_s if st.lead_time_s is not None else self.settings.pool.lead_time_s)
-        recent = st.desired.max()
-        plan = reconcile(pool.spec, replace(obs, recent_desired=None if recent is None else int(recent)))
-        st.desired.add(t, float(desired_replicas(pool.spec, plan.need)))
+        spec = self.effective_spec(pool)
+        recent = st.desired_window.max()
+        plan = reconcile(spec, replace(obs, recent_desired=None if recent is None else int(recent)))
+        st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
+        st.desired = plan.desired
         if plan.create or plan.drain:
             log.info("pool scaling", extra={"pool": pool.name, "desired": plan.desired, "need": plan.need,
                                             "create": plan.create, "drain": list(plan.drain),
                                             "waiting": obs.waiting, "inFlight": obs.in_flight,
                                             "ratePerS": round(obs.arrival_rate_per_s, 2)})
         for _ in range(plan.create):
-            self._seq += 1
-            wid = f"{pool.name}-{int(time.time()) % 100000:05d}-{self._seq}"
+            # unique across processes and hosts: two runtimes sharing one Redis never share a worker ID
+            wid = f"{pool.name}-{uuid.uuid4().hex[:12]}"
             st.expectations[wid] = time.monotonic()
+            self._publish_starting(pool.name, st)
             try:
                 await self.backend.create(pool, wid)
             except Exception:  # noqa: BLE001
                 st.expectations.pop(wid, None)
                 log.warning("worker create failed", extra={"pool": pool.name}, exc_info=True)
+        self._publish_starting(pool.name, st)
         for wid in plan.drain:
             if wid not in self._draining:
                 self._draining.add(wid)
@@ -352,11 +369,20 @@ class PoolController:
                       reason=plan.reason),
         ]
 
+    def _publish_starting(self, pool: str, st: _PoolState) -> None:
+        """Tell this process's placements a worker is starting for ``pool`` (they wait for it rather
+        than answer ``no_capacity``: capacity never refuses what it is creating)."""
+        starting = getattr(self.activator, "starting", None)
+        if isinstance(starting, dict):
+            starting[pool] = len(st.expectations)
+
     async def _drain(self, wid: str) -> None:
         """Mark DRAINING, suspend every session on the worker, then stop it (invariant 6)."""
         try:
             await self.directory.set_worker_state(wid, WorkerState.DRAINING)
-            for _ in range(100):
+            # sessions still starting or resuming there settle (or roll back at their deadline) first
+            deadline = time.monotonic() + self.settings.state.transition_deadline_s + 20
+            while time.monotonic() < deadline:
                 sids = list((await self.directory.worker_slots(wid)).values())
                 if not sids:
                     break

@@ -7,14 +7,22 @@ objects). Errors name the file, document index and field.
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from substrate.errors import InvalidInput
-from substrate.models import ActorTemplate, WorkerPool
+from substrate.models import API_GROUP, API_VERSION, ActorTemplate, WorkerPool
+
+log = logging.getLogger(__name__)
+
+#: the API group the seed article (002) uses; documents in it load with a warning per translated field
+SEED_GROUPS = {"substrate.agent.google.com"}
 
 
 class SpecError(InvalidInput):
@@ -27,6 +35,8 @@ class Catalog:
 
     templates: dict[str, ActorTemplate] = field(default_factory=dict)
     pools: dict[str, WorkerPool] = field(default_factory=dict)
+    #: what loading translated or ignored, one sentence each (also logged)
+    warnings: list[str] = field(default_factory=list)
 
     def template(self, name: str) -> ActorTemplate:
         """The template called ``name``; ``InvalidInput(code="unknown_template")`` if none."""
@@ -55,24 +65,214 @@ class Catalog:
             self.pool_for(t)
 
 
-def load_documents(docs: list[dict], source: str = "<memory>") -> Catalog:
-    """Build a catalog from already-parsed YAML documents. Raises ``SpecError``."""
+def _quantity(where: str, value: Any) -> None:
+    from kubernetes.utils.quantity import parse_quantity  # lazy: importing kubernetes costs ~1 s
+
+    try:
+        parse_quantity(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"{where}: {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)") from None
+
+
+def _check_pod_spec(spec: dict[str, Any], seed: bool, warn: list[str]) -> None:
+    """Typos that Kubernetes would reject, and quantities, in a pool's ``spec.template.spec``."""
+    if "runtimeClass" in spec:
+        if not seed:
+            raise ValueError("spec.template.spec.runtimeClass is not a Pod field: did you mean runtimeClassName?")
+        spec["runtimeClassName"] = spec.pop("runtimeClass")
+        warn.append("spec.template.spec.runtimeClass is not a Pod field: did you mean runtimeClassName? "
+                    f"(used as runtimeClassName: {spec['runtimeClassName']!r})")
+    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        for kind in ("limits", "requests"):
+            for res, q in ((c.get("resources") or {}).get(kind) or {}).items():
+                _quantity(f"container {c.get('name')!r} resources.{kind}.{res}", q)
+
+
+def normalize(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Map a WorkerPool/ActorTemplate document onto our schema: (document, warnings).
+
+    * ``apiVersion`` ``substrate.agent.dev/v1`` is ours; the seed's ``substrate.agent.google.com/v1`` maps to
+      it with a warning, and so do the seed's spellings below; anything else is refused.
+    * WorkerPool: ``template.spec.runtimeClass`` -> refused in our group ("did you mean runtimeClassName"),
+      translated with a warning in the seed's; ``resourceClaims[].source`` (v1alpha2 shape) is flattened;
+      ``autoscaling.metrics`` is handed to a HorizontalPodAutoscaler the controller creates (the built-in
+      autoscaler then steps aside); ``spec.replicas`` next to ``spec.autoscaling`` (without metrics) is
+      ignored with a warning; quantities are parsed.
+    * ActorTemplate: ``isolation.maxCpu``/``maxMemory`` are parsed as quantities; a
+      ``stateManagement.snapshotStorage`` is recorded with a warning (sessions are stored where their pool's
+      workers store them).
+    Raises ``ValueError`` naming the field.
+    """
+    doc = copy.deepcopy(doc)
+    warn: list[str] = []
+    kind = doc.get("kind")
+    api_version = str(doc.get("apiVersion") or API_VERSION)
+    group, _, version = api_version.rpartition("/")
+    seed = group in SEED_GROUPS
+    if seed:
+        warn.append(f"apiVersion {api_version} mapped to {API_GROUP}/{version}")
+        doc["apiVersion"] = f"{API_GROUP}/{version}"
+    elif group != API_GROUP:
+        raise ValueError(f"apiVersion {api_version!r}: use {API_VERSION}")
+    if version != "v1":
+        raise ValueError(f"apiVersion {api_version!r}: only version v1 exists")
+    spec = doc.get("spec") or {}
+    if kind == "WorkerPool":
+        tpl_spec = (spec.get("template") or {}).get("spec")
+        if isinstance(tpl_spec, dict):
+            _check_pod_spec(tpl_spec, seed, warn)
+        pod_claims = (tpl_spec or {}).get("resourceClaims") if isinstance(tpl_spec, dict) else None
+        for where, claims in (("spec.resourceClaims", spec.get("resourceClaims")),
+                              ("spec.template.spec.resourceClaims", pod_claims)):
+            for c in claims or []:
+                src = c.pop("source", None) if isinstance(c, dict) else None
+                if src:
+                    c.update(src)
+                    warn.append(f"{where}[{c.get('name')}].source is the removed v1alpha2 shape: "
+                                f"flattened to {', '.join(sorted(src))}")
+        auto = spec.get("autoscaling")
+        if isinstance(auto, dict):
+            if auto.get("metrics"):
+                warn.append("autoscaling.metrics: the pool is scaled by a HorizontalPodAutoscaler the controller "
+                            "creates with these metrics (through /scale); the built-in slot autoscaler steps aside")
+            elif "replicas" in spec:
+                warn.append(f"spec.replicas ({spec['replicas']}) is ignored while spec.autoscaling is set: the "
+                            "autoscaler keeps the pool between minReplicas and maxReplicas")
+    elif kind == "ActorTemplate":
+        iso = spec.get("isolation") or {}
+        for f in ("maxCpu", "maxMemory"):
+            if iso.get(f) is not None:
+                _quantity(f"spec.isolation.{f}", iso[f])
+        sm = spec.get("stateManagement") or {}
+        if sm.get("snapshotStorage"):
+            from substrate.k8s.snapshot_uri import parse_storage_uri
+
+            parse_storage_uri(sm["snapshotStorage"])
+            warn.append("stateManagement.snapshotStorage is not applied per template: sessions are stored in their "
+                        "WorkerPool's snapshotStorage (or the runtime's store)")
+    return doc, warn
+
+
+def _v1alpha2_claims(docs: list[Any], source: str) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """Seed ``resource.k8s.io/v1alpha2`` ResourceClaims among ``docs``: name -> (accelerators, notes)."""
+    from substrate.k8s.dra import translate_v1alpha2_claim
+
+    out = {}
+    for i, d in enumerate(docs):
+        if isinstance(d, dict) and d.get("apiVersion") == "resource.k8s.io/v1alpha2" and d.get("kind") == "ResourceClaim":
+            try:
+                out[(d.get("metadata") or {}).get("name")] = translate_v1alpha2_claim(d)
+            except ValueError as e:
+                raise SpecError(f"{source} document {i} (ResourceClaim v1alpha2): {e}") from e
+    return out
+
+
+def _use_v1alpha2_claims(doc: dict[str, Any], claims: dict[str, tuple[dict[str, Any], list[str]]]) -> list[str]:
+    """A pool referencing a translated v1alpha2 claim gets ``spec.accelerators`` from it (each worker its own
+    claim from the compiled ResourceClaimTemplate, count kept) instead of the removed object."""
+    warn: list[str] = []
+    spec = doc.get("spec") or {}
+    tpl_spec = (spec.get("template") or {}).get("spec") or {}
+    for holder in (spec, tpl_spec):
+        kept = []
+        for c in holder.get("resourceClaims") or []:
+            name = c.get("resourceClaimName")
+            if name in claims:
+                acc, notes = claims[name]
+                spec["accelerators"] = dict(acc)
+                warn += notes
+                warn.append(f"resourceClaims[{c.get('name')}] -> spec.accelerators {acc} (one claim per worker Pod)")
+                for ctr in tpl_spec.get("containers") or []:
+                    rc = (ctr.get("resources") or {}).get("claims")
+                    if rc:
+                        ctr["resources"]["claims"] = [x for x in rc if x.get("name") != c.get("name")]
+            else:
+                kept.append(c)
+        if "resourceClaims" in holder:
+            holder["resourceClaims"] = kept
+    return warn
+
+
+def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: bool = True) -> Catalog:
+    """Build a catalog from already-parsed YAML documents. Raises ``SpecError``; translations and
+    ignored fields are in ``Catalog.warnings`` (see ``normalize``), also logged unless ``log_warnings``
+    is false."""
     cat = Catalog()
+    v1alpha2 = _v1alpha2_claims(docs, source)
     for i, doc in enumerate(docs):
         if not isinstance(doc, dict):
             continue
         kind = doc.get("kind")
+        if kind not in ("ActorTemplate", "WorkerPool"):
+            continue
         try:
+            doc, warns = normalize(doc)
+            if kind == "WorkerPool" and v1alpha2:
+                warns += _use_v1alpha2_claims(doc, v1alpha2)
             if kind == "ActorTemplate":
                 t = ActorTemplate.model_validate(doc)
                 cat.templates[t.name] = t
-            elif kind == "WorkerPool":
+            else:
                 p = WorkerPool.model_validate(doc)
                 cat.pools[p.name] = p
         except ValidationError as e:
             errs = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
             raise SpecError(f"{source} document {i} ({kind}): {errs}") from e
+        except ValueError as e:
+            raise SpecError(f"{source} document {i} ({kind}): {e}") from e
+        name = (doc.get("metadata") or {}).get("name")
+        for w in warns:
+            msg = f"{source} {kind} {name}: {w}"
+            cat.warnings.append(msg)
+            if log_warnings:
+                log.warning(msg)
     return cat
+
+
+def _clean(doc: dict[str, Any]) -> dict[str, Any]:
+    """Drop what the API server fills in (generation) and empty collections from a dumped document."""
+    doc["metadata"].pop("generation", None)
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if v not in ({}, [], None)}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return strip(doc)
+
+
+def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[dict[str, Any]], list[str]]:
+    """Documents as our API server takes them (``substrate convert``): WorkerPools/ActorTemplates
+    normalised (seed spellings translated), v1alpha2 ResourceClasses -> v1 DeviceClasses, v1alpha2
+    ResourceClaims folded into the pools that use them (``spec.accelerators``), other kinds unchanged.
+    Returns (documents, warnings). Raises ``SpecError``."""
+    from substrate.k8s.dra import translate_v1alpha2_class
+
+    cat = load_documents(docs, source)
+    out: list[dict[str, Any]] = []
+    warnings = list(cat.warnings)
+    for d in docs:
+        if not isinstance(d, dict):
+            continue
+        kind, api = d.get("kind"), d.get("apiVersion")
+        name = (d.get("metadata") or {}).get("name")
+        if kind in ("WorkerPool", "ActorTemplate"):
+            obj = (cat.pools if kind == "WorkerPool" else cat.templates)[name]
+            out.append(_clean(obj.model_dump(mode="json", exclude={"status"}, exclude_none=True)))
+        elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClass":
+            try:
+                out.append(translate_v1alpha2_class(d))
+            except ValueError as e:
+                raise SpecError(f"{source} ResourceClass {name}: {e}") from e
+            warnings.append(f"{source} ResourceClass {name}: v1alpha2 -> resource.k8s.io/v1 DeviceClass "
+                            f"(parameters {sorted((d.get('parameters') or {}))} have no v1 meaning and are dropped)")
+        elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClaim":
+            continue  # folded into the pools that reference it (see _use_v1alpha2_claims)
+        else:
+            out.append(d)
+    return out, warnings
 
 
 def load_catalog(path: Path | str) -> Catalog:
@@ -90,6 +290,7 @@ def load_catalog(path: Path | str) -> Catalog:
         part = load_documents(docs, str(f))
         cat.templates.update(part.templates)
         cat.pools.update(part.pools)
+        cat.warnings += part.warnings
     if not cat.templates:
         raise SpecError(f"no ActorTemplate found in {path}")
     cat.validate()

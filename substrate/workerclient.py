@@ -17,6 +17,7 @@ from substrate.models import ActorTemplate, SnapshotRef
 
 EPOCH_HEADER = "X-Substrate-Epoch"
 TOKEN_HEADER = "X-Substrate-Internal-Token"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 _BY_CODE: dict[str, type[E.SubstrateError]] = {
     "stale_epoch": E.StaleEpoch, "not_active": E.NotFound, "snapshot_corrupt": E.SnapshotCorrupt,
@@ -78,13 +79,15 @@ class WorkerClient:
                                       f"{e.__class__.__name__}: {e}") from e
 
     async def activate(self, address: str, *, session: str, epoch: int, template: ActorTemplate, slot: int,
-                       env: dict[str, str], snapshot: SnapshotRef | None) -> dict[str, Any]:
-        """Start or restore an activation. Raises SnapshotCorrupt, StoreUnavailable, NoCapacity,
-        StaleEpoch, WorkerUnavailable."""
+                       env: dict[str, str], snapshot: SnapshotRef | None,
+                       restored: str | None = None) -> dict[str, Any]:
+        """Start or restore an activation. ``restored``: why older state comes back (``worker_lost``
+        ...), sent on every answer of the activation as ``X-Substrate-Restored``. Raises SnapshotCorrupt,
+        StoreUnavailable, NoCapacity, StaleEpoch, WorkerUnavailable."""
         return await self._call("POST", f"{address}/v1/activations", json_body={
             "session": session, "epoch": epoch, "template": template.name,
             "spec": template.spec.model_dump(mode="json", exclude_none=True), "slot": slot, "env": env,
-            "snapshot": snapshot.model_dump() if snapshot else None})
+            "snapshot": snapshot.model_dump() if snapshot else None, "restored": restored})
 
     async def suspend(self, address: str, session: str, epoch: int, *, idle_s: float | None = None
                       ) -> SnapshotRef:

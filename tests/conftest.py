@@ -25,7 +25,7 @@ from substrate.client import SubstrateClient
 from substrate.embedded import EmbeddedRedis
 from substrate.keys import Keys
 
-pytest_plugins = ["tests.integration.conftest_s3"]
+pytest_plugins = ["tests.integration.conftest_s3", "tests.redis_cluster"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,21 +95,23 @@ class RuntimeProc:
 
     def __init__(self, tmp: Path, redis_url: str, *, replicas: int = 2, slots: int = 8,
                  snapshot_interval: str = "0", max_idle: str = "0", extra_yaml: str = "",
-                 env: dict[str, str] | None = None, pool_yaml: str | None = None) -> None:
-        self.prefix = f"t{uuid.uuid4().hex[:10]}"
-        self.internal_token = uuid.uuid4().hex
+                 env: dict[str, str] | None = None, pool_yaml: str | None = None,
+                 share_with: "RuntimeProc | None" = None, wait_workers: bool = True) -> None:
+        # ``share_with``: a second router process of the same deployment (same prefix, token, store)
+        self.prefix = share_with.prefix if share_with else f"t{uuid.uuid4().hex[:10]}"
+        self.internal_token = share_with.internal_token if share_with else uuid.uuid4().hex
         #: headers a direct call to a worker needs (the control plane's shared secret)
         self.worker_headers = {"X-Substrate-Internal-Token": self.internal_token}
         self.keys = Keys(self.prefix)
         self.redis_url = redis_url
-        cfg = tmp / f"config-{self.prefix}"
+        cfg = tmp / f"config-{self.prefix}-{uuid.uuid4().hex[:6]}"
         cfg.mkdir(parents=True)
         (cfg / "pool.yaml").write_text(pool_yaml or POOL_YAML.format(replicas=replicas, slots=slots))
         (cfg / "templates.yaml").write_text(TEMPLATES_YAML.format(
             snapshot_interval=snapshot_interval, max_idle=max_idle, python=sys.executable) + extra_yaml)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.var = tmp / f"var-{self.prefix}"
+        self.var = share_with.var if share_with else tmp / f"var-{self.prefix}"
         self.env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
                     "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_WORKER__ROOT_DIR": str(self.var / "workers"),
                     "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
@@ -117,22 +119,40 @@ class RuntimeProc:
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
                     "SUBSTRATE_WORKER__INTERNAL_TOKEN": self.internal_token,
                     **(env or {})}
-        self.log = open(tmp / f"runtime-{self.prefix}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
-                                     env=self.env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = open(tmp / f"runtime-{self.prefix}-{self.port}.log", "wb")  # noqa: SIM115
+        self.proc = self._spawn()
         self.client = SubstrateClient(self.url, timeout_s=30)
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        if redis_url.startswith("redis+cluster://"):
+            from redis.cluster import RedisCluster
+
+            self.r = RedisCluster.from_url(redis_url.replace("redis+cluster://", "redis://", 1),
+                                           decode_responses=True)
+        else:
+            self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.replicas = replicas
+        self.shared = share_with is not None
+        self._wait_ready(workers=wait_workers)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
+                                env=self.env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self, *, sig: int = signal.SIGINT) -> None:
+        """Stop the process the way a user does (Ctrl-C = SIGINT) and start it again on the same
+        port, prefix, data folders and config; the directory is kept."""
+        self.proc.send_signal(sig)
+        self.proc.wait(60)
+        self.proc = self._spawn()
         self._wait_ready()
 
-    def _wait_ready(self, timeout_s: float = 60) -> None:
+    def _wait_ready(self, timeout_s: float = 60, workers: bool = True) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"runtime exited: {self.logs()[-3000:]}")
             try:
                 if httpx.get(self.url + "/readyz", timeout=1).status_code == 200 and \
-                        len(self.workers()) >= self.replicas:
+                        (not workers or len(self.workers()) >= self.replicas):
                     return
             except httpx.HTTPError:
                 pass
@@ -186,8 +206,9 @@ class RuntimeProc:
                 self.proc.kill()
                 self.proc.wait()
         # everything it started must be gone: no worker process outlives the runtime
-        for key in self.r.scan_iter(f"{self.prefix}:*", count=1000):
-            self.r.delete(key)
+        if not self.shared:
+            for key in self.r.scan_iter(f"{self.prefix}:*", count=1000):
+                self.r.delete(key)
         self.log.close()
 
 
@@ -215,3 +236,62 @@ def shared_runtime(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> 
 
 def dedent(s: str) -> str:
     return textwrap.dedent(s)
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def directory_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The directory suite runs twice: on the standalone Redis and on a local three-master Redis Cluster."""
+    if request.param == "cluster":
+        return str(request.getfixturevalue("redis_cluster_url"))
+    return redis_url
+
+
+@pytest.fixture
+def moto_proc(tmp_path: Path) -> Iterator["MotoProc"]:
+    """A moto S3 server in its own process (so a test can freeze it with SIGSTOP)."""
+    m = MotoProc(tmp_path)
+    yield m
+    m.stop()
+
+
+class MotoProc:
+    """``python -m moto.server`` on a free loopback port; ``freeze()``/``thaw()`` send SIGSTOP/SIGCONT."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / f"moto-{self.port}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(self.url, timeout=1)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("moto server did not start")
+
+    def env(self) -> dict[str, str]:
+        """Runtime settings that put snapshots in a fresh bucket of this server."""
+        return {"SUBSTRATE_SNAPSHOT__STORE": "s3", "SUBSTRATE_SNAPSHOT__ENDPOINT_URL": self.url,
+                "SUBSTRATE_SNAPSHOT__BUCKET": f"b-{uuid.uuid4().hex[:10]}", "SUBSTRATE_SNAPSHOT__REGION": "us-east-1",
+                "SUBSTRATE_SNAPSHOT__ACCESS_KEY_ID": "testing", "SUBSTRATE_SNAPSHOT__SECRET_ACCESS_KEY": "testing"}
+
+    def freeze(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        try:
+            self.thaw()
+        except ProcessLookupError:
+            pass
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from typing import Any, AsyncIterator
 
 from workers.handler import Agent, AgentError, SessionContext
@@ -30,7 +31,9 @@ class CommandAgent(Agent):
 
     def __init__(self, ctx: SessionContext, argv: list[str]) -> None:
         super().__init__(ctx)
-        self.argv = argv
+        # a template that starts "python"/"python3" means this runtime's interpreter (and its packages),
+        # not whichever python is first on PATH
+        self.argv = [sys.executable, *argv[1:]] if argv and argv[0] in ("python", "python3") else list(argv)
         self.proc: asyncio.subprocess.Process | None = None
         self._state: dict[str, Any] | None = None
 

@@ -16,6 +16,19 @@ activation's gets 409 ``stale_epoch`` (DESIGN invariant 1), an unknown session 4
 The worker registers itself in the directory with a lease, renews it every ``heartbeat_s`` and reports
 its sessions' last activity there (so the router's hot path writes nothing). If its record is gone (it
 was declared dead) it stops serving and exits: its sessions may already live elsewhere.
+
+Failure handling (issue 8):
+* **Self-fencing**: the worker serves only while its own lease (as last renewed) is valid; past it every
+  call gets 503 ``worker_fenced`` (the router retries), because others may place its sessions
+  elsewhere ``lease_grace_s`` later. A renewal that succeeds again lifts the fence.
+* **Reconciliation**: every ``reconcile_s`` and after every failed transition the worker compares its
+  activations with the directory and frees any that the record does not name (worker and epoch): an
+  activation is kept or dropped by the directory's epoch, never by an error alone.
+* **Graceful stop**: SIGTERM marks the worker DRAINING and suspends every session (snapshot + commit)
+  within ``shutdown_grace_s`` before it deregisters and exits.
+* **Exactly-once turns**: a turn carries ``Idempotency-Key`` (the router sends the request ID or the
+  client's key); the answers of the last ``idempotency_keys`` keys are kept per activation and in its
+  snapshot, so a retried turn is answered again (``X-Substrate-Replayed: 1``), never run twice.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import socket
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +74,9 @@ log = logging.getLogger("substrate.worker")
 
 EPOCH_HEADER = "X-Substrate-Epoch"
 TOKEN_HEADER = "X-Substrate-Internal-Token"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: where the worker keeps its own data (the idempotency answers) inside a snapshot's state
+_STATE_KEY = "__substrate__"
 
 
 @dataclass
@@ -81,6 +98,10 @@ class Activation:
     unreported_turns: int = 0
     last_snapshot_at: float = field(default_factory=time.time)
     closing: bool = False
+    #: why this activation restored older state (``worker_lost`` ...): sent with every answer
+    restored: str | None = None
+    #: idempotency key -> (status, JSON body) of recent turns, oldest first
+    answers: "OrderedDict[str, tuple[int, str]]" = field(default_factory=OrderedDict)
 
 
 def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
@@ -106,21 +127,40 @@ class Worker:
         self.address = ""
         self.started_at = time.time()
         self._tasks: list[asyncio.Task[Any]] = []
+        #: set on SIGTERM/SIGINT or when declared dead: ``serve`` then runs ``shutdown``
         self.stopping = asyncio.Event()
+        #: set when the worker's record was found gone: its sessions may live elsewhere already
+        self.declared_dead = False
+        #: the lease as last renewed (s since epoch): the worker serves only before it
+        self.lease_expires_at = 0.0
+        self._closed = False
         self._agent_classes: dict[str, type[Agent]] = {}
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def register(self, address: str) -> None:
         self.address = address
+        lease = time.time() + self.settings.worker.lease_s
         await self.directory.register_worker(WorkerRecord(
             id=self.id, pool=self.pool, address=address, slots=self.slots, state=WorkerState.READY,
-            leaseExpiresAt=time.time() + self.settings.worker.lease_s, startedAt=self.started_at,
-            pid=os.getpid()))
+            leaseExpiresAt=lease, startedAt=self.started_at, pid=os.getpid()))
+        self.lease_expires_at = lease
         self._tasks = [asyncio.create_task(self._heartbeat_loop()),
-                       asyncio.create_task(self._periodic_snapshot_loop())]
+                       asyncio.create_task(self._periodic_snapshot_loop()),
+                       asyncio.create_task(self._reconcile_loop())]
+
+    def serving(self) -> bool:
+        """True while this worker's own lease is valid (self-fencing; see the module docstring)."""
+        return not self.declared_dead and time.time() < self.lease_expires_at
+
+    def _check_serving(self) -> None:
+        if not self.serving():
+            err = SubstrateError(f"worker {self.id} is past its lease and does not serve; retry",
+                                 code="worker_fenced", retry_after_s=1)
+            err.status = 503
+            raise err
 
     async def _heartbeat_loop(self) -> None:
-        while not self.stopping.is_set():
+        while not self._closed:
             try:
                 touched = {a.sid: a.last_active for a in self.activations.values() if a.touched}
                 turns = {a.sid: a.unreported_turns for a in self.activations.values() if a.unreported_turns}
@@ -128,8 +168,10 @@ class Worker:
                 window = self.settings.worker.active_window_s
                 active = sum(1 for a in self.activations.values()
                              if a.lock.locked() or now - a.last_active < window)
-                alive = await self.directory.heartbeat(
-                    self.id, now + self.settings.worker.lease_s, touched, turns, active)
+                lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
+                alive = await self.directory.heartbeat(self.id, lease, touched, turns, active)
+                if alive:
+                    self.lease_expires_at = lease
                 for sid in touched:
                     if sid in self.activations:
                         self.activations[sid].touched = False
@@ -138,11 +180,54 @@ class Worker:
                         self.activations[sid].unreported_turns -= n
                 if not alive:
                     log.error("worker record gone (declared dead): stopping", extra={"worker": self.id})
+                    self.declared_dead = True
                     self.stopping.set()
                     break
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("heartbeat failed", exc_info=True)
             await asyncio.sleep(self.settings.worker.heartbeat_s)
+
+    async def _reconcile_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.settings.worker.reconcile_s)
+            try:
+                await self.reconcile()
+            except Exception:  # noqa: BLE001 - a control loop never dies
+                log.warning("activation reconciliation failed", exc_info=True)
+
+    async def reconcile(self, only: str | None = None) -> list[str]:
+        """Free every activation (of ``only``, or all) the directory does not name: its record is gone,
+        or names another worker or epoch, or is no longer live. Returns the sessions freed.
+
+        Safe against activations made meanwhile: the list is taken before the records are read, and a
+        record's epoch is bumped before any activation of that epoch is made."""
+        acts = [a for a in self.activations.values() if only is None or a.sid == only]
+        if not acts:
+            return []
+        recs = await self.directory.get_sessions([a.sid for a in acts])
+        by_id = {r.id: r for r in recs}
+        freed = []
+        for act in acts:
+            rec = by_id.get(act.sid)
+            if rec is not None and rec.epoch == act.epoch and rec.worker == self.id and rec.state in (
+                    SessionState.STARTING, SessionState.RESUMING, SessionState.RUNNING, SessionState.SUSPENDING):
+                continue
+            if self.activations.get(act.sid) is not act:
+                continue
+            log.warning("freeing an activation the directory does not name", extra={
+                "session": act.sid, "epoch": act.epoch, "worker": self.id,
+                "record_epoch": rec.epoch if rec else None, "record_worker": rec.worker if rec else None})
+            await self._drop(act)
+            if rec is None or rec.worker != self.id or rec.slot != act.slot:
+                await self.directory.release_slot(self.id, act.slot, act.sid)
+            freed.append(act.sid)
+        return freed
+
+    async def _reconcile_quietly(self, sid: str) -> None:
+        try:
+            await self.reconcile(sid)
+        except Exception:  # noqa: BLE001 - the timer retries
+            log.warning("activation reconciliation failed", extra={"session": sid}, exc_info=True)
 
     async def _periodic_snapshot_loop(self) -> None:
         while not self.stopping.is_set():
@@ -160,16 +245,63 @@ class Worker:
                     log.warning("periodic snapshot failed", extra={"session": act.sid}, exc_info=True)
 
     async def shutdown(self) -> None:
-        """Stop loops, end activations (without snapshot: a drain suspends them before this), deregister."""
+        """Stop: when declared dead, drop every activation (its sessions may live elsewhere already);
+        else mark DRAINING (no new placements), suspend every session within ``shutdown_grace_s``
+        (snapshot + commit: nothing acknowledged is lost), then deregister. A session that cannot be
+        suspended in time is moved to SUSPENDED from its last snapshot, guarded by epoch and worker."""
         self.stopping.set()
+        if not self.declared_dead:
+            try:
+                await self.directory.set_worker_state(self.id, WorkerState.DRAINING)
+            except Exception:  # noqa: BLE001
+                log.warning("could not mark the worker DRAINING", exc_info=True)
+            try:
+                await asyncio.wait_for(self._suspend_all(), self.settings.worker.shutdown_grace_s)
+            except asyncio.TimeoutError:
+                log.warning("graceful stop ran out of time", extra={"worker": self.id,
+                                                                    "left": len(self.activations)})
+        self._closed = True
         for t in self._tasks:
             t.cancel()
-        for act in list(self.activations.values()):
+        left = list(self.activations.values())
+        for act in left:
             await self._drop(act)
-        try:
-            await self.directory.deregister_worker(self.id)
-        except Exception:  # noqa: BLE001
-            log.warning("deregister failed", exc_info=True)
+        if not self.declared_dead:
+            for act in left:  # not suspended in time: back from the last snapshot, and the answer says so
+                try:
+                    await self.directory.transition(
+                        act.sid, from_states=[SessionState.STARTING, SessionState.RESUMING, SessionState.RUNNING,
+                                              SessionState.SUSPENDING], epoch=act.epoch,
+                        worker=self.id, to=SessionState.SUSPENDED, bump=True,
+                        set={"reason": "worker_lost", "message": f"worker {self.id} stopped before the "
+                             "session could be suspended; state since the last snapshot is gone"},
+                        unset=("worker", "slot"))
+                except Exception:  # noqa: BLE001 - the state manager recovers it from the lease
+                    log.warning("could not release a session", extra={"session": act.sid}, exc_info=True)
+            try:
+                await self.directory.deregister_worker(self.id)
+            except Exception:  # noqa: BLE001
+                log.warning("deregister failed", exc_info=True)
+
+    async def _suspend_all(self) -> None:
+        sem = asyncio.Semaphore(4)
+
+        async def one(act: Activation) -> None:
+            async with sem:
+                for attempt in range(3):
+                    if self.activations.get(act.sid) is not act:
+                        return
+                    try:
+                        await self.suspend(act.sid, act.epoch, None)
+                        return
+                    except SubstrateError as e:
+                        if e.code in ("not_active", "stale_epoch"):
+                            return
+                        log.warning("suspend on stop failed", extra={"session": act.sid, "code": e.code,
+                                                                     "attempt": attempt})
+                        await asyncio.sleep(0.5)
+
+        await asyncio.gather(*(one(a) for a in list(self.activations.values())))
 
     # ---------------------------------------------------------------------------------- operations
     def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec) -> Agent:
@@ -201,8 +333,12 @@ class Worker:
             slot = int(body.get("slot", -1))
             env = {str(k): str(v) for k, v in (body.get("env") or {}).items()}
             ref = SnapshotRef.model_validate(body["snapshot"]) if body.get("snapshot") else None
+            restored = str(body["restored"]) if body.get("restored") else None
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"bad activation request: {e}") from e
+        if self.stopping.is_set():
+            raise NoCapacity(f"worker {self.id} is stopping")
+        self._check_serving()
         old = self.activations.get(sid)
         if old is not None:
             if old.epoch == epoch:
@@ -211,6 +347,8 @@ class Worker:
                 raise StaleEpoch(f"activation epoch {epoch} is older than {old.epoch}", details={"epoch": old.epoch})
             await self._drop(old)
         if len(self.activations) >= self.slots:
+            await self.reconcile()  # an activation left behind by a failed transition must not block
+        if len(self.activations) >= self.slots:
             raise NoCapacity(f"worker {self.id} has no free slot")
         t0 = time.perf_counter()
         workspace = self.root / "workspaces" / sid
@@ -218,8 +356,24 @@ class Worker:
             await asyncio.to_thread(shutil.rmtree, workspace, True)
         workspace.mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] | None = None
+        answers: OrderedDict[str, tuple[int, str]] = OrderedDict()
         if ref is not None:
             state = await self.snapshots.restore(sid, ref, workspace, template)
+            if isinstance(state, dict) and isinstance(state.get(_STATE_KEY), dict):
+                state = dict(state)
+                own = state.pop(_STATE_KEY)
+                for k, v in (own.get("answers") or []):
+                    answers[str(k)] = (int(v[0]), str(v[1]))
+        # the restore may have outlived the claim (a deadline rolled the session back): activate only
+        # what the directory still names, or this slot would be held for nobody
+        try:
+            cur = (await self.directory.get_sessions([sid]) or [None])[0]
+        except SubstrateError:
+            cur = None
+        if cur is not None and (cur.epoch != epoch or cur.worker != self.id):
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+            raise StaleEpoch(f"activation {epoch} of {sid!r} is no longer current (now {cur.epoch} on "
+                             f"{cur.worker})", details={"epoch": cur.epoch})
         for e in spec.env:
             if e.value is not None:
                 env.setdefault(e.name, e.value)
@@ -231,7 +385,8 @@ class Worker:
             await asyncio.to_thread(shutil.rmtree, workspace, True)
             raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
-                                           agent=agent, workspace=workspace)
+                                           agent=agent, workspace=workspace, answers=answers,
+                                           restored=restored)
         if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
             metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
@@ -243,11 +398,13 @@ class Worker:
             if act.closing:
                 raise NotFound(f"session {sid!r} is not active", code="not_active")
             dirty = act.dirty_turns
-            state = await act.agent.snapshot()
+            state = self._with_answers(await act.agent.snapshot(), act)
             ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
             if not await self.snapshots.commit(sid, epoch, ref):
-                await self._drop(act)
-                raise StaleEpoch(f"snapshot of {sid!r} rejected: epoch {epoch} is no longer current")
+                # rejected: the directory decides whether this activation is still the session's
+                asyncio.create_task(self._reconcile_quietly(sid))
+                raise StaleEpoch(f"snapshot of {sid!r} rejected: epoch {epoch} is not current or the "
+                                 "session is not RUNNING")
             act.dirty_turns -= dirty
             act.last_snapshot_at = time.time()
             return ref
@@ -270,31 +427,51 @@ class Worker:
                 sid, from_states=[SessionState.RUNNING], epoch=epoch, worker=self.id,
                 to=SessionState.SUSPENDING, deadline_s=self.settings.state.transition_deadline_s)
             if not cas.ok:
-                if cas.epoch != epoch:
-                    await self._drop(act)
+                if cas.epoch != epoch or not cas.found:
+                    await self.reconcile(sid)
                     raise StaleEpoch(f"session {sid!r} moved on to epoch {cas.epoch}")
                 raise Conflict(f"session {sid!r} is {cas.state.value if cas.state else 'gone'}, not RUNNING",
                                code="invalid_state")
             try:
-                state = await act.agent.snapshot()
+                state = self._with_answers(await act.agent.snapshot(), act)
                 ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
             except BaseException:
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
                                                 to=SessionState.RUNNING)
                 raise
             committed = await self.snapshots.commit(sid, epoch, ref, suspend=True)
+            if not committed:
+                # e.g. the object store was slow past the deadline and the session was rolled back to
+                # RUNNING here: the activation stays (the directory names it); only the directory's
+                # epoch decides whether it goes
+                await self.reconcile(sid)
+                if self.activations.get(sid) is act:
+                    err = SubstrateError(f"suspend of {sid!r} did not finish before its deadline; the session "
+                                         "stays RUNNING with all its state", code="suspend_timeout",
+                                         retry_after_s=1)
+                    err.status = 503
+                    raise err
+                raise StaleEpoch(f"suspend of {sid!r} rejected: epoch {epoch} is no longer current")
             act.closing = True
             await self._drop(act)
-            if not committed:
-                raise StaleEpoch(f"suspend of {sid!r} rejected: epoch {epoch} is no longer current")
             await self.directory.release_slot(self.id, act.slot, sid)
             return ref
 
+    def _with_answers(self, state: dict[str, Any], act: Activation) -> dict[str, Any]:
+        """The agent's state plus the worker's own part (recent turns' answers by idempotency key)."""
+        return {**state, _STATE_KEY: {"answers": [[k, list(v)] for k, v in act.answers.items()]}}
+
     async def deactivate(self, sid: str, epoch: int | None) -> None:
-        act = self._get(sid, epoch)
-        async with act.lock:
-            act.closing = True
-            await self._drop(act)
+        """End the activation of ``sid`` at once, even mid-turn (a delete or a fenced claim must not wait
+        for a long turn). With ``epoch``: only an activation of that epoch or older (a newer one is the
+        session's current activation and stays: 409)."""
+        act = self.activations.get(sid)
+        if act is None or act.closing:
+            raise NotFound(f"session {sid!r} is not active on worker {self.id}", code="not_active")
+        if epoch is not None and act.epoch > epoch:
+            raise StaleEpoch(f"activation {act.epoch} of {sid!r} is newer than {epoch}", details={"epoch": act.epoch})
+        act.closing = True
+        await self._drop(act)
 
     async def _drop(self, act: Activation) -> None:
         act.closing = True
@@ -368,6 +545,7 @@ class Worker:
     async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
         try:
+            self._check_serving()
             act = self._get(sid, self._epoch(request))
             try:
                 body = await request.json()
@@ -376,9 +554,15 @@ class Worker:
             if not isinstance(body, dict) or "input" not in body:
                 raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
             stream = request.query.get("stream") in ("1", "true")
+            key = request.headers.get(IDEMPOTENCY_HEADER)
             async with act.lock:
                 if act.closing:  # suspended or dropped while this request waited for the turn
                     raise NotFound(f"session {sid!r} is not active", code="not_active")
+                if key is not None and key in act.answers:  # a retried turn: answered, never run twice
+                    status, text = act.answers[key]
+                    return web.Response(text=text, status=status, content_type="application/json",
+                                        headers={"X-Substrate-Replayed": "1", **self._restored(act)})
+                self._check_serving()
                 act.last_active = time.time()
                 act.touched = True
                 try:
@@ -387,23 +571,48 @@ class Worker:
                     try:
                         output = await act.agent.invoke(body["input"])
                     except AgentError as e:
-                        raise SubstrateError(str(e), code="agent_error") from e
+                        raise self._remember(act, key, SubstrateError(str(e), code="agent_error")) from e
                     except NotImplementedError as e:
                         raise SubstrateError("agent does not implement invoke", code="agent_error") from e
                     except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
                         log.exception("agent crashed in a turn", extra={
                             "session": sid, "epoch": act.epoch, "worker": self.id,
                             "request_id": request.headers.get("X-Request-ID")})
-                        raise SubstrateError(f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed") from e
+                        raise self._remember(act, key, SubstrateError(
+                            f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed")) from e
                     act.dirty_turns += 1
                     act.unreported_turns += 1
-                    return web.json_response({"output": output})
+                    text = json.dumps({"output": output})
+                    if key is not None:
+                        self._store_answer(act, key, 200, text)
+                    # past the lease now (paused mid-turn)? the session may live elsewhere: do not
+                    # acknowledge; a retry with the same key gets this answer if this activation stays
+                    self._check_serving()
+                    return web.Response(text=text, status=200, content_type="application/json",
+                                        headers=self._restored(act))
                 finally:
                     act.last_active = time.time()
         except SubstrateError as e:
             if e.code in ("agent_error",):
                 e.status = 422
             return _error(e)
+
+    @staticmethod
+    def _restored(act: Activation) -> dict[str, str]:
+        return {"X-Substrate-Restored": act.restored} if act.restored else {}
+
+    def _store_answer(self, act: Activation, key: str, status: int, text: str) -> None:
+        act.answers[key] = (status, text)
+        act.answers.move_to_end(key)
+        while len(act.answers) > self.settings.worker.idempotency_keys:
+            act.answers.popitem(last=False)
+
+    def _remember(self, act: Activation, key: str | None, e: SubstrateError) -> SubstrateError:
+        """Record an agent's failed turn as the answer of ``key`` (it ran: a retry must not run it again)."""
+        if key is not None:
+            status = 422 if e.code == "agent_error" else e.status
+            self._store_answer(act, key, status, json.dumps(e.to_dict()))
+        return e
 
     async def _stream_turn(self, request: web.Request, act: Activation, input: Any) -> web.StreamResponse:  # noqa: A002
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -446,8 +655,10 @@ class Worker:
 
 
 async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
-                ready_fd: int | None = None) -> None:
-    """Run a worker until SIGTERM/SIGINT or until it is declared dead."""
+                ready_fd: int | None = None, advertise_host: str | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT or until it is declared dead. It listens on ``host:port`` and
+    registers ``http://<advertise_host or host>:<port>`` (on Kubernetes: binds 0.0.0.0, advertises the
+    Pod IP)."""
     directory = Directory(settings.redis.url or "redis://127.0.0.1:6379/0", settings.redis.key_prefix,
                           socket_timeout_s=settings.redis.socket_timeout_s)
     root = Path(settings.worker.root_dir) / worker_id
@@ -461,7 +672,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     sock.bind((host, port))
     site = web.SockSite(runner, sock)
     await site.start()
-    address = f"http://{host}:{sock.getsockname()[1]}"
+    address = f"http://{advertise_host or host}:{sock.getsockname()[1]}"
     await worker.register(address)
     log.info("worker ready", extra={"worker": worker_id, "pool": pool, "address": address, "slots": slots})
     if ready_fd is not None:
@@ -485,6 +696,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worker-id", default=None)
     ap.add_argument("--host", default=None)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--advertise-host", default=None, help="address to register (default: --host)")
     ap.add_argument("--ready-fd", type=int, default=None, help="write the address to this fd when ready")
     args = ap.parse_args(argv)
     settings = get_settings()
@@ -496,7 +708,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     asyncio.run(serve(settings, worker_id=wid, pool=args.pool, slots=args.slots,
-                      host=args.host or settings.worker.host, port=args.port, ready_fd=args.ready_fd))
+                      host=args.host or settings.worker.host, port=args.port, ready_fd=args.ready_fd,
+                      advertise_host=args.advertise_host))
     sys.exit(0)
 
 

@@ -79,7 +79,7 @@ class LocalBackend:
         env["SUBSTRATE_LOG_JSON"] = "true" if s.log_json else "false"
         return env
 
-    def _spawn_zygote(self) -> subprocess.Popen[bytes]:
+    def _ensure_zygote(self) -> subprocess.Popen[bytes]:
         if self._zygote is None or self._zygote.poll() is not None:
             self._zygote_ready = False
             self._zygote = subprocess.Popen(
@@ -102,14 +102,14 @@ class LocalBackend:
             if msg.get("ready"):
                 self._zygote_ready = True
 
-    async def prepare(self, timeout_s: float = 60.0) -> None:
+    async def start(self, timeout_s: float = 60.0) -> None:
         """Start the zygote now and wait until it has imported what workers need, so that a pool
         scaling from zero pays for a fork (tens of ms), not for the imports (~1 s, far more on a loaded
         machine). A zygote that does not come up makes workers start cold."""
         if not self.fork_server:
             return
         async with self._zlock:
-            z = self._spawn_zygote()
+            z = self._ensure_zygote()
             if self._zygote_ready:
                 return
             try:
@@ -123,7 +123,7 @@ class LocalBackend:
     async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
         """Ask the zygote for a worker; None if the zygote is unusable (the caller spawns cold)."""
         async with self._zlock:
-            z = self._spawn_zygote()
+            z = self._ensure_zygote()
             assert z.stdin is not None and z.stdout is not None
             try:
                 req = {"worker_id": worker_id, "pool": pool.name, "slots": pool.spec.slots}
@@ -148,11 +148,14 @@ class LocalBackend:
         log.info("worker process started", extra={"worker": worker_id, "pool": pool.name,
                                                    "pid": self.workers[worker_id].pid})
 
-    async def delete(self, worker_id: str, grace_s: float = 10.0) -> None:
-        """SIGTERM (the worker deregisters and exits), SIGKILL after ``grace_s``."""
+    async def delete(self, worker_id: str, grace_s: float | None = None) -> None:
+        """Graceful stop: SIGTERM (the worker suspends every session, deregisters and exits), SIGKILL only
+        after ``grace_s`` (default: the worker's own ``shutdown_grace_s`` plus 5 s)."""
         w = self.workers.get(worker_id)
         if w is None:
             return
+        if grace_s is None:
+            grace_s = self.settings.worker.shutdown_grace_s + 5.0
         if w.alive():
             w.signal(signal.SIGTERM)
             for _ in range(int(grace_s / 0.05)):
@@ -187,8 +190,8 @@ class LocalBackend:
         return w.pid if w else None
 
     async def close(self) -> None:
-        for wid in list(self.workers):
-            await self.delete(wid)
+        """Stop every worker gracefully, all at once (each suspends its sessions within its grace)."""
+        await asyncio.gather(*(self.delete(wid) for wid in list(self.workers)))
         if self._zygote is not None:
             if self._zygote.stdin:
                 self._zygote.stdin.close()  # the zygote exits when its stdin closes

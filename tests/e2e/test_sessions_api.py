@@ -260,7 +260,9 @@ def test_worker_rejects_a_stale_epoch(shared_runtime):
     c.delete_session(s["id"])
 
 
-def test_worker_killed_mid_request_is_502_and_frees_the_slot(runtime_factory):
+def test_worker_killed_mid_request_is_retried_elsewhere_and_frees_the_slot(runtime_factory):
+    """A turn in flight on a worker killed by SIGKILL was never answered: the router retries it (same
+    idempotency key) on the session restored elsewhere, and the answer says what was restored."""
     rt = runtime_factory(replicas=2, slots=4)
     c = rt.client
     s = c.create_session("counter")
@@ -271,16 +273,16 @@ def test_worker_killed_mid_request_is_502_and_frees_the_slot(runtime_factory):
         rt.wait_for(lambda: any(a["busy"] for a in rt.worker_activations(s["worker"])), what="busy turn")
         rt.kill_worker(s["worker"])
         r = fut.result()
-    assert r.status_code == 502 and r.json()["code"] == "worker_unavailable"
-    got = c.get_session(s["id"])
-    assert got["state"] == "SUSPENDED" and got["worker"] is None, "not left on the dead slot"
-    assert s["worker"] not in rt.workers()
-    # it comes back on the next request (no snapshot was taken: it restarts from scratch and says so)
-    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
-    assert r.json() == {"output": {"count": 0}}
+    # no snapshot was taken: it restarted from scratch, ran the retried turn once, and says so
+    assert r.status_code == 200 and r.json() == {"output": {"count": 1}}
     assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none"
+    assert r.headers["x-substrate-worker"] != s["worker"]
+    assert s["worker"] not in rt.workers()
     got = c.get_session(s["id"])
     assert got["state"] == "RUNNING" and got["restoredFrom"]["reason"] == "worker_lost"
+    assert c.invoke(s["id"], "get") == {"count": 1}
+    held = [sid for w in rt.workers() for sid in rt.slots(w).values()]
+    assert held == [s["id"]], "one slot, on the live worker"
     rt.wait_for(lambda: len(rt.workers()) == 2, what="the pool replaced the dead worker")
 
 

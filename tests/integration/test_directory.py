@@ -11,14 +11,15 @@ import pytest
 from substrate.activator import Activator, WorkerView
 from substrate.directory import Directory
 from substrate.errors import Conflict
-from substrate.models import SessionRecord, SessionState, SnapshotRef, WorkerRecord
+from substrate.models import SessionRecord, SessionState, SnapshotRef, WorkerRecord, WorkerState
 from substrate.settings import Settings
 from substrate.specs import load_documents
 
 
 @pytest.fixture
-async def directory(redis_url):
-    d = Directory(redis_url, f"td{uuid.uuid4().hex[:8]}")
+async def directory(directory_url):
+    d = Directory(directory_url, f"td{uuid.uuid4().hex[:8]}")
+    d.url = directory_url  # type: ignore[attr-defined]
     yield d
     async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
         await d.redis.delete(key)
@@ -67,7 +68,7 @@ async def test_commit_keeps_the_previous_snapshot_and_returns_the_dropped_one(di
     for n in range(3):
         ok, d = await directory.commit_snapshot("k", epoch=1, ref=_ref("k", 1, n))
         assert ok
-        dropped.append(d.key if d else None)
+        dropped.append(d[0] if d else None)
     rec = await directory.get_session("k")
     assert rec.snapshot.key.endswith("-2") and rec.previousSnapshot.key.endswith("-1")
     assert dropped == [None, None, _ref("k", 1, 0).key]
@@ -100,7 +101,7 @@ class _FakeWorkers:
         return True
 
 
-async def test_two_routers_resuming_one_session_activate_it_once_200_times(directory, redis_url):
+async def test_two_routers_resuming_one_session_activate_it_once_200_times(directory):
     cat = load_documents([
         {"kind": "WorkerPool", "metadata": {"name": "default"}, "spec": {"replicas": 2, "slots": 4}},
         {"kind": "ActorTemplate", "metadata": {"name": "counter"},
@@ -112,7 +113,7 @@ async def test_two_routers_resuming_one_session_activate_it_once_200_times(direc
     fake = _FakeWorkers()
     routers = []
     for _ in range(2):  # two routers: separate Directory clients, views and single-flight tables
-        d = Directory(redis_url, directory.keys.prefix)
+        d = Directory(directory.url, directory.keys.prefix)
         view = WorkerView(d, 60)
         await view.refresh()
         routers.append(Activator(Settings(), d, cat, fake, view))  # type: ignore[arg-type]
@@ -142,3 +143,70 @@ async def test_heartbeat_records_last_activity_without_resurrecting(directory):
     assert not await directory.redis.exists(directory.keys.session("gone"))
     await directory.deregister_worker("w1")
     assert not await directory.heartbeat("w1", now + 30), "a deregistered worker learns it is dead"
+
+
+async def test_heartbeat_never_recreates_a_deregistered_worker(directory):
+    """Regression (issue 8): the heartbeat's EXISTS-then-HSET could recreate a removed worker's record,
+    which then lived on unseen; renewal is one script that renews only an existing record."""
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=2,
+                                                 leaseExpiresAt=now + 10, startedAt=now))
+    await directory.deregister_worker("w1")
+    assert not await directory.heartbeat("w1", now + 30, active_slots=1)
+    assert not await directory.redis.exists(directory.keys.worker("w1"))
+    assert await directory.get_worker("w1") is None
+    assert not await directory.set_worker_state("w1", WorkerState.DRAINING)
+    assert not await directory.redis.exists(directory.keys.worker("w1")), "a state write creates nothing"
+
+
+async def test_a_worker_is_removed_only_once_its_lease_expired(directory):
+    """Regression (issue 8): one failed probe declared a live worker dead; removal is now conditional on
+    lease expiry (plus a grace), atomic with reading its slot table."""
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=2,
+                                                 leaseExpiresAt=now + 5, startedAt=now))
+    assert await directory.claim_slot("w1", "s1") == 0
+    assert await directory.expire_worker("w1", grace_s=1.0, now=now) is None
+    assert await directory.expire_worker("w1", grace_s=1.0, now=now + 5.5) is None, "within the grace"
+    assert await directory.get_worker("w1") is not None
+    assert await directory.expire_worker("w1", grace_s=1.0, now=now + 6.5) == {0: "s1"}
+    assert await directory.get_worker("w1") is None and await directory.worker_slots("w1") == {}
+    assert not await directory.heartbeat("w1", now + 30), "the expired worker learns it is dead"
+
+
+async def test_epochs_never_repeat_for_a_reused_session_id(directory):
+    """Regression (issue 8): re-creating a deleted ID started again at epoch 1, so a worker still holding
+    the old activation took the new one for it."""
+    assert await directory.create_session(_rec("again", state=SessionState.RUNNING, epoch=1)) == 1
+    for _ in range(3):
+        await directory.transition("again", to=SessionState.RUNNING, bump=True)
+    await directory.transition("again", to=SessionState.DELETED, bump=True)
+    await directory.delete_session("again")
+    rec = _rec("again", state=SessionState.STARTING, epoch=1)
+    assert await directory.create_session(rec) == 6 and rec.epoch == 6
+    assert (await directory.get_session("again")).epoch == 6
+    assert 0 < await directory.redis.ttl(directory.keys.session_epoch_floor("again")) <= Directory.epoch_floor_ttl_s
+
+
+@pytest.mark.parametrize("retention", [1, 2, 4])
+async def test_commit_keeps_exactly_retention_snapshots(directory, retention):
+    await directory.create_session(_rec("r", state=SessionState.RUNNING, epoch=1))
+    dropped: list[str] = []
+    refs = []
+    for n in range(6):
+        ref = _ref("r", 1, n)
+        ref.createdAt += n  # strictly increasing
+        refs.append(ref)
+        ok, d = await directory.commit_snapshot("r", epoch=1, ref=ref, retention=retention)
+        assert ok
+        dropped += d
+    kept = await directory.committed_snapshots("r")
+    assert kept == [r.key for r in refs[-retention:]]
+    assert dropped == [r.key for r in refs[:-retention]]
+    rec = await directory.get_session("r")
+    assert rec.snapshot.key == refs[-1].key
+    assert (rec.previousSnapshot is None) == (retention == 1)
+    await directory.forget_snapshot("r", refs[-1].key)
+    assert refs[-1].key not in await directory.committed_snapshots("r")
+    await directory.delete_session("r")
+    assert await directory.committed_snapshots("r") == []

@@ -49,7 +49,9 @@ def test_bad_durations(v):
 
 
 def test_examples_load_and_templates_find_their_pool():
-    cat = load_catalog("examples")
+    from substrate.settings import EXAMPLES_DIR
+
+    cat = load_catalog(EXAMPLES_DIR)
     assert {"counter", "notebook", "shell", "echo-command"} <= set(cat.templates)
     assert cat.pool_for(cat.template("counter")).name == "default"
     with pytest.raises(InvalidInput) as e:

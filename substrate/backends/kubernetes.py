@@ -1,0 +1,193 @@
+"""Kubernetes backend: each worker is a Pod owned by its WorkerPool (the ``Backend`` port of
+``substrate.pool``).
+
+* ``create`` builds the Pod (``substrate.k8s.pods``: hardened defaults, ownerReferences, DRA claims) and
+  creates it; the Pod counts as running at once (before the watch sees it), so the pool controller's
+  expectations never over-create.
+* A watch of the namespace's worker Pods (label ``app.kubernetes.io/component=worker``) feeds
+  ``running()``/``reap()``: a Pod that is gone, ``Failed``/``Succeeded`` (a crash, an eviction by the
+  kubelet) or being deleted by someone else (an API eviction, a node drain) stops counting as running, so
+  a replacement is created and the pool controller recovers its sessions once it is reaped. Pods this
+  backend deletes are never reported as dead (they were drained first).
+* ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
+  no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
+* Pods that fail repeatedly are re-created after a back-off (``failure_backoff_s`` doubling up to
+  ``failure_backoff_max_s``); meanwhile ``create`` creates nothing (the pool controller's expectation for
+  it lapses on the next tick) and ``problems`` reports ``BackOff``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from substrate.k8s.api import Informer, Kube
+from substrate.k8s.pods import POOL_LABEL, build_worker_pod
+from substrate.models import WorkerPool
+from substrate.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Backoff:
+    failures: int = 0
+    until: float = 0.0
+
+
+@dataclass
+class PodProblem:
+    """Why a worker Pod does not serve: ``reason`` (``Unschedulable``, ``Evicted``, ``Failed``), since when."""
+
+    pod: str
+    reason: str
+    message: str
+    since: float
+
+
+@dataclass
+class _Created:
+    pool: str
+    at: float = field(default_factory=time.monotonic)
+
+
+def pod_failed(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded")
+
+
+def unschedulable(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return c
+    return None
+
+
+class KubernetesBackend:
+    """Worker Pods in ``settings.kubernetes.namespace`` through ``kube`` (see the module docstring)."""
+
+    def __init__(self, settings: Settings, kube: Kube, *, informer: Informer | None = None) -> None:
+        self.settings = settings
+        self.kube = kube
+        self.namespace = settings.kubernetes.namespace
+        self.pods = informer or Informer(kube, kube.core.list_namespaced_pod, self.namespace,
+                                         label_selector="app.kubernetes.io/component=worker", name="pods")
+        self._created: dict[str, _Created] = {}
+        self._deleting: set[str] = set()
+        self._reported: dict[str, str] = {}  # running() as last seen: worker -> pool
+        self._backoff: dict[str, _Backoff] = {}
+        self._first_seen_problem: dict[str, float] = {}
+        self.gang_pools: set[str] = set()
+        self.creates = 0
+
+    def start(self) -> None:
+        if self.pods._thread is None:
+            self.pods.start()
+
+    # --------------------------------------------------------------------------------------- port
+    async def create(self, pool: WorkerPool, worker_id: str) -> None:
+        b = self._backoff.get(pool.name)
+        if b is not None and time.monotonic() < b.until:
+            log.debug("create skipped: backing off", extra={"pool": pool.name})
+            return
+        body = build_worker_pod(pool, worker_id, self.settings, namespace=self.namespace,
+                                gang=pool.name in self.gang_pools)
+        self._created[worker_id] = _Created(pool.name)
+        try:
+            await asyncio.to_thread(self.kube.create_pod, self.namespace, body)
+        except Exception:
+            self._created.pop(worker_id, None)
+            raise
+        self.creates += 1
+        log.info("worker pod created", extra={"worker": worker_id, "pool": pool.name})
+
+    async def delete(self, worker_id: str, grace_s: int | None = None) -> None:
+        self._deleting.add(worker_id)
+        self._created.pop(worker_id, None)
+        self._reported.pop(worker_id, None)
+        await asyncio.to_thread(self.kube.delete_pod, self.namespace, worker_id, grace_s)
+
+    def _pool_of(self, pod: dict[str, Any]) -> str | None:
+        return ((pod.get("metadata") or {}).get("labels") or {}).get(POOL_LABEL)
+
+    def running(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        items = self.pods.items
+        now = time.monotonic()
+        for name, c in list(self._created.items()):
+            if name in items:
+                self._created.pop(name)
+            elif now - c.at < 120:  # created, not yet seen by the watch
+                out[name] = c.pool
+            else:
+                self._created.pop(name)
+        for name, pod in items.items():
+            pool = self._pool_of(pod)
+            if pool is None or name in self._deleting:
+                continue
+            if pod_failed(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue  # crashed, evicted, or being deleted by someone else: replace it
+            out[name] = pool
+        self._reported.update(out)
+        for name in list(self._deleting):
+            if name not in items:
+                self._deleting.discard(name)
+        return out
+
+    def reap(self) -> list[str]:
+        """Workers that ended since the last call (their Pod is gone or Failed); Failed Pods are deleted
+        and their pool backs off before the next create."""
+        items = self.pods.items
+        dead: list[str] = []
+        for name, pool in list(self._reported.items()):
+            pod = items.get(name)
+            if name in self._created:
+                continue
+            gone = pod is None or pod_failed(pod) or bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+            if gone:
+                self._reported.pop(name)
+                dead.append(name)
+                if pod is not None and pod_failed(pod):
+                    self._note_failure(pool)
+                    self._deleting.add(name)
+                    asyncio.ensure_future(asyncio.to_thread(self.kube.delete_pod, self.namespace, name, 0))
+                log.warning("worker pod ended", extra={"worker": name, "pool": pool,
+                                                        "reason": ((pod or {}).get("status") or {}).get("reason")})
+        for pool, b in self._backoff.items():
+            if b.failures and time.monotonic() > b.until + self.settings.kubernetes.failure_backoff_max_s:
+                b.failures = 0  # a quiet period forgives
+        return dead
+
+    def _note_failure(self, pool: str) -> None:
+        k = self.settings.kubernetes
+        b = self._backoff.setdefault(pool, _Backoff())
+        b.failures += 1
+        b.until = time.monotonic() + min(k.failure_backoff_max_s, k.failure_backoff_s * 2 ** (b.failures - 1))
+
+    async def close(self) -> None:
+        self.pods.stop()
+
+    # ----------------------------------------------------------------------------------- extras
+    def pods_of(self, pool: str) -> dict[str, dict[str, Any]]:
+        return {n: p for n, p in self.pods.items.items() if self._pool_of(p) == pool}
+
+    def problems(self, pool: str) -> list[PodProblem]:
+        """Pods of ``pool`` that do not serve and why (Unschedulable for longer than the grace period)."""
+        out = []
+        now = time.time()
+        grace = self.settings.kubernetes.unschedulable_grace_s
+        for name, pod in self.pods_of(pool).items():
+            c = unschedulable(pod)
+            if c is None:
+                self._first_seen_problem.pop(name, None)
+                continue
+            since = self._first_seen_problem.setdefault(name, now)
+            if now - since >= grace:
+                out.append(PodProblem(name, "Unschedulable", c.get("message") or "", since))
+        b = self._backoff.get(pool)
+        if b is not None and time.monotonic() < b.until:
+            out.append(PodProblem("", "BackOff", f"{b.failures} worker Pod(s) failed; re-creating after a "
+                                               "back-off", now))
+        return out

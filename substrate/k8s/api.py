@@ -1,0 +1,225 @@
+"""Talking to the API server: client construction, a list+watch cache (informer), thin verbs.
+
+We use the official synchronous ``kubernetes`` client in threads rather than ``kubernetes_asyncio``:
+it is the dependency the project already locks, its models and ``watch`` helper are the reference
+implementation, and the controller makes few calls (per worker, never per session: DESIGN invariant 4),
+so a thread per watch and ``asyncio.to_thread`` per call cost nothing that matters. Watches run in daemon
+threads that keep a dict cache per resource and wake the asyncio side with ``call_soon_threadsafe``.
+
+API errors are translated: ``KubeError(status, reason, message)`` from ``ApiException``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from substrate.settings import Settings
+
+log = logging.getLogger(__name__)
+
+GROUP = "substrate.agent.dev"
+VERSION = "v1"
+
+
+class KubeError(Exception):
+    """An API call failed: ``status`` (HTTP), ``reason``, ``message``."""
+
+    def __init__(self, status: int, reason: str, message: str = "") -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def _translate(e: Exception) -> Exception:
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(e, ApiException):
+        return KubeError(int(e.status or 0), str(e.reason or ""), str(e.body or "")[:500])
+    return e
+
+
+def make_api_client(settings: Settings) -> Any:
+    """An ``ApiClient``: ``kubernetes.api_url`` if set (tests, ``kubectl proxy``), else in-cluster
+    service-account config, else ``~/.kube/config``."""
+    from kubernetes import client, config
+
+    url = settings.kubernetes.api_url
+    if url:
+        cfg = client.Configuration()
+        cfg.host = url.rstrip("/")
+        return client.ApiClient(cfg)
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class Kube:
+    """The verbs the runtime uses, each one call (blocking; wrap in ``asyncio.to_thread``)."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client
+
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
+
+    def raw(self, obj: Any) -> dict[str, Any]:
+        """A client model as the API's JSON dict (camelCase)."""
+        return obj if isinstance(obj, dict) else self.api_client.sanitize_for_serialization(obj)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - translated, re-raised
+            raise _translate(e) from e
+
+    # pods
+    def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.raw(self.call(self.core.create_namespaced_pod, ns, body))
+
+    def delete_pod(self, ns: str, name: str, grace_s: int | None = None) -> None:
+        try:
+            self.call(self.core.delete_namespaced_pod, name, ns, grace_period_seconds=grace_s)
+        except KubeError as e:
+            if e.status != 404:
+                raise
+
+    # custom resources
+    def patch_pool(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.call(self.custom.patch_namespaced_custom_object, GROUP, VERSION, ns, "workerpools", name, body)
+
+    def patch_pool_status(self, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        return self.call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, "workerpools",
+                         name, {"status": status})
+
+    def create_object(self, body: dict[str, Any], plural: str) -> dict[str, Any]:
+        """Create a namespaced object of a named API group (ResourceClaimTemplate, PodGroup, HPA) through
+        the generic path ``/apis/{group}/{version}/namespaces/{ns}/{plural}``; an existing one is kept."""
+        group, _, version = body["apiVersion"].rpartition("/")
+        try:
+            return self.call(self.custom.create_namespaced_custom_object, group, version,
+                             body["metadata"]["namespace"], plural, body)
+        except KubeError as e:
+            if e.status == 409:
+                return body
+            raise
+
+    # leases
+    def get_lease(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.raw(self.call(self.coordination.read_namespaced_lease, name, ns))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create_lease(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.raw(self.call(self.coordination.create_namespaced_lease, ns, body))
+
+    def patch_lease(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.raw(self.call(self.coordination.patch_namespaced_lease, name, ns, body))
+
+
+class Informer:
+    """A list+watch cache of one resource in one namespace, in a daemon thread.
+
+    ``items`` maps name -> the object's JSON dict. ``on_change`` is called (from the thread, through
+    ``loop.call_soon_threadsafe``) after every change. Survives any error: relists after a back-off, and
+    after ``410 Gone`` at once.
+    """
+
+    def __init__(self, kube: Kube, list_fn: Callable[..., Any], namespace: str, *, label_selector: str | None = None,
+                 name: str = "", watch_timeout_s: int = 30) -> None:
+        self.kube = kube
+        self.list_fn = list_fn
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.name = name or getattr(list_fn, "__name__", "informer")
+        self.watch_timeout_s = watch_timeout_s
+        self.items: dict[str, dict[str, Any]] = {}
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._watch: Any = None
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    def start(self) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._thread = threading.Thread(target=self._run, name=f"informer-{self.name}", daemon=True)
+        self._thread.start()
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        return await asyncio.to_thread(self.synced.wait, timeout_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+
+    def _notify(self) -> None:
+        for fn in self._listeners:
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(fn)
+                except RuntimeError:
+                    pass
+            else:
+                fn()
+
+    def _kw(self) -> dict[str, Any]:
+        return {"label_selector": self.label_selector} if self.label_selector else {}
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        backoff = 0.2
+        while not self._stop.is_set():
+            try:
+                listing = self.kube.raw(self.list_fn(self.namespace, **self._kw()))
+                self.items = {o["metadata"]["name"]: o for o in listing.get("items") or []}
+                rv = (listing.get("metadata") or {}).get("resourceVersion")
+                self.synced.set()
+                self._notify()
+                w = watch.Watch()
+                self._watch = w
+                kw = self._kw()
+                if rv:
+                    kw["resource_version"] = rv
+                for ev in w.stream(self.list_fn, self.namespace, timeout_seconds=self.watch_timeout_s,
+                                   _request_timeout=(5, self.watch_timeout_s + 5), **kw):
+                    if self._stop.is_set():
+                        break
+                    obj = self.kube.raw(ev["object"])
+                    if ev["type"] == "ERROR":
+                        if (obj or {}).get("code") == 410:
+                            break  # Gone: relist
+                        continue
+                    name = obj["metadata"]["name"]
+                    if ev["type"] == "DELETED":
+                        self.items.pop(name, None)
+                    else:
+                        self.items[name] = obj
+                    self._notify()
+                backoff = 0.2
+            except Exception:  # noqa: BLE001 - a watch never dies: relist after a back-off
+                if self._stop.is_set():
+                    return
+                log.info("watch restarted", extra={"informer": self.name}, exc_info=True)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)

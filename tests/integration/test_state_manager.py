@@ -1,0 +1,280 @@
+"""The state manager's deadline handling, repair pass and orphan sweep, and the activator's failure
+handling, against a real Redis with in-memory fakes for workers and object storage (issue 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from snapshot.commit import SnapshotManager
+from snapshot.state_manager import StateManager
+from snapshot.store import MemoryStore, snapshot_key
+from substrate.activator import Activator, WorkerView
+from substrate.directory import Directory
+from substrate.errors import NoCapacity, NotFound
+from substrate.models import SessionRecord, SessionState, SnapshotRef, WorkerRecord
+from substrate.settings import Settings
+from substrate.specs import load_documents
+
+CATALOG = load_documents([
+    {"kind": "WorkerPool", "metadata": {"name": "default"}, "spec": {"replicas": 1, "slots": 4}},
+    {"kind": "ActorTemplate", "metadata": {"name": "counter"},
+     "spec": {"entrypoint": "workers.agents.counter:Counter"}}])
+
+
+class FakeWorkers:
+    """The workers' internal API as the control plane sees it: records calls; ``healthy`` is settable."""
+
+    def __init__(self) -> None:
+        self.deactivated: list[tuple[str, int | None]] = []
+        self.activated: list[tuple[str, int]] = []
+        self.is_healthy = True
+
+    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None):
+        self.activated.append((session, epoch))
+        return {}
+
+    async def deactivate(self, address, session, epoch=None):
+        self.deactivated.append((session, epoch))
+
+    async def healthy(self, address, timeout_s=0.5):
+        return self.is_healthy
+
+    async def suspend(self, address, session, epoch, *, idle_s=None):
+        raise AssertionError("not expected")
+
+
+@pytest.fixture
+async def env(redis_url):
+    d = Directory(redis_url, f"sm{uuid.uuid4().hex[:8]}")
+    settings = Settings()
+    settings.api.slot_wait_s = 0.2
+    view = WorkerView(d, 60)
+    fake = FakeWorkers()
+    act = Activator(settings, d, CATALOG, fake, view)  # type: ignore[arg-type]
+    store = MemoryStore()
+    sm = StateManager(settings, d, CATALOG, act, store)
+    yield d, act, fake, sm, store, settings
+    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
+        await d.redis.delete(key)
+    await d.close()
+
+
+async def _worker(d: Directory, wid: str, lease_s: float = 60) -> None:
+    now = time.time()
+    await d.register_worker(WorkerRecord(id=wid, pool="default", address=f"http://{wid}", slots=4,
+                                         leaseExpiresAt=now + lease_s, startedAt=now))
+
+
+async def _session(d: Directory, sid: str, state: SessionState, *, worker: str | None = None,
+                   deadline_in_s: float | None = None, epoch: int = 3) -> SessionRecord:
+    now = time.time()
+    slot = None
+    if worker is not None:
+        slot = await d.claim_slot(worker, sid)
+    rec = SessionRecord(id=sid, state=state, actorTemplate="counter", pool="default", epoch=epoch,
+                        worker=worker, slot=slot, createdAt=now, updatedAt=now, lastActiveAt=now,
+                        stateDeadline=now + deadline_in_s if deadline_in_s is not None else None)
+    await d.create_session(rec)
+    return rec
+
+
+async def test_every_transitional_state_past_its_deadline_is_rolled(env):
+    d, act, fake, sm, _, _ = env
+    await _worker(d, "live")
+    await _session(d, "p", SessionState.PENDING, deadline_in_s=-1)
+    await _session(d, "st", SessionState.STARTING, worker="live", deadline_in_s=-1)
+    await _session(d, "re", SessionState.RESUMING, worker="live", deadline_in_s=-1)
+    await _session(d, "su-live", SessionState.SUSPENDING, worker="live", deadline_in_s=-1)
+    await _session(d, "su-gone", SessionState.SUSPENDING, worker="gone-worker", deadline_in_s=-1)
+    await _session(d, "future", SessionState.RESUMING, worker="live", deadline_in_s=60)
+    await sm.enforce_deadlines()
+    with pytest.raises(NotFound):
+        await d.get_session("p")
+    for sid in ("st", "re", "su-gone"):
+        rec = await d.get_session(sid)
+        assert rec.state == SessionState.SUSPENDED and rec.reason == "deadline" and rec.worker is None, sid
+    assert (await d.get_session("su-live")).state == SessionState.RUNNING, "its worker is alive: rolled back"
+    assert (await d.get_session("future")).state == SessionState.RESUMING, "not due yet"
+    assert sorted(fake.deactivated) == [("re", 3), ("st", 3)], "only the fenced epoch is ended"
+    assert sorted((await d.worker_slots("live")).values()) == ["future", "su-live"]
+    assert await d.expired_deadlines() == []
+
+
+async def test_repair_recovers_sessions_of_vanished_workers_and_frees_orphan_slots_in_two_passes(env):
+    d, act, fake, sm, _, _ = env
+    await _worker(d, "w1")
+    await _session(d, "lost", SessionState.RUNNING, worker="vanished")
+    await _session(d, "fine", SessionState.RUNNING, worker="w1")
+    assert await d.claim_slot("w1", "nobody") >= 0  # a claim whose record write never happened
+    # a record past its deadline that is missing from the deadline index
+    await _session(d, "unindexed", SessionState.RESUMING, worker="w1", deadline_in_s=-1)
+    await d.redis.zrem(d.keys.deadlines, "unindexed")
+    await sm.repair()
+    lost = await d.get_session("lost")
+    assert lost.state == SessionState.SUSPENDED and lost.reason == "worker_lost" and lost.epoch == 4
+    assert (await d.get_session("unindexed")).state == SessionState.SUSPENDED
+    assert "nobody" in (await d.worker_slots("w1")).values(), "first sighting: kept (a claim in flight)"
+    await sm.repair()
+    assert sorted((await d.worker_slots("w1")).values()) == ["fine"], "second sighting: freed"
+    assert (await d.get_session("fine")).state == SessionState.RUNNING
+
+
+async def test_a_failed_probe_does_not_declare_a_worker_within_its_lease_dead(env):
+    """Regression (issue 8): one failed /healthz made the router recover a live worker's sessions."""
+    d, act, fake, sm, _, settings = env
+    await _worker(d, "w1", lease_s=30)
+    await _session(d, "s", SessionState.RUNNING, worker="w1")
+    fake.is_healthy = False
+    assert not await act.check_worker("w1")
+    assert (await d.get_session("s")).state == SessionState.RUNNING
+    assert await d.get_worker("w1") is not None
+    await sm.recover_dead_workers()
+    assert (await d.get_session("s")).worker == "w1"
+    # past its lease and the grace: now it is dead, and its session is fenced by a new epoch
+    await d.redis.hset(d.keys.worker("w1"), "leaseExpiresAt", repr(time.time() - settings.worker.lease_grace_s - 1))
+    await sm.recover_dead_workers()
+    rec = await d.get_session("s")
+    assert rec.state == SessionState.SUSPENDED and rec.reason == "worker_lost" and rec.epoch == 4
+    assert await d.get_worker("w1") is None
+
+
+async def test_a_lost_activation_is_repaired_only_for_the_current_worker_and_epoch(env):
+    d, act, fake, sm, _, _ = env
+    await _worker(d, "w1")
+    await _session(d, "s", SessionState.RUNNING, worker="w1", epoch=5)
+    assert not await act.repair_lost_activation("s", "w1", 4), "an old epoch's answer changes nothing"
+    assert not await act.repair_lost_activation("s", "w2", 5), "another worker's answer changes nothing"
+    assert (await d.get_session("s")).state == SessionState.RUNNING
+    assert await act.repair_lost_activation("s", "w1", 5)
+    rec = await d.get_session("s")
+    assert rec.state == SessionState.SUSPENDED and rec.reason == "activation_lost" and rec.worker is None
+    assert await d.worker_slots("w1") == {}
+
+
+async def test_placement_waits_for_a_worker_being_started_instead_of_refusing(env):
+    """Regression (issue 8): 503 no_capacity while the pool controller was starting a worker."""
+    d, act, fake, sm, _, _ = env
+    with pytest.raises(NoCapacity):
+        await act.place("s1", CATALOG.template("counter"))
+    act.starting["default"] = 1
+
+    async def worker_comes_up() -> None:
+        await asyncio.sleep(0.5)
+        await _worker(d, "late")
+
+    task = asyncio.create_task(worker_comes_up())
+    w, slot = await act.place("s1", CATALOG.template("counter"))
+    await task
+    assert w.id == "late" and slot == 0
+
+
+async def test_parked_requests_and_slot_waits_are_demand(env):
+    """Regression (issue 8): sessions being resumed did not count as demand; two runtimes on one Redis
+    picked the same worker IDs."""
+    from substrate.pool import PoolController
+
+    d, act, *_ = env
+
+    class Backend:
+        def __init__(self) -> None:
+            self.created: list[str] = []
+
+        async def create(self, pool, worker_id):
+            self.created.append(worker_id)
+
+        async def delete(self, worker_id):
+            pass
+
+        def running(self):
+            return {w: "default" for w in self.created}
+
+        def reap(self):
+            return []
+
+        async def close(self):
+            pass
+
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "default"},
+             "spec": {"slots": 2, "autoscaling": {"minReplicas": 0, "maxReplicas": 5, "targetUtilization": 100}}},
+            {"kind": "ActorTemplate", "metadata": {"name": "counter"},
+             "spec": {"entrypoint": "workers.agents.counter:Counter"}}]
+    b = Backend()
+    pc = PoolController(Settings(), d, load_documents(docs), b, act)
+    other = Backend()  # a second runtime on the same Redis, ticking in the same second
+    act2 = Activator(Settings(), d, CATALOG, FakeWorkers(), WorkerView(d, 60))  # type: ignore[arg-type]
+    act2.parked = 3
+    pc2 = PoolController(Settings(), d, load_documents(docs), other, act2)
+    await pc.tick()
+    assert b.created == []
+    act.parked = 3
+    await pc.tick()
+    assert len(b.created) == 2 and act.starting["default"] == 2, "3 parked requests want 2 workers of 2 slots"
+    assert len({w for w in b.created}) == 2 and all(w.startswith("default-") for w in b.created)
+    # regression (issue 8): worker IDs are unique across processes (they were time + a per-process counter)
+    await pc2.tick()
+    assert len(other.created) == 2 and not set(other.created) & set(b.created)
+
+
+async def test_objects_in_the_store_after_churn_crashes_and_failed_commits(env, tmp_path: Path):
+    """``snapshot.retention`` is honoured and the sweep removes every orphan: after churn, an upload a
+    crash left uncommitted, a rejected (zombie) commit, a corrupt snapshot set aside and a deleted
+    session, the store holds exactly ``retention`` objects per live session."""
+    d, act, fake, sm, store, settings = env
+    settings.snapshot.retention = 2
+    settings.snapshot.orphan_min_age_s = 10.0
+    mgr = SnapshotManager(store, d, settings.snapshot, tmp_path / "tmp")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_text("x")
+    live = [f"live-{i}" for i in range(3)]
+    for sid in [*live, "doomed", "bad"]:
+        await _session(d, sid, SessionState.RUNNING, epoch=1)
+        for n in range(5):  # churn: five snapshots each
+            ref = await mgr.capture(sid, 1, "counter", ws, {"n": n})
+            assert await mgr.commit(sid, 1, ref)
+    assert len(store.objects) == 5 * 2, "retention: two kept per session"
+    # a crash between upload and commit
+    crashed = await mgr.capture("live-0", 1, "counter", ws, {"n": 99})
+    # a zombie's commit (epoch moved on) is rejected and deletes its own upload
+    await d.transition("live-1", to=SessionState.RUNNING, bump=True)
+    zombie = await mgr.capture("live-1", 1, "counter", ws, {"n": 98})
+    assert not await mgr.commit("live-1", 1, zombie)
+    assert zombie.key not in store.objects
+    # a corrupt snapshot is set aside (the session rolls back to its previous one)
+    bad = await d.get_session("bad")
+    await d.transition("bad", to=SessionState.FAILED, set={"snapshot": bad.previousSnapshot},
+                       unset=("previousSnapshot",))
+    await d.forget_snapshot("bad", bad.snapshot.key)
+    # a deleted session whose snapshot clean-up never ran
+    await d.delete_session("doomed")
+    # an object of a key shape nobody knows under a live session
+    store.objects[snapshot_key(settings.snapshot.prefix, "live-2", 1, 7)] = b"junk"
+    t0 = time.time()
+    assert await sm.sweep_orphans(now=t0) == [], "first sighting: nothing deleted (uploads in flight)"
+    assert crashed.key in store.objects
+    deleted = await sm.sweep_orphans(now=t0 + settings.snapshot.orphan_min_age_s + 1)
+    assert crashed.key in deleted and bad.snapshot.key in deleted
+    assert len([k for k in deleted if "/doomed/" in k]) == 2
+    kept = [k for sid in [*live, "bad"] for k in await d.committed_snapshots(sid)]
+    assert sorted(store.objects) == sorted(kept)
+    assert len(store.objects) == 3 * 2 + 1
+    refs = [await d.get_session(s) for s in live]
+    assert all(isinstance(r.snapshot, SnapshotRef) and r.snapshot.key in store.objects for r in refs)
+
+
+async def test_retention_one_keeps_one_object(env, tmp_path: Path):
+    d, act, fake, sm, store, settings = env
+    settings.snapshot.retention = 1
+    mgr = SnapshotManager(store, d, settings.snapshot, tmp_path / "tmp")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    await _session(d, "one", SessionState.RUNNING, epoch=1)
+    for n in range(4):
+        assert await mgr.commit("one", 1, await mgr.capture("one", 1, "counter", ws, {"n": n}))
+    rec = await d.get_session("one")
+    assert list(store.objects) == [rec.snapshot.key] and rec.previousSnapshot is None

@@ -1,0 +1,261 @@
+"""Regression tests for the failure paths of issue 8, each through real processes (``substrate up``,
+worker processes, a moto S3 server in its own process that the tests freeze with SIGSTOP).
+
+Every test here failed on the code before the fix it names; none asserts on timing (a bound on a
+request is the client's timeout: before the fix those requests hung or answered 5xx).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from substrate.client import ApiError
+
+FAST_DEADLINE = {"SUBSTRATE_STATE__TRANSITION_DEADLINE_S": "2", "SUBSTRATE_API__PARK_TIMEOUT_S": "1"}
+
+
+def _held(rt) -> dict[str, list[str]]:
+    """worker -> sessions its slot table holds (directory)."""
+    return {w: sorted(rt.slots(w).values()) for w in rt.workers()}
+
+
+def _active(rt) -> dict[str, list[str]]:
+    """worker -> sessions it says it hosts (the workers' own view)."""
+    return {w: sorted(a["session"] for a in rt.worker_activations(w)) for w in rt.workers()}
+
+
+def test_slow_suspend_past_the_deadline_keeps_the_session_running(runtime_factory, moto_proc):
+    """Object store frozen past the deadline during a suspend: the deadline rolls the session back to
+    RUNNING, the late commit is rejected, and the worker keeps the activation (it used to drop it,
+    leaving a RUNNING record on a worker without it: 502 session_moving forever, newest state gone)."""
+    rt = runtime_factory(replicas=1, slots=4, env={**moto_proc.env(), **FAST_DEADLINE})
+    c = rt.client
+    s = c.create_session("counter")
+    for _ in range(3):
+        c.invoke(s["id"], "increment")
+    moto_proc.freeze()
+    try:
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(c.http.post, f"/v1/sessions/{s['id']}/suspend")
+            rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDING", what="suspending")
+            rt.wait_for(lambda: c.get_session(s["id"])["state"] == "RUNNING", timeout_s=20,
+                        what="the deadline rolled it back")
+            moto_proc.thaw()
+            r = fut.result(timeout=60)
+    finally:
+        moto_proc.thaw()
+    assert r.status_code == 503 and r.json()["code"] == "suspend_timeout", r.text
+    got = c.get_session(s["id"])
+    assert got["state"] == "RUNNING" and got["worker"] == s["worker"]
+    assert c.invoke(s["id"], "get") == {"count": 3}, "nothing lost"
+    assert c.suspend(s["id"])["state"] == "SUSPENDED", "a later suspend works"
+    assert c.invoke(s["id"], "increment") == {"count": 4}
+    assert _held(rt) == _active(rt) == {s["worker"]: [s["id"]]}
+
+
+def test_slow_wake_past_the_deadline_leaks_no_slot(runtime_factory, moto_proc):
+    """Object store frozen during a wake: 503 resume_timeout, the deadline sets the session back to
+    SUSPENDED, and the worker must not keep the late activation (it used to: that worker then refused
+    every create "no free slot" while the directory showed free slots)."""
+    rt = runtime_factory(replicas=1, slots=2, env={**moto_proc.env(), **FAST_DEADLINE,
+                                                   "SUBSTRATE_WORKER__RECONCILE_S": "0.5"})
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    c.suspend(s["id"])
+    wid = next(iter(rt.workers()))
+    moto_proc.freeze()
+    try:
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+        assert r.status_code == 503 and r.json()["code"] == "resume_timeout"
+        rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDED", timeout_s=20,
+                    what="the deadline rolled the wake back")
+    finally:
+        moto_proc.thaw()
+    rt.wait_for(lambda: _active(rt) == {wid: []} and _held(rt) == {wid: []}, timeout_s=20,
+                what="the late activation freed")
+    others = [c.create_session("counter") for _ in range(2)]  # both slots are really free
+    assert {o["worker"] for o in others} == {wid}
+    for o in others:
+        c.delete_session(o["id"])
+    assert c.invoke(s["id"], "get") == {"count": 1}
+
+
+def test_a_frozen_worker_is_not_waited_for_and_never_answers_again(runtime_factory):
+    """A worker frozen (SIGSTOP) past its lease: its sessions are recovered, the router's cached route
+    is not used (the invoke used to hang for the 300 s invoke timeout), and when the worker thaws it
+    finds itself fenced and stops: no two workers answer for one session."""
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    assert c.invoke(s["id"], "increment") == {"count": 1}  # the route is cached now
+    frozen = s["worker"]
+    pid = int(rt.workers()[frozen]["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})  # client timeout: 30 s
+        assert r.status_code == 200, r.text
+        assert r.headers["x-substrate-worker"] != frozen
+        assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none"
+        assert r.json() == {"output": {"count": 0}}
+        epoch = int(r.headers["x-substrate-epoch"])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rt.wait_for(lambda: not _alive(pid), timeout_s=20, what="the thawed worker stopped (it was declared dead)")
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
+    assert r.json() == {"output": {"count": 1}} and int(r.headers["x-substrate-epoch"]) == epoch
+    assert frozen not in rt.workers()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of the zygote is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_first_invoke_after_a_worker_crash_is_answered(runtime_factory):
+    """The pooled keep-alive connection to a killed worker used to be reused and its error answered 502:
+    now every connection error is retried (same idempotency key) on the session restored elsewhere."""
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    for _ in range(3):
+        c.invoke(s["id"], "increment")  # keeps a pooled connection from the router to the worker
+    rt.kill_worker(s["worker"])
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"output": {"count": 1}}
+    assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none", "the answer says what was lost"
+
+
+def test_ctrl_c_of_substrate_up_loses_no_acknowledged_turn(runtime_factory):
+    """Ctrl-C of ``substrate up`` used to drop activations without a snapshot (a counter at 3 answered 1
+    after a restart); now every worker suspends its sessions before it exits."""
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    sids = [c.create_session("counter")["id"] for _ in range(3)]
+    for n, sid in enumerate(sids):
+        for _ in range(n + 3):
+            c.invoke(sid, "increment")
+    rt.restart(sig=signal.SIGINT)
+    for n, sid in enumerate(sids):
+        got = c.get_session(sid)
+        assert got["state"] == "SUSPENDED" and got["reason"] is None, got
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"})
+        assert r.json() == {"output": {"count": n + 3}}
+        assert "x-substrate-restored" not in r.headers
+
+
+def test_sigterm_of_a_worker_suspends_its_sessions(runtime_factory):
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    for _ in range(4):
+        c.invoke(s["id"], "increment")
+    pid = int(rt.workers()[s["worker"]]["pid"])
+    os.kill(pid, signal.SIGTERM)
+    rt.wait_for(lambda: not _alive(pid), timeout_s=30, what="the worker exited")
+    got = c.get_session(s["id"])
+    assert got["state"] == "SUSPENDED" and got["snapshot"] is not None and got["reason"] is None
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
+    assert r.json() == {"output": {"count": 5}} and "x-substrate-restored" not in r.headers
+
+
+def test_delete_during_a_long_turn_and_recreate_the_same_id(runtime_factory):
+    """DELETE during a long turn used to return after 10 s ignoring the worker's failed deactivate; the
+    re-created ID then started at epoch 1 again, the worker took it for the old activation and every
+    invoke got 502 session_moving. Now the worker ends the activation at once and epochs never repeat."""
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    s = c.create_session("counter", id="reused-id")
+    c.invoke(s["id"], "increment")
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(c.http.post, f"/v1/sessions/{s['id']}/invoke",
+                        json={"input": {"op": "increment", "work_s": 20}})
+        rt.wait_for(lambda: any(a["busy"] for a in rt.worker_activations(s["worker"])), what="busy turn")
+        c.delete_session(s["id"])
+        assert rt.worker_activations(s["worker"]) == [], "the worker ended the activation"
+        again = c.create_session("counter", id="reused-id")
+        assert again["epoch"] > s["epoch"] + 1, "epochs never repeat for an ID"
+        assert c.invoke("reused-id", "increment") == {"count": 1}
+        fut.result(timeout=30)
+    assert _held(rt) == _active(rt) == {again["worker"]: ["reused-id"]}
+
+
+def test_two_runtimes_sharing_redis_get_distinct_worker_ids(runtime_factory):
+    """Two ``substrate up`` started in the same second picked the same worker IDs (shared Redis):
+    stopping one reset the other's sessions."""
+    a = runtime_factory(replicas=2, slots=4)
+    b = runtime_factory(share_with=a, replicas=2, slots=4, wait_workers=False)
+    a.wait_for(lambda: len(a.workers()) == 4, what="four workers")
+    sa = a.client.create_session("counter")
+    a.client.invoke(sa["id"], "increment")
+    b_workers = set(a.workers()) - {sa["worker"]}
+    assert len(b_workers) == 3
+    b.stop()
+    # only b's own workers went; a's session is untouched
+    got = a.client.get_session(sa["id"])
+    assert got["state"] == "RUNNING" and got["worker"] == sa["worker"], got
+    assert a.client.invoke(sa["id"], "increment") == {"count": 2}
+
+
+def test_a_retried_turn_is_answered_not_run_twice(shared_runtime):
+    """The same idempotency key twice (a client retry): one turn, one answer, replayed."""
+    c = shared_runtime.client
+    s = c.create_session("counter")
+    h = {"Idempotency-Key": "k-1"}
+    r1 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"}, headers=h)
+    r2 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"}, headers=h)
+    assert r1.json() == r2.json() == {"output": {"count": 1}}
+    assert r2.headers["x-substrate-replayed"] == "1" and "x-substrate-replayed" not in r1.headers
+    c.suspend(s["id"])  # the answers travel in the snapshot
+    r3 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"}, headers=h)
+    assert r3.json() == {"output": {"count": 1}} and r3.headers["x-substrate-replayed"] == "1"
+    assert c.invoke(s["id"], "get") == {"count": 1}
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"}, headers={"Idempotency-Key": "x" * 201})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_idempotency_key"
+    c.delete_session(s["id"])
+
+
+def test_sdk_retries_with_the_same_key(shared_runtime):
+    """The SDK sends one key per turn and resends it on a connection error or a retryable 5xx."""
+    from substrate.client import SubstrateClient
+
+    seen: list[str] = []
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        seen.append(request.headers.get("idempotency-key", ""))
+        if calls["n"] == 1:
+            raise httpx.RemoteProtocolError("server disconnected", request=request)
+        if calls["n"] == 2:
+            return httpx.Response(503, json={"code": "resume_timeout", "message": "x"}, headers={"Retry-After": "0"})
+        return httpx.Response(200, json={"output": {"count": 7}})
+
+    c = SubstrateClient("http://test", transport=httpx.MockTransport(handler), retry_backoff_s=0)
+    assert c.invoke("s1", "increment") == {"count": 7}
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0]
+    calls["n"] = 0
+    seen.clear()
+    c.invoke("s1", "increment")
+    assert len(set(seen)) == 1
+    with pytest.raises(ApiError):
+        SubstrateClient("http://test", transport=httpx.MockTransport(
+            lambda r: httpx.Response(502, json={"code": "worker_unavailable", "message": "x"})),
+            retries=2, retry_backoff_s=0).invoke("s1", "get")
+    c.close()
+    _ = json, time
