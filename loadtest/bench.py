@@ -58,7 +58,6 @@ spec:
 """
 
 
-BENCH_TOKEN = f"bench-{os.getpid()}"
 
 
 def _row(case: str, xs_s: list[float], **extra: Any) -> dict[str, Any]:
@@ -119,7 +118,6 @@ class Server:
         self.prefix = f"bench{os.getpid()}-{self.port}"
         env = {**os.environ, "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_LOG_LEVEL": "WARNING",
                "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
-               "SUBSTRATE_WORKER__INTERNAL_TOKEN": BENCH_TOKEN,
                "SUBSTRATE_WORKER__ROOT_DIR": f"{self.tmp.name}/workers",
                "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
@@ -191,6 +189,9 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
             if url:
                 rr = redis.Redis.from_url(url, decode_responses=True)
                 workers[wid] = rr.hget(f"{srv.prefix}:{{w:{wid}}}:worker", "address")
+            from loadtest.bench_auth import worker_headers
+
+            direct_h = worker_headers(url, srv.prefix, workers[wid], s["id"], s["epoch"]) if workers.get(wid) else {}
             routed, direct = [], []
             body = {"input": "get"}
             for _ in range(200):  # warm-up
@@ -199,8 +200,7 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
                 routed.append((await _post(http, f"{base}/v1/sessions/{s['id']}/invoke", body))[2])
                 if workers.get(wid):
                     direct.append((await _post(http, f"{workers[wid]}/v1/activations/{s['id']}/invoke", body,
-                                               {"X-Substrate-Epoch": str(s["epoch"]),
-                                                "X-Substrate-Internal-Token": BENCH_TOKEN}))[2])
+                                               direct_h))[2])
             rows.append(_row("invoke via router (RUNNING session)", routed))
             if direct:
                 rows.append(_row("invoke direct to worker", direct))
@@ -208,7 +208,7 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
                 paired = [r - d for r, d in zip(routed, direct, strict=True)]
                 rows.append(_row("router overhead: paired differences (routed - direct)", paired,
                                  target="p50 <= 0.5, p99 <= 1", floor="0.35 / 0.63 (raw ASGI + aiohttp)"))
-                rows += await _throughput(http, base, workers, wid, s)
+                rows += await _throughput(http, base, workers, wid, s, direct_h)
             # suspend, and the wake a parked request sees
             sus, wake = [], []
             for _ in range(min(n, 100)):
@@ -226,12 +226,12 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
 
 
 async def _throughput(http: aiohttp.ClientSession, base: str, workers: dict[str, str], wid: str,
-                      s: dict[str, Any], conc: int = 64, seconds: float = 5.0) -> list[dict[str, Any]]:
+                      s: dict[str, Any], direct_headers: dict[str, str], conc: int = 64,
+                      seconds: float = 5.0) -> list[dict[str, Any]]:
     """Requests/s of one router process at saturation, and of the same load sent straight to the
     worker (``conc`` clients on one RUNNING session's warm path for ``seconds``)."""
     body = {"input": "get"}
     direct_url = f"{workers[wid]}/v1/activations/{s['id']}/invoke"
-    direct_headers = {"X-Substrate-Epoch": str(s["epoch"]), "X-Substrate-Internal-Token": BENCH_TOKEN}
     rows = []
     for name, url, headers in (("routed", f"{base}/v1/sessions/{s['id']}/invoke", None),
                                ("direct to the worker", direct_url, direct_headers)):
@@ -442,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-wake", action="store_true")
     ap.add_argument("--wake-repeats", type=int, default=20, help="distinct sessions woken per workspace size")
     ap.add_argument("--skip-snapshots", action="store_true")
+    ap.add_argument("--skip-sandbox", action="store_true")
+    ap.add_argument("--skip-auth", action="store_true", help="skip the auth on/off router-overhead rows")
     ap.add_argument("--replay", default=str(GENTD26), help="trace for the short replay (default: GenTD26 from "
                     "../shared/traces; skipped if absent)")
     ap.add_argument("--replay-args", default="--start 2024-11-21T17:00 --duration 1h --compress 120",
@@ -470,6 +472,14 @@ def main(argv: list[str] | None = None) -> None:
         sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
         if not args.skip_wake:
             rows += asyncio.run(bench_wake_sizes(sizes, args.wake_repeats))
+        if not args.skip_sandbox:  # issue 7: create and 1 MiB wake with the sandbox on and off
+            from loadtest.bench_sandbox import bench_sandbox
+
+            rows += asyncio.run(bench_sandbox(min(args.n, 200)))
+        if not args.skip_auth:
+            from loadtest.bench_auth import bench_auth
+
+            rows += asyncio.run(bench_auth(min(args.n, 1000)))
         if not args.skip_snapshots:
             rows += asyncio.run(bench_snapshots(args.repeats, sizes))
         out = Path(args.out)

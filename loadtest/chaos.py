@@ -476,13 +476,17 @@ class Chaos:
     async def _slots(self) -> list[Violation]:
         out = []
         workers = self._workers()
-        token = self.routers[0].env["SUBSTRATE_WORKER__INTERNAL_TOKEN"]
+        from loadtest.bench_auth import worker_headers
+
+        pepper = self.routers[0].env["SUBSTRATE_WORKER__INTERNAL_TOKEN"]
         hosted: dict[str, set[str]] = {}
         async with httpx.AsyncClient(timeout=5) as http:
             for wid, raw in workers.items():
                 try:
+                    # a worker-wide activation token (session "*"), as the control plane mints it
                     r = await http.get(raw["address"] + "/v1/activations",
-                                       headers={"X-Substrate-Internal-Token": token})
+                                       headers=worker_headers(self.redis_url, self.prefix, raw["address"], "*",
+                                                              None, pepper=pepper))
                     hosted[wid] = {a["session"] for a in r.json()["items"]}
                 except (httpx.HTTPError, ValueError, KeyError):
                     out.append(Violation("slots", wid, 0, "worker registered but not answering"))

@@ -178,16 +178,23 @@ class StateManager:
         metrics.RECOVERIES_TOTAL.labels(reason="deadline").inc()
         if rec.state == SessionState.PENDING:
             await d.delete_session(rec.id)
+            await self.activator.release_quota(rec, total=True)
+            await self.activator.record("deadline", rec, reason="PENDING->deleted")
             return
         if rec.state == SessionState.SUSPENDING:
             w = await d.get_worker(rec.worker or "")
             if w is not None and w.leaseExpiresAt > time.time():
-                await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
-                                   to=SessionState.RUNNING)
+                cas = await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
+                                         to=SessionState.RUNNING)
+                if cas.ok:
+                    await self.activator.record("deadline", rec, reason="SUSPENDING->RUNNING")
                 return
         cas = await d.transition(rec.id, from_states=[rec.state], epoch=rec.epoch, to=SessionState.SUSPENDED,
                                  set={"reason": "deadline", "message": f"{rec.state.value} did not finish in time"},
                                  unset=("worker", "slot"))
+        if cas.ok:  # suspended sessions hold no running quota
+            await self.activator.release_quota(rec)
+            await self.activator.record("deadline", rec, reason=f"{rec.state.value}->SUSPENDED")
         if cas.ok and rec.worker is not None and rec.slot is not None:
             w = await d.get_worker(rec.worker)
             if w is not None:
@@ -232,6 +239,13 @@ class StateManager:
         if await d.reconcile_state_counts(counts, counted_before):
             log.info("session state counters corrected", extra={"counts": counts})
         metrics.set_session_counts(await d.state_counts())
+        if self.activator.quotas is not None:  # quota bookkeeping is derived data: rebuild it from the records
+            records: dict[str, SessionRecord] = {}
+            offset = 0
+            while offset is not None:
+                page, offset = await d.list_sessions(limit=1000, offset=offset)
+                records.update((r.id, r) for r in page)
+            await self.activator.quotas.reconcile(records)
 
     async def sweep_orphans(self, now: float | None = None) -> list[str]:
         """One orphan sweep (see the module docstring). Returns the keys deleted."""

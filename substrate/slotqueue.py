@@ -6,7 +6,8 @@ serves the waiters in arrival order: each round it refreshes its view of the poo
 for as many waiters as it can, and if none fit it asks for room once (lazy suspension of the least
 recently used idle session). So the registry is read once per round for the whole pool, not once per
 waiter per tick. It then sleeps until ``notify()`` (a slot was freed by this process, a worker came up)
-or ``poll_s`` (slots freed by other processes show up on the next refresh).
+or ``poll_s`` (slots freed by other processes show up on the next refresh). Room is made for the
+oldest waiter's tenant (``make_room(tenant)``: a tenant over its share displaces only its own sessions).
 
 A waiter that gave up (timeout, cancellation) is skipped; a slot claimed for it after it gave up is
 released at once. A pinned waiter (``worker=...``) does not block unpinned ones behind it.
@@ -33,18 +34,20 @@ class _Waiter(Generic[W]):
     sid: str
     pin: str | None
     fut: asyncio.Future[tuple[W, int]] = field(repr=False)
+    tenant: str = "default"
 
 
 class SlotQueue(Generic[W]):
     """FIFO of placements of one pool (see the module docstring).
 
     ``claim`` tries to claim a slot for a session (``None``: nothing free); ``refresh`` re-reads the
-    registry view; ``make_room`` frees a slot by suspending an idle session (True if it did);
+    registry view; ``make_room(tenant)`` frees a slot for ``tenant`` by suspending an idle session
+    (True if it did);
     ``release(worker, slot, sid)`` gives back a slot claimed for a waiter that already left.
     """
 
     def __init__(self, claim: Claim[W], *, refresh: Callable[[], Awaitable[None]],
-                 make_room: Callable[[], Awaitable[bool]],
+                 make_room: Callable[[str], Awaitable[bool]],
                  release: Callable[[W, int, str], Awaitable[object]], poll_s: float = 0.05) -> None:
         self._claim, self._refresh, self._make_room, self._release = claim, refresh, make_room, release
         self.poll_s = poll_s
@@ -61,10 +64,11 @@ class SlotQueue(Generic[W]):
         """A slot may have become free: serve the queue now instead of at the next poll."""
         self._wake.set()
 
-    async def wait(self, sid: str, pin: str | None, timeout_s: float) -> tuple[W, int]:
+    async def wait(self, sid: str, pin: str | None, timeout_s: float, *, tenant: str = "default"
+                   ) -> tuple[W, int]:
         """Join the queue; the claimed ``(worker, slot)``. Raises ``TimeoutError`` after ``timeout_s``."""
         fut: asyncio.Future[tuple[W, int]] = asyncio.get_running_loop().create_future()
-        self._waiters.append(_Waiter(sid, pin, fut))
+        self._waiters.append(_Waiter(sid, pin, fut, tenant))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
         self._wake.set()
@@ -111,7 +115,7 @@ class SlotQueue(Generic[W]):
                 try:
                     if await self._serve_round():
                         continue
-                    if self._waiters and await self._make_room():
+                    if self._waiters and await self._make_room(self._waiters[0].tenant):
                         await self._refresh()
                         continue
                 except Exception:  # noqa: BLE001 - waiters time out on their own; the pump goes on

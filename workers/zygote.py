@@ -51,6 +51,7 @@ def main() -> None:
     import botocore.session
 
     botocore.session.get_session().get_component("data_loader")  # warm botocore's model loader
+    import kubernetes.utils  # noqa: F401 - quantity parsing of templates' isolation limits
     import workers.server  # noqa: F401
 
     children: set[int] = set()

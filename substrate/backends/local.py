@@ -75,6 +75,8 @@ class LocalBackend:
         env["SUBSTRATE_WORKER"] = s.worker.model_dump_json()
         env["SUBSTRATE_SNAPSHOT"] = s.snapshot.model_dump_json()
         env["SUBSTRATE_STATE"] = s.state.model_dump_json()
+        # workers need where template credentials are, not the API keys
+        env["SUBSTRATE_AUTH"] = s.auth.model_dump_json(include={"secrets_dir", "signing_refresh_s"})
         env["SUBSTRATE_LOG_LEVEL"] = s.log_level
         env["SUBSTRATE_LOG_JSON"] = "true" if s.log_json else "false"
         return env

@@ -18,6 +18,7 @@ class FakePool:
         self.released: list[str] = []
         self.reads = 0
         self.room = 0  # idle sessions that make_room may suspend
+        self.room_for: list[str] = []  # tenants room was asked for
 
     async def claim(self, sid: str, pin: str | None):
         if pin is not None and pin != "w1":
@@ -31,7 +32,8 @@ class FakePool:
     async def refresh(self) -> None:
         self.reads += 1
 
-    async def make_room(self) -> bool:
+    async def make_room(self, tenant: str) -> bool:
+        self.room_for.append(tenant)
         if self.room <= 0:
             return False
         self.room -= 1
@@ -76,8 +78,9 @@ async def test_make_room_suspends_an_idle_session_for_the_head_waiter():
     pool = FakePool(free=0)
     pool.room = 1
     q = pool.queue()
-    assert await q.wait("s0", None, 1.0) == ("w1", 1)
+    assert await q.wait("s0", None, 1.0, tenant="acme") == ("w1", 1)
     assert pool.room == 0
+    assert pool.room_for == ["acme"], "room is made for the waiting tenant (fairness between tenants)"
 
 
 async def test_a_waiter_that_timed_out_gets_no_slot_and_leaks_none():
