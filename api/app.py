@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from api import proxy
 from api.auth import Principal
@@ -160,6 +160,37 @@ def _check_id(sid: str) -> str:
     return sid
 
 
+class RequestCounter:
+    """Pure ASGI middleware: ``agent_substrate_requests_total{route, code}`` for every HTTP answer, with
+    the matched route's template as ``route`` (never the raw path: bounded label values) and
+    ``unmatched`` for paths no route serves."""
+
+    def __init__(self, app: Any, routes: list[Any] | None = None) -> None:
+        self.app = app
+        #: routes to match when the router did not record one in the scope (plain Starlette routes)
+        self.routes = routes if routes is not None else []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is None:
+                route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "unmatched")
+            metrics.REQUESTS_TOTAL.labels(route=route, code=str(status)).inc()
+
+
 def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None) -> FastAPI:
     """Build the ASGI app. The runtime is built in the lifespan unless one is passed."""
     settings = settings or get_settings()
@@ -177,6 +208,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan,
                   description="Runs many bursty, stateful agent sessions on few warm workers.")
+    app.add_middleware(RequestCounter, routes=app.router.routes)
     # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)
     app.router.routes.insert(0, Route("/v1/sessions/{sid}/invoke", proxy.invoke, methods=["POST"]))
     # authentication and the body size limit before any body is read (chunked bodies too): api/guard.py
@@ -357,28 +389,34 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/v1/stats", dependencies=v1, tags=["control plane"])
     async def stats(request: Request) -> dict[str, Any]:
-        """Runtime-wide figures for dashboards and the trace replay (workers, slots, worker-seconds used
-        since the directory was created) and the caller's sessions by state and quota usage (admins: every
-        tenant's sessions, or ``tenant``'s)."""
+        """Runtime-wide figures for dashboards and the trace replay: workers, slots, the cumulative cost
+        integrals since the directory was created (``workerSeconds``, ``slotSeconds`` = provisioned slots
+        x time, ``processSeconds`` = workers plus the zygote), and the caller's sessions by state and
+        quota usage (admins: every tenant's sessions, or ``tenant``'s). All tenants' sessions by state
+        come from counters the transitions maintain (O(states)); one tenant's from its own index."""
         rt = _rt(request)
         p = _principal(request)
         scope = _tenant_scope(request, request.query_params.get("tenant"))
         workers = await rt.directory.list_workers()
-        by_state: dict[str, int] = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
         keys = rt.directory.keys
-        index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
-        cursor: str | None = None
-        while True:
-            page, cursor = await list_page(rt.directory.redis, keys, index, limit=1000, cursor=cursor)
-            for r in page:
-                by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
-            if cursor is None:
-                break
+        if scope is None:
+            by_state = await rt.directory.state_counts()
+        else:
+            by_state = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
+            cursor: str | None = None
+            while True:
+                page, cursor = await list_page(rt.directory.redis, keys, keys.tenant_sessions(scope), limit=1000,
+                                               cursor=cursor)
+                for r in page:
+                    by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
+                if cursor is None:
+                    break
         s = await rt.directory.get_stats()
         usage = await rt.quotas.usage(scope or p.tenant)
         return {"workers": len(workers), "slots": sum(w.slots for w in workers),
                 "slotsUsed": sum(w.slots - w.freeSlots for w in workers), "sessions": by_state,
-                "workerSeconds": s.get("workerSeconds", 0.0), "parked": rt.activator.parked,
+                "workerSeconds": s.get("workerSeconds", 0.0), "slotSeconds": s.get("slotSeconds", 0.0),
+                "processSeconds": s.get("processSeconds", 0.0), "parked": rt.activator.parked,
                 "routeCacheEntries": len(rt.routes), "tenant": scope,
                 "quota": {"tenant": scope or p.tenant, "running": usage.running, "total": usage.total,
                           "gpus": usage.gpus,

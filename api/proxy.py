@@ -34,7 +34,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from substrate import audit
+from substrate import audit, metrics
 from substrate.activator import Route
 from substrate.errors import (
     BadRequest,
@@ -168,6 +168,7 @@ async def invoke(request: Request) -> Response:
             raise InvalidInput("Idempotency-Key is over 200 characters", code="invalid_idempotency_key")
         return await _forward(runtime, sid, body, stream, rid, key, principal)
     except SubstrateError as e:
+        metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
 
 
@@ -198,6 +199,7 @@ async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers
 async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,
                    principal: "Principal") -> Response:
     cache = runtime.routes
+    t_start = time.perf_counter()
     act = runtime.activator
     route = cache.get(sid)
     if route is not None and not principal.owns(route.tenant):
@@ -293,6 +295,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             continue
         finally:
             resp.release()
+        if woke_ms is None:  # the hot path only: a wake is timed by the wake/resume histograms
+            metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
         return Response(data, status_code=resp.status, headers={**_JSON, **extra})
 
 

@@ -33,9 +33,10 @@ workers' internal API:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from substrate import metrics
@@ -64,6 +65,7 @@ from substrate.models import (
 from substrate.placement import candidates, lru_victims
 from substrate.quotas import Quotas, translated
 from substrate.settings import Settings
+from substrate.slotqueue import SlotQueue
 from substrate.specs import Catalog
 from substrate.workerclient import WorkerClient
 
@@ -137,7 +139,12 @@ class Activator:
         self.view = view
         self._wakes: dict[str, asyncio.Future[Route]] = {}
         self.parked = 0
-        self.waiting_for_slots = 0
+        #: placements waiting for a slot, per pool (demand for the pool controller)
+        self.waiting_by_pool: dict[str, int] = {}
+        self._activating: dict[str, int] = {}
+        #: activations started since the process started, per pool (the arrival-rate forecast's counter)
+        self.activations_total: dict[str, int] = {}
+        self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
@@ -199,48 +206,99 @@ class Activator:
 
     async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None,
                     tenant: str = "default") -> tuple[WorkerRecord, int]:
-        """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). Lazy-suspends an
-        idle session under pressure; waits up to ``slot_wait_s``; then raises ``NoCapacity`` (503)."""
+        """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). With no free
+        slot: wakes the pool controller, joins the pool's FIFO of waiters (``substrate.slotqueue``: served
+        as slots free up, lazy-suspending idle sessions to make room, fair to ``tenant``) for up to
+        ``slot_wait_s`` (longer while a worker for the pool is starting), then raises ``NoCapacity``."""
         pool = self.catalog.pool_for(template).name
-        deadline = time.monotonic() + self.settings.api.slot_wait_s
+        queue = self._slot_queue(pool)
+        if not len(queue):  # nobody queued ahead of us: try the view, then a fresh view
+            got = await self._claim_in(pool, sid, worker)
+            if got is not None:
+                return got
+            self.capacity_wanted.set()
+            await self.view.refresh()
+            got = await self._claim_in(pool, sid, worker)
+            if got is not None:
+                return got
+        self.capacity_wanted.set()
+        self.waiting_by_pool[pool] = self.waiting_by_pool.get(pool, 0) + 1
         park_deadline = time.monotonic() + max(self.settings.api.start_wait_s, self.settings.api.slot_wait_s)
-        tried_refresh = False
-        self.waiting_for_slots += 1
         try:
-            while True:
-                pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
-                for w in candidates(pinned, pool):
-                    slot = await self.directory.claim_slot(w.id, sid)
-                    if slot >= 0:
-                        w.freeSlots = max(0, w.freeSlots - 1)
-                        return w, slot
-                    w.freeSlots = 0  # the view was stale: skip it until the next refresh
-                if not tried_refresh:
-                    tried_refresh = True
-                    self.capacity_wanted.set()
-                    await self.view.refresh()
-                    continue
-                if await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant):
-                    await self.view.refresh()
-                    continue
-                if time.monotonic() >= deadline and self.starting.get(pool, 0) > 0 and \
-                        time.monotonic() < park_deadline:
-                    pass  # a worker for this pool is starting: wait for it rather than refuse
-                elif time.monotonic() >= deadline:
-                    raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
-                                     retry_after_s=self.settings.api.retry_after_s,
-                                     details={"pool": pool})
-                await asyncio.sleep(0.05)
-                await self.view.refresh()
+            try:
+                return await queue.wait(sid, worker, self.settings.api.slot_wait_s, tenant=tenant)
+            except asyncio.TimeoutError:
+                if self.starting.get(pool, 0) <= 0 or time.monotonic() >= park_deadline:
+                    raise
+                # a worker for this pool is starting: wait for it rather than refuse
+                return await queue.wait(sid, worker, park_deadline - time.monotonic(), tenant=tenant)
+        except asyncio.TimeoutError:
+            raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
+                             retry_after_s=self.settings.api.retry_after_s, details={"pool": pool}) from None
         finally:
-            self.waiting_for_slots -= 1
+            self.waiting_by_pool[pool] -= 1
+
+    @property
+    def waiting_for_slots(self) -> int:
+        """Placements waiting for a slot, all pools."""
+        return sum(self.waiting_by_pool.values())
+
+    async def _claim_in(self, pool: str, sid: str, worker: str | None) -> tuple[WorkerRecord, int] | None:
+        """Claim a free slot on the best candidate of the view (None if none has one)."""
+        pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
+        for w in candidates(pinned, pool):
+            slot = await self.directory.claim_slot(w.id, sid)
+            if slot >= 0:
+                w.freeSlots = max(0, w.freeSlots - 1)
+                return w, slot
+            w.freeSlots = 0  # the view was stale: skip it until the next refresh
+        return None
+
+    def _slot_queue(self, pool: str) -> SlotQueue[WorkerRecord]:
+        q = self._queues.get(pool)
+        if q is None:
+            async def claim(sid: str, pin: str | None) -> tuple[WorkerRecord, int] | None:
+                return await self._claim_in(pool, sid, pin)
+
+            async def make_room(tenant: str) -> bool:
+                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant)
+
+            async def release(w: WorkerRecord, slot: int, sid: str) -> None:
+                await self.directory.release_slot(w.id, slot, sid)
+
+            q = self._queues[pool] = SlotQueue(claim, refresh=self.view.refresh, make_room=make_room,
+                                               release=release)
+        return q
+
+    def slot_freed(self, pool: str | None = None) -> None:
+        """This process freed a slot (or a worker came up): serve the waiters now."""
+        for name, q in self._queues.items():
+            if pool is None or name == pool:
+                q.notify()
+
+    @contextlib.contextmanager
+    def _activation(self, pool: str) -> Iterator[None]:
+        """Count one activation (create or wake) from its start to RUNNING or failure."""
+        self.activations_total[pool] = self.activations_total.get(pool, 0) + 1
+        self._activating[pool] = self._activating.get(pool, 0) + 1
+        try:
+            yield
+        finally:
+            self._activating[pool] -= 1
+            self.slot_freed(pool)  # a failed activation gave its slot back; a done one may free others
+
+    @property
+    def in_flight_by_pool(self) -> dict[str, int]:
+        """Activations under way that are not waiting for a slot, per pool (their slots are claimed or
+        about to be, and heartbeats may not show them yet)."""
+        return {p: max(0, n - self.waiting_by_pool.get(p, 0)) for p, n in self._activating.items()}
 
     async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default") -> bool:
         """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed.
         Fairness: a ``tenant`` at or over its share of the pool's slots only displaces its own sessions."""
         sids: list[str] = []
         pool_slots = 0
-        for w in self.view.workers.values():
+        for w in list(self.view.workers.values()):  # a recovery may drop workers while we await
             if w.pool == pool and w.state == WorkerState.READY:
                 pool_slots += w.slots
                 sids.extend((await self.directory.worker_slots(w.id)).values())
@@ -268,6 +326,10 @@ class Activator:
         already STARTING with epoch 1 on that slot (create-if-absent: 409 on a taken ID, and the slot is
         given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
         WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains."""
+        with self._activation(self.catalog.pool_for(template).name):
+            return await self._create(rec, template)
+
+    async def _create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
         t0 = time.perf_counter()
         self.breaker.check(rec.tenant)
         if await self._exists(rec.id):
@@ -456,7 +518,8 @@ class Activator:
             await self.quotas.acquire(rec.tenant, template, rec.id, create=False)
         ok = False
         try:
-            route = await self._resume_placed(rec, template, pin)
+            with self._activation(self.catalog.pool_for(template).name):
+                route = await self._resume_placed(rec, template, pin)
             ok = True
             return route
         finally:
@@ -576,6 +639,7 @@ class Activator:
             await self.record("suspend", rec, reason=reason)
         metrics.SUSPEND_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
         metrics.SUSPENSIONS_TOTAL.labels(template=rec.actorTemplate, reason=reason).inc()
+        self.slot_freed(rec.pool or None)
 
     async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None) -> None:
         """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``)."""
@@ -594,6 +658,7 @@ class Activator:
                              extra={"session": sid, "worker": rec.worker, "code": e.code})
             if rec.slot is not None:
                 await self.directory.release_slot(rec.worker, rec.slot, sid)
+                self.slot_freed(rec.pool or None)
         await self.directory.delete_session(sid)
         await self.release_quota(rec, total=True)
         await self._index(rec.tenant, sid, None)

@@ -64,6 +64,10 @@ class Keys:
         """Hash: runtime-wide counters (worker-seconds integral, ...)."""
         return f"{self.prefix}:stats"
 
+    @property
+    def state_counts(self) -> str:
+        """Hash: lifecycle state -> number of sessions in it (moved by transitions, repaired by a scan)."""
+        return f"{self.prefix}:state-counts"
     # tenancy, auth, quotas, audit (issue 10) ---------------------------------------------------------
     def tenant_sessions(self, tenant: str) -> str:
         """Sorted set: session id -> createdAt (s) of one tenant's sessions (keyset listing per tenant)."""

@@ -188,8 +188,12 @@ class StateSettings(BaseModel):
 
 class PoolSettings(BaseModel):
     reconcile_interval_s: float = 1.0
-    #: demand must stay below capacity this long before a worker is drained (hysteresis)
+    #: the pool shrinks only below the largest size wanted over this window (hysteresis)
     scale_down_delay_s: float = 10.0
+    #: window of the activation arrival-rate forecast (creates + wakes per second)
+    forecast_window_s: float = 30.0
+    #: assumed create-to-READY time of a worker until one was measured
+    lead_time_s: float = 0.5
     #: a dead local worker process is restarted after this back-off
     restart_backoff_s: float = 0.5
 

@@ -390,6 +390,7 @@ class Worker:
             await self.reconcile()  # an activation left behind by a failed transition must not block
         if len(self.activations) >= self.slots:
             raise NoCapacity(f"worker {self.id} has no free slot")
+        t0 = time.perf_counter()
         template_env = {e.name: e.value for e in spec.env if e.value is not None}
         env = {**check_session_env(env, [e.name for e in spec.env]), **template_env}  # defence in depth
         try:
@@ -434,6 +435,8 @@ class Worker:
                                            agent=agent, workspace=workspace, answers=answers,
                                            restored=restored, tenant=claims.tenant if claims else "",
                                            sandbox_slot=box)
+        if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
+            metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
                 "sandboxed": spec.isolation.sandbox}
 
