@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -105,7 +106,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         except RuntimeError as e:
             err.print(f"[red]error[/red]: {e}")
             raise typer.Exit(2) from None
-        err.print(f"embedded Redis at {embedded.url}")
+        err.print(f"embedded Redis at {embedded.safe_url}")
     def _term(*_: object) -> None:
         # uvicorn re-raises the signal it caught after a graceful shutdown; turn SIGTERM into an
         # exception so the finally below still stops the embedded Redis
@@ -116,7 +117,14 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
                              log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
         server = uvicorn.Server(cfg)
-        err.print(f"serving on http://{host}:{port} (docs at /docs); Ctrl-C stops")
+
+        def _announce() -> None:  # only once the port accepts connections
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                err.print(f"serving on http://{host}:{port} (docs at /docs); Ctrl-C stops")
+
+        threading.Thread(target=_announce, name="announce", daemon=True).start()
         server.run()
         if not server.started:
             raise typer.Exit(1)

