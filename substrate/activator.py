@@ -260,8 +260,9 @@ class Activator:
             async def claim(sid: str, pin: str | None) -> tuple[WorkerRecord, int] | None:
                 return await self._claim_in(pool, sid, pin)
 
-            async def make_room(tenant: str) -> bool:
-                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant)
+            async def make_room(tenant: str, count: int) -> int:
+                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant,
+                                               count=count)
 
             async def release(w: WorkerRecord, slot: int, sid: str) -> None:
                 await self.directory.release_slot(w.id, slot, sid)
@@ -293,7 +294,8 @@ class Activator:
         about to be, and heartbeats may not show them yet)."""
         return {p: max(0, n - self.waiting_by_pool.get(p, 0)) for p, n in self._activating.items()}
 
-    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default") -> bool:
+    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default",
+                           count: int = 1) -> int:
         """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed.
         Fairness: a ``tenant`` at or over its share of the pool's slots only displaces its own sessions."""
         sids: list[str] = []
@@ -312,13 +314,20 @@ class Activator:
         order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
                             min_idle_s=min_idle_s)
         by_id = {r.id: r for r in recs}
-        for sid in order[:3]:
+
+        async def one(sid: str) -> bool:
             try:
                 await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
                 return True
             except SubstrateError as e:
                 log.info("pressure suspend skipped", extra={"session": sid, "code": e.code})
-        return False
+                return False
+
+        # ``count`` distinct victims at once (a queue of waiters needs as many slots; suspending them one
+        # after the other would make the last waiter wait for all the snapshots), plus a spare or two
+        # in case a victim is busy
+        freed = sum(await asyncio.gather(*(one(sid) for sid in order[:count + 2])))
+        return freed
 
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
