@@ -142,6 +142,8 @@ class Activator:
         #: placements waiting for a slot, per pool (demand for the pool controller)
         self.waiting_by_pool: dict[str, int] = {}
         self._activating: dict[str, int] = {}
+        #: sessions with a wake in flight in this process (parked requests share one), per pool
+        self.parked_by_pool: dict[str, int] = {}
         #: activations started since the process started, per pool (the arrival-rate forecast's counter)
         self.activations_total: dict[str, int] = {}
         self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
@@ -458,6 +460,10 @@ class Activator:
                     f.set_result(t.result())
             task.add_done_callback(_done)
             fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+            # a session parked on its wake wants a slot (demand for the pool controller) until it is woken
+            self.parked_by_pool[rec.pool] = self.parked_by_pool.get(rec.pool, 0) + 1
+            fut.add_done_callback(lambda _f, p=rec.pool: self.parked_by_pool.__setitem__(
+                p, self.parked_by_pool.get(p, 1) - 1))
         self.parked += 1
         metrics.PARKED_REQUESTS.set(self.parked)
         t0 = time.perf_counter()
