@@ -142,6 +142,8 @@ class Activator:
         #: placements waiting for a slot, per pool (demand for the pool controller)
         self.waiting_by_pool: dict[str, int] = {}
         self._activating: dict[str, int] = {}
+        #: sessions with a wake in flight in this process (parked requests share one), per pool
+        self.parked_by_pool: dict[str, int] = {}
         #: activations started since the process started, per pool (the arrival-rate forecast's counter)
         self.activations_total: dict[str, int] = {}
         self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
@@ -260,8 +262,9 @@ class Activator:
             async def claim(sid: str, pin: str | None) -> tuple[WorkerRecord, int] | None:
                 return await self._claim_in(pool, sid, pin)
 
-            async def make_room(tenant: str) -> bool:
-                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant)
+            async def make_room(tenant: str, count: int) -> int:
+                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant,
+                                               count=count)
 
             async def release(w: WorkerRecord, slot: int, sid: str) -> None:
                 await self.directory.release_slot(w.id, slot, sid)
@@ -293,7 +296,8 @@ class Activator:
         about to be, and heartbeats may not show them yet)."""
         return {p: max(0, n - self.waiting_by_pool.get(p, 0)) for p, n in self._activating.items()}
 
-    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default") -> bool:
+    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default",
+                           count: int = 1) -> int:
         """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed.
         Fairness: a ``tenant`` at or over its share of the pool's slots only displaces its own sessions."""
         sids: list[str] = []
@@ -312,13 +316,20 @@ class Activator:
         order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
                             min_idle_s=min_idle_s)
         by_id = {r.id: r for r in recs}
-        for sid in order[:3]:
+
+        async def one(sid: str) -> bool:
             try:
                 await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
                 return True
             except SubstrateError as e:
                 log.info("pressure suspend skipped", extra={"session": sid, "code": e.code})
-        return False
+                return False
+
+        # ``count`` distinct victims at once (a queue of waiters needs as many slots; suspending them one
+        # after the other would make the last waiter wait for all the snapshots), plus a spare or two
+        # in case a victim is busy
+        freed = sum(await asyncio.gather(*(one(sid) for sid in order[:count + 2])))
+        return freed
 
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
@@ -449,6 +460,10 @@ class Activator:
                     f.set_result(t.result())
             task.add_done_callback(_done)
             fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+            # a session parked on its wake wants a slot (demand for the pool controller) until it is woken
+            self.parked_by_pool[rec.pool] = self.parked_by_pool.get(rec.pool, 0) + 1
+            fut.add_done_callback(lambda _f, p=rec.pool: self.parked_by_pool.__setitem__(
+                p, self.parked_by_pool.get(p, 1) - 1))
         self.parked += 1
         metrics.PARKED_REQUESTS.set(self.parked)
         t0 = time.perf_counter()

@@ -311,14 +311,19 @@ class PoolController:
         unregistered = sum(1 for wid, p in running.items()
                            if p == pool.name and wid not in registered and wid not in st.expectations)
         act = self.activator
+        # placements waiting for a slot, activations under way, and sessions parked on a wake that has
+        # not reached placement yet (a parked wake is counted once, wherever it is)
+        waiting = int(getattr(act, "waiting_by_pool", {}).get(pool.name, 0))
+        in_flight = int(getattr(act, "in_flight_by_pool", {}).get(pool.name, 0))
+        parked = int(getattr(act, "parked_by_pool", {}).get(pool.name, 0))
         st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0)))
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
             starting=len(st.expectations) + unregistered,
-            waiting=int(getattr(act, "waiting_by_pool", {}).get(pool.name, 0)),
-            in_flight=int(getattr(act, "in_flight_by_pool", {}).get(pool.name, 0)),
+            waiting=waiting + max(0, parked - waiting - in_flight),
+            in_flight=in_flight,
             arrival_rate_per_s=st.arrivals.rate(),
             lead_time_s=st.lead_time_s if st.lead_time_s is not None else self.settings.pool.lead_time_s)
         spec = self.effective_spec(pool)

@@ -7,7 +7,8 @@ for as many waiters as it can, and if none fit it asks for room once (lazy suspe
 recently used idle session). So the registry is read once per round for the whole pool, not once per
 waiter per tick. It then sleeps until ``notify()`` (a slot was freed by this process, a worker came up)
 or ``poll_s`` (slots freed by other processes show up on the next refresh). Room is made for the
-oldest waiter's tenant (``make_room(tenant)``: a tenant over its share displaces only its own sessions).
+oldest waiter's tenant, as many slots as there are waiters at once (``make_room(tenant, n)``: a tenant
+over its share displaces only its own sessions).
 
 A waiter that gave up (timeout, cancellation) is skipped; a slot claimed for it after it gave up is
 released at once. A pinned waiter (``worker=...``) does not block unpinned ones behind it.
@@ -41,16 +42,18 @@ class SlotQueue(Generic[W]):
     """FIFO of placements of one pool (see the module docstring).
 
     ``claim`` tries to claim a slot for a session (``None``: nothing free); ``refresh`` re-reads the
-    registry view; ``make_room(tenant)`` frees a slot for ``tenant`` by suspending an idle session
-    (True if it did);
+    registry view; ``make_room(tenant, n)`` frees up to ``n`` slots for ``tenant`` by suspending idle
+    sessions at once (returns how many it freed);
     ``release(worker, slot, sid)`` gives back a slot claimed for a waiter that already left.
     """
 
     def __init__(self, claim: Claim[W], *, refresh: Callable[[], Awaitable[None]],
-                 make_room: Callable[[str], Awaitable[bool]],
+                 make_room: Callable[[str, int], Awaitable[int]],
                  release: Callable[[W, int, str], Awaitable[object]], poll_s: float = 0.05) -> None:
         self._claim, self._refresh, self._make_room, self._release = claim, refresh, make_room, release
         self.poll_s = poll_s
+        #: at most this many idle sessions are suspended at once for the waiters of one round
+        self.max_room_per_round = 8
         self._waiters: collections.deque[_Waiter[W]] = collections.deque()
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
@@ -115,7 +118,8 @@ class SlotQueue(Generic[W]):
                 try:
                     if await self._serve_round():
                         continue
-                    if self._waiters and await self._make_room(self._waiters[0].tenant):
+                    if self._waiters and await self._make_room(self._waiters[0].tenant,
+                                                               min(len(self), self.max_room_per_round)):
                         await self._refresh()
                         continue
                 except Exception:  # noqa: BLE001 - waiters time out on their own; the pump goes on

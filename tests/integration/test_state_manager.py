@@ -208,10 +208,12 @@ async def test_parked_requests_and_slot_waits_are_demand(env):
     other = Backend()  # a second runtime on the same Redis, ticking in the same second
     act2 = Activator(Settings(), d, CATALOG, FakeWorkers(), WorkerView(d, 60))  # type: ignore[arg-type]
     act2.parked = 3
+    act2.parked_by_pool = {"default": 3}  # three sessions parked on their wakes (issue 11's accounting)
     pc2 = PoolController(Settings(), d, load_documents(docs), other, act2)
     await pc.tick()
     assert b.created == []
     act.parked = 3
+    act.parked_by_pool = {"default": 3}
     await pc.tick()
     assert len(b.created) == 2 and act.starting["default"] == 2, "3 parked requests want 2 workers of 2 slots"
     assert len({w for w in b.created}) == 2 and all(w.startswith("default-") for w in b.created)

@@ -19,6 +19,7 @@ class FakePool:
         self.reads = 0
         self.room = 0  # idle sessions that make_room may suspend
         self.room_for: list[str] = []  # tenants room was asked for
+        self.room_asks: list[int] = []  # slots asked for per round
 
     async def claim(self, sid: str, pin: str | None):
         if pin is not None and pin != "w1":
@@ -32,13 +33,13 @@ class FakePool:
     async def refresh(self) -> None:
         self.reads += 1
 
-    async def make_room(self, tenant: str) -> bool:
+    async def make_room(self, tenant: str, count: int) -> int:
         self.room_for.append(tenant)
-        if self.room <= 0:
-            return False
-        self.room -= 1
-        self.free += 1
-        return True
+        self.room_asks.append(count)
+        n = min(count, self.room)
+        self.room -= n
+        self.free += n
+        return n
 
     async def release(self, w, slot, sid) -> None:
         self.released.append(sid)
@@ -101,3 +102,12 @@ async def test_a_pinned_waiter_does_not_block_unpinned_ones():
     assert got[0] == "w1"
     with pytest.raises(asyncio.TimeoutError):
         await pinned
+
+
+async def test_room_for_many_waiters_is_made_at_once_not_one_per_round():
+    pool = FakePool(free=0)
+    pool.room = 5
+    q = pool.queue()
+    got = await asyncio.gather(*(q.wait(f"s{i}", None, 1.0) for i in range(5)))
+    assert len(got) == 5 and pool.room == 0
+    assert pool.room_asks[0] == 5, "one round asked for a slot per waiter"
