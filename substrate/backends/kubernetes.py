@@ -82,9 +82,12 @@ class KubernetesBackend:
         self.gang_pools: set[str] = set()
         self.creates = 0
 
-    def start(self) -> None:
+    async def start(self, sync_timeout_s: float = 30.0) -> None:
+        """Start the Pod watch and wait for its first listing (called by ``PoolController.start``)."""
         if self.pods._thread is None:
             self.pods.start()
+        if not await self.pods.wait_synced(sync_timeout_s):
+            log.warning("worker Pods not listed yet from the API server")
 
     # --------------------------------------------------------------------------------------- port
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
