@@ -28,7 +28,8 @@ from typing import Any
 
 from substrate.backends.kubernetes import KubernetesBackend
 from substrate.directory import Directory
-from substrate.k8s import dra, status as kstatus
+from substrate import metrics
+from substrate.k8s import dra, gpu, status as kstatus
 from substrate.k8s.api import GROUP, VERSION, Informer, Kube
 from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
 from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
@@ -126,11 +127,24 @@ class KubePoolController(PoolController):
         self._finalizing: set[str] = set()
         self._last_status: dict[str, dict[str, Any]] = {}
         self._rolling: set[str] = set()
+        # DRA allocations and the drivers' device inventory, for the GPU memory gauges (substrate.k8s.gpu)
+        res = self.kube.resource
+        self.claims = Informer(self.kube, lambda ns, **kw: res.list_namespaced_resource_claim(ns, **kw),
+                               self.namespace, name="resourceclaims")
+        self.slices = Informer(self.kube, lambda _ns, **kw: res.list_resource_slice(**kw), self.namespace,
+                               name="resourceslices")
+
+    async def start(self) -> None:
+        self.claims.start()
+        self.slices.start()
+        await super().start()
 
     async def stop(self) -> None:
         # leave worker Pods running: a controller restart or failover must not touch serving workers
         if self._task:
             self._task.cancel()
+        self.claims.stop()
+        self.slices.stop()
         await self.backend.close()
 
     def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
@@ -266,9 +280,21 @@ class KubePoolController(PoolController):
                 log.info("rolling worker", extra={"pool": pool.name, "worker": name})
             budget -= 1
 
+    def _gpu_metrics(self, pool: WorkerPool, workers: list[Any]) -> None:
+        pods = self.kbackend.pods_of(pool.name)
+        if not self.claims.items or not self.slices.items:
+            total = fragmented = 0
+        else:
+            serving = {w.id for w in workers if w.state == WorkerState.READY and w.id not in self._draining}
+            total, fragmented = gpu.pool_gpu_memory(pods, serving, self.claims.items,
+                                                    gpu.device_memory(self.slices.items.values()))
+        metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
+        metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
+
     async def _write_status(self, pool: WorkerPool) -> None:
         raw = self.kcat.raw_pools.get(pool.name) or {}
         workers = [w for w in await self.directory.list_workers() if w.pool == pool.name]
+        self._gpu_metrics(pool, workers)
         st = self._state.get(pool.name)
         new = kstatus.compute(pool, raw, workers, self.kbackend.pods_of(pool.name),
                               self.kbackend.problems(pool.name), expectations=len(st.expectations) if st else 0,

@@ -32,6 +32,8 @@ RESOURCES = {
     "substrate.agent.dev/v1/workerpools": ("WorkerPool", True),
     "substrate.agent.dev/v1/actortemplates": ("ActorTemplate", True),
     "resource.k8s.io/v1/resourceclaimtemplates": ("ResourceClaimTemplate", True),
+    "resource.k8s.io/v1/resourceclaims": ("ResourceClaim", True),
+    "resource.k8s.io/v1/resourceslices": ("ResourceSlice", False),
     "scheduling.k8s.io/v1beta1/podgroups": ("PodGroup", True),
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True),
 }

@@ -186,3 +186,35 @@ def test_condition_transition_time_moves_only_when_status_changes() -> None:
     third = compute(pool, raw, [], {}, [])
     ready = next(c for c in third["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+
+
+def test_gpu_memory_from_claim_allocation_and_resource_slices() -> None:
+    from substrate.k8s.gpu import device_memory, pool_gpu_memory
+
+    slice_ = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "node-a-gpu"},
+              "spec": {"driver": "gpu.nvidia.com", "pool": {"name": "node-a", "generation": 1,
+                                                            "resourceSliceCount": 1},
+                       "nodeName": "node-a",
+                       "devices": [{"name": f"gpu-{i}", "capacity": {"memory": {"value": "80Gi"}},
+                                    "attributes": {"productName": {"string": "A100"}}} for i in range(3)]}}
+    validate(slice_)
+
+    def claim(name: str, devices: list[str]) -> dict[str, Any]:
+        c = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name, "namespace": "ns"},
+             "spec": {"devices": {"requests": [{"name": "accelerators", "exactly": {
+                 "deviceClassName": "gpu.nvidia.com", "count": len(devices)}}]}},
+             "status": {"allocation": {"devices": {"results": [
+                 {"request": "accelerators", "driver": "gpu.nvidia.com", "pool": "node-a", "device": d}
+                 for d in devices]}}}}
+        validate(c)
+        return c
+
+    claims = {"w1-accelerators-x": claim("w1-accelerators-x", ["gpu-0", "gpu-1"]),
+              "w2-accelerators-y": claim("w2-accelerators-y", ["gpu-2"])}
+    pods = {w: {"metadata": {"name": w}, "status": {"resourceClaimStatuses": [
+        {"name": "accelerators", "resourceClaimName": c}]}} for w, c in (("w1", "w1-accelerators-x"),
+                                                                       ("w2", "w2-accelerators-y"))}
+    pods["w3"] = {"metadata": {"name": "w3"}, "status": {}}  # Pending, nothing allocated yet
+    gib = 1 << 30
+    total, fragmented = pool_gpu_memory(pods, {"w1"}, claims, device_memory([slice_]))
+    assert total == 3 * 80 * gib and fragmented == 80 * gib  # w2 holds a GPU but does not serve
