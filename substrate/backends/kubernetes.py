@@ -7,7 +7,8 @@
 * A watch of the namespace's worker Pods (label ``app.kubernetes.io/component=worker``) feeds
   ``running()``/``reap()``: a Pod that is gone, ``Failed``/``Succeeded`` (a crash, an eviction by the
   kubelet) or being deleted by someone else (an API eviction, a node drain) stops counting as running, so
-  a replacement is created and the pool controller recovers its sessions once it is reaped. Pods this
+  a replacement is created at once. It is reaped (its sessions recovered) only when its object is gone or
+  Failed: while it terminates, its worker suspends its own sessions (graceful drain on SIGTERM). Pods this
   backend deletes are never reported as dead (they were drained first).
 * ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
   no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
@@ -148,7 +149,9 @@ class KubernetesBackend:
             pod = items.get(name)
             if name in self._created:
                 continue
-            gone = pod is None or pod_failed(pod) or bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+            # a Pod being deleted by someone else (eviction, node drain) still runs its worker, which drains
+            # itself on SIGTERM: it is dead only once its object is gone (the kubelet stopped it) or Failed
+            gone = pod is None or pod_failed(pod)
             if gone:
                 self._reported.pop(name)
                 dead.append(name)
