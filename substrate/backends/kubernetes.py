@@ -81,6 +81,8 @@ class KubernetesBackend:
         self._backoff: dict[str, _Backoff] = {}
         self._first_seen_problem: dict[str, float] = {}
         self.gang_pools: set[str] = set()
+        #: pool name -> the ActorTemplates it hosts (their isolation bounds the Pods); set by the controller
+        self.templates_for: Any = lambda _pool: []
         self.creates = 0
 
     async def start(self, sync_timeout_s: float = 30.0) -> None:
@@ -97,7 +99,7 @@ class KubernetesBackend:
             log.debug("create skipped: backing off", extra={"pool": pool.name})
             return
         body = build_worker_pod(pool, worker_id, self.settings, namespace=self.namespace,
-                                gang=pool.name in self.gang_pools)
+                                gang=pool.name in self.gang_pools, templates=self.templates_for(pool.name))
         self._created[worker_id] = _Created(pool.name)
         try:
             await asyncio.to_thread(self.kube.create_pod, self.namespace, body)

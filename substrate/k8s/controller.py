@@ -127,6 +127,7 @@ class KubePoolController(PoolController):
         self._finalizing: set[str] = set()
         self._last_status: dict[str, dict[str, Any]] = {}
         self._rolling: set[str] = set()
+        backend.templates_for = self._templates_for
         # DRA allocations and the drivers' device inventory, for the GPU memory gauges (substrate.k8s.gpu)
         res = self.kube.resource
         self.claims = Informer(self.kube, lambda ns, **kw: res.list_namespaced_resource_claim(ns, **kw),
@@ -146,6 +147,16 @@ class KubePoolController(PoolController):
         self.claims.stop()
         self.slices.stop()
         await self.backend.close()
+
+    def _templates_for(self, pool: str) -> list[ActorTemplate]:
+        out = []
+        for t in self.catalog.templates.values():
+            try:
+                if self.catalog.pool_for(t).name == pool:
+                    out.append(t)
+            except Exception:  # noqa: BLE001 - a template naming an unknown pool hosts nowhere
+                continue
+        return out
 
     def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
         """While a pool rolls, ``max_surge`` extra workers (new template) so capacity never dips."""

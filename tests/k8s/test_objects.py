@@ -218,3 +218,27 @@ def test_gpu_memory_from_claim_allocation_and_resource_slices() -> None:
     gib = 1 << 30
     total, fragmented = pool_gpu_memory(pods, {"w1"}, claims, device_memory([slice_]))
     assert total == 3 * 80 * gib and fragmented == 80 * gib  # w2 holds a GPU but does not serve
+
+
+def test_template_isolation_bounds_the_worker_pod() -> None:
+    from substrate.models import ActorTemplate
+
+    def tpl(name: str, **iso: Any) -> ActorTemplate:
+        return ActorTemplate.model_validate({"metadata": {"name": name},
+                                             "spec": {"entrypoint": "a:B", "isolation": iso}})
+
+    pool = _pool({"slots": 4})
+    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="500m", maxMemory="1Gi", maxDiskBytes=1 << 30),
+                                                             tpl("b", maxCpu="2", maxMemory="512Mi", maxDiskBytes=1 << 20)])
+    validate(pod)
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"] == {"cpu": "8000m", "memory": str(4 << 30)}
+    ws = next(v for v in pod["spec"]["volumes"] if v["name"] == "substrate-workspace")
+    assert ws["emptyDir"]["sizeLimit"] == str(4 << 30)
+    # one template without a bound leaves the Pod unbounded; the pod template's own limits win
+    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="1"), tpl("b")])
+    assert "limits" not in pod["spec"]["containers"][0].get("resources", {})
+    own = _pool({"slots": 2, "template": {"spec": {"containers": [{"name": "worker", "image": "x",
+                                                                   "resources": {"limits": {"cpu": "3"}}}]}}})
+    pod = build_worker_pod(own, "w", Settings(), templates=[tpl("a", maxCpu="1", maxMemory="1Gi")])
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "3", "memory": str(2 << 30)}
