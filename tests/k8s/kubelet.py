@@ -61,7 +61,7 @@ class TestKubelet:
         self.thread.join(10)
         self.pods.stop()
         for name in list(self.procs):
-            self._kill(name, grace_s=5)
+            self._kill(name, grace_s=1)  # teardown: no need to wait for graceful drains
 
     # ------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
