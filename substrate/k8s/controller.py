@@ -63,7 +63,6 @@ class KubeCatalog:
         self.deleting: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
         self._warned: set[tuple[str, Any]] = set()
-        self.changed = asyncio.Event()
         for inf in (self.pools, self.templates):
             inf.add_listener(self.rebuild)
 
@@ -93,7 +92,7 @@ class KubeCatalog:
                 try:
                     part = load_documents([doc], f"{doc.get('kind')}/{name}", log_warnings=False)
                 except SpecError as e:
-                    errors[name] = e.message
+                    errors[f"{doc.get('kind')}/{name}"] = e.message
                     continue
                 gen = (doc.get("metadata") or {}).get("generation")
                 for w in part.warnings:  # once per object generation, not on every status update
@@ -110,7 +109,6 @@ class KubeCatalog:
         self.catalog.pools.update(pools)
         self.catalog.templates.clear()
         self.catalog.templates.update(templates)
-        self.changed.set()
 
 
 class KubePoolController(PoolController):
@@ -184,6 +182,13 @@ class KubePoolController(PoolController):
             if name not in self._finalizing:
                 self._finalizing.add(name)
                 asyncio.create_task(self._finalize(name, raw))
+        for key, message in list(self.kcat.errors.items()):
+            kind, _, name = key.partition("/")
+            if kind == "WorkerPool":
+                try:
+                    await self._invalid_status(name, message)
+                except Exception:  # noqa: BLE001
+                    log.warning("status of an invalid pool failed", extra={"pool": name}, exc_info=True)
         await super().tick()
         for pool in list(self.catalog.pools.values()):
             try:
@@ -301,6 +306,17 @@ class KubePoolController(PoolController):
                                                     gpu.device_memory(self.slices.items.values()))
         metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
         metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
+
+    async def _invalid_status(self, name: str, message: str) -> None:
+        """A WorkerPool that does not load gets ``Valid=False`` with the loader's message (naming the field)."""
+        raw = self.kcat.raw_pools.get(name) or {}
+        old = raw.get("status") or {}
+        gen = int((raw.get("metadata") or {}).get("generation") or 1)
+        cond = kstatus.condition("Valid", False, "InvalidSpec", message[:1000], old.get("conditions") or [], gen)
+        new = {**old, "observedGeneration": gen, "conditions": [cond]}
+        if old != new and self._last_status.get(name) != new:
+            await self._api(self.kube.patch_pool_status, self.namespace, name, new)
+            self._last_status[name] = new
 
     async def _write_status(self, pool: WorkerPool) -> None:
         raw = self.kcat.raw_pools.get(pool.name) or {}

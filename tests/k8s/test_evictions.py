@@ -9,7 +9,14 @@ from tests.k8s.conftest import NS, Cluster, counter_doc, pool_doc, wait_for
 def test_evicted_workers_are_replaced_and_sessions_survive(cluster: Cluster) -> None:
     cluster.apply(pool_doc(replicas=1, slots=4))
     cluster.apply(counter_doc())
+    bad = pool_doc(name="typo")
+    bad["spec"]["template"]["spec"]["runtimeClass"] = "gvisor"
+    cluster.apply(bad)
     cluster.controller()
+    cond = wait_for(lambda: ((cluster.pool("typo") or {}).get("status") or {}).get("conditions"), 90, "typo status")
+    assert cond[0]["type"] == "Valid" and cond[0]["status"] == "False"
+    assert "did you mean runtimeClassName" in cond[0]["message"]
+    assert not cluster.pods("typo")
     wait_for(lambda: len(cluster.ready_workers("agents")) == 1, 90, "one worker")
     router = cluster.router()
     s = router.create_session("counter")
