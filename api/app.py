@@ -2,7 +2,12 @@
 
 Resources, not verbs (DESIGN.md): sessions, their invoke/suspend/resume sub-resources, worker pools and
 actor templates as the control plane sees them, ``/metrics``, ``/healthz``, ``/readyz``. Errors are JSON
-``{"code","message"[,"details"]}`` with a stable code and the right status (see ``substrate.errors``).
+``{"code","message"[,"details"]}`` with a stable code and the right status (see ``substrate.errors``;
+every code is listed in ``api.errors_doc`` and in the OpenAPI document's ``Error`` schema).
+
+Tenancy (issue 10): every ``/v1`` call is authenticated (``api.auth``); a session belongs to the tenant
+that created it and another tenant's session answers 404 ``session_not_found`` exactly like a missing
+one, in every route; admins see all. Each state-changing call leaves one audit record (``substrate.audit``).
 """
 
 from __future__ import annotations
@@ -18,18 +23,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from api import proxy
+from api.auth import Principal
+from api.errors_doc import openapi_error_schema, responses_for
 from api.runtime import Runtime
 from substrate import metrics
-from substrate.errors import InvalidInput, PayloadTooLarge, SubstrateError
+from api.guard import Guard
+from substrate.envpolicy import check_session_env
+from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError
+from substrate.listing import list_page
 from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
 
-_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?$")
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_LABEL_KEY = re.compile(r"\A[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?\Z")
+
+
+def _text_ok(s: str) -> bool:
+    """Valid Unicode text (no lone surrogate such as ``"\ud800"``, which JSON allows but UTF-8 cannot hold)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CreateSession(BaseModel):
@@ -44,19 +62,22 @@ class CreateSession(BaseModel):
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 64:
+            raise ValueError("at most 64 labels")
         for k, val in v.items():
-            if not _LABEL_KEY.match(k):
+            if not _LABEL_KEY.fullmatch(k):
                 raise ValueError(f"label key {k!r} must be 1-63 letters, digits, '-', '_', '.', '/'")
             if len(val) > 256:
                 raise ValueError(f"label {k!r} value is over 256 characters")
+            if not _text_ok(val) or "\0" in val:
+                raise ValueError(f"label {k!r} value is not valid Unicode text (lone surrogate or NUL)")
         return v
 
-    @field_validator("env")
+    @field_validator("actorTemplate", "id")
     @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
-            if not _ENV_KEY.match(k):
-                raise ValueError(f"env name {k!r} must look like A_NAME")
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not _text_ok(v):
+            raise ValueError("not valid Unicode text (lone surrogate)")
         return v
 
 
@@ -67,19 +88,60 @@ class ResumeSession(BaseModel):
     worker: str | None = Field(None, description="place the activation on this worker only")
 
 
-def session_view(rec: SessionRecord) -> dict[str, Any]:
-    """The public shape of a session (env values are not echoed: they may hold secrets)."""
+def session_view(rec: SessionRecord, rt: Runtime | None = None) -> dict[str, Any]:
+    """The public shape of a session (env values are not echoed: they may hold secrets).
+    ``sandboxed`` is false only when the session's template opts out of the per-session sandbox."""
     out = rec.model_dump(mode="json", exclude={"env"})
     out["env"] = sorted(rec.env)
+    if rt is not None:
+        t = rt.catalog.templates.get(rec.actorTemplate)
+        out["sandboxed"] = t.spec.isolation.sandbox if t is not None else True
     return out
+
+
+def _guard_settings(scope: dict[str, Any], default: Settings) -> tuple[Settings, Any]:
+    rt = getattr(getattr(scope.get("app"), "state", None), "runtime", None)
+    return (rt.settings, rt.auth) if rt is not None else (default, None)
 
 
 def _rt(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def _auth(request: Request) -> None:
-    proxy.check_auth(_rt(request), request)
+async def _auth(request: Request) -> None:
+    await proxy.authenticate(_rt(request), request)
+
+
+def _principal(request: Request) -> Principal:
+    p: Principal = request.state.principal
+    return p
+
+
+async def _owned(rt: Runtime, sid: str, principal: Principal) -> SessionRecord:
+    """The session if the caller may see it; 404 for a missing one and for another tenant's alike."""
+    rec = await rt.directory.get_session(_check_id(sid))
+    if not principal.owns(rec.tenant):
+        raise NotFound(f"session {sid!r} not found", code="session_not_found")
+    return rec
+
+
+async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any) -> Any:
+    """Run ``op()`` (a coroutine factory) and leave one audit record of its outcome."""
+    try:
+        result = await op()
+    except SubstrateError as e:
+        await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
+                              worker=rec.worker, epoch=rec.epoch, result=e.code, gpus=_gpus(rt, rec))
+        raise
+    after = result if isinstance(result, SessionRecord) else rec
+    await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
+                          worker=after.worker or rec.worker, epoch=after.epoch, gpus=_gpus(rt, rec))
+    return result
+
+
+def _gpus(rt: Runtime, rec: SessionRecord) -> int:
+    t = rt.catalog.templates.get(rec.actorTemplate)
+    return t.spec.resources.gpus if t else 0
 
 
 async def _body_limit(request: Request) -> None:
@@ -92,10 +154,41 @@ async def _body_limit(request: Request) -> None:
 
 
 def _check_id(sid: str) -> str:
-    if not SESSION_ID_RE.match(sid):
+    if not SESSION_ID_RE.fullmatch(sid):
         raise InvalidInput(f"malformed session id {sid!r}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
                            code="invalid_session_id")
     return sid
+
+
+class RequestCounter:
+    """Pure ASGI middleware: ``agent_substrate_requests_total{route, code}`` for every HTTP answer, with
+    the matched route's template as ``route`` (never the raw path: bounded label values) and
+    ``unmatched`` for paths no route serves."""
+
+    def __init__(self, app: Any, routes: list[Any] | None = None) -> None:
+        self.app = app
+        #: routes to match when the router did not record one in the scope (plain Starlette routes)
+        self.routes = routes if routes is not None else []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is None:
+                route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "unmatched")
+            metrics.REQUESTS_TOTAL.labels(route=route, code=str(status)).inc()
 
 
 def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None) -> FastAPI:
@@ -115,8 +208,11 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan,
                   description="Runs many bursty, stateful agent sessions on few warm workers.")
+    app.add_middleware(RequestCounter, routes=app.router.routes)
     # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)
     app.router.routes.insert(0, Route("/v1/sessions/{sid}/invoke", proxy.invoke, methods=["POST"]))
+    # authentication and the body size limit before any body is read (chunked bodies too): api/guard.py
+    app.add_middleware(Guard, get_settings=lambda scope: _guard_settings(scope, settings))
 
     @app.exception_handler(SubstrateError)
     async def _substrate_error(request: Request, e: SubstrateError) -> Response:
@@ -145,43 +241,63 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         rt = _rt(request)
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
+        env = check_session_env(body.env, [e.name for e in template.spec.env])
         pool = rt.catalog.pool_for(template)
         now = time.time()
         rec = SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate=template.name, pool=pool.name,
-                            labels=body.labels, env=body.env, createdAt=now, updatedAt=now, lastActiveAt=now)
-        rec = await rt.activator.create(rec, template)
+                            tenant=_principal(request).tenant, labels=body.labels, env=env,
+                            createdAt=now, updatedAt=now, lastActiveAt=now)
+        gpus = template.spec.resources.gpus
+        try:
+            rec = await rt.activator.create(rec, template)
+        except SubstrateError as e:
+            if e.code != "session_exists":  # that ID is someone else's session: not this one's record
+                await rt.audit.record("create", session=sid, tenant=rec.tenant, template=template.name,
+                                      result=e.code, gpus=gpus)
+            raise
+        await rt.audit.record("create", session=sid, tenant=rec.tenant, template=template.name,
+                              worker=rec.worker, epoch=rec.epoch, gpus=gpus)
         route = rt.activator.route_of(rec)
         if route is not None:
             rt.routes.put(sid, route)
-        return JSONResponse(session_view(rec), status_code=201)  # skips FastAPI's generic encoder
+        return JSONResponse(session_view(rec, rt), status_code=201)  # skips FastAPI's generic encoder
+
+    def _tenant_scope(request: Request, tenant: str | None) -> str | None:
+        """The tenant whose data a call reads: the caller's own; an admin's choice (None = all)."""
+        p = _principal(request)
+        if tenant is not None and not p.admin and tenant != p.tenant:
+            raise Forbidden("only an admin may read another tenant's data", code="forbidden")
+        return tenant if p.admin else p.tenant
 
     @app.get("/v1/sessions", dependencies=v1, tags=["sessions"])
     async def list_sessions(request: Request, state: SessionState | None = None,
                             template: str | None = None,
                             limit: int = Query(100, ge=1, le=1000),
-                            continue_: str | None = Query(None, alias="continue")) -> dict[str, Any]:
-        """List sessions (oldest first), filtered by ``state`` and ``template``; paginate with the
-        ``metadata.continue`` token of the previous page."""
-        offset = 0
-        if continue_:
-            if not continue_.isdigit() or len(continue_) > 15:
-                raise InvalidInput("bad continue token", code="invalid_continue")
-            offset = int(continue_)
-        items, nxt = await _rt(request).directory.list_sessions(state=state, template=template, limit=limit,
-                                                               offset=offset)
-        return {"items": [session_view(r) for r in items],
-                "metadata": {"continue": str(nxt) if nxt is not None else None}}
+                            continue_: str | None = Query(None, alias="continue"),
+                            tenant: str | None = Query(None, description="admins: one tenant's sessions")
+                            ) -> dict[str, Any]:
+        """List the caller's sessions (oldest first; admins: every tenant's, or ``tenant``'s), filtered by
+        ``state`` and ``template``; paginate with the ``metadata.continue`` token of the previous page
+        (a keyset cursor: deleting sessions between pages skips or repeats none)."""
+        rt = _rt(request)
+        scope = _tenant_scope(request, tenant)
+        keys = rt.directory.keys
+        index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
+        items, nxt = await list_page(rt.directory.redis, keys, index, limit=limit, cursor=continue_,
+                                     state=state, template=template)
+        return {"items": [session_view(r, rt) for r in items], "metadata": {"continue": nxt}}
 
     @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])
     async def get_session(sid: str, request: Request) -> Response:
-        """One session: state, template, worker, epoch, snapshot, restoredFrom ..."""
-        return JSONResponse(session_view(await _rt(request).directory.get_session(_check_id(sid))))
+        """One session: state, template, tenant, worker, epoch, snapshot, restoredFrom ..."""
+        return JSONResponse(session_view(await _owned(_rt(request), sid, _principal(request)), _rt(request)))
 
     @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=v1, tags=["sessions"])
     async def delete_session(sid: str, request: Request) -> Response:
         """End the session wherever it is and delete its record and snapshots."""
         rt = _rt(request)
-        await rt.activator.delete(_check_id(sid), snapshot_gc=rt.snapshot_gc)
+        rec = await _owned(rt, sid, _principal(request))
+        await _audited(rt, "delete", rec, lambda: rt.activator.delete(sid, snapshot_gc=rt.snapshot_gc))
         rt.routes.drop(sid)
         return Response(status_code=204)
 
@@ -189,30 +305,64 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     async def suspend_session(sid: str, request: Request) -> dict[str, Any]:
         """Snapshot the session and free its slot. Idempotent for a suspended session."""
         rt = _rt(request)
-        rec = await rt.directory.get_session(_check_id(sid))
-        if rec.state == SessionState.RUNNING:
-            await rt.activator.suspend(rec)
-            rt.routes.drop(sid)
-            rec = await rt.directory.get_session(sid)
-        elif rec.state not in (SessionState.SUSPENDED, SessionState.SUSPENDING):
-            from substrate.errors import Conflict
-            raise Conflict(f"session {sid!r} is {rec.state.value}; only a RUNNING session can be suspended",
-                           code="invalid_state")
-        return session_view(rec)
+        rec = await _owned(rt, sid, _principal(request))
+
+        async def op() -> SessionRecord:
+            if rec.state == SessionState.RUNNING:
+                await rt.activator.suspend(rec)
+                rt.routes.drop(sid)
+                return await rt.directory.get_session(sid)
+            if rec.state not in (SessionState.SUSPENDED, SessionState.SUSPENDING):
+                raise Conflict(f"session {sid!r} is {rec.state.value}; only a RUNNING session can be suspended",
+                               code="invalid_state")
+            return rec
+        return session_view(await _audited(rt, "suspend", rec, op))
 
     @app.post("/v1/sessions/{sid}/resume", dependencies=v1, tags=["sessions"])
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:
         """Wake a suspended (or FAILED) session now instead of on its next request. ``worker`` pins the
         placement to one worker (like a Pod's ``nodeName``): 503 if it has no free slot."""
         rt = _rt(request)
+        p = _principal(request)
+        rec = await _owned(rt, sid, p)
         pin = body.worker if body else None
         if pin is not None and pin not in rt.view.workers:
             await rt.view.refresh()
             if pin not in rt.view.workers:
                 raise InvalidInput(f"unknown worker {pin!r}", code="unknown_worker")
-        route, _ = await rt.activator.wake(_check_id(sid), worker=pin)
-        rt.routes.put(sid, route)
-        return session_view(await rt.directory.get_session(sid))
+
+        async def op() -> SessionRecord:
+            route, _ = await rt.activator.wake(sid, worker=pin, tenant=None if p.admin else p.tenant,
+                                               audit_action=None)
+            rt.routes.put(sid, route)
+            return await rt.directory.get_session(sid)
+        return session_view(await _audited(rt, "resume", rec, op))
+
+    @app.get("/v1/sessions/{sid}/events", dependencies=v1, tags=["audit"])
+    async def session_events(sid: str, request: Request, limit: int = Query(100, ge=1, le=1000),
+                             continue_: str | None = Query(None, alias="continue")) -> dict[str, Any]:
+        """The session's audit records, oldest first (also after it was deleted, for
+        ``audit.deleted_retention_s``); paginate with ``metadata.continue``."""
+        rt = _rt(request)
+        p = _principal(request)
+        try:
+            await _owned(rt, sid, p)
+        except NotFound:
+            owner = await rt.audit.session_tenant(sid)  # a deleted session: its records say whose it was
+            if owner is None or not p.owns(owner):
+                raise
+        items, nxt = await rt.audit.session_events(sid, after=continue_, limit=limit)
+        return {"items": items, "metadata": {"continue": nxt}}
+
+    @app.get("/v1/events", dependencies=v1, tags=["audit"])
+    async def tenant_events(request: Request, tenant: str | None = Query(None, description="admins: whose"),
+                            limit: int = Query(100, ge=1, le=1000),
+                            continue_: str | None = Query(None, alias="continue")) -> dict[str, Any]:
+        """The caller's tenant's audit records (admins: ``tenant``'s, default their own), oldest first."""
+        rt = _rt(request)
+        scope = _tenant_scope(request, tenant) or _principal(request).tenant
+        items, nxt = await rt.audit.tenant_events(scope, after=continue_, limit=limit)
+        return {"items": items, "metadata": {"continue": nxt}}
 
     @app.get("/v1/workerpools", dependencies=v1, tags=["control plane"])
     async def list_pools(request: Request) -> dict[str, Any]:
@@ -239,21 +389,38 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/v1/stats", dependencies=v1, tags=["control plane"])
     async def stats(request: Request) -> dict[str, Any]:
-        """Runtime-wide figures for dashboards and the trace replay (workers, slots, sessions by state,
-        worker-seconds used since the directory was created)."""
+        """Runtime-wide figures for dashboards and the trace replay: workers, slots, the cumulative cost
+        integrals since the directory was created (``workerSeconds``, ``slotSeconds`` = provisioned slots
+        x time, ``processSeconds`` = workers plus the zygote), and the caller's sessions by state and
+        quota usage (admins: every tenant's sessions, or ``tenant``'s). All tenants' sessions by state
+        come from counters the transitions maintain (O(states)); one tenant's from its own index."""
         rt = _rt(request)
+        p = _principal(request)
+        scope = _tenant_scope(request, request.query_params.get("tenant"))
         workers = await rt.directory.list_workers()
-        by_state: dict[str, int] = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
-        offset: int | None = 0
-        while offset is not None:
-            page, offset = await rt.directory.list_sessions(limit=1000, offset=offset)
-            for r in page:
-                by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
+        keys = rt.directory.keys
+        if scope is None:
+            by_state = await rt.directory.state_counts()
+        else:
+            by_state = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
+            cursor: str | None = None
+            while True:
+                page, cursor = await list_page(rt.directory.redis, keys, keys.tenant_sessions(scope), limit=1000,
+                                               cursor=cursor)
+                for r in page:
+                    by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
+                if cursor is None:
+                    break
         s = await rt.directory.get_stats()
+        usage = await rt.quotas.usage(scope or p.tenant)
         return {"workers": len(workers), "slots": sum(w.slots for w in workers),
                 "slotsUsed": sum(w.slots - w.freeSlots for w in workers), "sessions": by_state,
-                "workerSeconds": s.get("workerSeconds", 0.0), "parked": rt.activator.parked,
-                "routeCacheEntries": len(rt.routes)}
+                "workerSeconds": s.get("workerSeconds", 0.0), "slotSeconds": s.get("slotSeconds", 0.0),
+                "processSeconds": s.get("processSeconds", 0.0), "parked": rt.activator.parked,
+                "routeCacheEntries": len(rt.routes), "tenant": scope,
+                "quota": {"tenant": scope or p.tenant, "running": usage.running, "total": usage.total,
+                          "gpus": usage.gpus,
+                          "limits": rt.quotas.limits_of(scope or p.tenant).model_dump(exclude_none=True)}}
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_endpoint() -> Response:
@@ -297,11 +464,28 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                            {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}}],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["input"], "properties": {"input": {}}}}}},
-            "responses": {"200": {"description": "the agent's output"},
-                          "404": {"description": "unknown session"}, "413": {"description": "body too large"},
-                          "422": {"description": "bad input or agent error"},
-                          "502": {"description": "worker died mid-request"},
-                          "503": {"description": "no capacity / resume timeout (Retry-After)"}}}}
+            "responses": {"200": {"description": "the agent's output"}}}}
+        comps = schema.setdefault("components", {})
+        comps.setdefault("schemas", {})["Error"] = openapi_error_schema()
+        comps["securitySchemes"] = {
+            "apiKey": {"type": "http", "scheme": "bearer", "bearerFormat": "sk_<id>_<secret>",
+                       "description": "An API key (`substrate keys create TENANT`), as `Authorization: Bearer "
+                                      "sk_...`. Only its SHA-256 is stored; revocation is effective at once."},
+            "oidc": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
+                     "description": "A JWT from the OIDC issuer `auth.oidc_issuer` (verified against its "
+                                    "JWKS); the tenant is the `auth.tenant_claim` claim, admins carry "
+                                    "`auth.admin_role` in `auth.roles_claim`."}}
+        for path, ops in schema["paths"].items():
+            if not path.startswith("/v1"):
+                continue
+            for op in ops.values():
+                # no credentials configured = open mode (the single tenant `default`): {} allows that
+                op["security"] = [{"apiKey": []}, {"oidc": []}, {}]
+                statuses = [401, 403, 422, 503] + ([404] if "{sid}" in path else [])
+                if op is ops.get("post") and (path == "/v1/sessions" or path.endswith(("/invoke", "/resume"))):
+                    statuses += [429]
+                for code, resp in responses_for(*sorted(statuses)).items():
+                    op.setdefault("responses", {}).setdefault(code, resp)
         app.openapi_schema = schema
         return schema
 

@@ -14,6 +14,11 @@ used only while its worker is within its lease, and a call in flight to a worker
 (frozen, partitioned) is abandoned and retried instead of waiting out the invoke timeout. A worker that
 answers ``not_active`` for the record's current worker and epoch lost the activation: the record is
 repaired (guarded by both) and the session woken again.
+
+Tenancy (issue 10) adds no I/O here in the steady state: the caller is authenticated from a
+process-local cache (``api.auth``), the cached route carries the session's tenant (another tenant's
+session answers 404 exactly like a missing one, before anything is woken), and the per-activation token
+presented to the worker is reused per (session, epoch, worker) for half its lifetime.
 """
 
 from __future__ import annotations
@@ -23,26 +28,29 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from substrate import audit, metrics
 from substrate.activator import Route
 from substrate.errors import (
+    BadRequest,
     Conflict,
     InvalidInput,
+    NotFound,
     PayloadTooLarge,
     StaleEpoch,
     SubstrateError,
-    Unauthorized,
     WorkerUnavailable,
 )
 from substrate.models import SESSION_ID_RE
-from substrate.workerclient import EPOCH_HEADER, IDEMPOTENCY_HEADER, TOKEN_HEADER
+from substrate.workerclient import IDEMPOTENCY_HEADER
 
 if TYPE_CHECKING:
+    from api.auth import Principal
     from api.runtime import Runtime
 
 _JSON = {"Content-Type": "application/json"}
@@ -84,10 +92,57 @@ def error_response(e: SubstrateError) -> Response:
     return Response(json.dumps(e.to_dict()), status_code=e.status, headers=headers)
 
 
-def check_auth(runtime: "Runtime", request: Request) -> None:
-    token = runtime.settings.api.auth_token
-    if token and request.headers.get("authorization") != f"Bearer {token}":
-        raise Unauthorized("missing or wrong bearer token", code="unauthorized")
+async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
+    """The caller (see ``api.auth``); also sets the audit actor for everything this request causes."""
+    principal = await runtime.auth.authenticate(request.headers)
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = rid
+    request.state.principal = principal
+    audit.actor.set(audit.Actor(principal.subject, principal.tenant, rid))
+    return principal
+
+
+#: invoke inputs nested deeper than this are refused (a worker or agent must never see them)
+MAX_JSON_DEPTH = 64
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
+def _depth_ok(doc: Any, limit: int) -> bool:
+    stack = [(doc, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((c, d + 1) for c in v.values())
+        elif isinstance(v, list):
+            stack.extend((c, d + 1) for c in v)
+    return True
+
+
+def check_invoke_body(body: bytes) -> None:
+    """Refuse an invoke body that is not ``{"input": ...}`` JSON, nests deeper than
+    ``MAX_JSON_DEPTH``, or holds numbers Python cannot hold (over 4300 digits, overflowing floats,
+    NaN/Infinity). Raises ``BadRequest`` (400 ``bad_json`` / ``missing_input``)."""
+    try:
+        doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        msg = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise BadRequest(f"body is not valid JSON: {msg}", code="bad_json") from None
+    if not isinstance(doc, dict) or "input" not in doc:
+        raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and not _depth_ok(doc, MAX_JSON_DEPTH):
+        raise BadRequest(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
 
 
 async def invoke(request: Request) -> Response:
@@ -95,23 +150,25 @@ async def invoke(request: Request) -> Response:
     runtime: Runtime = request.app.state.runtime
     sid = request.path_params["sid"]
     try:
-        check_auth(runtime, request)
-        if not SESSION_ID_RE.match(sid):
+        principal = await authenticate(runtime, request)
+        if not SESSION_ID_RE.fullmatch(sid):
             raise InvalidInput(f"malformed session id {sid!r}", code="invalid_session_id")
         limit = runtime.settings.api.max_body_bytes
         cl = request.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > limit:
+        if cl is not None and cl.isascii() and cl.isdigit() and int(cl) > limit:
             raise PayloadTooLarge(f"body of {cl} bytes is over the {limit}-byte limit")
         body = await request.body()
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
+        check_invoke_body(body)
         stream = request.query_params.get("stream") in ("1", "true")
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.state.request_id
         key = request.headers.get("idempotency-key") or rid
         if len(key) > 200:
             raise InvalidInput("Idempotency-Key is over 200 characters", code="invalid_idempotency_key")
-        return await _forward(runtime, sid, body, stream, rid, key)
+        return await _forward(runtime, sid, body, stream, rid, key, principal)
     except SubstrateError as e:
+        metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
 
 
@@ -139,10 +196,14 @@ async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers
             task.cancel()
 
 
-async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str) -> Response:
+async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,
+                   principal: "Principal") -> Response:
     cache = runtime.routes
+    t_start = time.perf_counter()
     act = runtime.activator
     route = cache.get(sid)
+    if route is not None and not principal.owns(route.tenant):
+        raise NotFound(f"session {sid!r} not found", code="session_not_found")
     if route is not None and not runtime.view.leased(route.worker):
         cache.drop(sid)  # no cached route to a worker past its lease
         route = None
@@ -159,11 +220,12 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         if route is None:
             t0 = time.perf_counter()
             try:
-                route, woke = await act.wake(sid)
-            except (StaleEpoch, Conflict) as e:
-                if e.code not in ("stale_epoch", "conflict"):
+                route, woke = await act.wake(sid, tenant=None if principal.admin else principal.tenant)
+            except (StaleEpoch, Conflict, WorkerUnavailable) as e:
+                if e.code not in ("stale_epoch", "conflict", "worker_unavailable"):
                     raise
-                # the session moved while it was being woken (a deadline roll, another router): again
+                # the session moved while it was being woken (a deadline roll, another router), or the
+                # worker chosen for it died while restoring it: wake it again
                 await asyncio.sleep(min(0.05 * attempt, 0.5))
                 continue
             if woke:
@@ -171,8 +233,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 restored = route.restored or restored
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
-        headers = {EPOCH_HEADER: str(route.epoch), "Content-Type": "application/json",
-                   TOKEN_HEADER: s.worker.internal_token or "", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
+        headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
+                   "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
         try:
             resp = await _post(runtime, route, url, body, headers)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost):
@@ -200,7 +262,9 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 await act.repair_lost_activation(sid, route.worker, route.epoch)
                 route = None
                 continue
-            if resp.status == 409 and code == "stale_epoch":
+            if resp.status == 409 and code in ("stale_epoch", "tenant_mismatch"):
+                # a stale cache entry: an older epoch, or the ID was deleted and re-created by another
+                # tenant; the directory decides (and answers 404 to a caller who does not own it)
                 cache.drop(sid)
                 route = None
                 continue
@@ -231,6 +295,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             continue
         finally:
             resp.release()
+        if woke_ms is None:  # the hot path only: a wake is timed by the wake/resume histograms
+            metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
         return Response(data, status_code=resp.status, headers={**_JSON, **extra})
 
 

@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from api.auth import Authenticator
 from api.proxy import RouteCache
 from snapshot.state_manager import StateManager
 from snapshot.store import ObjectStore, make_store
 from substrate.activator import Activator, WorkerView
+from substrate.audit import AuditLog
 from substrate.backends.local import LocalBackend
 from substrate.directory import Directory
+from substrate.loops import run_forever
 from substrate.pool import PoolController
+from substrate.quotas import Quotas
 from substrate.settings import Settings
 from substrate.specs import Catalog, load_catalog
+from substrate.tokens import SigningKeyRing, TokenMinter
 from substrate.workerclient import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,10 @@ class Runtime:
     activator: Activator
     http: aiohttp.ClientSession
     store: ObjectStore | None
+    auth: Authenticator
+    signing: SigningKeyRing
+    quotas: Quotas
+    audit: AuditLog
     routes: RouteCache = field(default_factory=RouteCache)
     state_manager: StateManager | None = None
     pools: PoolController | None = None
@@ -48,8 +56,6 @@ class Runtime:
     async def build(cls, settings: Settings, *, embedded: bool = True, catalog: Catalog | None = None) -> "Runtime":
         if not settings.redis.url:
             raise RuntimeError("SUBSTRATE_REDIS_URL is not set (substrate up starts an embedded Redis)")
-        if not settings.worker.internal_token:
-            settings.worker.internal_token = secrets.token_urlsafe(24)
         directory = Directory(settings.redis.url, settings.redis.key_prefix,
                               socket_timeout_s=settings.redis.socket_timeout_s)
         kube_catalog = None
@@ -64,14 +70,20 @@ class Runtime:
             catalog = kube_catalog.catalog
         catalog = catalog or load_catalog(settings.config_dir)
         view = WorkerView(directory, settings.api.worker_refresh_s)
-        client = WorkerClient(timeout_s=settings.api.invoke_timeout_s, token=settings.worker.internal_token)
-        activator = Activator(settings, directory, catalog, client, view)
+        signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s,
+                                 pepper=settings.worker.internal_token)
+        client = WorkerClient(TokenMinter(signing, ttl_s=settings.auth.activation_token_ttl_s),
+                              timeout_s=settings.api.invoke_timeout_s)
+        quotas = Quotas(directory.redis, directory.keys, settings.quota, retry_after_s=settings.api.retry_after_s)
+        audit = AuditLog(directory.redis, directory.keys, settings.audit)
+        activator = Activator(settings, directory, catalog, client, view, quotas=quotas, audit=audit)
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=settings.api.invoke_timeout_s, sock_connect=2),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
         store = make_store(settings.snapshot)
-        rt = cls(settings, directory, catalog, view, client, activator, http, store)
+        auth = Authenticator(settings, directory.redis, directory.keys, http)
+        rt = cls(settings, directory, catalog, view, client, activator, http, store, auth, signing, quotas, audit)
         rt.kube_catalog = kube_catalog
         if embedded:
             rt.state_manager = StateManager(settings, directory, catalog, activator, store)
@@ -79,6 +91,12 @@ class Runtime:
         return rt
 
     async def start(self) -> None:
+        # the signing keys and the API keys come first: nothing can call a worker or be served before
+        await self.signing.load()
+        self._tasks.append(asyncio.create_task(run_forever(
+            lambda: self.signing.load(create=False), self.signing.refresh_s, "signing key refresh",
+            first_delay=True)))
+        await self.auth.start()
         ensure = getattr(self.store, "ensure_bucket", None)
         if ensure is not None and self.settings.snapshot.create_bucket:
             try:
@@ -109,6 +127,9 @@ class Runtime:
         if self.pools is not None:
             await self.pools.stop()
         await self.view.stop()
+        await self.auth.stop()
+        for t in self._tasks:
+            t.cancel()
         if self.kube_catalog is not None:
             self.kube_catalog.stop()
         await self.http.close()

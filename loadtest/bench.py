@@ -3,13 +3,23 @@
 Starts a whole runtime the way a user does (``substrate up`` in a child process, embedded Redis unless
 ``SUBSTRATE_REDIS_URL`` is set, real worker processes), then measures over loopback:
 
-* router overhead: a RUNNING session's turn through the router vs. the same call straight to its worker;
-* session creation on a warm worker: latency (sequential) and creations/s (concurrent, one router);
+* router overhead: a RUNNING session's turn through the router and the same call straight to its
+  worker, interleaved one by one; the overhead is the distribution of the **paired differences**;
+* routed throughput: requests/s one router process answers at saturation (64 concurrent clients on 8
+  RUNNING sessions, the load generator on the same cores), next to the same load sent straight to the
+  workers and the floor measured for the stack (DESIGN.md);
+* session creation with a realistic agent start (``echo-command``: one agent process spawned per
+  session, as a sandboxed agent is) on a pool that starts from zero workers and scales with its
+  autoscaler: latency (sequential) and creations/s (64 concurrent, one router);
 * suspend latency, and the wake latency a parked request sees (suspended -> answered);
-* resume from object storage by workspace size (moto S3 server on loopback, and the local store);
+* wake from the object store end to end through the runtime (moto S3 on loopback; shell sessions with
+  a workspace of 1, 16, 64 MiB of random bytes, a distinct session per wake): the client's latency and
+  the router's ``X-Substrate-Wake-Ms``;
+* resume from object storage by workspace size at the store level (moto S3 server and the local store);
 * optionally a short trace replay (``--replay``).
 
-Benchmarks are not tests: they report figures (medians and tails); the machine is shared and noisy.
+Percentiles are :func:`substrate.quantiles.percentile` (the project's one definition). Benchmarks are
+not tests: they report figures; the machine is shared and noisy (10-40 % run-to-run).
 """
 
 from __future__ import annotations
@@ -21,7 +31,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +41,8 @@ from typing import Any
 import aiohttp
 
 from loadtest.bench_report import markdown_table
+from loadtest.report import DEFINITIONS
+from substrate.quantiles import percentile
 
 POOL = """apiVersion: substrate.agent.dev/v1
 kind: WorkerPool
@@ -47,18 +58,38 @@ spec:
 """
 
 
-BENCH_TOKEN = f"bench-{os.getpid()}"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
 
 
 def _row(case: str, xs_s: list[float], **extra: Any) -> dict[str, Any]:
     ms = [x * 1000 for x in xs_s]
-    return {"case": case, "n": len(ms), "p50_ms": statistics.median(ms), "p95_ms": _pct(ms, 0.95),
-            "p99_ms": _pct(ms, 0.99), **extra}
+    return {"case": case, "n": len(ms), "p50_ms": percentile(ms, 50), "p95_ms": percentile(ms, 95),
+            "p99_ms": percentile(ms, 99), **extra}
+
+
+#: a pool that starts with no worker and scales with its autoscaler (no pre-provisioned capacity), and
+#: an agent whose start spawns a process per session (as a sandboxed agent does)
+AUTOSCALED = """apiVersion: substrate.agent.dev/v1
+kind: WorkerPool
+metadata: {name: default}
+spec:
+  slots: 16
+  autoscaling: {minReplicas: 0, maxReplicas: 256, targetUtilization: 100}
+  warmPool: {readyReplicas: 0}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: echo-command}
+spec:
+  command: ["%(python)s", "-u", "-m", "workers.agents.echo_jsonl"]
+  stateManagement: {snapshotInterval: 0, maxIdleTime: 0}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: shell}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  stateManagement: {snapshotInterval: 0, maxIdleTime: 0}
+"""
 
 
 def _free_port() -> int:
@@ -71,13 +102,15 @@ class Server:
     """``substrate up`` in a child process with a temporary config."""
 
     def __init__(self, replicas: int = 0, slots: int = 0, *, config: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, yaml_text: str | None = None) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="substrate-bench-")
         cfg = Path(self.tmp.name) / "config"
         cfg.mkdir()
         if config is not None:
             for f in config.glob("*.yaml"):
                 shutil.copy(f, cfg / f.name)
+        elif yaml_text is not None:
+            (cfg / "bench.yaml").write_text(yaml_text)
         else:
             (cfg / "bench.yaml").write_text(POOL % {"replicas": replicas, "slots": slots})
         self.port = _free_port()
@@ -85,7 +118,6 @@ class Server:
         self.prefix = f"bench{os.getpid()}-{self.port}"
         env = {**os.environ, "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_LOG_LEVEL": "WARNING",
                "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
-               "SUBSTRATE_WORKER__INTERNAL_TOKEN": BENCH_TOKEN,
                "SUBSTRATE_WORKER__ROOT_DIR": f"{self.tmp.name}/workers",
                "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
@@ -157,6 +189,9 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
             if url:
                 rr = redis.Redis.from_url(url, decode_responses=True)
                 workers[wid] = rr.hget(f"{srv.prefix}:{{w:{wid}}}:worker", "address")
+            from loadtest.bench_auth import worker_headers
+
+            direct_h = worker_headers(url, srv.prefix, workers[wid], s["id"], s["epoch"]) if workers.get(wid) else {}
             routed, direct = [], []
             body = {"input": "get"}
             for _ in range(200):  # warm-up
@@ -165,47 +200,15 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
                 routed.append((await _post(http, f"{base}/v1/sessions/{s['id']}/invoke", body))[2])
                 if workers.get(wid):
                     direct.append((await _post(http, f"{workers[wid]}/v1/activations/{s['id']}/invoke", body,
-                                               {"X-Substrate-Epoch": str(s["epoch"]),
-                                                "X-Substrate-Internal-Token": BENCH_TOKEN}))[2])
+                                               direct_h))[2])
             rows.append(_row("invoke via router (RUNNING session)", routed))
             if direct:
                 rows.append(_row("invoke direct to worker", direct))
-                rows.append({"case": "router overhead (router - direct)", "n": n,
-                             "p50_ms": (statistics.median(routed) - statistics.median(direct)) * 1000,
-                             "p95_ms": (_pct(routed, .95) - _pct(direct, .95)) * 1000,
-                             "p99_ms": (_pct(routed, .99) - _pct(direct, .99)) * 1000})
-            # creation on a warm worker: sequential latency
-            lat, ids = [], []
-            for _ in range(min(n, 300)):
-                st, body_, dt = await _post(http, f"{base}/v1/sessions", {"actorTemplate": "counter"})
-                assert st == 201, body_
-                lat.append(dt)
-                ids.append(body_["id"])
-            rows.append(_row("create session on a warm worker (sequential)", lat))
-            for sid in ids:
-                async with http.delete(f"{base}/v1/sessions/{sid}"):
-                    pass
-            # creations per second, concurrent
-            total, conc = 900, 64
-            sem = asyncio.Semaphore(conc)
-            lat2: list[float] = []
-            ids2: list[str] = []
-
-            async def one() -> None:
-                async with sem:
-                    st, b, dt = await _post(http, f"{base}/v1/sessions", {"actorTemplate": "counter"})
-                    if st == 201:
-                        lat2.append(dt)
-                        ids2.append(b["id"])
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(total)))
-            wall = time.perf_counter() - t0
-            rows.append(_row(f"create session, {conc} concurrent", lat2,
-                             per_s=len(lat2) / wall, errors=total - len(lat2)))
-            for sid in ids2:
-                async with http.delete(f"{base}/v1/sessions/{sid}"):
-                    pass
+                # the overhead of each request: routed minus the direct call made right after it
+                paired = [r - d for r, d in zip(routed, direct, strict=True)]
+                rows.append(_row("router overhead: paired differences (routed - direct)", paired,
+                                 target="p50 <= 0.5, p99 <= 1", floor="0.35 / 0.63 (raw ASGI + aiohttp)"))
+                rows += await _throughput(http, base, workers, wid, s, direct_h)
             # suspend, and the wake a parked request sees
             sus, wake = [], []
             for _ in range(min(n, 100)):
@@ -219,6 +222,141 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
             rows.append(_row("wake: invoke of a SUSPENDED session, local store", wake))
         finally:
             srv.stop()
+    return rows
+
+
+async def _throughput(http: aiohttp.ClientSession, base: str, workers: dict[str, str], wid: str,
+                      s: dict[str, Any], direct_headers: dict[str, str], conc: int = 64,
+                      seconds: float = 5.0) -> list[dict[str, Any]]:
+    """Requests/s of one router process at saturation, and of the same load sent straight to the
+    worker (``conc`` clients on one RUNNING session's warm path for ``seconds``)."""
+    body = {"input": "get"}
+    direct_url = f"{workers[wid]}/v1/activations/{s['id']}/invoke"
+    rows = []
+    for name, url, headers in (("routed", f"{base}/v1/sessions/{s['id']}/invoke", None),
+                               ("direct to the worker", direct_url, direct_headers)):
+        done = errors = 0
+        stop_at = time.perf_counter() + seconds
+
+        async def client() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < stop_at:
+                st, _, _ = await _post(http, url, body, headers)
+                if st == 200:
+                    done += 1
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+        rows.append({"case": f"throughput {name}, {conc} concurrent, one router process", "n": done,
+                     "per_s": done / wall, "errors": errors,
+                     **({"target": ">= 5000/s", "floor": "~3500/s raw ASGI + aiohttp, ~2300-2800/s Starlette"}
+                        if name == "routed" else {})})
+    return rows
+
+
+async def bench_creation(n: int) -> list[dict[str, Any]]:
+    """Creation with a realistic agent start on a pool that starts from zero workers (see module doc)."""
+    rows: list[dict[str, Any]] = []
+    srv = Server(yaml_text=AUTOSCALED % {"python": sys.executable},
+                 env={"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "30"})
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=128)) as http:
+        try:
+            await asyncio.to_thread(srv.wait_healthy)
+            lat, ids = [], []
+            for _ in range(min(n, 200)):
+                st, body_, dt = await _post(http, f"{srv.url}/v1/sessions", {"actorTemplate": "echo-command"})
+                assert st == 201, body_
+                lat.append(dt)
+                ids.append(body_["id"])
+            rows.append(_row("create session, agent process per session, autoscaled pool (sequential)", lat))
+            for sid in ids:
+                async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
+                    pass
+            total, conc = 1000, 64
+            sem = asyncio.Semaphore(conc)
+            lat2: list[float] = []
+            ids2: list[str] = []
+            errors: dict[str, int] = {}
+
+            async def one() -> None:
+                async with sem:
+                    st, b, dt = await _post(http, f"{srv.url}/v1/sessions", {"actorTemplate": "echo-command"})
+                    if st == 201:
+                        lat2.append(dt)
+                        ids2.append(b["id"])
+                    else:
+                        code = (b or {}).get("code", str(st)) if isinstance(b, dict) else str(st)
+                        errors[code] = errors.get(code, 0) + 1
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(total)))
+            wall = time.perf_counter() - t0
+            async with http.get(f"{srv.url}/v1/stats") as r:
+                stats = await r.json()
+            rows.append(_row(f"create session, agent process per session, {conc} concurrent, from "
+                             f"{len(ids)} live sessions (workers: {stats['workers']} at the end)", lat2,
+                             per_s=len(lat2) / wall, errors=sum(errors.values()), target=">= 1000/s"))
+            for sid in ids2:
+                async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
+                    pass
+        finally:
+            srv.stop()
+    return rows
+
+
+async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """Wake from S3 (moto) end to end through the runtime, one distinct session per wake (module doc)."""
+    from moto.server import ThreadedMotoServer
+
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    env = {"SUBSTRATE_SNAPSHOT__STORE": "s3", "SUBSTRATE_SNAPSHOT__ENDPOINT_URL": f"http://127.0.0.1:{port}",
+           "SUBSTRATE_SNAPSHOT__BUCKET": "bench-wake", "SUBSTRATE_SNAPSHOT__REGION": "us-east-1",
+           "SUBSTRATE_SNAPSHOT__ACCESS_KEY_ID": "testing", "SUBSTRATE_SNAPSHOT__SECRET_ACCESS_KEY": "testing"}
+    srv = Server(yaml_text=AUTOSCALED % {"python": sys.executable}, env=env)
+    rows: list[dict[str, Any]] = []
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        try:
+            await asyncio.to_thread(srv.wait_healthy)
+            for size in sizes:
+                sids = []
+                for _ in range(repeats):
+                    st, b, _ = await _post(http, f"{srv.url}/v1/sessions", {"actorTemplate": "shell"})
+                    assert st == 201, b
+                    sid = b["id"]
+                    cmd = f"head -c {size} /dev/urandom > blob"
+                    st, b, _ = await _post(http, f"{srv.url}/v1/sessions/{sid}/invoke", {"input": cmd})
+                    assert st == 200, b
+                    sids.append(sid)
+                for sid in sids:
+                    st, b, _ = await _post(http, f"{srv.url}/v1/sessions/{sid}/suspend")
+                    assert st == 202, b
+                client, server = [], []
+                for sid in sids:  # a distinct session each time: no cache helps
+                    t0 = time.perf_counter()
+                    async with http.post(f"{srv.url}/v1/sessions/{sid}/invoke", json={"input": "true"}) as r:
+                        await r.read()
+                        assert r.status == 200 and r.headers.get("X-Substrate-Woke") == "1"
+                        client.append(time.perf_counter() - t0)
+                        server.append(float(r.headers["X-Substrate-Wake-Ms"]) / 1000)
+                    async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
+                        pass
+                mib = size / 2**20
+                rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), through the runtime, "
+                                 "client (incl. a shell turn)", client))
+                rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), router X-Substrate-Wake-Ms",
+                                 server, **({"target": "p95 <= 30"} if size == 1 << 20 else {})))
+        finally:
+            srv.stop()
+            moto.stop()
     return rows
 
 
@@ -256,7 +394,8 @@ async def bench_snapshots(repeats: int, sizes: tuple[int, ...]) -> list[dict[str
 ROOT = Path(__file__).resolve().parents[1]
 GENTD26 = ROOT.parent / "shared" / "traces" / "gentd26_requests_2024-11-15_to_11-26.csv"
 #: the control loops' clocks compressed like the trace (see README: trace replay)
-REPLAY_ENV = {"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "1", "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.3",
+REPLAY_ENV = {"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "1", "SUBSTRATE_POOL__FORECAST_WINDOW_S": "1",
+              "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.3",
               "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.2"}
 
 
@@ -273,18 +412,23 @@ def bench_replay(trace: Path, args: list[str], out: Path) -> list[dict[str, Any]
         srv.stop()
     res = json.loads((out / "result.json").read_text())
     s = res["targets"]["ours"]["summary"]
-    added = s["added_ms"]
-    return [{"case": f"replay {trace.name} {' '.join(args)}", "n": s["turns_run"],
+    added, cost = s["added_ms"], s["cost"]
+    rows = [{"case": f"replay {trace.name} {' '.join(args)} (added latency from scheduled arrival, "
+                     "failures = inf)", "n": s["turns_run"],
              "p50_ms": added["all"]["p50"], "p95_ms": added["all"]["p95"], "p99_ms": added["all"]["p99"],
              "errors": s["errors"] + s["lost_state"]},
             {"case": "  replay: warm turns added latency", "n": added["warm"]["n"], "p50_ms": added["warm"]["p50"],
              "p95_ms": added["warm"]["p95"], "p99_ms": added["warm"]["p99"]},
             {"case": "  replay: wake turns added latency", "n": added["wake"]["n"], "p50_ms": added["wake"]["p50"],
              "p95_ms": added["wake"]["p95"], "p99_ms": added["wake"]["p99"]},
-            {"case": "  replay: sessions per slot (distinct / peak slots)",
-             "n": s["capacity"]["distinct_sessions"], "value": s["capacity"]["per_slot_peak"]},
-            {"case": "  replay: worker-seconds, always-on baseline / ours", "n": s["turns_run"],
-             "value": (res.get("ratios") or {}).get("worker_seconds_baseline_over_ours")}]
+            {"case": "  replay: utilization (busy / provisioned slot-seconds)", "n": s["turns_run"],
+             "value": cost["utilization"]},
+            {"case": "  replay: density (time-averaged alive sessions per slot)", "n": s["turns_run"],
+             "value": cost["density"]}]
+    for h in (res.get("baseline") or {}).get("holds", []):
+        rows.append({"case": f"  replay: always-on baseline / ours, slot-seconds, {h['hold']}", "n": s["turns_run"],
+                     "value": h["slot_ratio"]})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -294,7 +438,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes-mib", default="1,16,64", help="workspace sizes for the resume benchmark")
     ap.add_argument("--out", default="bench-results", help="folder for bench.md and bench.json")
     ap.add_argument("--skip-runtime", action="store_true")
+    ap.add_argument("--skip-creation", action="store_true")
+    ap.add_argument("--skip-wake", action="store_true")
+    ap.add_argument("--wake-repeats", type=int, default=20, help="distinct sessions woken per workspace size")
     ap.add_argument("--skip-snapshots", action="store_true")
+    ap.add_argument("--skip-sandbox", action="store_true")
+    ap.add_argument("--skip-auth", action="store_true", help="skip the auth on/off router-overhead rows")
     ap.add_argument("--replay", default=str(GENTD26), help="trace for the short replay (default: GenTD26 from "
                     "../shared/traces; skipped if absent)")
     ap.add_argument("--replay-args", default="--start 2024-11-21T17:00 --duration 1h --compress 120",
@@ -318,8 +467,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not args.skip_runtime:
             rows += asyncio.run(bench_runtime(args.n))
+        if not args.skip_creation:
+            rows += asyncio.run(bench_creation(args.n))
+        sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
+        if not args.skip_wake:
+            rows += asyncio.run(bench_wake_sizes(sizes, args.wake_repeats))
+        if not args.skip_sandbox:  # issue 7: create and 1 MiB wake with the sandbox on and off
+            from loadtest.bench_sandbox import bench_sandbox
+
+            rows += asyncio.run(bench_sandbox(min(args.n, 200)))
+        if not args.skip_auth:
+            from loadtest.bench_auth import bench_auth
+
+            rows += asyncio.run(bench_auth(min(args.n, 1000)))
         if not args.skip_snapshots:
-            sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
             rows += asyncio.run(bench_snapshots(args.repeats, sizes))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -334,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
             red.stop()
     table = markdown_table(rows)
     (out / "bench.md").write_text(f"# make bench ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores)\n\n"
-                                  + table + "\n")
+                                  + table + "\n\nDefinitions:\n\n" + DEFINITIONS + "\n")
+    print("Definitions:\n" + DEFINITIONS + "\n")
     (out / "bench.json").write_text(json.dumps(rows, indent=2))
     print(table)
     print(f"\nwrote {out / 'bench.md'} and {out / 'bench.json'}")

@@ -379,7 +379,7 @@ class Chaos:
             hold = c.deadline_s + self.rng.uniform(0.5, 3)
             os.kill(self.moto.pid, signal.SIGSTOP)
             self.stats.faults[kind] += 1
-            return asyncio.create_task(self._thaw(kind, self.moto.pid, hold, track=False))
+            return asyncio.create_task(self._thaw(kind, self.moto.pid, hold))
         if kind == "redis_pause":
             ms = int(self.rng.uniform(0.2, c.lease_s * 0.6) * 1000)
             self.r.execute_command("CLIENT", "PAUSE", str(ms), "WRITE" if self.rng.random() < 0.5 else "ALL")
@@ -394,7 +394,7 @@ class Chaos:
             return asyncio.create_task(self._restart(rt))
         raise ValueError(kind)
 
-    async def _thaw(self, kind: str, pid: int, hold_s: float, track: bool = True) -> None:
+    async def _thaw(self, kind: str, pid: int, hold_s: float) -> None:
         await asyncio.sleep(hold_s)
         _signal(pid, signal.SIGCONT)
         self.frozen.discard(pid)
@@ -476,13 +476,17 @@ class Chaos:
     async def _slots(self) -> list[Violation]:
         out = []
         workers = self._workers()
-        token = self.routers[0].env["SUBSTRATE_WORKER__INTERNAL_TOKEN"]
+        from loadtest.bench_auth import worker_headers
+
+        pepper = self.routers[0].env["SUBSTRATE_WORKER__INTERNAL_TOKEN"]
         hosted: dict[str, set[str]] = {}
         async with httpx.AsyncClient(timeout=5) as http:
             for wid, raw in workers.items():
                 try:
+                    # a worker-wide activation token (session "*"), as the control plane mints it
                     r = await http.get(raw["address"] + "/v1/activations",
-                                       headers={"X-Substrate-Internal-Token": token})
+                                       headers=worker_headers(self.redis_url, self.prefix, raw["address"], "*",
+                                                              None, pepper=pepper))
                     hosted[wid] = {a["session"] for a in r.json()["items"]}
                 except (httpx.HTTPError, ValueError, KeyError):
                     out.append(Violation("slots", wid, 0, "worker registered but not answering"))

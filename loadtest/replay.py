@@ -298,15 +298,16 @@ class TargetRunner:
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         for ps in plan.sessions:
             self.sessions.append(
-                {"id": ps.id, "key": ps.key, "owner": ps.owner, "start_s": ps.start_s, "end_s": ps.end_s,
-                 "hold_s": ps.hold_s, "turns": len(ps.turns), "created": False, "create_ms": None,
+                {"id": ps.id, "key": ps.key, "owner": ps.owner, "start_s": ps.start_s, "last_end_s": ps.last_end_s,
+                 "end_s": ps.end_s, "hold_s": ps.hold_s, "turns": len(ps.turns), "created": False,
+                 "created_s": None, "deleted_s": None, "create_ms": None,
                  "create_http": None, "create_retries": 0, "deleted": False, "final_count": None, "error": None}
             )
             for i, pt in enumerate(ps.turns):
                 self.turns.append(
-                    {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "queue_s": None,
+                    {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "done_s": None, "queue_s": None,
                      "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
-                     "latency_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
+                     "latency_ms": None, "service_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
                      "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
                      "retries": 0, "error": None}
                 )
@@ -365,6 +366,7 @@ class TargetRunner:
         srec["create_ms"] = (time.monotonic() - started) * 1000.0
         if status in (200, 201):
             srec["created"] = True
+            srec["created_s"] = self.now()
             return True
         code = payload.get("code") if isinstance(payload, dict) else None
         srec["error"] = f"create: HTTP {status} {code or ''}".strip()
@@ -397,12 +399,15 @@ class TargetRunner:
                 rec["status"], rec["error"] = "error", repr(e)
             finally:
                 self.inflight -= 1
-            latency_ms = (time.monotonic() - started) * 1000.0
+            service_ms = (time.monotonic() - started) * 1000.0
+            rec["done_s"] = self.now()
         rec["http"] = status
         if rec["status"] in ("timeout", "error"):
             rec["expected"] = [prev + 1, prev + 1 + uncertain]
             return
-        rec["latency_ms"] = latency_ms
+        # latency runs from the turn's scheduled arrival, not from when the client got round to sending it
+        latency_ms = (rec["done_s"] - pt.at_s) * 1000.0
+        rec["latency_ms"], rec["service_ms"] = latency_ms, service_ms
         if status != 200:
             code = payload.get("code") if isinstance(payload, dict) else None
             rec["status"], rec["error"] = "error", f"HTTP {status} {code or ''}".strip()
@@ -429,6 +434,7 @@ class TargetRunner:
             status, _, _ = await self._request(http, "DELETE", f"/v1/sessions/{sid}", timeout_s=timeout_s)
             if status in (200, 202, 204, 404):
                 srec["deleted"] = True
+                srec["deleted_s"] = self.now()
                 self._live.discard(sid)
 
     async def _session(self, http, sem: asyncio.Semaphore, ps: PlannedSession, srec: dict[str, Any],
@@ -470,13 +476,15 @@ class TargetRunner:
 
         sample: dict[str, Any] = {"t_s": round(self.now(), 3), "inflight": self.inflight, "alive": self.alive,
                                   "ok": False, "workers": None, "slots": None, "slotsUsed": None,
-                                  "sessions": None, "workerSeconds": None}
+                                  "sessions": None, "workerSeconds": None, "slotSeconds": None,
+                                  "processSeconds": None}
         try:
             if self.stats_source != "/v1/workerpools":
                 status, _, payload = await self._request(http, "GET", "/v1/stats", timeout_s=2.0)
                 if status == 200 and isinstance(payload, dict):
                     self.stats_source = "/v1/stats"
-                    for k in ("workers", "slots", "slotsUsed", "sessions", "workerSeconds"):
+                    for k in ("workers", "slots", "slotsUsed", "sessions", "workerSeconds", "slotSeconds",
+                              "processSeconds"):
                         sample[k] = payload.get(k)
                     sample["ok"] = True
                 elif status in (404, 405) and self.stats_source is None:
@@ -560,7 +568,7 @@ class TargetRunner:
             "sessions": self.sessions,
             "stats": self.samples,
         }
-        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples)
+        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples, ended_s)
         return result
 
 
@@ -598,6 +606,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", default=None, help="window length in trace time (e.g. 1d); default: to the end")
     ap.add_argument("--idle-split", default="30m", help="a gap longer than this (trace time) starts a new session")
     ap.add_argument("--max-sessions", type=int, default=None, help="replay only the first N sessions (by start)")
+    ap.add_argument("--overlay", type=int, default=1, help="lay N consecutive windows of --duration over the "
+                    "first (N times the rate, same turn durations; owners of window k become owner@k)")
     ap.add_argument("--failed-turns", choices=("replay", "skip"), default="replay",
                     help="turns the trace recorded as failed: replay them (they used a worker) or drop them")
     ap.add_argument("--template", default="counter", help="ActorTemplate of the replayed sessions (counter semantics)")
@@ -626,6 +636,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def overlay_windows(turns: list[Turn], start_s: float | None, duration_s: float | None, n: int) -> list[Turn]:
+    """``n`` consecutive windows of ``duration_s`` laid over the first one (a day at ``n`` times its
+    rate with the same turn durations, unlike a higher compression that also shortens the turns).
+    Owners of window ``k`` > 0 are renamed ``owner@k`` so their sessions stay apart."""
+    if duration_s is None or start_s is None:
+        raise TraceError("--overlay needs --start and --duration")
+    out: list[Turn] = []
+    for k in range(n):
+        for t in select_window(turns, start_s + k * duration_s, duration_s):
+            owner = t.session_owner if k == 0 else f"{t.session_owner}@{k}"
+            out.append(Turn(owner, t.arrival_s - k * duration_s, t.duration_s, t.ok))
+    return sorted(out)
+
+
 def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     """Trace file + CLI options -> (plan, config block of result.json)."""
     fmt = None if args.format == "auto" else args.format
@@ -637,6 +661,9 @@ def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     start_s = resolve_start(args.start, turns[0].arrival_s, fmt in TIMESTAMPED_FORMATS)
     duration_s = parse_duration(args.duration) if args.duration else None
     window = select_window(turns, start_s, duration_s)
+    overlay = max(1, int(getattr(args, "overlay", 1) or 1))
+    if overlay > 1:
+        window = overlay_windows(turns, start_s, duration_s, overlay)
     idle_split_s = parse_duration(args.idle_split)
     run_id = re.sub(r"[^a-z0-9-]", "-", (args.run_id or secrets.token_hex(3)).lower())[:40]
     plan = build_plan(window, compress=args.compress, idle_split_s=idle_split_s, max_sessions=args.max_sessions,
@@ -660,6 +687,7 @@ def load_and_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         "retries": args.retries,
         "max_wall_s": parse_duration(args.max_wall) if args.max_wall else None,
         "run_id": run_id,
+        "overlay": overlay,
         "trace_turns_total": len(turns),
         "window_turns": len(window),
     }
@@ -697,6 +725,8 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
                           run_id=cfg["run_id"])
         bar = _progress(plan.turns, name, pos, args.no_progress)
         runners.append((TargetRunner(name, rc, plan, stop, bar), bar))
+    if cfg.get("ours_idle_timeout_s") is None:
+        cfg["ours_idle_timeout_s"] = await idle_timeout_s(args.host, args.template, token)
     try:
         results = await asyncio.gather(*(r.run() for r, _ in runners))
     finally:
@@ -713,6 +743,31 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
     if args.baseline:
         result.update(rpt.compare(result))
     return result
+
+
+async def idle_timeout_s(host: str, template: str, token: str | None) -> float | None:
+    """The template's ``maxIdleTime`` in seconds as ``host`` reports it (the baseline's ``L`` = ours'
+    idle timeout); None if it cannot be read."""
+    import aiohttp
+
+    from substrate.models import parse_duration_s
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        async with aiohttp.ClientSession() as http, http.get(
+                host.rstrip("/") + "/v1/actortemplates", headers=headers,
+                timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            items = (await resp.json()).get("items") or []
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+        return None
+    for t in items:
+        if (t.get("metadata") or {}).get("name") == template:
+            raw = ((t.get("spec") or {}).get("stateManagement") or {}).get("maxIdleTime")
+            try:
+                return parse_duration_s(raw) if raw is not None else None
+            except (ValueError, TypeError):
+                return None
+    return None
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, window_s: float | None = None) -> dict[str, Path]:

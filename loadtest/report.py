@@ -1,31 +1,60 @@
-"""Pure arithmetic and rendering for trace-replay results (no network).
+"""Pure arithmetic and rendering for trace-replay results (no network): the definitions, written once.
+
+Definitions (every report of the project uses these; ``make bench`` and the replay report print them,
+see :data:`DEFINITIONS`):
+
+* **Cost** is counted in **slot-seconds**: provisioned session slots x time (a 6-slot worker alive for
+  one second costs 6). **Process-seconds** count every process kept for sessions (worker processes and
+  the always-on zygote that forks them; one per session for a pod-per-session baseline). Both come from
+  the server's cumulative counters (``/v1/stats`` ``slotSeconds``/``processSeconds``), integrated by the
+  pool controller every round, not from 1-second samples.
+* **Busy slot-seconds** = the sum of the turns' durations: the lower bound of any system's cost.
+  **Utilization** = busy / provisioned slot-seconds, for ours and for the baseline.
+* **Baseline**: one always-on worker (one slot, one process) per session from its first turn's arrival
+  to its last turn's end plus a hold ``L``, reported for ``L`` = 0 (a clairvoyant lower bound),
+  ours' idle timeout (the same machinery as ours, pod per session), 5 minutes and 30 minutes (what a
+  pod-per-session system that keeps state in the pod needs: it cannot know the user will not come back
+  with the state expected, so it holds for the session's idle split). No warm spare unless ours gets
+  one. Measured side by side (a second runtime with one slot per worker, sessions deleted after the idle
+  split: ``L`` = idle split) when ``--baseline-host`` is given, with the analytical figures beside it.
+* **Density** = time-averaged alive sessions per provisioned slot = (sum over sessions of the time
+  they were alive: created to deleted) / provisioned slot-seconds. (Not "all sessions of the day / peak
+  slots", which scores even the one-slot-per-session baseline at ~7.)
+* **Latency** of a turn runs from its **scheduled arrival** (trace time, compressed) to its answer, so it
+  includes the session's create (first turn), the wait behind the session's previous turn, the client's
+  concurrency cap and 503 retries (no coordinated omission). **Added latency** = that minus the turn's
+  work. Errors and timeouts are in the tail as +inf (a p99 over a run with more than 1 % failures is
+  inf), never dropped. Router overhead (``make bench``) is the distribution of per-request **paired
+  differences** (routed - direct, interleaved), never a difference of percentiles.
+* **One percentile function** for the whole project: :func:`substrate.quantiles.percentile` (linear
+  interpolation between closest ranks, numpy's default), re-exported here.
 
 Units: times on the replay clock are wall seconds since the replay started (``*_s``); latencies
-are milliseconds (``*_ms``); worker-seconds are wall seconds of one live worker process.
+are milliseconds (``*_ms``); slot-/process-/worker-seconds are wall seconds.
 
 Record shapes (the ones :mod:`loadtest.replay` writes into ``result.json``):
 
 TurnRecord
-    ``session`` (session id), ``i`` (turn index in the session), ``at_s`` (scheduled send),
-    ``sent_s`` (actual send), ``queue_s`` (sent - scheduled: waiting for the session's previous
-    turn, a create, or the concurrency cap), ``work_s`` (requested work), ``trace_ok``,
-    ``status`` (``ok`` | ``lost_state`` | ``error`` | ``timeout`` | ``not_run``), ``http``
-    (status code or null), ``latency_ms`` (client-measured, send -> body read, retries included),
-    ``added_ms`` (= latency_ms - work_s * 1000: what the runtime added), ``kind`` (``warm`` |
-    ``wake``; null when no 200 came back), ``woke`` (bool|null), ``wake_ms`` (server-reported),
-    ``state_before``, ``worker`` (X-Substrate-Worker), ``epoch`` (activation epoch),
-    ``count`` (counter value returned), ``expected`` ([lo, hi] accepted counts),
-    ``retries`` (503 retries), ``error`` (text|null).
+    ``session`` (session id), ``i`` (turn index in the session), ``at_s`` (scheduled arrival),
+    ``sent_s`` (actual send), ``done_s`` (answer or failure), ``queue_s`` (sent - scheduled: waiting for
+    the session's create or previous turn, or the concurrency cap), ``work_s`` (requested work),
+    ``trace_ok``, ``status`` (``ok`` | ``lost_state`` | ``error`` | ``timeout`` | ``not_run``), ``http``
+    (status code or null), ``latency_ms`` (from scheduled arrival to answer: ``done_s - at_s``),
+    ``service_ms`` (send -> body read, retries included), ``added_ms`` (= latency_ms - work_s * 1000;
+    null when no 200 came back), ``kind`` (``warm`` | ``wake``; null when no 200 came back), ``woke``
+    (bool|null), ``wake_ms`` (server-reported), ``state_before``, ``worker`` (X-Substrate-Worker),
+    ``epoch`` (activation epoch), ``count`` (counter value returned), ``expected`` ([lo, hi] accepted
+    counts), ``retries`` (503 retries), ``error`` (text|null).
 SessionRecord
-    ``id``, ``key`` (``owner#n``), ``owner``, ``start_s``, ``end_s`` (planned delete),
-    ``hold_s`` (always-on hold: first arrival -> last turn end + idle split, wall s), ``turns``,
-    ``created`` (bool), ``create_ms``, ``create_http``, ``create_retries``, ``deleted`` (bool),
-    ``final_count``, ``error``.
+    ``id``, ``key`` (``owner#n``), ``owner``, ``start_s`` (first arrival), ``last_end_s`` (latest turn
+    end, planned), ``end_s`` (planned delete = last_end_s + idle split), ``hold_s``, ``turns``,
+    ``created`` (bool), ``created_s``/``deleted_s`` (replay clock, null if it did not happen),
+    ``create_ms``, ``create_http``, ``create_retries``, ``deleted`` (bool), ``final_count``, ``error``.
 StatsSample
     ``t_s``, ``inflight`` (client: invokes in flight = busy turns), ``alive`` (client: sessions
     created and not yet deleted), ``ok`` (stats read succeeded), and from the server (null when
-    unknown): ``workers``, ``slots``, ``slotsUsed``, ``sessions`` ({state: n}),
-    ``workerSeconds`` (cumulative since the runtime started).
+    unknown): ``workers``, ``slots``, ``slotsUsed``, ``sessions`` ({state: n}), and the cumulative
+    ``workerSeconds``, ``slotSeconds``, ``processSeconds`` since the runtime started.
 """
 
 from __future__ import annotations
@@ -36,93 +65,110 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_report import markdown_table
+from substrate.quantiles import percentile
+
+__all__ = ["DEFINITIONS", "percentile", "latency_stats", "summarize_target", "compare", "render_markdown",
+           "plot_report", "baseline_holds"]
 
 LATENCY_QUANTILES = (50, 95, 99)
 ERROR_STATUSES = frozenset({"error", "timeout"})
 
+#: the definitions every report prints (markdown bullet list)
+DEFINITIONS = """\
+- cost: slot-seconds (provisioned slots x time) and process-seconds (workers + the zygote; one per \
+session for the baseline), from the server's counters
+- utilization: busy slot-seconds (sum of turn durations) / provisioned slot-seconds
+- baseline: one always-on worker per session from its first arrival to its last turn's end + hold L, \
+for L = 0, ours' idle timeout, 5 min, 30 min; no warm spare unless ours has one
+- density: time-averaged alive sessions per provisioned slot (sum of session lifetimes / slot-seconds)
+- latency: scheduled arrival -> answer (includes create, queueing behind the previous turn, retries); \
+added = latency - work; errors and timeouts count as +inf in the tail
+- router overhead: percentiles of per-request paired differences (routed - direct, interleaved)
+- percentiles: one function (linear interpolation between closest ranks, numpy's default)"""
 
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks
-    (numpy's default); None for no values."""
-    xs = sorted(float(v) for v in values if v is not None and not math.isnan(float(v)))
-    if not xs:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError("q must be within [0, 100]")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
-
-def latency_stats(values: Iterable[float]) -> dict[str, float | int | None]:
-    """``{"n", "p50", "p95", "p99", "mean", "max"}`` of the values (None fields when empty)."""
+def latency_stats(values: Iterable[float | None]) -> dict[str, float | int | None]:
+    """``{"n", "p50", "p95", "p99", "mean", "max"}`` of the values (None fields when empty; +inf values,
+    failures, count in n and the percentiles; the mean is over the finite values)."""
     xs = [float(v) for v in values if v is not None]
+    finite = [x for x in xs if math.isfinite(x)]
     out: dict[str, float | int | None] = {"n": len(xs)}
     for q in LATENCY_QUANTILES:
         out[f"p{q}"] = percentile(xs, q)
-    out["mean"] = sum(xs) / len(xs) if xs else None
+    out["mean"] = sum(finite) / len(finite) if finite else None
     out["max"] = max(xs) if xs else None
     return out
 
 
-def sessions_per_slot(distinct_sessions: int, samples: Sequence[Mapping[str, Any]]) -> dict[str, float | int | None]:
-    """How many sessions each warm slot carried.
+def counter_delta(samples: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """Increase of a cumulative server counter (``workerSeconds``, ``slotSeconds``, ...) between the
+    first and the last sample that carry it; None with fewer than two."""
+    vs = [float(s[key]) for s in samples if isinstance(s.get(key), (int, float))]
+    return max(0.0, vs[-1] - vs[0]) if len(vs) >= 2 else None
 
-    - ``per_slot_peak`` = distinct sessions served over the run / peak slots seen;
-    - ``per_slot_mean`` = mean over samples (with slots > 0) of alive sessions / slots.
-    """
-    slots = [s["slots"] for s in samples if isinstance(s.get("slots"), (int, float))]
-    peak = max(slots) if slots else None
-    ratios = [
-        s["alive"] / s["slots"]
-        for s in samples
-        if isinstance(s.get("slots"), (int, float)) and s["slots"] > 0 and s.get("alive") is not None
-    ]
-    return {
-        "distinct_sessions": distinct_sessions,
-        "peak_slots": peak,
-        "mean_slots": (sum(slots) / len(slots)) if slots else None,
-        "per_slot_peak": (distinct_sessions / peak) if peak else None,
-        "per_slot_mean": (sum(ratios) / len(ratios)) if ratios else None,
-    }
+
+def integrate(samples: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """Integral over time of a sampled quantity (each sample's value holds until the next sample)."""
+    pts = [(s["t_s"], float(s[key])) for s in samples if isinstance(s.get(key), (int, float))]
+    if len(pts) < 2:
+        return None
+    return sum(v * (pts[i + 1][0] - t) for i, (t, v) in enumerate(pts[:-1]))
 
 
 def worker_seconds_from_stats(samples: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
-    """Worker-seconds used during the sampled interval and where the figure came from.
+    """Worker-seconds used during the sampled interval and where the figure came from: the server's
+    cumulative ``workerSeconds``, else the integral of the sampled ``workers`` count."""
+    d = counter_delta(samples, "workerSeconds")
+    if d is not None:
+        return d, "stats.workerSeconds"
+    i = integrate(samples, "workers")
+    return (i, "integrated stats.workers") if i is not None else (None, None)
 
-    Prefers the server's cumulative ``workerSeconds`` (last - first sample that has it); else
-    integrates the sampled ``workers`` count over time (each sample's count holds until the next
-    sample). Returns ``(None, None)`` when neither is available.
-    """
-    ws = [(s["t_s"], float(s["workerSeconds"])) for s in samples if isinstance(s.get("workerSeconds"), (int, float))]
-    if len(ws) >= 2:
-        return max(0.0, ws[-1][1] - ws[0][1]), "stats.workerSeconds"
-    pts = [(s["t_s"], float(s["workers"])) for s in samples if isinstance(s.get("workers"), (int, float))]
-    if len(pts) >= 2:
-        total = sum(w * (pts[i + 1][0] - t) for i, (t, w) in enumerate(pts[:-1]))
-        return total, "integrated stats.workers"
-    return None, None
+
+def cost_from_stats(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``slot_seconds``, ``process_seconds``, ``worker_seconds`` (and where each came from)."""
+    out: dict[str, Any] = {}
+    for name, counter, sampled in (("slot_seconds", "slotSeconds", "slots"),
+                                   ("process_seconds", "processSeconds", "workers"),
+                                   ("worker_seconds", "workerSeconds", "workers")):
+        d = counter_delta(samples, counter)
+        if d is not None:
+            out[name], out[f"{name}_source"] = d, f"stats.{counter}"
+        else:
+            i = integrate(samples, sampled)
+            out[name] = i
+            out[f"{name}_source"] = f"integrated stats.{sampled} (1 s samples)" if i is not None else None
+    return out
 
 
 def analytical_baseline_worker_seconds(holds_s: Iterable[float]) -> float:
-    """Always-on (pod-per-session) cost: each session holds one worker for its whole hold
-    (first arrival -> last turn end + idle split); the sum of holds, in the holds' unit."""
+    """Always-on (pod-per-session) cost: each session holds one worker for its whole hold; the sum."""
     return float(sum(max(0.0, h) for h in holds_s))
 
 
-def session_hold_s(start_s: float, last_end_s: float, idle_split_s: float) -> float:
-    """One session's always-on hold: ``last_end_s + idle_split_s - start_s`` (same unit in/out)."""
-    return max(0.0, last_end_s + idle_split_s - start_s)
+def session_hold_s(start_s: float, last_end_s: float, hold_after_s: float) -> float:
+    """One session's always-on hold: ``last_end_s + hold_after_s - start_s`` (same unit in/out)."""
+    return max(0.0, last_end_s + hold_after_s - start_s)
 
 
-def clipped_holds_s(sessions: Sequence[Mapping[str, Any]], ended_s: float) -> float:
-    """Analytical always-on worker-seconds of the part of the plan that ran: each session record's
-    hold ``[start_s, end_s]`` clipped to ``[0, ended_s]`` (ended_s = when the replay stopped; a
-    complete run clips nothing)."""
-    return analytical_baseline_worker_seconds(
-        min(s["end_s"], ended_s) - max(0.0, s["start_s"]) for s in sessions
-    )
+def clipped_holds_s(sessions: Sequence[Mapping[str, Any]], ended_s: float, hold_after_s: float | None = None) -> float:
+    """Analytical always-on worker-seconds of the part of the plan that ran: each session's hold
+    ``[start_s, last_end_s + hold_after_s]`` (default: its planned ``end_s``) clipped to ``[0, ended_s]``."""
+    def end(s: Mapping[str, Any]) -> float:
+        if hold_after_s is None or s.get("last_end_s") is None:
+            return float(s["end_s"])
+        return float(s["last_end_s"]) + hold_after_s
+    return analytical_baseline_worker_seconds(min(end(s), ended_s) - max(0.0, s["start_s"]) for s in sessions)
+
+
+def baseline_holds(idle_timeout_s: float | None, compress: float) -> list[tuple[str, float]]:
+    """The holds ``L`` the baseline is reported for, as ``(label, wall seconds)``: 0, ours' idle
+    timeout (wall, if known), 5 min and 30 min of trace time."""
+    out = [("L = 0", 0.0)]
+    if idle_timeout_s is not None:
+        out.append((f"L = ours' idle timeout ({idle_timeout_s * compress:.0f} s)", idle_timeout_s))
+    out += [("L = 5 min", 300.0 / compress), ("L = 30 min", 1800.0 / compress)]
+    return out
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -131,32 +177,58 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def busy_slot_seconds(turns: Sequence[Mapping[str, Any]]) -> float:
+    """Sum of the work of every turn that was sent (the lower bound of any system's slot-seconds)."""
+    return float(sum(t["work_s"] for t in turns if t.get("sent_s") is not None))
+
+
+def alive_session_seconds(sessions: Sequence[Mapping[str, Any]], ended_s: float | None) -> float | None:
+    """Sum over created sessions of (deleted - created) on the replay clock (open ones up to
+    ``ended_s``); None when the records carry no ``created_s``."""
+    if not any(s.get("created_s") is not None for s in sessions):
+        return None
+    total = 0.0
+    for s in sessions:
+        c = s.get("created_s")
+        if c is None:
+            continue
+        d = s.get("deleted_s")
+        d = d if d is not None else ended_s
+        if d is not None:
+            total += max(0.0, d - c)
+    return total
+
+
 def summarize_target(
     turns: Sequence[Mapping[str, Any]],
     sessions: Sequence[Mapping[str, Any]],
     samples: Sequence[Mapping[str, Any]],
+    ended_s: float | None = None,
 ) -> dict[str, Any]:
-    """One target's figures (see the module docstring for the record shapes)."""
+    """One target's figures (see the module docstring for the definitions and record shapes)."""
     by_status: dict[str, int] = {}
     for t in turns:
         by_status[t["status"]] = by_status.get(t["status"], 0) + 1
     served = [t for t in turns if t.get("http") == 200 and t.get("added_ms") is not None]
+    failed = [t for t in turns if t["status"] in ERROR_STATUSES]
     warm = [t["added_ms"] for t in served if t.get("kind") == "warm"]
     wake = [t["added_ms"] for t in served if t.get("kind") == "wake"]
     created = [s for s in sessions if s.get("created")]
     errors_by_kind: dict[str, int] = {}
-    for t in turns:
-        if t["status"] in ERROR_STATUSES:
-            key = f"{t['status']}:{t.get('http') or '-'}"
-            errors_by_kind[key] = errors_by_kind.get(key, 0) + 1
-    ws, ws_source = worker_seconds_from_stats(samples)
+    for t in failed:
+        key = f"{t['status']}:{t.get('http') or '-'}"
+        errors_by_kind[key] = errors_by_kind.get(key, 0) + 1
+    cost = cost_from_stats(samples)
+    busy = busy_slot_seconds(turns)
+    alive_s = alive_session_seconds(sessions, ended_s)
     workers = [s["workers"] for s in samples if isinstance(s.get("workers"), (int, float))]
+    slots = [s["slots"] for s in samples if isinstance(s.get("slots"), (int, float))]
     used = [s["slotsUsed"] for s in samples if isinstance(s.get("slotsUsed"), (int, float))]
     return {
         "turns_planned": len(turns),
         "turns_run": sum(1 for t in turns if t["status"] != "not_run"),
         "ok": by_status.get("ok", 0),
-        "errors": sum(by_status.get(k, 0) for k in ERROR_STATUSES),
+        "errors": len(failed),
         "lost_state": by_status.get("lost_state", 0),
         "not_run": by_status.get("not_run", 0),
         "trace_failed": sum(1 for t in turns if not t.get("trace_ok", True)),
@@ -167,9 +239,18 @@ def summarize_target(
         "added_ms": {
             "warm": latency_stats(warm),
             "wake": latency_stats(wake),
-            "all": latency_stats(t["added_ms"] for t in served),
+            # every turn that ran: failures are +inf in the tail
+            "all": latency_stats([t["added_ms"] for t in served] + [math.inf] * len(failed)),
         },
-        "latency_ms": latency_stats(t["latency_ms"] for t in served),
+        # the same turns measured from when the client sent them (excludes the wait behind the session's
+        # create or previous turn): shows how much of the added latency is queueing in the trace itself
+        "service_added_ms": {
+            kind: latency_stats(t["service_ms"] - t["work_s"] * 1000 for t in served
+                                if t.get("kind") == kind and t.get("service_ms") is not None)
+            for kind in ("warm", "wake")
+        },
+        "latency_ms": latency_stats([t["latency_ms"] for t in served] + [math.inf] * len(failed)),
+        "service_ms": latency_stats(t.get("service_ms") for t in served),
         "server_wake_ms": latency_stats(t["wake_ms"] for t in served if t.get("wake_ms") is not None),
         "queue_s": latency_stats(t["queue_s"] for t in turns if t.get("queue_s") is not None),
         "sessions": {
@@ -179,68 +260,64 @@ def summarize_target(
             "create_ms": latency_stats(s["create_ms"] for s in created if s.get("create_ms") is not None),
         },
         "capacity": {
-            **sessions_per_slot(len(created), samples),
+            "peak_slots": max(slots) if slots else None,
             "peak_workers": max(workers) if workers else None,
             "mean_workers": (sum(workers) / len(workers)) if workers else None,
             "peak_slots_used": max(used) if used else None,
             "peak_inflight": max((s.get("inflight") or 0 for s in samples), default=None),
         },
-        "worker_seconds": ws,
-        "worker_seconds_source": ws_source,
+        "cost": {
+            **cost,
+            "busy_slot_seconds": busy,
+            "utilization": ratio(busy, cost.get("slot_seconds")),
+            "alive_session_seconds": alive_s,
+            "density": ratio(alive_s, cost.get("slot_seconds")),
+        },
+        "worker_seconds": cost.get("worker_seconds"),
+        "worker_seconds_source": cost.get("worker_seconds_source"),
         "stats_samples": len(samples),
         "stats_ok_samples": sum(1 for s in samples if s.get("ok")),
     }
 
 
 def compare(result: Mapping[str, Any]) -> dict[str, Any]:
-    """Baseline block + ratios for a result holding ``targets.ours`` (and maybe ``targets.baseline``).
-
-    The analytical always-on figure comes from ours' session records clipped to when ours stopped
-    (:func:`clipped_holds_s`), else from ``plan.baseline_worker_seconds``. Ratios are
-    baseline / ours (> 1: ours is cheaper / faster)."""
-    ours = result["targets"]["ours"]["summary"]
-    plan = result["plan"]
-    base_target = result["targets"].get("baseline")
-    compress = float(result["config"].get("compress") or 1.0)
+    """The baseline block: the analytical always-on cost for every hold ``L`` (see
+    :func:`baseline_holds`) clipped to the time ours ran, the measured baseline if one ran, and the
+    ratios baseline / ours (> 1: ours is cheaper) in slot-seconds and process-seconds."""
     ours_target = result["targets"]["ours"]
-    if ours_target.get("sessions") and ours_target.get("ended_s") is not None:
-        analytical = clipped_holds_s(ours_target["sessions"], ours_target["ended_s"])
-    else:
-        analytical = plan.get("baseline_worker_seconds")
+    ours = ours_target["summary"]
+    cfg = result["config"]
+    compress = float(cfg.get("compress") or 1.0)
+    ended = ours_target.get("ended_s")
+    sessions = ours_target.get("sessions") or []
+    busy = ours["cost"]["busy_slot_seconds"]
+    ours_slot, ours_proc = ours["cost"].get("slot_seconds"), ours["cost"].get("process_seconds")
+    rows = []
+    for label, hold_wall_s in baseline_holds(cfg.get("ours_idle_timeout_s"), compress):
+        if sessions and ended is not None:
+            slot_s = clipped_holds_s(sessions, ended, hold_wall_s)
+        else:
+            slot_s = None
+        rows.append({"hold": label, "hold_wall_s": hold_wall_s, "mode": "analytical",
+                     "slot_seconds": slot_s, "process_seconds": slot_s,
+                     "utilization": ratio(busy, slot_s),
+                     "slot_ratio": ratio(slot_s, ours_slot), "process_ratio": ratio(slot_s, ours_proc)})
+    measured = None
+    base_target = result["targets"].get("baseline")
     if base_target is not None:
-        bsum = base_target["summary"]
-        mode = "measured"
-        base_ws = bsum.get("worker_seconds")
-        base_p99 = bsum["added_ms"]["all"]["p99"]
-        note = (
-            f"the same trace replayed concurrently against {base_target['host']} "
-            "(one slot per worker, no idle suspension)"
-        )
-    else:
-        mode = "analytical"
-        base_ws = analytical
-        base_p99 = None
-        note = (
-            "no baseline host; each session holds one always-on worker from its first "
-            "arrival to its last turn end + the idle split (pod-per-session); its added latency is "
-            "not measured (an always-on pod's is about our warm path)"
-        )
-    ours_ws = ours.get("worker_seconds")
-    ours_p99 = ours["added_ms"]["all"]["p99"]
-    return {
-        "baseline": {
-            "mode": mode,
-            "worker_seconds": base_ws,
-            "worker_seconds_trace": (base_ws * compress) if base_ws is not None else None,
-            "analytical_worker_seconds": analytical,
-            "p99_added_ms": base_p99,
-            "note": note,
-        },
-        "ratios": {
-            "worker_seconds_baseline_over_ours": ratio(base_ws, ours_ws),
-            "p99_added_baseline_over_ours": ratio(base_p99, ours_p99),
-        },
-    }
+        b = base_target["summary"]
+        bc = b["cost"]
+        measured = {
+            "hold": f"L = idle split ({float(cfg.get('idle_split_s') or 0):.0f} s), measured", "mode": "measured",
+            "host": base_target["host"], "slot_seconds": bc.get("slot_seconds"),
+            "process_seconds": bc.get("process_seconds"), "utilization": bc.get("utilization"),
+            "slot_ratio": ratio(bc.get("slot_seconds"), ours_slot),
+            "process_ratio": ratio(bc.get("process_seconds"), ours_proc),
+            "p99_added_ms": b["added_ms"]["all"]["p99"],
+        }
+    return {"baseline": {"holds": rows, "measured": measured,
+                         "note": ("one always-on worker (1 slot, 1 process) per session from its first arrival "
+                                  "to its last turn's end + L; analytical rows are clipped to the time ours ran")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +325,11 @@ def compare(result: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _ms(v: float | None) -> str:
-    return "n/a" if v is None else (f"{v:.1f}" if abs(v) < 100 else f"{v:.0f}")
+    if v is None:
+        return "n/a"
+    if math.isinf(v):
+        return "inf (failures)"
+    return f"{v:.1f}" if abs(v) < 100 else f"{v:.0f}"
 
 
 def _num(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -262,6 +343,7 @@ def _pct(v: float | None) -> str:
 def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     a = summary["added_ms"]
     cap = summary["capacity"]
+    cost = summary["cost"]
     return [
         ("turns (run / planned)", f"{summary['turns_run']} / {summary['turns_planned']}"),
         ("ok", str(summary["ok"])),
@@ -274,18 +356,28 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("warm-hit rate", _pct(summary["warm_hit_rate"])),
         ("added ms warm p50 / p95 / p99", " / ".join(_ms(a["warm"][f"p{q}"]) for q in LATENCY_QUANTILES)),
         ("added ms wake p50 / p95 / p99", " / ".join(_ms(a["wake"][f"p{q}"]) for q in LATENCY_QUANTILES)),
-        ("added ms all p99", _ms(a["all"]["p99"])),
+        ("added ms all (failures = inf) p50 / p99", f"{_ms(a['all']['p50'])} / {_ms(a['all']['p99'])}"),
+        ("  of which queueing: turn wait s p50 / p95 / p99", " / ".join(
+            _num(summary["queue_s"][f"p{q}"], "{:.3f}") for q in LATENCY_QUANTILES)),
+        ("  send -> answer added ms warm p50 / p95 / p99", " / ".join(
+            _ms((summary.get("service_added_ms") or {}).get("warm", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("  send -> answer added ms wake p50 / p95 / p99", " / ".join(
+            _ms((summary.get("service_added_ms") or {}).get("wake", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
+        ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
+         f"{_ms(summary['sessions']['create_ms']['p99'])}"),
         ("peak slots / peak workers", (f"{cap['peak_slots'] if cap['peak_slots'] is not None else 'n/a'} / "
          f"{cap['peak_workers'] if cap['peak_workers'] is not None else 'n/a'}")),
-        ("sessions per slot (distinct/peak, mean)", f"{_num(cap['per_slot_peak'])}, {_num(cap['per_slot_mean'])}"),
-        ("worker-seconds", _num(summary["worker_seconds"], "{:.1f}")
-         + (f" ({summary['worker_seconds_source']})" if summary.get("worker_seconds_source") else "")),
+        ("slot-seconds (provisioned)", _num(cost.get("slot_seconds"), "{:.1f}")),
+        ("process-seconds", _num(cost.get("process_seconds"), "{:.1f}")),
+        ("busy slot-seconds (sum of turns)", _num(cost.get("busy_slot_seconds"), "{:.1f}")),
+        ("utilization (busy / provisioned)", _pct(cost.get("utilization"))),
+        ("density (alive sessions per slot, time-avg)", _num(cost.get("density"))),
     ]
 
 
 def render_markdown(result: Mapping[str, Any]) -> str:
-    """The human report (markdown) for a full result dict."""
+    """The human report (markdown) for a full result dict, definitions included."""
     cfg, plan = result["config"], result["plan"]
     targets = result["targets"]
     names = [n for n in ("ours", "baseline") if n in targets]
@@ -308,24 +400,20 @@ def render_markdown(result: Mapping[str, Any]) -> str:
     rows_by_target = {n: dict(target_rows(targets[n]["summary"])) for n in names}
     keys = [k for k, _ in target_rows(targets["ours"]["summary"])]
     lines.append(markdown_table([{"": k, **{n: rows_by_target[n][k] for n in names}} for k in keys]))
-    base, ratios = result.get("baseline") or {}, result.get("ratios") or {}
+    base = result.get("baseline") or {}
     if base:
-        lines += [
-            "",
-            f"Baseline ({base['mode']}): {base['note']}.",
-            "",
-            markdown_table([
-                {"": "worker-seconds (wall)", "baseline": _num(base.get("worker_seconds"), "{:.1f}"),
-                 "ours": _num(targets["ours"]["summary"]["worker_seconds"], "{:.1f}"),
-                 "baseline / ours": _num(ratios.get("worker_seconds_baseline_over_ours"), "{:.1f}x")},
-                {"": "p99 added latency ms", "baseline": _ms(base.get("p99_added_ms")),
-                 "ours": _ms(targets["ours"]["summary"]["added_ms"]["all"]["p99"]),
-                 "baseline / ours": _num(ratios.get("p99_added_baseline_over_ours"), "{:.2f}x")},
-            ]),
-        ]
-        if base.get("mode") == "measured" and base.get("analytical_worker_seconds") is not None:
-            lines += ["", (f"(Analytical always-on worker-seconds for comparison: "
-                          f"{base['analytical_worker_seconds']:.1f}.)")]
+        ours_cost = targets["ours"]["summary"]["cost"]
+        rows = [{"baseline": r["hold"], "slot-seconds": _num(r["slot_seconds"], "{:.1f}"),
+                 "process-seconds": _num(r["process_seconds"], "{:.1f}"), "utilization": _pct(r["utilization"]),
+                 "baseline / ours (slots)": _num(r["slot_ratio"], "{:.2f}x"),
+                 "baseline / ours (processes)": _num(r["process_ratio"], "{:.2f}x")}
+                for r in base.get("holds", []) + ([base["measured"]] if base.get("measured") else [])]
+        rows.append({"baseline": "ours", "slot-seconds": _num(ours_cost.get("slot_seconds"), "{:.1f}"),
+                     "process-seconds": _num(ours_cost.get("process_seconds"), "{:.1f}"),
+                     "utilization": _pct(ours_cost.get("utilization")),
+                     "baseline / ours (slots)": "1x", "baseline / ours (processes)": "1x"})
+        lines += ["", f"Always-on baseline: {base['note']}.", "", markdown_table(rows)]
+    lines += ["", "Definitions:", "", DEFINITIONS]
     return "\n".join(lines)
 
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 from snapshot.archive import pack, unpack
 from snapshot.store import ObjectStore, snapshot_key
+from substrate.quantiles import percentile
 
 _WORDS = [b"lorem", b"ipsum", b"dolor", b"agent", b"session", b"snapshot", b"def", b"return", b"self", b"import",
           b"async", b"await", b"value", b"count", b"=", b"(", b")", b":"]
@@ -53,9 +52,9 @@ def build_workspace(root: Path, size_bytes: int, *, seed: int = 1) -> int:
 
 
 def _pct(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of samples in seconds, as milliseconds."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] * 1000
+    """The q-th percentile (0..100) of samples in seconds, as milliseconds (the project's one
+    percentile definition, :func:`substrate.quantiles.percentile`)."""
+    return (percentile(samples, q) or 0.0) * 1000
 
 
 async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20),
@@ -66,7 +65,7 @@ async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 
     ``repeats`` resumes of one of them, each resume into a fresh directory (as a new activation does);
     clean-up is outside the timed region. Returns one dict per size: ``sizeBytes``, ``files``,
     ``archiveBytes``, ``resumeP50Ms``, ``resumeP95Ms``, ``suspendP50Ms``, ``suspendP95Ms``, ``repeats``
-    (p95 is nearest-rank: with 10 repeats it is the slowest run).
+    (percentiles by linear interpolation, the project's one definition).
     """
     results: list[dict[str, Any]] = []
     for size in sizes_bytes:
@@ -104,8 +103,8 @@ async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 
                 await store.delete(key)
             results.append({
                 "sizeBytes": size, "files": files, "archiveBytes": archive_bytes, "repeats": repeats,
-                "resumeP50Ms": statistics.median(resume_s) * 1000, "resumeP95Ms": _pct(resume_s, 95),
-                "suspendP50Ms": statistics.median(suspend_s) * 1000, "suspendP95Ms": _pct(suspend_s, 95),
+                "resumeP50Ms": _pct(resume_s, 50), "resumeP95Ms": _pct(resume_s, 95),
+                "suspendP50Ms": _pct(suspend_s, 50), "suspendP95Ms": _pct(suspend_s, 95),
             })
     return results
 

@@ -101,8 +101,10 @@ class SnapshotManager:
     async def restore(self, sid: str, ref: SnapshotRef, workspace: Path, template: str = "") -> dict[str, Any]:
         """Download ``ref`` and restore it into ``workspace``; returns the agent state.
 
-        Raises ``SnapshotCorrupt`` (checksum, truncation, foreign session), ``NotFound`` (object
-        missing, reported as corrupt: the pointer is dangling) or ``StoreUnavailable``.
+        Raises ``SnapshotCorrupt`` (checksum, truncation, foreign session, bounds, and any ``OSError``
+        while extracting, reason ``os_error``; the activator then falls back to the previous good
+        snapshot), ``NotFound`` (object missing, reported as corrupt: the pointer is dangling) or
+        ``StoreUnavailable``.
         """
         fd, tmp = tempfile.mkstemp(prefix=f"{sid}-", suffix=".tar.zst", dir=self.tmp_dir)
         os.close(fd)
@@ -114,8 +116,12 @@ class SnapshotManager:
             except NotFound as e:
                 raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"}) from e
             t1 = time.perf_counter()
-            _, state = await asyncio.to_thread(unpack, path, workspace, expect_session=sid,
-                                               expect_sha256=ref.sha256)
+            try:
+                _, state = await asyncio.to_thread(unpack, path, workspace, expect_session=sid,
+                                                   expect_sha256=ref.sha256)
+            except OSError as e:  # name too long, disk full, ...: this snapshot cannot be restored here
+                raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {e.__class__.__name__}: {e}",
+                                      details={"reason": "os_error", "errno": e.errno}) from e
             t2 = time.perf_counter()
             metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="download").observe(t1 - t0)
             metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="unpack").observe(t2 - t1)

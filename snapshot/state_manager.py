@@ -71,7 +71,7 @@ class StateManager:
     async def scan_once(self) -> None:
         """One pass of every duty (see module docstring)."""
         self._scans += 1
-        for step in (self.recover_dead_workers, self.suspend_idle, self.enforce_deadlines):
+        for step in (self.recover_dead_workers, self.suspend_idle, self.enforce_deadlines, self.export_counts):
             try:
                 await step()
             except Exception:  # noqa: BLE001
@@ -87,6 +87,10 @@ class StateManager:
                 await self.sweep_orphans()
             except Exception:  # noqa: BLE001
                 log.warning("orphan sweep failed", exc_info=True)
+
+    async def export_counts(self) -> None:
+        """``agent_substrate_sessions`` from the directory's per-state counters (O(states))."""
+        metrics.set_session_counts(await self.directory.state_counts())
 
     async def recover_dead_workers(self) -> None:
         now = time.time()
@@ -108,7 +112,7 @@ class StateManager:
 
     async def _active_records(self) -> list[SessionRecord]:
         sids: list[str] = []
-        for w in self.activator.view.workers.values():
+        for w in list(self.activator.view.workers.values()):  # a recovery may drop workers meanwhile
             sids.extend((await self.directory.worker_slots(w.id)).values())
         return await self.directory.get_sessions(sids)
 
@@ -174,16 +178,23 @@ class StateManager:
         metrics.RECOVERIES_TOTAL.labels(reason="deadline").inc()
         if rec.state == SessionState.PENDING:
             await d.delete_session(rec.id)
+            await self.activator.release_quota(rec, total=True)
+            await self.activator.record("deadline", rec, reason="PENDING->deleted")
             return
         if rec.state == SessionState.SUSPENDING:
             w = await d.get_worker(rec.worker or "")
             if w is not None and w.leaseExpiresAt > time.time():
-                await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
-                                   to=SessionState.RUNNING)
+                cas = await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
+                                         to=SessionState.RUNNING)
+                if cas.ok:
+                    await self.activator.record("deadline", rec, reason="SUSPENDING->RUNNING")
                 return
         cas = await d.transition(rec.id, from_states=[rec.state], epoch=rec.epoch, to=SessionState.SUSPENDED,
                                  set={"reason": "deadline", "message": f"{rec.state.value} did not finish in time"},
                                  unset=("worker", "slot"))
+        if cas.ok:  # suspended sessions hold no running quota
+            await self.activator.release_quota(rec)
+            await self.activator.record("deadline", rec, reason=f"{rec.state.value}->SUSPENDED")
         if cas.ok and rec.worker is not None and rec.slot is not None:
             w = await d.get_worker(rec.worker)
             if w is not None:
@@ -196,12 +207,15 @@ class StateManager:
     async def repair(self) -> None:
         """Recover sessions on vanished workers; free slots nobody points at."""
         d = self.directory
+        counted_before = await d.state_counts()
+        counts: dict[str, int] = {}
         workers = {w.id: w for w in await d.list_workers()}
         offset: int | None = 0
         while offset is not None:
             page, offset = await d.list_sessions(limit=1000, offset=offset)
             now = time.time()
             for rec in page:
+                counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
                 if rec.worker and rec.worker not in workers and rec.state in (
                         SessionState.RUNNING, SessionState.SUSPENDING):
                     await self.activator.recover_session(rec.id, rec.worker, reason="worker_lost")
@@ -220,14 +234,18 @@ class StateManager:
         for wid, slot, sid in orphans & self._orphans:
             await d.release_slot(wid, slot, sid)
         self._orphans = orphans - self._orphans
-        counts: dict[str, int] = {}
-        offset = 0
-        while offset is not None:
-            page, offset = await d.list_sessions(limit=1000, offset=offset)
-            for rec in page:
-                counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
-        for s in SessionState:
-            metrics.SESSIONS.labels(state=s.value).set(counts.get(s.value, 0))
+        # the per-state counters are moved by the transitions; this slow scan corrects any drift (a crash
+        # between a transition and its counter update) when nothing moved while it ran
+        if await d.reconcile_state_counts(counts, counted_before):
+            log.info("session state counters corrected", extra={"counts": counts})
+        metrics.set_session_counts(await d.state_counts())
+        if self.activator.quotas is not None:  # quota bookkeeping is derived data: rebuild it from the records
+            records: dict[str, SessionRecord] = {}
+            offset = 0
+            while offset is not None:
+                page, offset = await d.list_sessions(limit=1000, offset=offset)
+                records.update((r.id, r) for r in page)
+            await self.activator.quotas.reconcile(records)
 
     async def sweep_orphans(self, now: float | None = None) -> list[str]:
         """One orphan sweep (see the module docstring). Returns the keys deleted."""

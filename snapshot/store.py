@@ -35,7 +35,7 @@ _COPY_CHUNK = 1 << 20
 S3_MIN_PART_BYTES = 5 * 1024 * 1024
 S3_MAX_PARTS = 10_000
 
-_SNAPSHOT_NAME = re.compile(r"^(?P<epoch>\d{12})-(?P<seq>\d{6})-(?P<rand>[0-9a-f]{8})\.tar\.zst$")
+_SNAPSHOT_NAME = re.compile(r"(?P<epoch>[0-9]{12})-(?P<seq>[0-9]{6})-(?P<rand>[0-9a-f]{8})\.tar\.zst")
 
 
 # ------------------------------------------------------------------------------------------------- keys
@@ -71,7 +71,7 @@ def snapshot_key(prefix: str, session: str, epoch: int, seq: int) -> str:
 
 def parse_snapshot_key(key: str) -> tuple[int, int] | None:
     """``(epoch, seq)`` of a key made by :func:`snapshot_key`, or None for any other key."""
-    m = _SNAPSHOT_NAME.match(key.rpartition("/")[2])
+    m = _SNAPSHOT_NAME.fullmatch(key.rpartition("/")[2])
     return (int(m["epoch"]), int(m["seq"])) if m else None
 
 

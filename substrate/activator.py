@@ -24,17 +24,23 @@ workers' internal API:
   a placement waits for it (bounded by ``api.start_wait_s``, not ``park_timeout_s`` as issue 8 says:
   a cold worker start on a loaded machine measured 4-6 s, over the 5 s park timeout) instead of
   answering ``no_capacity``. A wake is still bounded by ``park_timeout_s`` for the waiting request.
+* **tenancy** (issue 10): creates and wakes take quota first (``substrate.quotas``: one atomic check;
+  released on every way out of a live state), pass the tenant's circuit breaker and parked share
+  (``substrate.fairness``), and automatic transitions (wake on invoke, idle/pressure suspend, crash
+  recovery) leave one audit record each (``substrate.audit``); explicit API calls are recorded by the API.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from substrate import metrics
+from substrate.audit import AuditLog
 from substrate.directory import Directory
 from substrate.errors import (
     Conflict,
@@ -42,11 +48,11 @@ from substrate.errors import (
     NoCapacity,
     NotFound,
     SnapshotCorrupt,
-    StaleEpoch,
-    StoreUnavailable,
     SubstrateError,
+    TooManyRequests,
     WorkerUnavailable,
 )
+from substrate.fairness import ParkedShare, TenantBreaker, victim_filter
 from substrate.loops import run_forever
 from substrate.models import (
     ActorTemplate,
@@ -57,7 +63,9 @@ from substrate.models import (
     WorkerState,
 )
 from substrate.placement import candidates, lru_victims
+from substrate.quotas import Quotas, translated
 from substrate.settings import Settings
+from substrate.slotqueue import SlotQueue
 from substrate.specs import Catalog
 from substrate.workerclient import WorkerClient
 
@@ -78,6 +86,8 @@ class Route:
     epoch: int
     #: why the activation that made this route restored older state (``worker_lost``, ``deadline``), if so
     restored: str | None = None
+    #: the tenant owning the session (the hot path checks it against the caller's)
+    tenant: str = "default"
 
 
 class WorkerView:
@@ -116,15 +126,25 @@ class Activator:
     """See the module docstring. One per process; safe to share between tasks."""
 
     def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, client: WorkerClient,
-                 view: WorkerView, *, parked_gauge: Callable[[int], None] | None = None) -> None:
+                 view: WorkerView, *, parked_gauge: Callable[[int], None] | None = None,
+                 quotas: Quotas | None = None, audit: AuditLog | None = None) -> None:
         self.settings = settings
+        self.quotas = quotas
+        self.audit = audit
+        self.breaker = TenantBreaker(settings.quota)
+        self.parked_share = ParkedShare(settings.api.max_parked, settings.quota.tenant_parked_share)
         self.directory = directory
         self.catalog = catalog
         self.client = client
         self.view = view
         self._wakes: dict[str, asyncio.Future[Route]] = {}
         self.parked = 0
-        self.waiting_for_slots = 0
+        #: placements waiting for a slot, per pool (demand for the pool controller)
+        self.waiting_by_pool: dict[str, int] = {}
+        self._activating: dict[str, int] = {}
+        #: activations started since the process started, per pool (the arrival-rate forecast's counter)
+        self.activations_total: dict[str, int] = {}
+        self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
@@ -144,7 +164,38 @@ class Activator:
         address = self.view.address(rec.worker)
         if address is None or not self.view.leased(rec.worker):
             return None
-        return Route(rec.worker, address, rec.epoch)
+        return Route(rec.worker, address, rec.epoch, tenant=rec.tenant)
+
+    async def record(self, action: str, rec: SessionRecord, *, result: str = "ok", reason: str = "",
+                      worker: str | None = None, epoch: int | None = None) -> None:
+        if self.audit is None:
+            return
+        t = self.catalog.templates.get(rec.actorTemplate)
+        await self.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
+                                worker=worker if worker is not None else rec.worker,
+                                gpus=t.spec.resources.gpus if t else 0,
+                                epoch=epoch if epoch is not None else rec.epoch, result=result, reason=reason)
+
+    @translated
+    async def _index(self, tenant: str, sid: str, created_at: float | None) -> None:
+        """Add ``sid`` to (``created_at`` given) or drop it from its tenant's session index."""
+        key = self.directory.keys.tenant_sessions(tenant)
+        if created_at is None:
+            await self.directory.redis.zrem(key, sid)
+        else:
+            await self.directory.redis.zadd(key, {sid: created_at})
+
+    @translated
+    async def _exists(self, sid: str) -> bool:
+        return bool(await self.directory.redis.exists(self.directory.keys.session(sid)))
+
+    async def release_quota(self, rec: SessionRecord, *, total: bool = False) -> None:
+        if self.quotas is None:
+            return
+        try:
+            await self.quotas.release(rec.tenant, rec.actorTemplate, rec.id, total=total)
+        except Exception:  # noqa: BLE001 - the repair pass reconciles quota from the records
+            log.warning("quota release failed", extra={"session": rec.id}, exc_info=True)
 
     async def _worker_address(self, wid: str) -> str | None:
         address = self.view.address(wid)
@@ -153,51 +204,111 @@ class Activator:
             address = w.address if w else None
         return address
 
-    async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None
-                    ) -> tuple[WorkerRecord, int]:
-        """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). Lazy-suspends an
-        idle session under pressure; waits up to ``slot_wait_s``; then raises ``NoCapacity`` (503)."""
+    async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None,
+                    tenant: str = "default") -> tuple[WorkerRecord, int]:
+        """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). With no free
+        slot: wakes the pool controller, joins the pool's FIFO of waiters (``substrate.slotqueue``: served
+        as slots free up, lazy-suspending idle sessions to make room, fair to ``tenant``) for up to
+        ``slot_wait_s`` (longer while a worker for the pool is starting), then raises ``NoCapacity``."""
         pool = self.catalog.pool_for(template).name
-        deadline = time.monotonic() + self.settings.api.slot_wait_s
+        queue = self._slot_queue(pool)
+        if not len(queue):  # nobody queued ahead of us: try the view, then a fresh view
+            got = await self._claim_in(pool, sid, worker)
+            if got is not None:
+                return got
+            self.capacity_wanted.set()
+            await self.view.refresh()
+            got = await self._claim_in(pool, sid, worker)
+            if got is not None:
+                return got
+        self.capacity_wanted.set()
+        self.waiting_by_pool[pool] = self.waiting_by_pool.get(pool, 0) + 1
         park_deadline = time.monotonic() + max(self.settings.api.start_wait_s, self.settings.api.slot_wait_s)
-        tried_refresh = False
-        self.waiting_for_slots += 1
         try:
-            while True:
-                pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
-                for w in candidates(pinned, pool):
-                    slot = await self.directory.claim_slot(w.id, sid)
-                    if slot >= 0:
-                        w.freeSlots = max(0, w.freeSlots - 1)
-                        return w, slot
-                    w.freeSlots = 0  # the view was stale: skip it until the next refresh
-                if not tried_refresh:
-                    tried_refresh = True
-                    self.capacity_wanted.set()
-                    await self.view.refresh()
-                    continue
-                if await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s):
-                    await self.view.refresh()
-                    continue
-                if time.monotonic() >= deadline and self.starting.get(pool, 0) > 0 and \
-                        time.monotonic() < park_deadline:
-                    pass  # a worker for this pool is starting: wait for it rather than refuse
-                elif time.monotonic() >= deadline:
-                    raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
-                                     retry_after_s=self.settings.api.retry_after_s,
-                                     details={"pool": pool})
-                await asyncio.sleep(0.05)
-                await self.view.refresh()
+            try:
+                return await queue.wait(sid, worker, self.settings.api.slot_wait_s, tenant=tenant)
+            except asyncio.TimeoutError:
+                if self.starting.get(pool, 0) <= 0 or time.monotonic() >= park_deadline:
+                    raise
+                # a worker for this pool is starting: wait for it rather than refuse
+                return await queue.wait(sid, worker, park_deadline - time.monotonic(), tenant=tenant)
+        except asyncio.TimeoutError:
+            raise NoCapacity(f"no free slot in pool {pool!r}; retry later",
+                             retry_after_s=self.settings.api.retry_after_s, details={"pool": pool}) from None
         finally:
-            self.waiting_for_slots -= 1
+            self.waiting_by_pool[pool] -= 1
 
-    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0) -> bool:
-        """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed."""
+    @property
+    def waiting_for_slots(self) -> int:
+        """Placements waiting for a slot, all pools."""
+        return sum(self.waiting_by_pool.values())
+
+    async def _claim_in(self, pool: str, sid: str, worker: str | None) -> tuple[WorkerRecord, int] | None:
+        """Claim a free slot on the best candidate of the view (None if none has one)."""
+        pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
+        for w in candidates(pinned, pool):
+            slot = await self.directory.claim_slot(w.id, sid)
+            if slot >= 0:
+                w.freeSlots = max(0, w.freeSlots - 1)
+                return w, slot
+            w.freeSlots = 0  # the view was stale: skip it until the next refresh
+        return None
+
+    def _slot_queue(self, pool: str) -> SlotQueue[WorkerRecord]:
+        q = self._queues.get(pool)
+        if q is None:
+            async def claim(sid: str, pin: str | None) -> tuple[WorkerRecord, int] | None:
+                return await self._claim_in(pool, sid, pin)
+
+            async def make_room(tenant: str) -> bool:
+                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant)
+
+            async def release(w: WorkerRecord, slot: int, sid: str) -> None:
+                await self.directory.release_slot(w.id, slot, sid)
+
+            q = self._queues[pool] = SlotQueue(claim, refresh=self.view.refresh, make_room=make_room,
+                                               release=release)
+        return q
+
+    def slot_freed(self, pool: str | None = None) -> None:
+        """This process freed a slot (or a worker came up): serve the waiters now."""
+        for name, q in self._queues.items():
+            if pool is None or name == pool:
+                q.notify()
+
+    @contextlib.contextmanager
+    def _activation(self, pool: str) -> Iterator[None]:
+        """Count one activation (create or wake) from its start to RUNNING or failure."""
+        self.activations_total[pool] = self.activations_total.get(pool, 0) + 1
+        self._activating[pool] = self._activating.get(pool, 0) + 1
+        try:
+            yield
+        finally:
+            self._activating[pool] -= 1
+            self.slot_freed(pool)  # a failed activation gave its slot back; a done one may free others
+
+    @property
+    def in_flight_by_pool(self) -> dict[str, int]:
+        """Activations under way that are not waiting for a slot, per pool (their slots are claimed or
+        about to be, and heartbeats may not show them yet)."""
+        return {p: max(0, n - self.waiting_by_pool.get(p, 0)) for p, n in self._activating.items()}
+
+    async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default") -> bool:
+        """Suspend the least-recently-used idle RUNNING session of ``pool``; True if one was freed.
+        Fairness: a ``tenant`` at or over its share of the pool's slots only displaces its own sessions."""
         sids: list[str] = []
-        for w in self.view.workers.values():
+        pool_slots = 0
+        for w in list(self.view.workers.values()):  # a recovery may drop workers while we await
             if w.pool == pool and w.state == WorkerState.READY:
+                pool_slots += w.slots
                 sids.extend((await self.directory.worker_slots(w.id)).values())
         recs = await self.directory.get_sessions(sids)
+        held: dict[str, int] = {}
+        for r in recs:
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        only = victim_filter(tenant, held, pool_slots)
+        if only is not None:
+            recs = [r for r in recs if r.tenant == only]
         order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
                             min_idle_s=min_idle_s)
         by_id = {r.id: r for r in recs}
@@ -215,24 +326,35 @@ class Activator:
         already STARTING with epoch 1 on that slot (create-if-absent: 409 on a taken ID, and the slot is
         given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
         WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains."""
+        with self._activation(self.catalog.pool_for(template).name):
+            return await self._create(rec, template)
+
+    async def _create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
         t0 = time.perf_counter()
+        self.breaker.check(rec.tenant)
+        if await self._exists(rec.id):
+            raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
+        if self.quotas is not None:
+            await self.quotas.acquire(rec.tenant, template, rec.id, create=True)
         try:
-            worker, slot = await self.place(rec.id, template)
-        except NoCapacity:
-            if await self.directory.redis.exists(self.directory.keys.session(rec.id)):
-                raise Conflict(f"session {rec.id!r} already exists", code="session_exists") from None
+            worker, slot = await self.place(rec.id, template, tenant=rec.tenant)
+        except BaseException:
+            await self.release_quota(rec, total=True)
             raise
         now = time.time()
         rec.state, rec.worker, rec.slot, rec.epoch = SessionState.STARTING, worker.id, slot, 1
         rec.stateDeadline = now + self.settings.state.transition_deadline_s
         try:
             epoch = await self.directory.create_session(rec)  # above any epoch a deleted namesake reached
-        except BaseException:
+        except BaseException as e:
             await self.directory.release_slot(worker.id, slot, rec.id)
+            if not (isinstance(e, Conflict) and e.code == "session_exists"):  # that one is someone else's
+                await self.release_quota(rec, total=True)
             raise
+        await self._index(rec.tenant, rec.id, rec.createdAt)
         try:
             await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
-                                       slot=slot, env=rec.env, snapshot=None)
+                                       slot=slot, env=rec.env, snapshot=None, tenant=rec.tenant)
             now = time.time()
             done = await self.directory.transition(
                 rec.id, from_states=[SessionState.STARTING], epoch=epoch, to=SessionState.RUNNING,
@@ -241,7 +363,15 @@ class Activator:
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
         except BaseException as e:
             await self._undo_create(rec.id, worker, slot, e, epoch)
+            await self.release_quota(rec, total=True)
+            try:
+                await self._index(rec.tenant, rec.id, None)
+            except SubstrateError:
+                pass  # a stale index entry is skipped (and dropped) by the next listing
+            if isinstance(e, SubstrateError):
+                self.breaker.failure(rec.tenant)
             raise
+        self.breaker.success(rec.tenant)
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="create").observe(
             time.perf_counter() - t0)
         rec.state, rec.lastActiveAt, rec.stateDeadline = SessionState.RUNNING, now, None
@@ -266,27 +396,46 @@ class Activator:
             log.warning("undo of a failed create incomplete", extra={"session": sid}, exc_info=True)
 
     # --------------------------------------------------------------------------------------- wake
-    async def wake(self, sid: str, *, worker: str | None = None) -> tuple[Route, bool]:
+    async def wake(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
+                   audit_action: str | None = "wake") -> tuple[Route, bool]:
         """Make ``sid`` RUNNING and return its route and whether this call woke it.
 
         Parks the caller while the session resumes (one resume per session per process; other
         processes are arbitrated by the epoch CAS). Bounded by ``park_timeout_s`` and ``max_parked``.
-        Raises NotFound, TooManyParked, ResumeTimeout, NoCapacity, StoreUnavailable, SnapshotCorrupt.
+        Raises NotFound, TooManyParked, ResumeTimeout, NoCapacity, StoreUnavailable, SnapshotCorrupt,
+        TooManyRequests (quota, tenant share, circuit breaker).
+
+        ``tenant``: the caller's tenant; a session of another tenant is ``NotFound`` (checked before
+        anything is woken). ``audit_action``: the audit record's action for the wake (None: the caller
+        records it, as the explicit resume API does).
         """
-        from substrate.errors import ResumeTimeout, TooManyParked
+        from substrate.errors import TooManyParked
 
         rec = await self.directory.get_session(sid)
+        if tenant is not None and rec.tenant != tenant:
+            raise NotFound(f"session {sid!r} not found", code="session_not_found")
         route = self.route_of(rec)
         if route is not None:
             return route, False
         if self.parked >= self.settings.api.max_parked:
             raise TooManyParked(f"{self.parked} requests already wait for resumes; retry later",
                                 retry_after_s=self.settings.api.retry_after_s)
+        self.breaker.check(rec.tenant)
+        self.parked_share.enter(rec.tenant, self.settings.api.retry_after_s)
+        try:
+            return await self._park(sid, rec, worker, audit_action)
+        finally:
+            self.parked_share.leave(rec.tenant)
+
+    async def _park(self, sid: str, rec: SessionRecord, worker: str | None, audit_action: str | None
+                    ) -> tuple[Route, bool]:
+        from substrate.errors import ResumeTimeout
+
         fut = self._wakes.get(sid)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             self._wakes[sid] = fut
-            task = asyncio.create_task(self._wake_once(sid, worker))
+            task = asyncio.create_task(self._wake_once(sid, worker, audit_action))
 
             def _done(t: asyncio.Task[Route], f: asyncio.Future[Route] = fut) -> None:
                 self._wakes.pop(sid, None)
@@ -325,7 +474,7 @@ class Activator:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    async def _wake_once(self, sid: str, worker: str | None = None) -> Route:
+    async def _wake_once(self, sid: str, worker: str | None = None, audit_action: str | None = None) -> Route:
         # bounded in time (the caller waits ``park_timeout_s`` at most; this may go on a little longer
         # so that a worker past its lease is recovered and the next request finds the session moved)
         w = self.settings.worker
@@ -345,13 +494,43 @@ class Activator:
                 continue
             if rec.state not in _WAKEABLE:
                 raise NotFound(f"session {sid!r} not found", code="session_not_found")
-            return await self._resume(rec, worker)
+            return await self._resume(rec, worker, audit_action)
         raise Conflict(f"session {sid!r} did not settle while waking; retry", code="conflict")
 
-    async def _resume(self, rec: SessionRecord, pin: str | None = None) -> Route:
+    async def _resume(self, rec: SessionRecord, pin: str | None = None, audit_action: str | None = None) -> Route:
+        try:
+            route = await self._resume_held(rec, pin)
+        except SubstrateError as e:
+            if audit_action and e.code != "conflict":
+                await self.record(audit_action, rec, result=e.code, reason=rec.reason or "")
+            if not isinstance(e, (TooManyRequests, NoCapacity, Conflict)):
+                self.breaker.failure(rec.tenant)
+            raise
+        if audit_action:
+            await self.record(audit_action, rec, worker=route.worker, epoch=route.epoch, reason=rec.reason or "")
+        self.breaker.success(rec.tenant)
+        return route
+
+    async def _resume_held(self, rec: SessionRecord, pin: str | None = None) -> Route:
+        """``_resume`` holding running quota for the activation (given back if it does not happen)."""
         template = self.catalog.template(rec.actorTemplate)
+        if self.quotas is not None:
+            await self.quotas.acquire(rec.tenant, template, rec.id, create=False)
+        ok = False
+        try:
+            with self._activation(self.catalog.pool_for(template).name):
+                route = await self._resume_placed(rec, template, pin)
+            ok = True
+            return route
+        finally:
+            if not ok:
+                cur = await self.directory.get_sessions([rec.id])
+                if not cur or cur[0].state not in (SessionState.RUNNING, SessionState.RESUMING):
+                    await self.release_quota(rec)
+
+    async def _resume_placed(self, rec: SessionRecord, template: ActorTemplate, pin: str | None) -> Route:
         t0 = time.perf_counter()
-        worker, slot = await self.place(rec.id, template, worker=pin)
+        worker, slot = await self.place(rec.id, template, worker=pin, tenant=rec.tenant)
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
             set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
@@ -369,7 +548,8 @@ class Activator:
             restored_what = rec.reason if rec.snapshot else f"{rec.reason};snapshot=none"
         try:
             await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
-                                       slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what)
+                                       slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what,
+                                       tenant=rec.tenant)
         except SnapshotCorrupt as e:
             await self._fail_corrupt(rec, epoch, worker, slot, e)
             raise
@@ -401,7 +581,7 @@ class Activator:
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
-        return Route(worker.id, worker.address, epoch, restored=restored_what)
+        return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant)
 
     async def _abandon(self, sid: str, worker: WorkerRecord, slot: int, epoch: int) -> None:
         """Drop activation ``epoch`` of ``sid`` on ``worker`` (only that epoch or older) and free its
@@ -450,12 +630,16 @@ class Activator:
             return
         t0 = time.perf_counter()
         try:
-            await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s)
+            await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant)
         except WorkerUnavailable:
             await self.check_worker(rec.worker)
             raise
+        await self.release_quota(rec)
+        if reason != "explicit":  # automatic: no API call records it
+            await self.record("suspend", rec, reason=reason)
         metrics.SUSPEND_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
         metrics.SUSPENSIONS_TOTAL.labels(template=rec.actorTemplate, reason=reason).inc()
+        self.slot_freed(rec.pool or None)
 
     async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None) -> None:
         """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``)."""
@@ -474,7 +658,10 @@ class Activator:
                              extra={"session": sid, "worker": rec.worker, "code": e.code})
             if rec.slot is not None:
                 await self.directory.release_slot(rec.worker, rec.slot, sid)
+                self.slot_freed(rec.pool or None)
         await self.directory.delete_session(sid)
+        await self.release_quota(rec, total=True)
+        await self._index(rec.tenant, sid, None)
         if snapshot_gc is not None:
             asyncio.create_task(snapshot_gc(sid))
 
@@ -513,6 +700,8 @@ class Activator:
             metrics.RECOVERIES_TOTAL.labels(reason="activation_lost").inc()
             if rec.slot is not None:
                 await self.directory.release_slot(wid, rec.slot, sid)
+            await self.release_quota(rec)
+            await self.record("recover", rec, reason="activation_lost", worker=wid)
         return cas.ok
 
     async def recover_worker(self, wid: str, *, reason: str = "worker_lost", force: bool = True
@@ -549,6 +738,9 @@ class Activator:
         cas = await self.directory.transition(sid, from_states=_LIVE, worker=wid, to=SessionState.SUSPENDED,
                                               bump=True, set={"reason": reason, "message": what},
                                               unset=("worker", "slot"))
+        if cas.ok:
+            await self.release_quota(rec)
+            await self.record("recover", rec, reason=reason, worker=wid)
         return cas.ok
 
 

@@ -4,6 +4,7 @@
     substrate demo                                       up + create/invoke/suspend/wake a session, then stop
     substrate sessions create|get|list|invoke|suspend|resume|delete ...
     substrate pools | templates | stats
+    substrate keys create|revoke|list|rotate-signing                 API keys and activation-token keys
 
 Client commands talk to ``--server`` (env ``SUBSTRATE_SERVER``, default http://127.0.0.1:8080).
 """
@@ -30,6 +31,10 @@ app = typer.Typer(help="Agent session runtime: many bursty, stateful agent sessi
                   no_args_is_help=True, add_completion=False)
 sessions = typer.Typer(help="Create, inspect, invoke and delete sessions.", no_args_is_help=True)
 app.add_typer(sessions, name="sessions")
+keys_app = typer.Typer(help="API keys (tenants) and the activation-token signing keys. Writes to the Redis at "
+                            "SUBSTRATE_REDIS_URL (prefix SUBSTRATE_REDIS__KEY_PREFIX), or with --file to a key "
+                            "file read by `substrate up` (SUBSTRATE_AUTH__API_KEYS_FILE).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 console = Console()
 err = Console(stderr=True)
 
@@ -391,6 +396,142 @@ def stats(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Runtime-wide figures: workers, slots, sessions by state, worker-seconds."""
     with _client(server, token) as c:
         _print(_run(c.stats))
+
+
+def _keys_backend() -> tuple[Any, Any]:
+    """(settings, redis client) for the key commands; exits with a clear line if no Redis URL is set."""
+    import redis.asyncio as aioredis
+
+    from substrate.settings import Settings
+
+    settings = Settings()
+    if not settings.redis.url:
+        err.print("[red]error[/red]: set SUBSTRATE_REDIS_URL (the Redis of the runtime; `substrate up` prints "
+                  "its embedded one), or use --file")
+        raise typer.Exit(2)
+    return settings, aioredis.from_url(settings.redis.url, decode_responses=True, socket_timeout=5)
+
+
+def _async(coro_fn: Any) -> Any:
+    import asyncio
+
+    from substrate.errors import SubstrateError
+
+    async def run() -> Any:
+        settings, r = _keys_backend()
+        try:
+            return await coro_fn(settings, r)
+        finally:
+            await r.aclose()
+    try:
+        return asyncio.run(run())
+    except SubstrateError as e:
+        err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
+        raise typer.Exit(1) from None
+    except OSError as e:
+        err.print(f"[red]error[/red]: Redis unreachable: {escape(str(e))}")
+        raise typer.Exit(1) from None
+
+
+def _file_keys(path: Path) -> list[dict[str, Any]]:
+    import yaml
+
+    if not path.exists():
+        return []
+    data = yaml.safe_load(path.read_text()) or []
+    return list(data["keys"] if isinstance(data, dict) else data)
+
+
+@keys_app.command("create")
+def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for (lower-case name)."),
+                admin: bool = typer.Option(False, help="The key may see and touch every tenant's sessions."),
+                name: str = typer.Option("", help="A label for the key (shown by `keys list`)."),
+                file: Optional[Path] = typer.Option(None, "--file", help="Append the key's hash to this key file "
+                                                    "instead of writing to Redis.")) -> None:
+    """Create an API key and print it once (only its SHA-256 is stored)."""
+    from substrate.apikeys import ApiKeyStore, check_tenant, hash_key
+    from substrate.errors import SubstrateError
+    from substrate.keys import Keys
+
+    if file is not None:
+        import secrets as _secrets
+
+        import yaml
+
+        try:
+            check_tenant(tenant)
+        except SubstrateError as e:
+            err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
+            raise typer.Exit(2) from None
+        kid = _secrets.token_hex(4)
+        key = f"sk_{kid}_{_secrets.token_urlsafe(32)}"
+        entries = _file_keys(file)
+        entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
+        file.write_text(yaml.safe_dump(entries, sort_keys=False))
+        err.print(f"added to {file} (read by `substrate up` with SUBSTRATE_AUTH__API_KEYS_FILE={file})")
+        print(key)
+        return
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).create(tenant, admin=admin, name=name)
+    rec, key = _async(go)
+    err.print(f"key {rec.id} for tenant {rec.tenant}{' (admin)' if rec.admin else ''}; shown once:")
+    print(key)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str = typer.Argument(..., help="Key ID (from `keys list`) or the key itself."),
+                file: Optional[Path] = typer.Option(None, "--file", help="Remove it from this key file instead "
+                                                    "(takes effect when the runtime restarts).")) -> None:
+    """Revoke an API key: every router refuses it at once."""
+    from substrate.apikeys import ApiKeyStore, hash_key
+    from substrate.keys import Keys
+
+    if file is not None:
+        import yaml
+
+        entries = _file_keys(file)
+        keep = [e for e in entries if key_id not in (e.get("name"), e.get("sha256"), e.get("key"))
+                and e.get("sha256") != hash_key(key_id)]
+        if len(keep) == len(entries):
+            err.print(f"[red]error api_key_not_found[/red]: no key {escape(key_id)} in {file}")
+            raise typer.Exit(1)
+        file.write_text(yaml.safe_dump(keep, sort_keys=False))
+        console.print(f"removed from {file}; restart the runtime, or also run without --file to revoke at once")
+        return
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).revoke(key_id)
+    rec = _async(go)
+    console.print(f"revoked key {rec.id} of tenant {rec.tenant}")
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """API keys in Redis (IDs, tenants, roles; never the keys)."""
+    from substrate.apikeys import ApiKeyStore
+    from substrate.keys import Keys
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).list()
+    t = Table("ID", "TENANT", "ADMIN", "NAME", "CREATED")
+    for k in _async(go):
+        t.add_row(k.id, k.tenant, "yes" if k.admin else "", k.name,
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.createdAt)))
+    console.print(t)
+
+
+@keys_app.command("rotate-signing")
+def keys_rotate_signing() -> None:
+    """Rotate the key that signs per-activation tokens: routers sign with the new key after their next
+    refresh, workers accept the new and the previous one, so no call fails."""
+    from substrate.keys import Keys
+    from substrate.tokens import SigningKeyRing
+
+    async def go(settings: Any, r: Any) -> Any:
+        return await SigningKeyRing(r, Keys(settings.redis.key_prefix)).rotate()
+    new, prev = _async(go)
+    console.print(f"signing key {new} is current; {prev or '(none)'} still accepted until the next rotation")
 
 
 if __name__ == "__main__":

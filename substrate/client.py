@@ -87,9 +87,10 @@ class SubstrateClient:
         return self._req("GET", f"/v1/sessions/{sid}")
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
-                      continue_: str | None = None) -> dict[str, Any]:
+                      continue_: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """One page of sessions (``tenant``: admins only, one tenant's)."""
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
-                                    "continue": continue_}.items() if v is not None}
+                                    "continue": continue_, "tenant": tenant}.items() if v is not None}
         return self._req("GET", "/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
@@ -162,6 +163,22 @@ class SubstrateClient:
 
     def templates(self) -> list[dict[str, Any]]:
         return self._req("GET", "/v1/actortemplates")["items"]
+
+    def session_events(self, sid: str, *, limit: int = 100, continue_: str | None = None) -> dict[str, Any]:
+        """One page of a session's audit records: ``{items, metadata: {continue}}``."""
+        params: dict[str, Any] = {"limit": limit}
+        if continue_:
+            params["continue"] = continue_
+        return self._req("GET", f"/v1/sessions/{sid}/events", params=params)  # type: ignore[no-any-return]
+
+    def events(self, *, tenant: str | None = None, limit: int = 100, continue_: str | None = None) -> dict[str, Any]:
+        """One page of the caller's tenant's audit records (admins: ``tenant``'s)."""
+        params: dict[str, Any] = {"limit": limit}
+        if tenant:
+            params["tenant"] = tenant
+        if continue_:
+            params["continue"] = continue_
+        return self._req("GET", "/v1/events", params=params)  # type: ignore[no-any-return]
 
     def stats(self) -> dict[str, Any]:
         return self._req("GET", "/v1/stats")

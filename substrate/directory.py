@@ -45,13 +45,14 @@ _INT_FIELDS = {"epoch", "slot", "turns"}
 _FLOAT_FIELDS = {"createdAt", "updatedAt", "lastActiveAt", "stateDeadline"}
 
 # KEYS[1] session hash. ARGV[1] JSON {from?, epoch?, worker?, to?, bump?, set?, del?, now}
-# -> {1, state, epoch} on success, {0, state, epoch} on a failed check, {-1} if absent.
+# -> {1, state, epoch, previous state} on success, {0, state, epoch} on a failed check, {-1} if absent.
 _CAS = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
 local a = cjson.decode(ARGV[1])
 local cur = redis.call('HMGET', h, 'state', 'epoch', 'worker')
 local state, epoch, worker = cur[1], tonumber(cur[2]) or 0, cur[3] or ''
+local prev = state
 if a['from'] then
   local ok = false
   for _, s in ipairs(a['from']) do if s == state then ok = true end end
@@ -64,14 +65,14 @@ if a['to'] then state = a['to']; redis.call('HSET', h, 'state', state) end
 if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
 if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
 redis.call('HSET', h, 'updatedAt', a['now'])
-return {1, state, epoch}
+return {1, state, epoch, prev}
 """
 
 # KEYS[1] session hash, KEYS[2] its committed-snapshot set. ARGV[1] JSON {epoch, states, ref, key,
 # createdAt, retention, to?, set?, del?, now}. Moves snapshot -> previousSnapshot and sets snapshot =
 # ref, only if epoch and state match; keeps the newest ``retention`` committed snapshots in the set and
 # returns the keys that fell out (``previousSnapshot`` is cleared if it fell out: retention 1).
-# -> {1, dropped key ...} | {0, state, epoch} | {-1}
+# -> {1, previous state, dropped key ...} | {0, state, epoch} | {-1}
 _COMMIT = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
@@ -90,7 +91,7 @@ end
 if cur[3] then redis.call('HSET', h, 'previousSnapshot', cur[3]) end
 redis.call('HSET', h, 'snapshot', a['ref'])
 redis.call('ZADD', KEYS[2], tonumber(a['createdAt']), a['key'])
-local out = {1}
+local out = {1, state}
 local n = redis.call('ZCARD', KEYS[2])
 local keep = math.max(1, tonumber(a['retention']) or 2)
 if n > keep then
@@ -124,13 +125,15 @@ return {1, epoch}
 
 # KEYS[1] session hash, KEYS[2] epoch floor, KEYS[3] snapshot set. ARGV[1] floor TTL (s).
 # Deletes the record and its snapshot set, leaving the epoch it reached as the floor of the next one.
+# -> {floor, state the record had ('' if none)}
 _DELETE = """
 local e = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') or 0
+local st = redis.call('HGET', KEYS[1], 'state') or ''
 local f = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 if e > f then f = e end
 if f > 0 then redis.call('SET', KEYS[2], f, 'EX', tonumber(ARGV[1])) end
 redis.call('DEL', KEYS[1], KEYS[3])
-return f
+return {f, st}
 """
 
 # KEYS[1] worker hash. ARGV[1] lease expiry (s), ARGV[2] active slots ('' = leave).
@@ -372,6 +375,7 @@ class Directory:
         if int(created[0]) != 1:
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
         rec.epoch = int(created[1])
+        await self._count_states(None, rec.state.value)
         return rec.epoch
 
     @_translate
@@ -426,6 +430,8 @@ class Directory:
             res = (await p.execute())[0]
         if res[0] == -1:
             return CasResult(False, None, 0, found=False)
+        if res[0] == 1 and len(res) > 3 and res[3] != res[1]:
+            await self._count_states(res[3], res[1])
         return CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
 
     @_translate
@@ -458,7 +464,9 @@ class Directory:
             return False, []
         if to is not None and to not in TRANSITIONAL:
             await self.redis.zrem(self.keys.deadlines, sid)
-        return True, [str(k) for k in res[1:]]
+        if to is not None and res[1] != to.value:
+            await self._count_states(res[1], to.value)
+        return True, [str(k) for k in res[2:]]
 
     @_translate
     async def forget_snapshot(self, sid: str, key: str) -> None:
@@ -480,7 +488,9 @@ class Directory:
                                      self.keys.session_snapshots(sid)], args=[self.epoch_floor_ttl_s], client=p)
             p.zrem(self.keys.sessions_index, sid)
             p.zrem(self.keys.deadlines, sid)
-            await p.execute()
+            prev = (await p.execute())[0][1]
+        if prev:
+            await self._count_states(prev, None)
 
     @_translate
     async def get_sessions(self, sids: list[str]) -> list[SessionRecord]:
@@ -664,5 +674,49 @@ class Directory:
         await self.redis.hincrbyfloat(self.keys.stats, "workerSeconds", seconds)
 
     @_translate
+    async def add_capacity_seconds(self, *, worker_s: float, slot_s: float, process_s: float) -> None:
+        """Add to the cumulative cost integrals: worker-seconds (worker processes), slot-seconds
+        (provisioned slots x time) and process-seconds (every process kept for sessions: workers and the
+        zygote that forks them)."""
+        async with self.pipeline() as p:
+            p.hincrbyfloat(self.keys.stats, "workerSeconds", worker_s)
+            p.hincrbyfloat(self.keys.stats, "slotSeconds", slot_s)
+            p.hincrbyfloat(self.keys.stats, "processSeconds", process_s)
+            await p.execute()
+
+    @_translate
     async def get_stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in (await self.redis.hgetall(self.keys.stats)).items()}
+
+    # session counts by state: counters moved by the transitions, corrected by a slow scan -------------
+    async def _count_states(self, from_state: str | None, to_state: str | None) -> None:
+        """Move one session between state counters (a second round trip beside the atomic step, like
+        the indexes: derived data that :meth:`reconcile_state_counts` repairs; DELETED is not counted)."""
+        async with self.pipeline() as p:
+            if from_state and from_state != SessionState.DELETED.value:
+                p.hincrby(self.keys.state_counts, from_state, -1)
+            if to_state and to_state != SessionState.DELETED.value:
+                p.hincrby(self.keys.state_counts, to_state, 1)
+            await p.execute()
+
+    @_translate
+    async def state_counts(self) -> dict[str, int]:
+        """Sessions per lifecycle state (except DELETED) from the counters: O(states), not O(sessions)."""
+        raw = await self.redis.hgetall(self.keys.state_counts)
+        out = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
+        for k, v in raw.items():
+            if k in out:
+                out[k] = max(0, int(v))
+        return out
+
+    @_translate
+    async def reconcile_state_counts(self, scanned: dict[str, int], before: dict[str, int]) -> bool:
+        """Overwrite the counters with ``scanned`` (a full scan's counts) if they still equal ``before``
+        (read just before the scan started): nothing moved during the scan, so the scan is exact. Returns
+        whether the counters were corrected."""
+        now = await self.state_counts()
+        want = {s.value: scanned.get(s.value, 0) for s in SessionState if s != SessionState.DELETED}
+        if now != before or now == want:
+            return False
+        await self.redis.hset(self.keys.state_counts, mapping={k: str(v) for k, v in want.items()})
+        return True

@@ -105,3 +105,16 @@ class SnapshotCorrupt(SubstrateError):
 
 class SessionFailed(SubstrateError):
     status, code = 409, "session_failed"
+
+
+class TooManyRequests(SubstrateError):
+    """429 with ``Retry-After``: a quota, a fairness share or a tenant's circuit breaker said no. The
+    ``code`` names the limit (``quota_max_running``, ``quota_max_total``, ``quota_max_gpus``,
+    ``quota_max_creates_per_minute``, ``tenant_parked_share``, ``tenant_circuit_open``)."""
+
+    status, code = 429, "too_many_requests"
+    retry_after_s = 1.0
+
+
+class Forbidden(SubstrateError):
+    status, code = 403, "forbidden"

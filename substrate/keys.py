@@ -63,3 +63,41 @@ class Keys:
     def stats(self) -> str:
         """Hash: runtime-wide counters (worker-seconds integral, ...)."""
         return f"{self.prefix}:stats"
+
+    @property
+    def state_counts(self) -> str:
+        """Hash: lifecycle state -> number of sessions in it (moved by transitions, repaired by a scan)."""
+        return f"{self.prefix}:state-counts"
+    # tenancy, auth, quotas, audit (issue 10) ---------------------------------------------------------
+    def tenant_sessions(self, tenant: str) -> str:
+        """Sorted set: session id -> createdAt (s) of one tenant's sessions (keyset listing per tenant)."""
+        return f"{self.prefix}:{{t:{tenant}}}:sessions"
+
+    def quota(self, tenant: str, what: str) -> str:
+        """Quota bookkeeping of one tenant (one hash tag, so the Lua check touches one slot):
+        ``running``/``total`` sets of session ids, ``gpus`` hash session -> GPUs, ``creates`` sorted set
+        of create times; ``<what>:<template>`` for the same per ActorTemplate."""
+        return f"{self.prefix}:{{t:{tenant}}}:quota:{what}"
+
+    def session_audit(self, sid: str) -> str:
+        """Stream: audit records of one session (capped; expires some time after the session is deleted)."""
+        return f"{self.prefix}:{{{sid}}}:audit"
+
+    def tenant_audit(self, tenant: str) -> str:
+        """Stream: audit records of one tenant (capped)."""
+        return f"{self.prefix}:{{t:{tenant}}}:audit"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: sha256(API key) hex -> JSON {id, tenant, admin, name, createdAt}."""
+        return f"{self.prefix}:auth:apikeys"
+
+    @property
+    def auth_version(self) -> str:
+        """Integer bumped on every key change; also the pub/sub channel routers listen on."""
+        return f"{self.prefix}:auth:version"
+
+    @property
+    def signing_keys(self) -> str:
+        """Hash: key id -> secret of the activation-token signing keys, plus ``current`` -> key id."""
+        return f"{self.prefix}:auth:signing"

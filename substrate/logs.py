@@ -26,5 +26,7 @@ def configure_logging(level: str = "INFO", json_lines: bool = True) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # the audit trail's mirror is a record, not chatter: emitted whatever the level (substrate.audit)
+    logging.getLogger("substrate.audit").setLevel(logging.INFO)
     for noisy in ("aiohttp.access", "uvicorn.access", "botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,11 +20,13 @@ API_GROUP = "substrate.agent.dev"
 API_VERSION = f"{API_GROUP}/v1"
 
 #: session IDs chosen by clients (DESIGN / issue 2): lower-case, 1..128 chars
-SESSION_ID_RE = re.compile(r"^[a-z0-9][a-z0-9\-_.]{0,127}$")
+#: anchored with \A..\Z (never ``$``, which also matches before a final newline): ``match`` and
+#: ``fullmatch`` both check the whole string
+SESSION_ID_RE = re.compile(r"\A[a-z0-9][a-z0-9\-_.]{0,127}\Z")
 #: Kubernetes DNS-1123 subdomain-ish names for templates and pools
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?$")
+NAME_RE = re.compile(r"\A[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?\Z")
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
 
 
 def parse_duration_s(value: str | int | float | None) -> float | None:
@@ -38,7 +40,7 @@ def parse_duration_s(value: str | int | float | None) -> float | None:
         if value < 0:
             raise ValueError("duration must be >= 0")
         return float(value)
-    m = _DURATION_RE.match(value)
+    m = _DURATION_RE.fullmatch(value)
     if not m:
         raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 1h)")
     n, unit = float(m.group(1)), m.group(2) or "s"
@@ -77,7 +79,7 @@ class ObjectMeta(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"invalid name {v!r}: use lower-case letters, digits, '-' and '.'")
         return v
 
@@ -112,18 +114,101 @@ class StateManagement(BaseModel):
         return v or None  # 0 disables idle suspension
 
 
+def parse_quantity_value(value: str | int | float | None, what: str) -> float | None:
+    """A Kubernetes quantity (``"512Mi"``, ``"500m"``, ``"2"``) as a float, parsed by the kubernetes
+    client's ``parse_quantity``. ``None`` passes through. Raises ``ValueError`` naming ``what``."""
+    if value is None:
+        return None
+    from kubernetes.utils import parse_quantity  # the library's parser (imported lazily: it is heavy)
+
+    try:
+        q = parse_quantity(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{what}: not a quantity: {value!r} (use e.g. 512Mi, 2Gi, 500m, 2)") from e
+    if q <= 0:
+        raise ValueError(f"{what} must be > 0, got {value!r}")
+    return float(q)
+
+
 class Isolation(BaseModel):
+    """Per-session isolation and limits (``workers/sandbox.py`` enforces them; README "Security model").
+
+    ``sandbox: false`` is the explicit opt-out from the per-session bubblewrap sandbox (the session's
+    status shows ``sandboxed: false``). ``network``: ``none`` (default: no network namespace interface
+    but the sandbox's own), ``loopback`` (its own loopback only) or ``egress`` (the host's network).
+    ``maxCpu``/``maxMemory``/``maxDiskBytes`` are Kubernetes quantities; ``turnTimeout`` a duration.
+    Malformed values are refused when the template is loaded."""
+
     model_config = ConfigDict(extra="allow")
     runtimeClass: str | None = None
     networkPolicy: str | None = None
+    sandbox: bool = True
+    network: Literal["none", "loopback", "egress"] = "none"
     maxCpu: str | None = None
-    maxMemory: str | None = None
+    maxMemory: str | None = "1Gi"
+    maxDiskBytes: str | None = "1Gi"
+    maxProcesses: int | None = Field(256, ge=1, le=65536)
+    turnTimeout: str | float | None = "300s"
+
+    @field_validator("maxCpu", "maxMemory", "maxDiskBytes")
+    @classmethod
+    def _quantity(cls, v: Any, info: Any) -> Any:
+        parse_quantity_value(v, f"isolation.{info.field_name}")
+        return v
+
+    @field_validator("turnTimeout")
+    @classmethod
+    def _turn_timeout(cls, v: Any) -> Any:
+        if parse_duration_s(v) == 0:
+            raise ValueError("turnTimeout must be > 0 (omit it for the default)")
+        return v
+
+    @property
+    def cpu_cores(self) -> float | None:
+        return parse_quantity_value(self.maxCpu, "isolation.maxCpu")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        v = parse_quantity_value(self.maxMemory, "isolation.maxMemory")
+        return None if v is None else int(v)
+
+    @property
+    def disk_bytes(self) -> int | None:
+        v = parse_quantity_value(self.maxDiskBytes, "isolation.maxDiskBytes")
+        return None if v is None else int(v)
+
+    @property
+    def turn_timeout_s(self) -> float:
+        return parse_duration_s(self.turnTimeout) or 300.0
 
 
 class ContainerSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
     image: str
     env: list[EnvVar] = Field(default_factory=list)
+
+
+class QuotaLimits(BaseModel):
+    """Limits of one tenant (or of one tenant's sessions of one ActorTemplate); ``None`` = unlimited.
+
+    ``maxRunning`` counts live activations (STARTING/RUNNING/RESUMING/SUSPENDING): suspended sessions
+    hold none; ``maxTotal`` counts every session that exists; ``maxGpus`` counts GPUs held by live
+    activations (``spec.resources.gpus`` of their template); ``maxCreatesPerMinute`` is a sliding window.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    maxRunning: int | None = Field(None, ge=0)
+    maxTotal: int | None = Field(None, ge=0)
+    maxGpus: int | None = Field(None, ge=0)
+    maxCreatesPerMinute: int | None = Field(None, ge=0)
+
+
+class TemplateResources(BaseModel):
+    """What one live session of a template holds (for quotas and the audit trail)."""
+
+    model_config = ConfigDict(extra="allow")
+    #: whole GPUs (devices of the pool's ResourceClaims) one live session holds
+    gpus: int = Field(0, ge=0)
 
 
 class ActorTemplateSpec(BaseModel):
@@ -140,11 +225,14 @@ class ActorTemplateSpec(BaseModel):
     workerPool: str | None = None
     stateManagement: StateManagement = Field(default_factory=StateManagement)
     isolation: Isolation = Field(default_factory=Isolation)
+    resources: TemplateResources = Field(default_factory=TemplateResources)
+    #: limits per tenant for this task class (each tenant's sessions of this template); see QuotaLimits
+    quota: QuotaLimits | None = None
 
     @field_validator("entrypoint")
     @classmethod
     def _entry(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*", v):
             raise ValueError(f"entrypoint must look like 'package.module:Class', got {v!r}")
         return v
 
@@ -285,6 +373,8 @@ class SessionRecord(BaseModel):
     state: SessionState
     actorTemplate: str
     pool: str
+    #: the tenant that owns the session (``default`` when the API runs without keys)
+    tenant: str = "default"
     worker: str | None = None
     slot: int | None = None
     epoch: int = 0

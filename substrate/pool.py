@@ -7,10 +7,24 @@ tracked as *expectations* (after agent-sandbox's warm pool) so a stale view neve
 worker leaves only after it was drained: marked DRAINING (placement skips it) and its sessions
 suspended to object storage (DESIGN invariant 6). The loop logs and survives any error.
 
-Sizing, with ``busy`` = active slots (mid-turn or active within the workers' active window; idle
-sessions are evictable) + requests waiting for a slot and ``S`` = slots per worker:
-``desired = clamp(max(ceil(busy / (S * target%)), ceil(busy / S) + warmPool.readyReplicas), min, max)``
-with autoscaling, else ``spec.replicas``. Scale-down waits ``scale_down_delay_s`` of lower demand.
+Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` = slots per worker:
+
+* **demand** ``need`` = active slots (mid-turn or active within the workers' active window; idle sessions
+  are evictable capacity: lazy suspension frees them on need) + placements waiting for a slot (parked
+  wakes and creates) + activations in flight (slot claimed, not yet in a heartbeat) + a **forecast**:
+  ``round(rate x lead_time)``, the activations expected to arrive while a new worker starts, where
+  ``rate`` is the arrival rate of activations (creates + wakes) over a sliding window
+  (``pool.forecast_window_s``) and ``lead_time`` the measured create-to-READY time of this pool's
+  workers (an exponentially weighted mean);
+* **up at once**: ``desired = clamp(max(ceil(need / (S x target%)), ceil(need / S) + warmPool), min, max)``;
+* **down with hysteresis**: the pool shrinks only below the largest ``desired`` of the last
+  ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one worker per
+  round, and the worker drained is the least loaded one (fewest active, then fewest used slots): its
+  idle sessions are the fewest to suspend, and a loaded worker is not churned.
+
+This replaces a hand-set ``maxReplicas`` cap per trace: the same pool spec holds on quiet and busy days.
+Sources: Knative's KPA (panic/stable windows; scale down after a stable window), Ray Serve's
+autoscaler (upscale/downscale delays), queueing lead-time provisioning (Little's law: arrivals x wait).
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from substrate import metrics
@@ -52,8 +66,16 @@ class PoolObservation:
     workers: tuple[WorkerObs, ...]
     #: workers being created that have not registered yet (expectations)
     starting: int = 0
-    #: requests waiting for a slot in this pool right now
+    #: placements (creates and parked wakes) waiting for a free slot in this pool right now
     waiting: int = 0
+    #: activations (creates + wakes) between slot claim and RUNNING (not yet in a heartbeat)
+    in_flight: int = 0
+    #: activations per second over the forecast window
+    arrival_rate_per_s: float = 0.0
+    #: measured seconds from a worker create to its READY registration
+    lead_time_s: float = 0.0
+    #: largest ``desired`` over the scale-down window (hysteresis); None: no history (no holding back)
+    recent_desired: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,8 @@ class PoolPlan:
     drain: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
     reason: str = ""
+    #: slots wanted right now (the demand the plan was sized for)
+    need: int = 0
 
 
 def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
@@ -77,24 +101,66 @@ def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
     return max(a.minReplicas, min(a.maxReplicas, max(by_util, by_warm)))
 
 
+def demand(obs: PoolObservation) -> int:
+    """Slots wanted now (see the module docstring): active + waiting + in flight + forecast."""
+    alive = [w for w in obs.workers if w.alive]
+    active = sum(w.used if w.active is None else min(w.active, w.used) for w in alive)
+    # an activation in flight already holds a claimed slot that the heartbeat may not call active yet:
+    # count it only beyond the used-but-not-active slots, so that it is not counted twice
+    idle_used = sum(w.used for w in alive) - active
+    in_flight = max(0, obs.in_flight - idle_used)
+    # expected arrivals while a new worker starts, rounded to the nearest slot (a trickle of one
+    # activation a minute does not hold a worker forever)
+    forecast = math.floor(max(0.0, obs.arrival_rate_per_s) * max(0.0, obs.lead_time_s) + 0.5)
+    return active + max(0, obs.waiting) + in_flight + forecast
+
+
 def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: bool = True) -> PoolPlan:
-    """Pure: what to do for one pool. Never drains more than the excess; removes only empty DRAINING
-    workers; counts STARTING workers and expectations as capacity so it never over-creates."""
+    """Pure: what to do for one pool. Scales up at once to the demand; drains at most one worker per
+    call and only below the scale-down window's largest ``desired`` (``obs.recent_desired``); removes
+    only empty DRAINING workers; counts STARTING workers and expectations as capacity so it never
+    over-creates. ``allow_scale_down=False`` forbids any drain (e.g. while workers start)."""
     alive = [w for w in obs.workers if w.alive]
     serving = [w for w in alive if w.state != WorkerState.DRAINING]
-    # demand = active slots (idle sessions are evictable capacity: lazy suspension frees them on need)
-    busy = sum(w.used if w.active is None else min(w.active, w.used) for w in alive) + obs.waiting
-    desired = desired_replicas(spec, busy)
+    need = demand(obs)
+    now_desired = desired_replicas(spec, need)
+    hold = now_desired if obs.recent_desired is None else max(now_desired, obs.recent_desired)
     current = len(serving) + obs.starting
     remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0)
-    if current < desired:
-        return PoolPlan(desired, create=desired - current, remove=remove, reason=f"busy={busy} below capacity")
+    if current < now_desired:
+        return PoolPlan(now_desired, create=now_desired - current, remove=remove,
+                        reason=f"need={need} above capacity", need=need)
     drain: tuple[str, ...] = ()
-    if current > desired and allow_scale_down and obs.starting == 0:
-        excess = current - desired
-        ready = sorted((w for w in serving if w.state == WorkerState.READY), key=lambda w: (w.used, w.id))
-        drain = tuple(w.id for w in ready[:excess])
-    return PoolPlan(desired, drain=drain, remove=remove, reason=f"busy={busy}")
+    if current > hold and allow_scale_down and obs.starting == 0:
+        ready = sorted((w for w in serving if w.state == WorkerState.READY),
+                       key=lambda w: (w.used if w.active is None else w.active, w.used, w.id))
+        drain = tuple(w.id for w in ready[:1])
+    return PoolPlan(hold, drain=drain, remove=remove, reason=f"need={need}", need=need)
+
+
+class SlidingWindow:
+    """Samples ``(t, value)`` kept for ``window_s``: the max of the values, or the rate of a monotonic
+    counter (``(last - first) / (t_last - t_first)``). Pure bookkeeping: callers pass the clock."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._d: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, t: float, value: float) -> None:
+        self._d.append((t, value))
+        while self._d and self._d[0][0] < t - self.window_s:
+            self._d.popleft()
+
+    def max(self) -> float | None:
+        return max((v for _, v in self._d), default=None)
+
+    def rate(self) -> float:
+        """Increase of the counter over the whole window divided by the window's length (a sparse
+        burst is not read as a sustained rate; a sustained rate reads true once a window has passed)."""
+        if len(self._d) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self._d[0], self._d[-1]
+        return max(0.0, v1 - v0) / max(t1 - t0, self.window_s) if self.window_s > 0 else 0.0
 
 
 class Backend(Protocol):
@@ -108,14 +174,20 @@ class Backend(Protocol):
     def reap(self) -> list[str]:
         """Worker ids whose process/pod ended since the last call."""
         ...
+    # optional: ``helper_processes() -> int``, processes kept for sessions besides the workers (the local
+    # zygote), counted in the process-seconds cost; a backend without it counts 0.
+    # optional: ``gpu_memory(pool) -> (total_bytes, fragmented_bytes)`` of the pool's ResourceClaims;
+    # without it the GPU gauges export 0 ("unknown", as their help text says)
     async def close(self) -> None: ...
 
 
 @dataclass
 class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
-    below_since: float | None = None
     conditions: list[Condition] = field(default_factory=list)
+    desired_window: SlidingWindow | None = None  # desired replicas over the scale-down window
+    arrivals: SlidingWindow | None = None  # cumulative activations over the forecast window
+    lead_time_s: float | None = None  # EWMA of create -> READY
     #: the last plan's desired worker count
     desired: int = 0
 
@@ -140,9 +212,12 @@ class PoolController:
         self._last_tick = time.monotonic()
 
     async def start(self) -> None:
-        prepare = getattr(self.backend, "start", None)
-        if prepare is not None:
-            await prepare()
+        prepare = getattr(self.backend, "start", None)  # optional: e.g. the local zygote, started ahead
+        if callable(prepare):
+            try:
+                await prepare()
+            except Exception:  # noqa: BLE001 - workers then start the slow way
+                log.warning("backend prepare failed", exc_info=True)
         await self.tick()
         self._task = asyncio.create_task(self._loop())
 
@@ -198,10 +273,6 @@ class PoolController:
         now_m = time.monotonic()
         dt, self._last_tick = now_m - self._last_tick, now_m
         running = self.backend.running()
-        try:
-            await self.directory.add_worker_seconds(dt * len(running))
-        except SubstrateError:
-            pass
         for wid in self.backend.reap():
             if self.activator is not None:
                 try:
@@ -210,35 +281,56 @@ class PoolController:
                     log.warning("recovery of a dead worker failed", extra={"worker": wid}, exc_info=True)
         workers = await self.directory.list_workers()
         now = time.time()
+        pools = collections.Counter(running.values())
+        slots = sum(p.spec.slots * n for name, n in pools.items() if (p := self.catalog.pools.get(name)))
+        extra = int(getattr(self.backend, "helper_processes", lambda: 0)())
+        try:
+            await self.directory.add_capacity_seconds(worker_s=dt * len(running), slot_s=dt * slots,
+                                                      process_s=dt * (len(running) + extra))
+        except SubstrateError:
+            pass
         for pool in self.catalog.pools.values():
             await self._reconcile_pool(pool, [w for w in workers if w.pool == pool.name], running, now)
 
     async def _reconcile_pool(self, pool: WorkerPool, workers: list[WorkerRecord], running: dict[str, str],
                               now: float) -> None:
         st = self._state.setdefault(pool.name, _PoolState())
+        t = time.monotonic()
+        if st.desired_window is None or st.arrivals is None:
+            st.desired_window = SlidingWindow(self.scale_down_delay_s)
+            st.arrivals = SlidingWindow(self.settings.pool.forecast_window_s)
         registered = {w.id for w in workers}
-        for wid, t in list(st.expectations.items()):
-            if wid in registered or wid not in running or time.monotonic() - t > self.create_timeout_s:
+        for wid, t_created in list(st.expectations.items()):
+            if wid in registered:
+                took = t - t_created  # an upper bound (seen at the next tick); EWMA smooths it
+                st.lead_time_s = took if st.lead_time_s is None else 0.8 * st.lead_time_s + 0.2 * took
+            if wid in registered or wid not in running or t - t_created > self.create_timeout_s:
                 st.expectations.pop(wid)
         # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,
         # also after its expectation expired, so a Pod the scheduler cannot place is never re-created
         unregistered = sum(1 for wid, p in running.items()
                            if p == pool.name and wid not in registered and wid not in st.expectations)
+        act = self.activator
+        st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0)))
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
             starting=len(st.expectations) + unregistered,
-            # requests waiting for a slot and requests parked on a resume are demand too
-            waiting=getattr(self.activator, "waiting_demand", 0))
-        allow_down = st.below_since is not None and time.monotonic() - st.below_since >= self.scale_down_delay_s
-        plan = reconcile(self.effective_spec(pool), obs, allow_scale_down=allow_down)
+            waiting=int(getattr(act, "waiting_by_pool", {}).get(pool.name, 0)),
+            in_flight=int(getattr(act, "in_flight_by_pool", {}).get(pool.name, 0)),
+            arrival_rate_per_s=st.arrivals.rate(),
+            lead_time_s=st.lead_time_s if st.lead_time_s is not None else self.settings.pool.lead_time_s)
+        spec = self.effective_spec(pool)
+        recent = st.desired_window.max()
+        plan = reconcile(spec, replace(obs, recent_desired=None if recent is None else int(recent)))
+        st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
         st.desired = plan.desired
-        serving = sum(1 for w in obs.workers if w.alive and w.state != WorkerState.DRAINING) + obs.starting
-        if serving > plan.desired:
-            st.below_since = st.below_since or time.monotonic()
-        else:
-            st.below_since = None
+        if plan.create or plan.drain:
+            log.info("pool scaling", extra={"pool": pool.name, "desired": plan.desired, "need": plan.need,
+                                            "create": plan.create, "drain": list(plan.drain),
+                                            "waiting": obs.waiting, "inFlight": obs.in_flight,
+                                            "ratePerS": round(obs.arrival_rate_per_s, 2)})
         for _ in range(plan.create):
             # unique across processes and hosts: two runtimes sharing one Redis never share a worker ID
             wid = f"{pool.name}-{uuid.uuid4().hex[:12]}"
@@ -264,6 +356,11 @@ class PoolController:
         for state in WorkerState:
             metrics.WORKERS.labels(pool=pool.name, state=state.value).set(
                 sum(1 for w in workers if w.state == state))
+        # GPU memory of the pool's ResourceClaims: a backend that knows it says so, else 0 (documented)
+        gpu = getattr(self.backend, "gpu_memory", None)
+        total, fragmented = gpu(pool.name) if callable(gpu) else (0, 0)
+        metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
+        metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
         st.conditions = [
             Condition(type="Ready", status="True" if ready else "False",
                       reason="WorkersReady" if ready else "NoReadyWorker",

@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from substrate.models import QuotaLimits
+
 
 #: the example WorkerPool and ActorTemplates shipped inside the package
 EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
@@ -58,8 +60,10 @@ class ApiSettings(BaseModel):
 
 class WorkerSettings(BaseModel):
     host: str = "127.0.0.1"
-    #: shared secret the router and state manager send to workers (``X-Substrate-Internal-Token``);
-    #: generated at start-up when unset. Set the same value on every router of one deployment.
+    #: optional secret mixed (HMAC-SHA256) into the activation-token signing keys kept in Redis, so that
+    #: read access to Redis alone cannot mint tokens workers accept (see ``substrate.tokens``). Set the
+    #: same value on every router, controller and worker (on Kubernetes: the Secret
+    #: ``substrate-internal-token``); unset in the embedded default (Redis is private to it there).
     internal_token: str | None = None
     heartbeat_s: float = 1.0
     lease_s: float = 5.0
@@ -76,6 +80,78 @@ class WorkerSettings(BaseModel):
     #: within this window; idle sessions beyond it are evictable capacity (lazy suspension)
     active_window_s: float = 2.0
     root_dir: Path = Path("var/workers")
+    #: per-slot sandbox uids are claimed in [sandbox_uid_base, sandbox_uid_base + sandbox_uid_span)
+    #: with flock files in sandbox_uid_lock_dir (when the worker runs as root); see workers/sandbox.py
+    sandbox_uid_base: int = 20000
+    sandbox_uid_span: int = 10000
+    sandbox_uid_lock_dir: Path = Path("/run/substrate/sandbox-uids")
+    #: keep a sandboxed agent host started for up to this many free slots (0: none), so a create does
+    #: not pay the spawn (each idle host is a Python process of ~10-15 MiB)
+    prestart_hosts: int = 16
+
+
+class ApiKeySpec(BaseModel):
+    """One API key given by file or env: its ``sha256`` (hex; preferred) or the ``key`` itself."""
+
+    tenant: str
+    sha256: str | None = None
+    key: str | None = None
+    admin: bool = False
+    name: str = ""
+
+
+class AuthSettings(BaseModel):
+    """Who may call the API (see README "Security model"). With no key anywhere, no OIDC issuer and no
+    ``api.auth_token``, the API is open and every caller is the tenant ``default``."""
+
+    #: API keys from the environment (JSON list of ApiKeySpec), imported into Redis at start-up
+    api_keys: list[ApiKeySpec] = Field(default_factory=list)
+    #: YAML/JSON file holding a list of ApiKeySpec, imported into Redis at start-up
+    api_keys_file: Path | None = None
+    #: OIDC issuer URL; when set, JWT bearer tokens are verified against its JWKS
+    oidc_issuer: str | None = None
+    oidc_audience: str | None = None
+    #: JWKS URL (default: discovered from the issuer's /.well-known/openid-configuration)
+    oidc_jwks_url: str | None = None
+    #: JWT claim naming the tenant, and the claim (list or space-separated string) holding roles
+    tenant_claim: str = "tenant"
+    roles_claim: str = "roles"
+    admin_role: str = "substrate-admin"
+    #: how long the JWKS is reused before a background reload (an unknown key ID reloads at once)
+    jwks_ttl_s: float = 300.0
+    #: safety net only: verified API keys are re-read after this long even without a revocation message
+    key_cache_ttl_s: float = 30.0
+    #: lifetime of per-activation tokens the control plane presents to workers
+    activation_token_ttl_s: float = 300.0
+    #: how often routers and workers re-read the activation-token signing keys
+    signing_refresh_s: float = 5.0
+    #: folder of credentials templates may ask for (``valueFrom.secretKeyRef``): files
+    #: ``<dir>/<tenant>/<secret>/<key>`` or ``<dir>/<secret>/<key>`` (a mounted Kubernetes Secret)
+    secrets_dir: Path | None = None
+
+
+class QuotaSettings(BaseModel):
+    """Limits per tenant (ActorTemplates add per-class limits in ``spec.quota``) and fairness knobs."""
+
+    #: limits of a tenant not named in ``tenants``
+    default: QuotaLimits = Field(default_factory=QuotaLimits)
+    #: limits per tenant name (JSON in ``SUBSTRATE_QUOTA__TENANTS``)
+    tenants: dict[str, QuotaLimits] = Field(default_factory=dict)
+    #: share of ``api.max_parked`` one tenant's parked requests may take (fairness under a full pool)
+    tenant_parked_share: float = Field(0.5, gt=0, le=1)
+    #: circuit breaker: this many failed activations of one tenant within the window open it ...
+    breaker_failures: int = Field(10, ge=1)
+    breaker_window_s: float = 60.0
+    #: ... for this long: creates and wakes of that tenant get 429 ``tenant_circuit_open``
+    breaker_open_s: float = 30.0
+
+
+class AuditSettings(BaseModel):
+    #: records kept per tenant stream and per session stream (approximate trimming, MAXLEN ~)
+    max_per_tenant: int = 100_000
+    max_per_session: int = 1_000
+    #: a deleted session's records stay queryable (by its tenant and admins) this long
+    deleted_retention_s: float = 7 * 24 * 3600.0
 
 
 class SnapshotSettings(BaseModel):
@@ -112,8 +188,12 @@ class StateSettings(BaseModel):
 
 class PoolSettings(BaseModel):
     reconcile_interval_s: float = 1.0
-    #: demand must stay below capacity this long before a worker is drained (hysteresis)
+    #: the pool shrinks only below the largest size wanted over this window (hysteresis)
     scale_down_delay_s: float = 10.0
+    #: window of the activation arrival-rate forecast (creates + wakes per second)
+    forecast_window_s: float = 30.0
+    #: assumed create-to-READY time of a worker until one was measured
+    lead_time_s: float = 0.5
     #: a dead local worker process is restarted after this back-off
     restart_backoff_s: float = 0.5
 
@@ -158,6 +238,9 @@ class Settings(BaseSettings):
     snapshot: SnapshotSettings = Field(default_factory=SnapshotSettings)
     state: StateSettings = Field(default_factory=StateSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    quota: QuotaSettings = Field(default_factory=QuotaSettings)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     #: folder of ActorTemplate / WorkerPool YAML files for the local mode (default: the example pool and
     #: agents shipped inside the package, so ``substrate up`` runs from any folder)

@@ -3,6 +3,9 @@
 Errors come back as our own: a worker that cannot be reached becomes ``WorkerUnavailable`` (502); an
 error answer is rebuilt from its ``code`` (``stale_epoch`` -> ``StaleEpoch``, ``snapshot_corrupt`` ->
 ``SnapshotCorrupt`` ...), so callers branch on types, not on status numbers.
+
+Every call carries a per-activation token (``substrate.tokens``) bound to the session, its epoch, the
+worker's address and the tenant, minted here from the shared signing-key ring.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import aiohttp
 
 from substrate import errors as E
 from substrate.models import ActorTemplate, SnapshotRef
+from substrate.tokens import TokenMinter
 
 EPOCH_HEADER = "X-Substrate-Epoch"
-TOKEN_HEADER = "X-Substrate-Internal-Token"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 _BY_CODE: dict[str, type[E.SubstrateError]] = {
@@ -40,9 +43,8 @@ def error_from(status: int, body: Any) -> E.SubstrateError:
 class WorkerClient:
     """Calls one of many workers by address. One instance per process (it owns the connection pool)."""
 
-    def __init__(self, *, timeout_s: float = 300.0, connect_timeout_s: float = 2.0,
-                 token: str | None = None) -> None:
-        self._auth = {TOKEN_HEADER: token} if token else {}
+    def __init__(self, minter: TokenMinter, *, timeout_s: float = 300.0, connect_timeout_s: float = 2.0) -> None:
+        self.minter = minter
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -58,9 +60,18 @@ class WorkerClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _call(self, method: str, url: str, *, epoch: int | None = None, json_body: Any = None,
-                    params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
-        headers = {EPOCH_HEADER: str(epoch), **self._auth} if epoch is not None else dict(self._auth)
+    def auth_headers(self, address: str, session: str, epoch: int | None, tenant: str = "") -> dict[str, str]:
+        """Headers for one call to the worker at ``address`` on ``session`` at ``epoch``."""
+        token = self.minter.mint(session=session, epoch=epoch, worker_address=address, tenant=tenant)
+        h = {"Authorization": f"Bearer {token}"}
+        if epoch is not None:
+            h[EPOCH_HEADER] = str(epoch)
+        return h
+
+    async def _call(self, method: str, url: str, *, address: str, session: str, epoch: int | None = None,
+                    tenant: str = "", json_body: Any = None, params: dict[str, str] | None = None,
+                    timeout_s: float | None = None) -> Any:
+        headers = self.auth_headers(address, session, epoch, tenant)
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         try:
             async with self.session.request(method, url, json=json_body, headers=headers, params=params,
@@ -80,28 +91,31 @@ class WorkerClient:
 
     async def activate(self, address: str, *, session: str, epoch: int, template: ActorTemplate, slot: int,
                        env: dict[str, str], snapshot: SnapshotRef | None,
-                       restored: str | None = None) -> dict[str, Any]:
+                       restored: str | None = None, tenant: str = "default") -> dict[str, Any]:
         """Start or restore an activation. ``restored``: why older state comes back (``worker_lost``
         ...), sent on every answer of the activation as ``X-Substrate-Restored``. Raises SnapshotCorrupt,
         StoreUnavailable, NoCapacity, StaleEpoch, WorkerUnavailable."""
-        return await self._call("POST", f"{address}/v1/activations", json_body={
+        return await self._call("POST", f"{address}/v1/activations", address=address, session=session,
+                                epoch=epoch, tenant=tenant, json_body={
             "session": session, "epoch": epoch, "template": template.name,
             "spec": template.spec.model_dump(mode="json", exclude_none=True), "slot": slot, "env": env,
             "snapshot": snapshot.model_dump() if snapshot else None, "restored": restored})
 
-    async def suspend(self, address: str, session: str, epoch: int, *, idle_s: float | None = None
-                      ) -> SnapshotRef:
+    async def suspend(self, address: str, session: str, epoch: int, *, idle_s: float | None = None,
+                      tenant: str = "") -> SnapshotRef:
         params = {"idle_s": repr(idle_s)} if idle_s is not None else None
-        body = await self._call("POST", f"{address}/v1/activations/{session}/suspend", epoch=epoch,
-                                params=params)
+        body = await self._call("POST", f"{address}/v1/activations/{session}/suspend", address=address,
+                                session=session, epoch=epoch, tenant=tenant, params=params)
         return SnapshotRef.model_validate(body["snapshot"])
 
     async def snapshot(self, address: str, session: str, epoch: int) -> SnapshotRef:
-        body = await self._call("POST", f"{address}/v1/activations/{session}/snapshot", epoch=epoch)
+        body = await self._call("POST", f"{address}/v1/activations/{session}/snapshot", address=address,
+                                session=session, epoch=epoch)
         return SnapshotRef.model_validate(body["snapshot"])
 
     async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
-        await self._call("DELETE", f"{address}/v1/activations/{session}", epoch=epoch, timeout_s=10)
+        await self._call("DELETE", f"{address}/v1/activations/{session}", address=address, session=session,
+                         epoch=epoch, timeout_s=10)
 
     async def healthy(self, address: str, timeout_s: float = 0.5) -> bool:
         """True if the worker answers ``/healthz`` with 200 within ``timeout_s``."""

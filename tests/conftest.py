@@ -83,6 +83,14 @@ spec:
 ---
 apiVersion: substrate.agent.dev/v1
 kind: ActorTemplate
+metadata: {{name: shell-fast}}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  env: [{{name: SHELL_TIMEOUT_S, value: "1"}}]
+  stateManagement: {{snapshotInterval: {snapshot_interval}, maxIdleTime: {max_idle}}}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
 metadata: {{name: echo-command}}
 spec:
   command: ["{python}", "-u", "-m", "workers.agents.echo_jsonl"]
@@ -97,11 +105,8 @@ class RuntimeProc:
                  snapshot_interval: str = "0", max_idle: str = "0", extra_yaml: str = "",
                  env: dict[str, str] | None = None, pool_yaml: str | None = None,
                  share_with: "RuntimeProc | None" = None, wait_workers: bool = True) -> None:
-        # ``share_with``: a second router process of the same deployment (same prefix, token, store)
+        # ``share_with``: a second router process of the same deployment (same prefix, signing keys, store)
         self.prefix = share_with.prefix if share_with else f"t{uuid.uuid4().hex[:10]}"
-        self.internal_token = share_with.internal_token if share_with else uuid.uuid4().hex
-        #: headers a direct call to a worker needs (the control plane's shared secret)
-        self.worker_headers = {"X-Substrate-Internal-Token": self.internal_token}
         self.keys = Keys(self.prefix)
         self.redis_url = redis_url
         cfg = tmp / f"config-{self.prefix}-{uuid.uuid4().hex[:6]}"
@@ -117,12 +122,17 @@ class RuntimeProc:
                     "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
                     "SUBSTRATE_LOG_LEVEL": "WARNING", "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2",
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
-                    "SUBSTRATE_WORKER__INTERNAL_TOKEN": self.internal_token,
                     **(env or {})}
         self.log = open(tmp / f"runtime-{self.prefix}-{self.port}.log", "wb")  # noqa: SIM115
         self.proc = self._spawn()
         self.client = SubstrateClient(self.url, timeout_s=30)
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        if redis_url.startswith("redis+cluster://"):
+            from redis.cluster import RedisCluster
+
+            self.r = RedisCluster.from_url(redis_url.replace("redis+cluster://", "redis://", 1),
+                                           decode_responses=True)
+        else:
+            self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.replicas = replicas
         self.shared = share_with is not None
         self._wait_ready(workers=wait_workers)
@@ -173,9 +183,24 @@ class RuntimeProc:
     def slots(self, wid: str) -> dict[str, str]:
         return self.r.hgetall(self.keys.worker_slots(wid))
 
+    def worker_token(self, address: str, session: str = "*", epoch: int | None = None, *,
+                     tenant: str = "default", ttl_s: float = 60.0, now: float | None = None) -> str:
+        """An activation token as the control plane mints it (from the signing keys in Redis)."""
+        from substrate.tokens import derive_secret, mint_token
+
+        raw = self.r.hgetall(self.keys.signing_keys)
+        kid = raw["current"]
+        secret = derive_secret(raw[kid], self.env.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"))
+        return mint_token(secret, kid, session=session, epoch=epoch, audience=address, tenant=tenant,
+                          ttl_s=ttl_s, now=now)
+
+    def worker_headers(self, address: str, session: str = "*", epoch: int | None = None, **kw: Any) -> dict[str, str]:
+        """Headers a direct call to a worker needs: ``Authorization: Bearer <activation token>``."""
+        return {"Authorization": f"Bearer {self.worker_token(address, session, epoch, **kw)}"}
+
     def worker_activations(self, wid: str) -> list[dict[str, Any]]:
-        return httpx.get(self.workers()[wid]["address"] + "/v1/activations", timeout=5,
-                         headers=self.worker_headers).json()["items"]
+        addr = self.workers()[wid]["address"]
+        return httpx.get(addr + "/v1/activations", timeout=5, headers=self.worker_headers(addr)).json()["items"]
 
     def kill_worker(self, wid: str) -> None:
         os.kill(int(self.workers()[wid]["pid"]), signal.SIGKILL)

@@ -1,5 +1,7 @@
 """The interface agents implement, and how a template's handler is found.
 
+Agents run in their session's sandboxed agent host (``workers/agenthost.py``), never in the worker.
+
 An agent is a class constructed with a ``SessionContext``; the worker calls, in order,
 ``start(state)`` once per activation (``state`` is what ``snapshot()`` returned before the session was
 suspended, or ``None`` for a new session), then ``invoke(input)`` or ``stream(input)`` once per turn
@@ -24,6 +26,10 @@ class SessionContext:
     template: str
     workspace: Path
     env: dict[str, str] = field(default_factory=dict)
+    #: whether the agent runs inside its per-session sandbox (own PID namespace: every other process
+    #: it sees is its own), and the template's limits (``turnTimeoutS``, ``memoryBytes``)
+    sandboxed: bool = False
+    limits: dict[str, Any] = field(default_factory=dict)
 
 
 class Agent:

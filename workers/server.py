@@ -11,11 +11,20 @@ Internal API, called by the router and the state manager only (never by clients)
     GET    /v1/activations                      what is active here
     GET    /healthz                             200 when serving
 
-Every call on an activation carries ``X-Substrate-Epoch``; a call with another epoch than the
-activation's gets 409 ``stale_epoch`` (DESIGN invariant 1), an unknown session 404 ``not_active``.
+Every call carries a per-activation token (``Authorization: Bearer``, see ``substrate.tokens``) bound to
+the session, its epoch, this worker and the tenant; the worker checks it on every call: no or a bad token
+401, another session's token 403, a token whose epoch is not the activation's 409 ``stale_epoch``
+(DESIGN invariant 1), an unknown session 404 ``not_active``. ``X-Substrate-Epoch``, if sent, must
+match the token's epoch. Credentials the template asks for are resolved per activation
+(``substrate.secrets``) into the agent's environment only.
 The worker registers itself in the directory with a lease, renews it every ``heartbeat_s`` and reports
 its sessions' last activity there (so the router's hot path writes nothing). If its record is gone (it
 was declared dead) it stops serving and exits: its sessions may already live elsewhere.
+
+Agents never run in this process: each activation's agent is a sandboxed child process
+(``workers/sandbox.py``) driven over JSON lines (``workers/command.py``); a free slot keeps a pre-started
+sandbox so an activation does not pay the spawn. The worker refuses to start when bubblewrap is missing
+or unusable, unless every template of its pool opts out (``isolation.sandbox: false``).
 
 Failure handling (issue 8):
 * **Self-fencing**: the worker serves only while its own lease (as last renewed) is valid; past it every
@@ -35,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -65,15 +73,19 @@ from substrate.errors import (
     SubstrateError,
 )
 from substrate.logs import configure_logging
+from substrate.loops import run_forever
 from substrate.models import ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
+from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
-from workers.command import CommandAgent
-from workers.handler import Agent, AgentError, SessionContext, load_agent_class
+from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
+from substrate.envpolicy import check_session_env
+from workers.command import HostedAgent, TurnFailed
+from workers.handler import AgentError, SessionContext
+from workers.sandbox import Limits, SandboxPool, SandboxUnavailable, Slot, find_bwrap
 
 log = logging.getLogger("substrate.worker")
 
 EPOCH_HEADER = "X-Substrate-Epoch"
-TOKEN_HEADER = "X-Substrate-Internal-Token"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: where the worker keeps its own data (the idempotency answers) inside a snapshot's state
 _STATE_KEY = "__substrate__"
@@ -88,7 +100,7 @@ class Activation:
     template: str
     spec: ActorTemplateSpec
     slot: int
-    agent: Agent
+    agent: HostedAgent
     workspace: Path
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.time)
@@ -100,8 +112,13 @@ class Activation:
     closing: bool = False
     #: why this activation restored older state (``worker_lost`` ...): sent with every answer
     restored: str | None = None
+    #: the local sandbox slot (uid, cgroup, folder) the agent runs in
+    sandbox_slot: Slot | None = None
     #: idempotency key -> (status, JSON body) of recent turns, oldest first
     answers: "OrderedDict[str, tuple[int, str]]" = field(default_factory=OrderedDict)
+    #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
+    #: stale cache sends one (a deleted ID re-created by another tenant at the same epoch)
+    tenant: str = ""
 
 
 def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
@@ -115,8 +132,9 @@ class Worker:
     """The worker's state and behaviour; ``app()`` builds its aiohttp application."""
 
     def __init__(self, settings: Settings, directory: Directory, snapshots: SnapshotManager, *,
-                 worker_id: str, pool: str, slots: int, root: Path) -> None:
+                 worker_id: str, pool: str, slots: int, root: Path, sandboxes: SandboxPool) -> None:
         self.settings = settings
+        self.sandboxes = sandboxes
         self.directory = directory
         self.snapshots = snapshots
         self.id = worker_id
@@ -134,11 +152,15 @@ class Worker:
         #: the lease as last renewed (s since epoch): the worker serves only before it
         self.lease_expires_at = 0.0
         self._closed = False
-        self._agent_classes: dict[str, type[Agent]] = {}
+        self.signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s,
+                                      pepper=settings.worker.internal_token)
+        self.verifier = TokenVerifier(self.signing)
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def register(self, address: str) -> None:
         self.address = address
+        self.verifier.audience = address  # tokens for another worker are refused
+        await self.signing.load()
         lease = time.time() + self.settings.worker.lease_s
         await self.directory.register_worker(WorkerRecord(
             id=self.id, pool=self.pool, address=address, slots=self.slots, state=WorkerState.READY,
@@ -146,7 +168,12 @@ class Worker:
         self.lease_expires_at = lease
         self._tasks = [asyncio.create_task(self._heartbeat_loop()),
                        asyncio.create_task(self._periodic_snapshot_loop()),
-                       asyncio.create_task(self._reconcile_loop())]
+                       asyncio.create_task(self._reconcile_loop()),
+                       asyncio.create_task(run_forever(self._reload_signing, self.signing.refresh_s,
+                                                       "signing key refresh", first_delay=True))]
+
+    async def _reload_signing(self) -> None:
+        await self.signing.load(create=False)
 
     def serving(self) -> bool:
         """True while this worker's own lease is valid (self-fencing; see the module docstring)."""
@@ -266,6 +293,7 @@ class Worker:
         left = list(self.activations.values())
         for act in left:
             await self._drop(act)
+        await self.sandboxes.close()
         if not self.declared_dead:
             for act in left:  # not suspended in time: back from the last snapshot, and the answer says so
                 try:
@@ -304,14 +332,10 @@ class Worker:
         await asyncio.gather(*(one(a) for a in list(self.activations.values())))
 
     # ---------------------------------------------------------------------------------- operations
-    def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec) -> Agent:
-        if spec.entrypoint:
-            cls = self._agent_classes.get(spec.entrypoint)
-            if cls is None:
-                cls = self._agent_classes[spec.entrypoint] = load_agent_class(spec.entrypoint)
-            return cls(ctx)
-        if spec.command:
-            return CommandAgent(ctx, list(spec.command))
+    def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec, slot: Slot) -> HostedAgent:
+        if spec.entrypoint or spec.command:
+            return HostedAgent(ctx, pool=self.sandboxes, slot=slot, limits=Limits.of(spec),
+                               entrypoint=spec.entrypoint, argv=list(spec.command) if spec.command else None)
         raise BadRequest("template has no entrypoint or command this worker can run",
                          code="unsupported_template")
 
@@ -324,9 +348,22 @@ class Worker:
                              details={"epoch": act.epoch})
         return act
 
-    async def activate(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def authorize(self, request: web.Request, sid: str, *, any_epoch: bool = False) -> ActivationClaims:
+        """Check the call's activation token for session ``sid`` (see the module docstring)."""
+        c = await self.verifier.claims(bearer(request.headers))
+        if c.session != sid:
+            raise TokenNotForThisCall(f"activation token is for session {c.session!r}, not {sid!r}")
+        if c.epoch is None and not any_epoch:
+            raise TokenNotForThisCall("activation token carries no epoch")
+        hdr = request.headers.get(EPOCH_HEADER)
+        if hdr is not None and c.epoch is not None and hdr.strip() != str(c.epoch):
+            raise BadRequest(f"{EPOCH_HEADER} {hdr!r} does not match the token's epoch", code="epoch_mismatch")
+        return c
+
+    async def activate(self, body: dict[str, Any], claims: ActivationClaims | None = None) -> dict[str, Any]:
         """Start (or restore) an activation. Idempotent for the same epoch; a newer epoch replaces an
-        older activation of the same session (the old one is a zombie)."""
+        older activation of the same session (the old one is a zombie). ``claims``: the verified token,
+        which must name this session and epoch; its tenant selects the template's credentials."""
         try:
             sid, epoch, template = str(body["session"]), int(body["epoch"]), str(body["template"])
             spec = ActorTemplateSpec.model_validate(body["spec"])
@@ -336,6 +373,9 @@ class Worker:
             restored = str(body["restored"]) if body.get("restored") else None
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"bad activation request: {e}") from e
+        if claims is not None and (claims.session != sid or claims.epoch != epoch):
+            raise TokenNotForThisCall(f"activation token is for {claims.session!r} at epoch {claims.epoch}, "
+                                      f"not {sid!r} at {epoch}")
         if self.stopping.is_set():
             raise NoCapacity(f"worker {self.id} is stopping")
         self._check_serving()
@@ -350,42 +390,63 @@ class Worker:
             await self.reconcile()  # an activation left behind by a failed transition must not block
         if len(self.activations) >= self.slots:
             raise NoCapacity(f"worker {self.id} has no free slot")
-        workspace = self.root / "workspaces" / sid
-        if workspace.exists():
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
-        workspace.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] | None = None
-        answers: OrderedDict[str, tuple[int, str]] = OrderedDict()
-        if ref is not None:
-            state = await self.snapshots.restore(sid, ref, workspace, template)
-            if isinstance(state, dict) and isinstance(state.get(_STATE_KEY), dict):
-                state = dict(state)
-                own = state.pop(_STATE_KEY)
-                for k, v in (own.get("answers") or []):
-                    answers[str(k)] = (int(v[0]), str(v[1]))
-        # the restore may have outlived the claim (a deadline rolled the session back): activate only
-        # what the directory still names, or this slot would be held for nobody
+        t0 = time.perf_counter()
+        template_env = {e.name: e.value for e in spec.env if e.value is not None}
+        env = {**check_session_env(env, [e.name for e in spec.env]), **template_env}  # defence in depth
         try:
-            cur = (await self.directory.get_sessions([sid]) or [None])[0]
-        except SubstrateError:
-            cur = None
-        if cur is not None and (cur.epoch != epoch or cur.worker != self.id):
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
-            raise StaleEpoch(f"activation {epoch} of {sid!r} is no longer current (now {cur.epoch} on "
-                             f"{cur.worker})", details={"epoch": cur.epoch})
-        for e in spec.env:
-            if e.value is not None:
-                env.setdefault(e.name, e.value)
-        ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
-        agent = self._agent_for(ctx, spec)
+            box = await self.sandboxes.acquire()
+        except LookupError:
+            raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
+        workspace = box.workspace
         try:
-            await agent.start(state)
-        except Exception as e:
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
-            raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+            state: dict[str, Any] | None = None
+            answers: OrderedDict[str, tuple[int, str]] = OrderedDict()
+            if ref is not None:
+                state = await self.snapshots.restore(sid, ref, workspace, template)
+                await asyncio.to_thread(self.sandboxes.own_workspace, box)
+                if isinstance(state, dict) and isinstance(state.get(_STATE_KEY), dict):
+                    state = dict(state)
+                    own = state.pop(_STATE_KEY)
+                    for k, v in (own.get("answers") or []):
+                        answers[str(k)] = (int(v[0]), str(v[1]))
+            # the restore may have outlived the claim (a deadline rolled the session back): activate only
+            # what the directory still names, or this slot would be held for nobody
+            try:
+                cur = (await self.directory.get_sessions([sid]) or [None])[0]
+            except SubstrateError:
+                cur = None
+            if cur is not None and (cur.epoch != epoch or cur.worker != self.id):
+                raise StaleEpoch(f"activation {epoch} of {sid!r} is no longer current (now {cur.epoch} on "
+                                 f"{cur.worker})", details={"epoch": cur.epoch})
+            # credentials the template asks for, for this activation only (never in a record or a snapshot)
+            env.update(resolve_env(spec.env, tenant=claims.tenant if claims else "default",
+                                   secrets_dir=self.settings.auth.secrets_dir))
+            ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
+            agent = self._agent_for(ctx, spec, box)
+            try:
+                await agent.start(state)
+            except Exception as e:
+                await agent.stop()
+                raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+        except BaseException:
+            await self.sandboxes.release(box, None)
+            raise
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
                                            agent=agent, workspace=workspace, answers=answers,
-                                           restored=restored)
+                                           restored=restored, tenant=claims.tenant if claims else "",
+                                           sandbox_slot=box)
+        if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
+            metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
+        return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
+                "sandboxed": spec.isolation.sandbox}
+
+    async def _capture(self, act: Activation, epoch: int) -> SnapshotRef:
+        state = self._with_answers(await act.agent.snapshot(), act)
+        act.agent.freeze(True)  # no agent process runs while its workspace is packed
+        try:
+            return await self.snapshots.capture(act.sid, epoch, act.template, act.workspace, state)
+        finally:
+            act.agent.freeze(False)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
 
     async def snapshot(self, sid: str, epoch: int) -> SnapshotRef:
@@ -395,8 +456,7 @@ class Worker:
             if act.closing:
                 raise NotFound(f"session {sid!r} is not active", code="not_active")
             dirty = act.dirty_turns
-            state = self._with_answers(await act.agent.snapshot(), act)
-            ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
+            ref = await self._capture(act, epoch)
             if not await self.snapshots.commit(sid, epoch, ref):
                 # rejected: the directory decides whether this activation is still the session's
                 asyncio.create_task(self._reconcile_quietly(sid))
@@ -430,8 +490,7 @@ class Worker:
                 raise Conflict(f"session {sid!r} is {cas.state.value if cas.state else 'gone'}, not RUNNING",
                                code="invalid_state")
             try:
-                state = self._with_answers(await act.agent.snapshot(), act)
-                ref = await self.snapshots.capture(sid, epoch, act.template, act.workspace, state)
+                ref = await self._capture(act, epoch)
             except BaseException:
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
                                                 to=SessionState.RUNNING)
@@ -450,8 +509,11 @@ class Worker:
                     raise err
                 raise StaleEpoch(f"suspend of {sid!r} rejected: epoch {epoch} is no longer current")
             act.closing = True
-            await self._drop(act)
+            if self.activations.get(sid) is act:
+                del self.activations[sid]
+            # the slot is free as soon as the state is safe; the sandbox is torn down after
             await self.directory.release_slot(self.id, act.slot, sid)
+            await self._drop(act)
             return ref
 
     def _with_answers(self, state: dict[str, Any], act: Activation) -> dict[str, Any]:
@@ -478,18 +540,18 @@ class Worker:
             await act.agent.stop()
         except Exception:  # noqa: BLE001
             log.warning("agent stop failed", extra={"session": act.sid}, exc_info=True)
-        await asyncio.to_thread(shutil.rmtree, act.workspace, True)
+        # kills whatever is left of the session's processes, empties the workspace, pre-starts the next host
+        if act.sandbox_slot is not None:
+            await self.sandboxes.release(act.sandbox_slot, None)
 
     # ------------------------------------------------------------------------------------ HTTP layer
     def app(self) -> web.Application:
-        token = self.settings.worker.internal_token
-
         @web.middleware
         async def internal_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-            # only the control plane may call a worker; /healthz stays open for probes
-            if token and request.path not in ("/healthz", "/metrics") and not hmac.compare_digest(
-                    request.headers.get(TOKEN_HEADER, ""), token):
-                return _error(SubstrateError("missing or wrong internal token", code="unauthorized"), 401)
+            # only the control plane may call a worker (each handler checks what the token is bound to);
+            # /healthz and /metrics stay open for probes and scrapers
+            if request.path not in ("/healthz", "/metrics") and bearer(request.headers) is None:
+                return _error(SubstrateError("missing activation token", code="missing_token"), 401)
             return await handler(request)
 
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[internal_auth])
@@ -505,16 +567,6 @@ class Worker:
         ])
         return app
 
-    @staticmethod
-    def _epoch(request: web.Request) -> int:
-        raw = request.headers.get(EPOCH_HEADER)
-        if raw is None:
-            raise BadRequest(f"missing {EPOCH_HEADER} header", code="missing_epoch")
-        try:
-            return int(raw)
-        except ValueError:
-            raise BadRequest(f"bad {EPOCH_HEADER} header {raw!r}", code="bad_epoch") from None
-
     async def _h_health(self, request: web.Request) -> web.Response:
         if self.stopping.is_set():
             return web.json_response({"status": "stopping"}, status=503)
@@ -526,6 +578,10 @@ class Worker:
         return web.Response(body=payload, headers={"Content-Type": ctype})
 
     async def _h_list(self, request: web.Request) -> web.Response:
+        try:
+            await self.authorize(request, ANY_SESSION, any_epoch=True)
+        except SubstrateError as e:
+            return _error(e)
         return web.json_response({"worker": self.id, "slots": self.slots, "items": [
             {"session": a.sid, "epoch": a.epoch, "slot": a.slot, "template": a.template,
              "lastActive": a.last_active, "busy": a.lock.locked()} for a in self.activations.values()]})
@@ -533,20 +589,27 @@ class Worker:
     async def _h_activate(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-            return web.json_response(await self.activate(body), status=201)
+            claims = await self.authorize(request, str(body.get("session", "")) if isinstance(body, dict) else "")
+            return web.json_response(await self.activate(body, claims), status=201)
         except SubstrateError as e:
             return _error(e)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError, UnicodeDecodeError):
             return _error(BadRequest("body is not JSON"))
+        except Exception as e:  # noqa: BLE001 - always a JSON answer, never aiohttp's plain-text 500
+            log.exception("activation failed", extra={"worker": self.id})
+            return _error(SubstrateError(f"activation failed: {e.__class__.__name__}: {e}", code="activation_failed"))
 
     async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
         try:
             self._check_serving()
-            act = self._get(sid, self._epoch(request))
+            claims = await self.authorize(request, sid)
+            act = self._get(sid, claims.epoch)
+            if act.tenant != claims.tenant:
+                raise Conflict(f"session {sid!r} here belongs to another tenant", code="tenant_mismatch")
             try:
                 body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError, UnicodeDecodeError):  # also too deep / huge numbers
                 raise BadRequest("body must be JSON: {\"input\": ...}", code="bad_json") from None
             if not isinstance(body, dict) or "input" not in body:
                 raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
@@ -569,6 +632,8 @@ class Worker:
                         output = await act.agent.invoke(body["input"])
                     except AgentError as e:
                         raise self._remember(act, key, SubstrateError(str(e), code="agent_error")) from e
+                    except TurnFailed as e:  # timeout, memory limit, crash of the agent's process
+                        raise self._remember(act, key, e) from e
                     except NotImplementedError as e:
                         raise SubstrateError("agent does not implement invoke", code="agent_error") from e
                     except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
@@ -621,14 +686,16 @@ class Worker:
             act.unreported_turns += 1
             await resp.write(b'{"done": true}\n')
         except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-            code = "agent_error" if isinstance(e, AgentError) else "agent_crashed"
+            code = "agent_error" if isinstance(e, AgentError) else e.code if isinstance(e, TurnFailed) \
+                else "agent_crashed"
             await resp.write(json.dumps({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
         await resp.write_eof()
         return resp
 
     async def _h_snapshot(self, request: web.Request) -> web.Response:
         try:
-            ref = await self.snapshot(request.match_info["sid"], self._epoch(request))
+            sid = request.match_info["sid"]
+            ref = await self.snapshot(sid, (await self.authorize(request, sid)).epoch or 0)
             return web.json_response({"snapshot": ref.model_dump()})
         except SubstrateError as e:
             return _error(e)
@@ -636,7 +703,8 @@ class Worker:
     async def _h_suspend(self, request: web.Request) -> web.Response:
         try:
             idle = request.query.get("idle_s")
-            ref = await self.suspend(request.match_info["sid"], self._epoch(request),
+            sid = request.match_info["sid"]
+            ref = await self.suspend(sid, (await self.authorize(request, sid)).epoch or 0,
                                      float(idle) if idle else None)
             return web.json_response({"snapshot": ref.model_dump()})
         except SubstrateError as e:
@@ -644,11 +712,24 @@ class Worker:
 
     async def _h_delete(self, request: web.Request) -> web.Response:
         try:
-            epoch = request.headers.get(EPOCH_HEADER)
-            await self.deactivate(request.match_info["sid"], int(epoch) if epoch else None)
+            sid = request.match_info["sid"]
+            await self.deactivate(sid, (await self.authorize(request, sid, any_epoch=True)).epoch)
             return web.Response(status=204)
         except SubstrateError as e:
             return _error(e)
+
+
+def pool_opts_out_of_sandbox(settings: Settings, pool: str) -> bool:
+    """True only if the config names templates for ``pool`` and every one sets ``isolation.sandbox: false``."""
+    from substrate.specs import load_catalog
+
+    try:
+        cat = load_catalog(settings.config_dir)
+    except Exception:  # noqa: BLE001 - no readable catalog (e.g. Kubernetes): the sandbox is required
+        return False
+    first = next(iter(cat.pools), None)
+    mine = [t for t in cat.templates.values() if (t.spec.workerPool or first) == pool]
+    return bool(mine) and all(not t.spec.isolation.sandbox for t in mine)
 
 
 async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
@@ -656,12 +737,27 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     """Run a worker until SIGTERM/SIGINT or until it is declared dead. It listens on ``host:port`` and
     registers ``http://<advertise_host or host>:<port>`` (on Kubernetes: binds 0.0.0.0, advertises the
     Pod IP)."""
+    import kubernetes.utils  # noqa: F401 - parse_quantity (isolation limits): seconds to import, never in a request
     directory = Directory(settings.redis.url or "redis://127.0.0.1:6379/0", settings.redis.key_prefix,
                           socket_timeout_s=settings.redis.socket_timeout_s)
     root = Path(settings.worker.root_dir) / worker_id
     store = make_store(settings.snapshot)
     snapshots = SnapshotManager(store, directory, settings.snapshot, root / "tmp")
-    worker = Worker(settings, directory, snapshots, worker_id=worker_id, pool=pool, slots=slots, root=root)
+    try:
+        sandboxes = SandboxPool(root, slots, name=worker_id, bwrap=find_bwrap(),
+                                uid_base=settings.worker.sandbox_uid_base, uid_span=settings.worker.sandbox_uid_span,
+                                uid_lock_dir=settings.worker.sandbox_uid_lock_dir,
+                                prestart=settings.worker.prestart_hosts,
+                                require_sandbox=not pool_opts_out_of_sandbox(settings, pool))
+    except SandboxUnavailable as e:
+        log.error("worker refuses to start: agents must run sandboxed", extra={"worker": worker_id, "error": str(e)})
+        print(f"worker {worker_id}: refusing to start: {e}. (Only a pool whose every ActorTemplate sets "
+              "isolation.sandbox: false runs without bubblewrap.)", file=sys.stderr)
+        await directory.close()
+        raise SystemExit(2) from e
+    await sandboxes.start()
+    worker = Worker(settings, directory, snapshots, worker_id=worker_id, pool=pool, slots=slots, root=root,
+                    sandboxes=sandboxes)
     runner = web.AppRunner(worker.app(), access_log=None, handle_signals=False)
     await runner.setup()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -5,6 +5,7 @@ pydantic: ~0.5-1.5 s here); a fork of a process that already imported them start
 milliseconds (DESIGN.md's measured floor: ~370 ms cold vs ~40 ms forked). The local backend keeps one
 zygote per runtime and talks to it in JSON lines:
 
+    <- {"ready": true}                      (once, when the imports are done)
     -> {"worker_id": "default-1", "pool": "default", "slots": 16}
     <- {"worker_id": "default-1", "pid": 12345}
 
@@ -50,6 +51,7 @@ def main() -> None:
     import botocore.session
 
     botocore.session.get_session().get_component("data_loader")  # warm botocore's model loader
+    import kubernetes.utils  # noqa: F401 - quantity parsing of templates' isolation limits
     import workers.server  # noqa: F401
 
     children: set[int] = set()
@@ -71,6 +73,7 @@ def main() -> None:
 
     signal.signal(signal.SIGCHLD, reap)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runtime stops us by closing stdin
+    say({"ready": True})
     for line in sys.stdin:
         try:
             req = json.loads(line)

@@ -19,7 +19,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from substrate.models import WorkerPool
@@ -61,6 +63,7 @@ class LocalBackend:
         self.fork_server = fork_server
         self.workers: dict[str, _Worker] = {}
         self._zygote: subprocess.Popen[bytes] | None = None
+        self._zygote_ready = False
         self._zlock = asyncio.Lock()
 
     def _env(self) -> dict[str, str]:
@@ -72,23 +75,52 @@ class LocalBackend:
         env["SUBSTRATE_WORKER"] = s.worker.model_dump_json()
         env["SUBSTRATE_SNAPSHOT"] = s.snapshot.model_dump_json()
         env["SUBSTRATE_STATE"] = s.state.model_dump_json()
+        # workers need where template credentials are, not the API keys
+        env["SUBSTRATE_AUTH"] = s.auth.model_dump_json(include={"secrets_dir", "signing_refresh_s"})
         env["SUBSTRATE_LOG_LEVEL"] = s.log_level
         env["SUBSTRATE_LOG_JSON"] = "true" if s.log_json else "false"
         return env
 
     def _ensure_zygote(self) -> subprocess.Popen[bytes]:
         if self._zygote is None or self._zygote.poll() is not None:
+            self._zygote_ready = False
             self._zygote = subprocess.Popen(
                 [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, start_new_session=True)
         return self._zygote
 
-    async def start(self) -> None:
-        """Start the zygote now (its imports take seconds on a busy machine), so that even the first
-        worker of a pool scaled to zero is a fast fork, well within a parked request's timeout."""
-        if self.fork_server:
-            async with self._zlock:
-                self._ensure_zygote()
+    async def _read_reply(self, z: subprocess.Popen[bytes], key: str, timeout_s: float) -> dict[str, Any]:
+        """The zygote's next JSON line that carries ``key`` (skipping its one-time ``ready`` line)."""
+        assert z.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = await asyncio.wait_for(asyncio.to_thread(z.stdout.readline),
+                                          max(0.1, deadline - time.monotonic()))
+            if not line:
+                raise OSError("zygote closed its output")
+            msg = json.loads(line)
+            if key in msg:
+                return msg
+            if msg.get("ready"):
+                self._zygote_ready = True
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Start the zygote now and wait until it has imported what workers need, so that a pool
+        scaling from zero pays for a fork (tens of ms), not for the imports (~1 s, far more on a loaded
+        machine). A zygote that does not come up makes workers start cold."""
+        if not self.fork_server:
+            return
+        async with self._zlock:
+            z = self._ensure_zygote()
+            if self._zygote_ready:
+                return
+            try:
+                await self._read_reply(z, "ready", timeout_s)
+                self._zygote_ready = True
+            except (OSError, ValueError, asyncio.TimeoutError):
+                log.warning("zygote did not start; starting workers cold", exc_info=True)
+                self.fork_server = False
+                z.kill()
 
     async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
         """Ask the zygote for a worker; None if the zygote is unusable (the caller spawns cold)."""
@@ -99,8 +131,7 @@ class LocalBackend:
                 req = {"worker_id": worker_id, "pool": pool.name, "slots": pool.spec.slots}
                 z.stdin.write(json.dumps(req).encode() + b"\n")
                 z.stdin.flush()
-                line = await asyncio.wait_for(asyncio.to_thread(z.stdout.readline), 30)
-                return int(json.loads(line)["pid"])
+                return int((await self._read_reply(z, "pid", 30))["pid"])
             except (OSError, ValueError, KeyError, asyncio.TimeoutError):
                 log.warning("zygote failed; starting workers cold", exc_info=True)
                 self.fork_server = False
@@ -150,6 +181,11 @@ class LocalBackend:
             # a killed worker could not clean its folder (workspaces, archives in flight)
             shutil.rmtree(Path(self.settings.worker.root_dir) / wid, ignore_errors=True)
         return dead
+
+    def helper_processes(self) -> int:
+        """Processes kept for sessions besides the workers: the zygote, while it runs (counted in the
+        process-seconds cost: it is always on)."""
+        return 1 if self._zygote is not None and self._zygote.poll() is None else 0
 
     def pid(self, worker_id: str) -> int | None:
         w = self.workers.get(worker_id)

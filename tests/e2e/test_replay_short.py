@@ -34,4 +34,8 @@ def test_short_trace_replay_loses_no_state(runtime_factory, tmp_path):
     assert s["sessions"]["created"] == s["sessions"]["planned"]
     if REAL.exists():
         assert s["wake"] > 0, "some sessions were suspended when idle and woken by their next turn"
+    cost = s["cost"]
+    assert cost["slot_seconds"] > 0 and cost["slot_seconds_source"] == "stats.slotSeconds"
+    assert cost["process_seconds"] > cost["worker_seconds"], "the zygote counts as a process kept for sessions"
+    assert 0 < cost["utilization"] <= 1 and cost["density"] > 0
     assert (out / "report.png").stat().st_size > 0

@@ -61,7 +61,10 @@ def test_notebook_shell_and_command_agents(shared_runtime):
     assert c.invoke(sh["id"], "cat f.txt")["stdout"] == "hello\n"
     import time as _t
     t0 = _t.monotonic()
-    sh2 = c.create_session("shell", env={"SHELL_TIMEOUT_S": "1"})
+    with pytest.raises(ApiError) as e:  # a template setting is not the session's to change
+        c.create_session("shell-fast", env={"SHELL_TIMEOUT_S": "100"})
+    assert e.value.status == 422 and e.value.code == "invalid_env"
+    sh2 = c.create_session("shell-fast")
     assert c.invoke(sh2["id"], "sleep 20; echo never")["exitCode"] == -9
     assert _t.monotonic() - t0 < 15, "the timeout kills the command's children too"
     c.delete_session(sh2["id"])
@@ -129,7 +132,7 @@ def test_pools_templates_stats_metrics_openapi(shared_runtime):
     ("POST", "/v1/sessions", {"actorTemplate": "counter", "bogus": 1}, 422, "invalid_input"),
     ("POST", "/v1/sessions", {"actorTemplate": "counter", "labels": {"": "x"}}, 422, "invalid_input"),
     ("POST", "/v1/sessions", {"actorTemplate": "counter", "labels": {"k": "v" * 300}}, 422, "invalid_input"),
-    ("POST", "/v1/sessions", {"actorTemplate": "counter", "env": {"1BAD": "x"}}, 422, "invalid_input"),
+    ("POST", "/v1/sessions", {"actorTemplate": "counter", "env": {"1BAD": "x"}}, 422, "invalid_env"),
     ("POST", "/v1/sessions", {"actorTemplate": 5}, 422, "invalid_input"),
     ("POST", "/v1/sessions", [], 422, "invalid_input"),
     ("GET", "/v1/sessions?limit=0", None, 422, "invalid_input"),
@@ -244,18 +247,19 @@ def test_worker_rejects_a_stale_epoch(shared_runtime):
     s = c.create_session("counter")
     addr = shared_runtime.workers()[s["worker"]]["address"]
     url = f"{addr}/v1/activations/{s['id']}/invoke"
-    h = shared_runtime.worker_headers
-    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"] - 1)})
+    def h(epoch: int) -> dict[str, str]:
+        return shared_runtime.worker_headers(addr, s["id"], epoch)
+    r = httpx.post(url, json={"input": "increment"}, headers=h(s["epoch"] - 1))
     assert r.status_code == 409 and r.json()["code"] == "stale_epoch"
-    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"] + 1)})
+    r = httpx.post(url, json={"input": "increment"}, headers=h(s["epoch"] + 1))
     assert r.status_code == 409
     assert c.invoke(s["id"], "get") == {"count": 0}, "rejected calls did nothing"
     r = httpx.post(url, json={"input": "increment"}, headers={"X-Substrate-Epoch": str(s["epoch"])})
-    assert r.status_code == 401 and r.json()["code"] == "unauthorized", "workers answer the control plane only"
-    r = httpx.get(f"{addr}/v1/activations", headers={"X-Substrate-Internal-Token": "wrong"})
+    assert r.status_code == 401 and r.json()["code"] == "missing_token", "workers answer the control plane only"
+    r = httpx.get(f"{addr}/v1/activations", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     assert httpx.get(f"{addr}/healthz").status_code == 200
-    r = httpx.post(url, json={"input": "increment"}, headers={**h, "X-Substrate-Epoch": str(s["epoch"])})
+    r = httpx.post(url, json={"input": "increment"}, headers=h(s["epoch"]))
     assert r.status_code == 200 and r.json() == {"output": {"count": 1}}
     c.delete_session(s["id"])
 

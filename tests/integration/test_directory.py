@@ -92,7 +92,7 @@ class _FakeWorkers:
     def __init__(self) -> None:
         self.activations: list[tuple[str, int]] = []
 
-    async def activate(self, address, *, session, epoch, template, slot, env, snapshot):
+    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="default"):
         await asyncio.sleep(0.001)
         self.activations.append((session, epoch))
         return {}

@@ -53,7 +53,6 @@ async def env(redis_url):
     d = Directory(redis_url, f"sm{uuid.uuid4().hex[:8]}")
     settings = Settings()
     settings.api.slot_wait_s = 0.2
-    settings.snapshot.orphan_min_age_s = 10.0
     view = WorkerView(d, 60)
     fake = FakeWorkers()
     act = Activator(settings, d, CATALOG, fake, view)  # type: ignore[arg-type]
@@ -175,7 +174,8 @@ async def test_placement_waits_for_a_worker_being_started_instead_of_refusing(en
 
 
 async def test_parked_requests_and_slot_waits_are_demand(env):
-    """Regression (issue 8): sessions being resumed did not count as demand."""
+    """Regression (issue 8): sessions being resumed did not count as demand; two runtimes on one Redis
+    picked the same worker IDs."""
     from substrate.pool import PoolController
 
     d, act, *_ = env
@@ -205,12 +205,19 @@ async def test_parked_requests_and_slot_waits_are_demand(env):
              "spec": {"entrypoint": "workers.agents.counter:Counter"}}]
     b = Backend()
     pc = PoolController(Settings(), d, load_documents(docs), b, act)
+    other = Backend()  # a second runtime on the same Redis, ticking in the same second
+    act2 = Activator(Settings(), d, CATALOG, FakeWorkers(), WorkerView(d, 60))  # type: ignore[arg-type]
+    act2.parked = 3
+    pc2 = PoolController(Settings(), d, load_documents(docs), other, act2)
     await pc.tick()
     assert b.created == []
     act.parked = 3
     await pc.tick()
     assert len(b.created) == 2 and act.starting["default"] == 2, "3 parked requests want 2 workers of 2 slots"
     assert len({w for w in b.created}) == 2 and all(w.startswith("default-") for w in b.created)
+    # regression (issue 8): worker IDs are unique across processes (they were time + a per-process counter)
+    await pc2.tick()
+    assert len(other.created) == 2 and not set(other.created) & set(b.created)
 
 
 async def test_objects_in_the_store_after_churn_crashes_and_failed_commits(env, tmp_path: Path):
@@ -219,6 +226,7 @@ async def test_objects_in_the_store_after_churn_crashes_and_failed_commits(env, 
     session, the store holds exactly ``retention`` objects per live session."""
     d, act, fake, sm, store, settings = env
     settings.snapshot.retention = 2
+    settings.snapshot.orphan_min_age_s = 10.0
     mgr = SnapshotManager(store, d, settings.snapshot, tmp_path / "tmp")
     ws = tmp_path / "ws"
     ws.mkdir()

@@ -8,10 +8,8 @@ request is the client's timeout: before the fix those requests hung or answered 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -258,4 +256,3 @@ def test_sdk_retries_with_the_same_key(shared_runtime):
             lambda r: httpx.Response(502, json={"code": "worker_unavailable", "message": "x"})),
             retries=2, retry_backoff_s=0).invoke("s1", "get")
     c.close()
-    _ = json, time

@@ -39,8 +39,10 @@ from substrate.models import (
     ContainerSpec,
     EnvVar,
     Isolation,
+    QuotaLimits,
     SessionState,
     StateManagement,
+    TemplateResources,
     WarmPool,
     WorkerPool,
     WorkerPoolSpec,
@@ -331,6 +333,8 @@ FIELD_PAIRS: list[tuple[type[BaseModel], str, str, set[str]]] = [
     (EnvVar, "ActorTemplate", "spec.env[]", set()),
     (StateManagement, "ActorTemplate", "spec.stateManagement", set()),
     (Isolation, "ActorTemplate", "spec.isolation", set()),
+    (TemplateResources, "ActorTemplate", "spec.resources", set()),
+    (QuotaLimits, "ActorTemplate", "spec.quota", set()),
 ]
 
 
@@ -346,6 +350,8 @@ def _schema_type(annotation: Any) -> str:
     origin = typing.get_origin(t) or t
     if isinstance(origin, type) and issubclass(origin, BaseModel):
         return "object"
+    if origin is typing.Literal:  # an enum of strings
+        return "string"
     return {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
             dict: "object"}[origin]
 

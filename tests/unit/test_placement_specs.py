@@ -32,7 +32,8 @@ def test_lru_victims_only_idle_running_oldest_first():
 
 
 @pytest.mark.parametrize("sid,ok", [("a", True), ("a-b_c.d", True), ("0" * 128, True), ("0" * 129, False),
-                                    ("A", False), ("-a", False), ("", False), ("a/b", False), ("é", False)])
+                                    ("A", False), ("-a", False), ("", False), ("a/b", False), ("é", False),
+                                    ("a\n", False), ("abc\n", False)])
 def test_session_id_rule(sid, ok):
     assert bool(SESSION_ID_RE.match(sid)) is ok
 

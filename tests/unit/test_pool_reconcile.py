@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from substrate.models import Autoscaling, WarmPool, WorkerPoolSpec, WorkerState
@@ -66,3 +66,100 @@ def test_desired_is_within_bounds_and_covers_demand(busy, mn, extra, slots, targ
     assert mn <= d <= max(1, mn + extra)
     if d < max(1, mn + extra):
         assert d * slots >= busy, "below the ceiling, capacity covers demand"
+
+
+# --- demand, forecast, hysteresis (the autoscaler that needs no per-day cap) -------------------------
+
+from substrate.pool import SlidingWindow, demand  # noqa: E402
+
+
+def dense(max_replicas: int = 64) -> WorkerPoolSpec:
+    return WorkerPoolSpec(slots=6, autoscaling=Autoscaling(minReplicas=0, maxReplicas=max_replicas,
+                                                           targetUtilization=100))
+
+
+def test_demand_counts_active_waiting_in_flight_and_the_forecast():
+    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 2, active=2),), waiting=3, in_flight=1,
+                          arrival_rate_per_s=10.0, lead_time_s=0.25)
+    # 2 active + 3 waiting + 1 in flight + round(10/s x 0.25 s) = 3 expected while a worker starts
+    assert demand(obs) == 2 + 3 + 1 + 3
+    # an in-flight activation whose claimed slot shows as used but not yet active is not counted twice
+    claimed = PoolObservation(workers=(WorkerObs("a", R, 6, 3, active=2),), in_flight=1)
+    assert demand(claimed) == 2
+
+
+def test_forecast_alone_starts_a_worker_before_anyone_waits():
+    obs = PoolObservation(workers=(), arrival_rate_per_s=20.0, lead_time_s=0.1)
+    assert reconcile(dense(), obs).create == 1
+    trickle = PoolObservation(workers=(), arrival_rate_per_s=1 / 60, lead_time_s=1.0)
+    assert reconcile(dense(), trickle).create == 0
+    assert reconcile(dense(), PoolObservation(workers=())).create == 0  # no arrivals: scale to zero
+
+
+def test_scale_up_is_immediate_and_not_capped_below_max():
+    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 6, active=6),), waiting=40)
+    plan = reconcile(dense(), obs)
+    assert plan.desired == 8 and plan.create == 7  # 46 slots wanted / 6 per worker
+
+
+def test_hysteresis_holds_capacity_wanted_within_the_window():
+    idle = tuple(WorkerObs(f"w{i}", R, 6, 0, active=0) for i in range(3))
+    assert reconcile(dense(), PoolObservation(workers=idle, recent_desired=3)).drain == ()
+    plan = reconcile(dense(), PoolObservation(workers=idle, recent_desired=1))
+    assert len(plan.drain) == 1, "one worker per round: no mass drain"
+    assert reconcile(dense(), PoolObservation(workers=idle, recent_desired=None)).drain != ()
+
+
+def test_scale_down_prefers_the_least_active_worker():
+    ws = (WorkerObs("busy", R, 6, 2, active=2), WorkerObs("idle", R, 6, 5, active=0))
+    plan = reconcile(dense(), PoolObservation(workers=ws, recent_desired=1))
+    assert plan.drain == ("idle",)
+
+
+def test_no_drain_while_workers_start():
+    ws = (WorkerObs("a", R, 6, 0, active=0), WorkerObs("b", R, 6, 0, active=0))
+    assert reconcile(dense(), PoolObservation(workers=ws, starting=1, recent_desired=0)).drain == ()
+
+
+def test_sliding_window_max_and_rate():
+    w = SlidingWindow(10.0)
+    assert w.max() is None and w.rate() == 0.0
+    for t, v in ((0, 0), (5, 50), (10, 100)):
+        w.add(t, v)
+    assert w.rate() == 10.0 and w.max() == 100
+    w.add(21, 100)  # samples older than t - 10 fall out
+    assert w.rate() == 0.0
+    burst = SlidingWindow(10.0)
+    burst.add(0, 0)
+    burst.add(0.5, 5)  # 5 arrivals in half a second read as 5 per window, not 10/s
+    assert burst.rate() == 0.5
+
+
+@settings(deadline=None)
+@given(workers=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.booleans()), max_size=12),
+       waiting=st.integers(0, 100), in_flight=st.integers(0, 20), rate=st.floats(0, 200),
+       lead=st.floats(0, 2), recent=st.one_of(st.none(), st.integers(0, 30)), starting=st.integers(0, 3))
+def test_plan_invariants(workers, waiting, in_flight, rate, lead, recent, starting):
+    ws = tuple(WorkerObs(f"w{i}", D if draining else R, 6, used, active=min(active, used))
+               for i, (used, active, draining) in enumerate(workers))
+    obs = PoolObservation(workers=ws, waiting=waiting, in_flight=in_flight, arrival_rate_per_s=rate,
+                          lead_time_s=lead, recent_desired=recent, starting=starting)
+    spec_ = dense()
+    plan = reconcile(spec_, obs)
+    serving = sum(1 for w in ws if w.state != D) + starting
+    need = demand(obs)
+    assert plan.need == need
+    # capacity after the plan covers the demand (below the safety bound)
+    if plan.create:
+        assert (serving + plan.create) * 6 >= min(need, 64 * 6)
+        assert plan.drain == ()
+    # never drains more than one, never a draining one, never below the demand or the held size
+    assert len(plan.drain) <= 1
+    assert all(w.state == R for w in ws if w.id in plan.drain)
+    if plan.drain:
+        assert starting == 0
+        assert (serving - 1) * 6 >= need
+        assert serving - 1 >= (recent or 0)
+    # removes only empty draining workers
+    assert all(w.state == D and w.used == 0 for w in ws if w.id in plan.remove)
+    assert plan.desired <= 64

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from loadtest.replay import (
     retry_after_s,
     write_outputs,
 )
-from loadtest.traces import Turn
+from loadtest.traces import TraceError, Turn
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "loadtest" / "fixtures" / "sessions_small.csv"
@@ -52,21 +54,30 @@ def test_latency_stats():
 # ------------------------------------------------------------------------------------ capacity / cost
 
 
-def test_sessions_per_slot():
-    samples = [
-        {"t_s": 0, "alive": 2, "slots": 4},
-        {"t_s": 1, "alive": 12, "slots": 8},
-        {"t_s": 2, "alive": 6, "slots": 4},
-        {"t_s": 3, "alive": 5, "slots": 0},  # no capacity: not in the mean
-        {"t_s": 4, "alive": 5, "slots": None},
-    ]
-    out = rpt.sessions_per_slot(40, samples)
-    assert out["peak_slots"] == 8
-    assert out["per_slot_peak"] == pytest.approx(40 / 8)
-    assert out["per_slot_mean"] == pytest.approx((0.5 + 1.5 + 1.5) / 3)
-    assert out["mean_slots"] == pytest.approx(16 / 4)
-    empty = rpt.sessions_per_slot(3, [])
-    assert empty["per_slot_peak"] is None and empty["per_slot_mean"] is None
+def test_cost_from_the_server_counters_and_sampled_fallback():
+    samples = [{"t_s": 0.0, "slotSeconds": 100.0, "processSeconds": 20.0, "workerSeconds": 10.0},
+               {"t_s": 5.0, "slotSeconds": 160.0, "processSeconds": 30.0, "workerSeconds": 19.0}]
+    c = rpt.cost_from_stats(samples)
+    assert (c["slot_seconds"], c["process_seconds"], c["worker_seconds"]) == (60.0, 10.0, 9.0)
+    assert c["slot_seconds_source"] == "stats.slotSeconds"
+    sampled = [{"t_s": 0.0, "slots": 6, "workers": 1}, {"t_s": 2.0, "slots": 12, "workers": 2},
+               {"t_s": 3.0, "slots": 0, "workers": 0}]
+    c = rpt.cost_from_stats(sampled)
+    assert c["slot_seconds"] == 6 * 2 + 12 * 1 and c["slot_seconds_source"].startswith("integrated")
+
+
+def test_density_is_time_averaged_alive_sessions_per_provisioned_slot():
+    sessions = [{"created_s": 0.0, "deleted_s": 10.0}, {"created_s": 5.0, "deleted_s": None},
+                {"created_s": None}]
+    assert rpt.alive_session_seconds(sessions, ended_s=20.0) == 10 + 15
+    assert rpt.alive_session_seconds([{"start_s": 0}], 5.0) is None
+
+
+def test_baseline_holds():
+    holds = rpt.baseline_holds(2.0, 200.0)
+    assert [h for _, h in holds] == [0.0, 2.0, 1.5, 9.0]
+    assert "idle timeout (400 s)" in holds[1][0]
+    assert len(rpt.baseline_holds(None, 200.0)) == 3
 
 
 def test_worker_seconds_prefers_the_server_counter():
@@ -178,7 +189,7 @@ def test_small_helpers():
 
 def _turn(session, i, *, kind="warm", added=5.0, status="ok", http=200, sent=1.0, work=0.1, trace_ok=True):
     served = http == 200
-    return {"session": session, "i": i, "at_s": sent, "sent_s": sent, "queue_s": 0.0, "work_s": work,
+    return {"session": session, "i": i, "at_s": sent, "sent_s": sent, "done_s": sent, "queue_s": 0.0, "work_s": work,
             "trace_ok": trace_ok, "status": status, "http": http,
             "latency_ms": (added + work * 1000) if served else None, "added_ms": added if served else None,
             "kind": kind if served else None, "woke": (kind == "wake") if served else None,
@@ -200,6 +211,7 @@ def canned_result(with_baseline: bool = False) -> dict:
     ]
     sessions = [
         {"id": f"s{i}", "key": f"o{i}#0", "owner": f"o{i}", "start_s": float(i), "end_s": 40.0 + i,
+         "last_end_s": 10.0 + i, "created_s": float(i) if i < 2 else None, "deleted_s": 40.0 + i if i < 2 else None,
          "hold_s": 40.0, "turns": 3 if i < 2 else 2, "created": i < 2, "create_ms": 3.0 if i < 2 else None,
          "create_http": 201 if i < 2 else 503, "create_retries": 0, "deleted": i < 2, "final_count": None,
          "error": None}
@@ -207,25 +219,28 @@ def canned_result(with_baseline: bool = False) -> dict:
     ]
     stats = [{"t_s": float(t), "inflight": t % 3, "alive": 2, "ok": True, "workers": 1 if t < 20 else 2,
               "slots": 4 if t < 20 else 8, "slotsUsed": 1, "sessions": {"RUNNING": 1, "SUSPENDED": 1},
-              "workerSeconds": 1000.0 + (t if t <= 20 else 20 + 2 * (t - 20))} for t in range(43)]
+              "workerSeconds": 1000.0 + (t if t <= 20 else 20 + 2 * (t - 20)),
+              "slotSeconds": 5000.0 + 4 * (t if t <= 20 else 20 + 2 * (t - 20)),
+              "processSeconds": 2000.0 + 2 * t} for t in range(43)]
     ours = {"name": "ours", "host": "http://ours", "wall_s": 43.0, "stopped_by": "done", "ended_s": 43.0,
             "turns": turns, "sessions": sessions, "stats": stats}
-    ours["summary"] = rpt.summarize_target(turns, sessions, stats)
+    ours["summary"] = rpt.summarize_target(turns, sessions, stats, 43.0)
     result = {
         "schema": "substrate-replay/v1",
         "config": {"trace": "/x/trace.csv", "format": "plain", "compress": 100.0, "window_start_s": 0.0,
-                   "window_start_utc": None, "duration_s": None, "idle_split_s": 1800.0},
+                   "window_start_utc": None, "duration_s": None, "idle_split_s": 1800.0,
+                   "ours_idle_timeout_s": 2.0},
         "plan": {"sessions": 3, "turns": 8, "owners": 3, "trace_failed_turns": 1, "wall_span_s": 42.0,
                  "baseline_worker_seconds": 999.0},
         "targets": {"ours": ours},
     }
     if with_baseline:
         bturns = [_turn("s0", i, added=a, sent=float(i)) for i, a in enumerate([2.0, 3.0, 50.0])]
-        bstats = [{"t_s": float(t), "workers": 3, "slots": 3, "alive": 3, "workerSeconds": 10.0 + 3 * t}
-                  for t in range(43)]
+        bstats = [{"t_s": float(t), "workers": 3, "slots": 3, "alive": 3, "workerSeconds": 10.0 + 3 * t,
+                   "slotSeconds": 10.0 + 3 * t, "processSeconds": 10.0 + 4 * t} for t in range(43)]
         base = {"name": "baseline", "host": "http://base", "wall_s": 43.0, "stopped_by": "done", "ended_s": 43.0,
                 "turns": bturns, "sessions": sessions, "stats": bstats}
-        base["summary"] = rpt.summarize_target(bturns, sessions, bstats)
+        base["summary"] = rpt.summarize_target(bturns, sessions, bstats, 43.0)
         result["targets"]["baseline"] = base
     result.update(rpt.compare(result))
     return result
@@ -241,38 +256,45 @@ def test_summarize_target_counts_and_latencies():
     assert s["warm_hit_rate"] == pytest.approx(3 / 5)
     assert s["added_ms"]["warm"]["p50"] == pytest.approx(5.0)
     assert s["added_ms"]["wake"]["p99"] == pytest.approx(80 + 0.99 * 40)
-    assert s["added_ms"]["all"]["n"] == 5
+    # the two failures are in the tail as +inf: 7 values, p99 is a failure, p50 is not
+    assert s["added_ms"]["all"]["n"] == 7
+    assert s["added_ms"]["all"]["p99"] == math.inf and s["added_ms"]["all"]["p50"] == pytest.approx(80.0)
     assert s["server_wake_ms"]["p50"] == pytest.approx((78.0 + 118.0) / 2)
     assert s["sessions"] == {"planned": 3, "created": 2, "create_failed": 1,
                              "create_ms": rpt.latency_stats([3.0, 3.0])}
     cap = s["capacity"]
     assert (cap["peak_slots"], cap["peak_workers"], cap["peak_inflight"]) == (8, 2, 2)
-    assert cap["per_slot_peak"] == pytest.approx(2 / 8)
-    # workerSeconds grows 1/s to t=20 then 2/s to t=42
+    cost = s["cost"]
+    # slotSeconds grows 4/s to t=20 then 8/s to t=42; busy = the work of the 7 turns sent (0.1 s each)
+    assert cost["slot_seconds"] == pytest.approx(4 * (20 + 2 * 22))
+    assert cost["process_seconds"] == pytest.approx(2 * 42)
+    assert cost["busy_slot_seconds"] == pytest.approx(7 * 0.1)
+    assert cost["utilization"] == pytest.approx(0.7 / 256)
+    assert cost["density"] == pytest.approx((40 + 40) / 256)  # sessions alive [0,40] and [1,41]
     assert s["worker_seconds"] == pytest.approx(20 + 2 * 22)
     assert s["worker_seconds_source"] == "stats.workerSeconds"
 
 
-def test_compare_analytical_uses_clipped_session_holds():
+def test_compare_reports_the_analytical_baseline_for_every_hold():
     r = canned_result()
-    base = r["baseline"]
-    assert base["mode"] == "analytical"
-    # sessions hold [0,40], [1,41], [2,42] all inside ended_s=43 -> 120 (not plan's 999)
-    assert base["worker_seconds"] == pytest.approx(120.0)
-    assert base["worker_seconds_trace"] == pytest.approx(120.0 * 100)
-    assert r["ratios"]["worker_seconds_baseline_over_ours"] == pytest.approx(120.0 / 64.0)
-    assert r["ratios"]["p99_added_baseline_over_ours"] is None
-    assert base["p99_added_ms"] is None
+    holds = r["baseline"]["holds"]
+    assert [h["hold_wall_s"] for h in holds] == [0.0, 2.0, 3.0, 18.0]  # compress 100
+    # sessions [0, 10], [1, 11], [2, 12] (+ L) all inside ended_s = 43
+    assert holds[0]["slot_seconds"] == pytest.approx(30.0)
+    assert holds[3]["slot_seconds"] == pytest.approx(30.0 + 3 * 18)
+    assert holds[0]["slot_ratio"] == pytest.approx(30.0 / 256)
+    assert holds[0]["process_ratio"] == pytest.approx(30.0 / 84)
+    assert holds[0]["utilization"] == pytest.approx(0.7 / 30)
+    assert r["baseline"]["measured"] is None
 
 
 def test_compare_measured_baseline_ratios():
     r = canned_result(with_baseline=True)
-    assert r["baseline"]["mode"] == "measured"
-    assert r["baseline"]["worker_seconds"] == pytest.approx(3 * 42)
-    assert r["ratios"]["worker_seconds_baseline_over_ours"] == pytest.approx(126 / 64)
-    base_p99 = rpt.percentile([2.0, 3.0, 50.0], 99)
-    ours_p99 = rpt.percentile([4.0, 6.0, 80.0, 5.0, 120.0], 99)
-    assert r["ratios"]["p99_added_baseline_over_ours"] == pytest.approx(base_p99 / ours_p99)
+    m = r["baseline"]["measured"]
+    assert m["mode"] == "measured"
+    assert m["slot_seconds"] == pytest.approx(3 * 42)
+    assert m["slot_ratio"] == pytest.approx(126 / 256)
+    assert m["process_ratio"] == pytest.approx(168 / 84)
     assert rpt.ratio(1.0, 0.0) is None and rpt.ratio(None, 1.0) is None
 
 
@@ -281,10 +303,12 @@ def test_render_markdown_reports_the_figures():
     assert "| lost_state | 1 |" in md
     assert "| errors | 2 (error:500 x1, timeout:- x1) |" in md
     assert "| warm-hit rate | 60.0 % |" in md
-    assert "| worker-seconds (wall) | 120.0 | 64.0 | 1.9x |" in md
-    assert "analytical" in md and "Partial run" not in md
+    assert "| added ms all (failures = inf) p50 / p99 | 80.0 / inf (failures) |" in md
+    assert "| L = 0 | 30.0 | 30.0 |" in md
+    assert "Definitions:" in md and "paired differences" in md
+    assert "Partial run" not in md
     md2 = rpt.render_markdown(canned_result(with_baseline=True))
-    assert "Baseline (measured)" in md2 and "| ours | baseline |" in md2
+    assert "measured" in md2 and "| ours | baseline |" in md2
 
 
 def test_render_markdown_flags_a_partial_run():
@@ -298,7 +322,7 @@ def test_write_outputs_writes_json_markdown_and_png(tmp_path):
     paths = write_outputs(result, tmp_path / "out")
     loaded = json.loads(paths["json"].read_text())
     assert loaded["schema"] == "substrate-replay/v1"
-    assert loaded["ratios"] == pytest.approx(result["ratios"])
+    assert loaded["baseline"]["holds"][0]["slot_seconds"] == pytest.approx(result["baseline"]["holds"][0]["slot_seconds"])
     assert loaded["targets"]["ours"]["summary"]["lost_state"] == 1
     assert paths["md"].read_text().startswith("## Trace replay: trace.csv (plain)")
     png = paths["png"].read_bytes()
@@ -358,3 +382,23 @@ def test_write_table(tmp_path, capsys):
     assert text == "## Bench\n\n| a |\n|---:|\n| 1 |"
     assert (tmp_path / "t.md").read_text() == text + "\n"
     assert capsys.readouterr().out.strip() == text
+
+
+def test_overlay_lays_consecutive_windows_over_the_first():
+    from loadtest.replay import overlay_windows
+
+    turns = [Turn("a", 10.0, 1.0), Turn("b", 110.0, 2.0), Turn("a", 150.0, 1.0), Turn("c", 250.0, 1.0)]
+    out = overlay_windows(turns, 0.0, 100.0, 2)
+    assert [(t.session_owner, t.arrival_s) for t in out] == [("a", 10.0), ("b@1", 10.0), ("a@1", 50.0)]
+    assert [t.duration_s for t in out] == [1.0, 2.0, 1.0], "durations are kept (not compressed)"
+    with pytest.raises(TraceError):
+        overlay_windows(turns, None, 100.0, 2)
+
+
+def test_send_to_answer_latency_is_reported_beside_the_latency_from_arrival():
+    t = _turn("s0", 0, added=50.0, sent=1.0)
+    t["service_ms"] = 12.0 + t["work_s"] * 1000  # 38 ms of the 50 were spent waiting before the send
+    s = rpt.summarize_target([t], [], [])
+    assert s["added_ms"]["warm"]["p50"] == pytest.approx(50.0)
+    assert s["service_added_ms"]["warm"]["p50"] == pytest.approx(12.0)
+    assert s["service_added_ms"]["wake"]["n"] == 0

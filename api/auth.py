@@ -1,0 +1,257 @@
+"""Who is calling: API keys (embedded default), OIDC JWT bearer tokens (production), or nobody (open mode).
+
+``Authenticator.authenticate(headers) -> Principal`` runs on every ``/v1`` call, the invoke hot path
+included, so it does no I/O in the steady state:
+
+* **API keys** (``sk_...``, see ``substrate.apikeys``): the SHA-256 of the presented key is looked up in a
+  process-local cache, filled from Redis on a miss. Each router subscribes to the ``auth:version``
+  channel; any key change (create, revoke) clears the cache, so a revoked key stops working in every
+  router at once. Unknown keys are cached as negative entries too (bounded), so a client hammering with a
+  wrong key costs one Redis read per cache period, not one per request.
+* **JWT** (anything else with two dots, when ``auth.oidc_issuer`` is set): verified with PyJWT against the
+  issuer's JWKS (discovered from ``/.well-known/openid-configuration`` unless ``oidc_jwks_url`` is set),
+  with issuer, audience and expiry checks. The JWKS is cached and reloaded after ``jwks_ttl_s`` or at once
+  (rate-limited) when a token names an unknown key ID, so the issuer can rotate keys freely. Verified
+  tokens are cached until they expire. The tenant comes from the ``tenant_claim`` claim; the admin role
+  from ``roles_claim`` containing ``admin_role``.
+* **Legacy shared token** ``api.auth_token``: still accepted, as an admin of tenant ``default``.
+* **Open mode**: with no key in Redis, none by file or env, no issuer and no shared token, every caller
+  is ``Principal(tenant="default")`` (the embedded default as it always was). As soon as a key exists
+  (e.g. created by ``substrate keys create`` while routers run) every ``/v1`` call needs one, and it
+  stays so when the last key is revoked (fail closed: revoking keys never opens the API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import aiohttp
+import jwt
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from substrate.apikeys import ApiKeyStore, TENANT_RE, hash_key, load_key_file
+from substrate.errors import DirectoryUnavailable, Forbidden, Unauthorized
+from substrate.keys import Keys
+from substrate.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller: ``tenant`` owns what it creates; ``admin`` sees and touches every tenant's sessions."""
+
+    tenant: str
+    subject: str
+    admin: bool = False
+    #: how it was authenticated: ``anonymous`` | ``api_key`` | ``jwt`` | ``shared_token``
+    via: str = "anonymous"
+
+    def owns(self, tenant: str) -> bool:
+        return self.admin or tenant == self.tenant
+
+
+ANONYMOUS = Principal(tenant="default", subject="anonymous")
+
+
+class JwksVerifier:
+    """Verifies OIDC JWTs (RS256/ES256/EdDSA/PS256) against the issuer's JWKS, with key caching."""
+
+    ALGORITHMS = ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]
+
+    def __init__(self, settings: Settings, http: aiohttp.ClientSession | None = None) -> None:
+        a = settings.auth
+        self.issuer = (a.oidc_issuer or "").rstrip("/")
+        self.audience = a.oidc_audience
+        self.jwks_url = a.oidc_jwks_url
+        self.tenant_claim, self.roles_claim, self.admin_role = a.tenant_claim, a.roles_claim, a.admin_role
+        self.ttl_s = a.jwks_ttl_s
+        self._http = http
+        self._keys: dict[str, Any] = {}
+        self._loaded_at = 0.0
+        self._lock = asyncio.Lock()
+        self._cache: dict[str, tuple[Principal, float]] = {}
+
+    async def _get(self, url: str) -> Any:
+        own = self._http is None
+        http = self._http or aiohttp.ClientSession()
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    raise Unauthorized(f"identity provider answered {r.status} for {url}", code="jwks_unavailable")
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise Unauthorized(f"identity provider unreachable: {e}", code="jwks_unavailable") from e
+        finally:
+            if own:
+                await http.close()
+
+    async def reload(self) -> None:
+        """Fetch the JWKS (discovering its URL first if needed). Raises ``Unauthorized(jwks_unavailable)``."""
+        async with self._lock:
+            if not self.jwks_url:
+                conf = await self._get(f"{self.issuer}/.well-known/openid-configuration")
+                self.jwks_url = conf["jwks_uri"]
+            data = await self._get(self.jwks_url)
+            keys = {}
+            for k in jwt.PyJWKSet.from_dict(data).keys:
+                keys[k.key_id or ""] = k
+            self._keys = keys
+            self._loaded_at = time.monotonic()
+
+    async def _key(self, kid: str) -> Any:
+        age = time.monotonic() - self._loaded_at
+        if kid not in self._keys and age > 1.0 or age > self.ttl_s:
+            await self.reload()
+        k = self._keys.get(kid)
+        if k is None:
+            raise Unauthorized(f"token signed with unknown key {kid!r}", code="invalid_token")
+        return k
+
+    async def verify(self, token: str) -> Principal:
+        """Returns the caller; raises ``Unauthorized`` (bad/expired token) or ``Forbidden`` (no tenant)."""
+        now = time.time()
+        hit = self._cache.get(token)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        try:
+            kid = jwt.get_unverified_header(token).get("kid", "")
+        except jwt.PyJWTError as e:
+            raise Unauthorized(f"malformed token: {e}", code="invalid_token") from None
+        key = await self._key(kid)
+        try:
+            claims = jwt.decode(token, key.key, algorithms=self.ALGORITHMS, audience=self.audience,
+                                issuer=self.issuer, leeway=5,
+                                options={"require": ["exp", "iss", "sub"], "verify_aud": self.audience is not None})
+        except jwt.ExpiredSignatureError:
+            raise Unauthorized("token expired", code="token_expired") from None
+        except jwt.PyJWTError as e:
+            raise Unauthorized(f"invalid token: {e}", code="invalid_token") from None
+        tenant = claims.get(self.tenant_claim)
+        if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+            raise Forbidden(f"token has no valid {self.tenant_claim!r} claim", code="no_tenant")
+        roles = claims.get(self.roles_claim) or []
+        if isinstance(roles, str):
+            roles = roles.split()
+        p = Principal(tenant=tenant, subject=str(claims["sub"]), admin=self.admin_role in roles, via="jwt")
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[token] = (p, float(claims["exp"]))
+        return p
+
+
+class Authenticator:
+    """See the module docstring. One per router process: ``start`` before serving, ``stop`` after."""
+
+    def __init__(self, settings: Settings, redis: aioredis.Redis, keys: Keys,
+                 http: aiohttp.ClientSession | None = None) -> None:
+        self.settings = settings
+        self.store = ApiKeyStore(redis, keys)
+        self.keys = keys
+        self.redis = redis
+        self.jwt = JwksVerifier(settings, http) if settings.auth.oidc_issuer else None
+        self.shared_token = settings.api.auth_token
+        self.have_keys = False
+        self._cache: dict[str, tuple[Principal | None, float]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether callers must authenticate (see "Open mode")."""
+        return self.have_keys or self.jwt is not None or bool(self.shared_token)
+
+    async def start(self) -> None:
+        """Import keys given by file/env, count keys, and follow key changes (pub/sub)."""
+        specs = list(self.settings.auth.api_keys)
+        if self.settings.auth.api_keys_file:
+            specs += load_key_file(self.settings.auth.api_keys_file)
+        try:
+            if specs:
+                await self.store.import_specs(specs)
+            self.have_keys = bool(specs) or await self.store.ever_configured()
+        except (RedisError, OSError) as e:
+            # fail closed: if keys may exist we cannot tell, so demand them until Redis answers
+            self.have_keys = True
+            log.warning("could not read API keys at start-up; authentication required", exc_info=e)
+        self._task = asyncio.create_task(self._follow())
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), 5)
+        except asyncio.TimeoutError:
+            log.warning("not subscribed to API key changes yet; revocations rely on key_cache_ttl_s")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def _follow(self) -> None:
+        """Clear the cache on every key change; resubscribe (and clear) after a lost connection."""
+        while True:
+            ps = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await ps.subscribe(self.keys.auth_version)
+                await self._reset()
+                self._subscribed.set()
+                async for msg in ps.listen():
+                    if msg.get("type") == "message":
+                        await self._reset()
+            except asyncio.CancelledError:
+                await ps.aclose()
+                raise
+            except Exception:  # noqa: BLE001 - a follower never dies: reconnect after a pause
+                log.warning("API key change subscription lost; resubscribing", exc_info=True)
+                self._cache.clear()
+                await asyncio.sleep(0.5)
+            finally:
+                try:
+                    await ps.aclose()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _reset(self) -> None:
+        self._cache.clear()
+        try:
+            self.have_keys = self.have_keys or await self.store.ever_configured()
+        except (RedisError, OSError):
+            self.have_keys = True
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        """The caller of a request with ``headers``. Raises ``Unauthorized`` (401, ``WWW-Authenticate``
+        semantics: missing, unknown, revoked or expired credentials) or ``Forbidden`` (403)."""
+        if not self.enabled:
+            return ANONYMOUS
+        h = headers.get("authorization") or ""
+        if not h[:7].lower() == "bearer ":
+            raise Unauthorized("this API needs a bearer token (Authorization: Bearer <API key or JWT>)",
+                               code="unauthorized")
+        token = h[7:].strip()
+        if self.shared_token and hmac.compare_digest(token, self.shared_token):
+            return Principal(tenant="default", subject="shared-token", admin=True, via="shared_token")
+        if token.startswith("sk_"):
+            return await self._api_key(token)
+        if self.jwt is not None and token.count(".") == 2:
+            return await self.jwt.verify(token)
+        raise Unauthorized("unknown or revoked credentials", code="unauthorized")
+
+    async def _api_key(self, key: str) -> Principal:
+        digest = hash_key(key)
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is None or hit[1] < now:
+            try:
+                rec = await self.store.lookup(digest)
+            except (RedisError, OSError) as e:
+                raise DirectoryUnavailable(f"cannot check the API key: {e}") from e
+            p = Principal(rec.tenant, f"apikey:{rec.id}", rec.admin, "api_key") if rec else None
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            hit = self._cache[digest] = (p, now + self.settings.auth.key_cache_ttl_s)
+        if hit[0] is None:
+            raise Unauthorized("unknown or revoked API key", code="unauthorized")
+        return hit[0]

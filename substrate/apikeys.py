@@ -1,0 +1,173 @@
+"""API keys of the embedded default (and of any deployment without an OIDC issuer), kept in Redis.
+
+A key is ``sk_<id>_<secret>`` (32 random bytes of secret). Only its SHA-256 is stored: the secret is
+high-entropy, so a fast hash is enough (a slow password hash protects low-entropy secrets; this one needs
+none, and the router checks it on every call). Records: hash ``auth:apikeys`` sha256 hex -> JSON
+``{id, tenant, admin, name, createdAt}``; revoked hashes are remembered in ``auth:revoked`` so a key given
+by file or env is not re-imported at the next start. Every change bumps ``auth:version`` and publishes the
+new version on the channel of the same name: routers drop their verified-key cache when it arrives, so a
+revocation is effective at once in every router (within the pub/sub delivery, well under a millisecond on
+loopback; the cache's ``key_cache_ttl_s`` bounds it if a router missed the message while reconnecting).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+import yaml
+
+from substrate.errors import InvalidInput, NotFound
+from substrate.keys import Keys
+from substrate.settings import ApiKeySpec
+
+#: tenant names: DNS-label-like, so they fit in keys, labels and log fields unchanged
+TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9\-]{0,61}[a-z0-9])?$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 hex of an API key (what is stored and compared)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_tenant(name: str) -> str:
+    """Return ``name`` or raise ``InvalidInput(code="invalid_tenant")``."""
+    if not TENANT_RE.match(name):
+        raise InvalidInput(f"invalid tenant name {name!r}: use 1-63 lower-case letters, digits and '-'",
+                           code="invalid_tenant")
+    return name
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One stored key (never the key itself)."""
+
+    id: str
+    tenant: str
+    admin: bool
+    name: str
+    createdAt: float
+    sha256: str
+
+
+class ApiKeyStore:
+    """Create, revoke, list and look up API keys (one Redis round trip each)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    @property
+    def revoked_key(self) -> str:
+        return f"{self.keys.api_keys}:revoked"
+
+    async def _changed(self) -> int:
+        version = int(await self.redis.incr(self.keys.auth_version))
+        await self.redis.publish(self.keys.auth_version, str(version))
+        return version
+
+    async def create(self, tenant: str, *, admin: bool = False, name: str = "") -> tuple[ApiKey, str]:
+        """Make a new key for ``tenant``; returns the record and the key (shown once, never stored)."""
+        check_tenant(tenant)
+        kid = secrets.token_hex(4)
+        key = f"sk_{kid}_{secrets.token_urlsafe(32)}"
+        rec = ApiKey(kid, tenant, admin, name, time.time(), hash_key(key))
+        await self._put(rec)
+        await self._changed()
+        return rec, key
+
+    async def _put(self, rec: ApiKey, *, only_new: bool = False) -> bool:
+        body = json.dumps({k: v for k, v in asdict(rec).items() if k != "sha256"})
+        if only_new:
+            return bool(await self.redis.hsetnx(self.keys.api_keys, rec.sha256, body))
+        await self.redis.hset(self.keys.api_keys, rec.sha256, body)
+        return True
+
+    async def import_specs(self, specs: list[ApiKeySpec]) -> int:
+        """Add keys given by file or env (skipping revoked ones and ones already present). Returns how
+        many were added. Raises ``InvalidInput`` for a spec without a usable hash or key."""
+        added = 0
+        revoked = set(await self.redis.smembers(self.revoked_key))
+        for i, s in enumerate(specs):
+            check_tenant(s.tenant)
+            digest = (s.sha256 or "").lower().removeprefix("sha256:")
+            if not digest and s.key:
+                digest = hash_key(s.key)
+            if not _HEX64.match(digest):
+                raise InvalidInput(f"API key #{i} of tenant {s.tenant!r} needs `sha256` (64 hex) or `key`",
+                                   code="invalid_api_key_spec")
+            if digest in revoked:
+                continue
+            rec = ApiKey(s.name or f"file-{digest[:8]}", s.tenant, s.admin, s.name, time.time(), digest)
+            added += await self._put(rec, only_new=True)
+        if added:
+            await self._changed()
+        return added
+
+    async def revoke(self, key_or_id: str) -> ApiKey:
+        """Revoke by key ID (as ``keys list`` shows it) or by the key itself. Raises ``NotFound``."""
+        for rec in await self.list():
+            if key_or_id in (rec.id, rec.sha256) or hash_key(key_or_id) == rec.sha256:
+                # revoked first: a crash between the two steps leaves a key refused, never re-importable
+                async with self.redis.pipeline(transaction=False) as p:
+                    p.sadd(self.revoked_key, rec.sha256)
+                    p.hdel(self.keys.api_keys, rec.sha256)
+                    await p.execute()
+                await self._changed()
+                return rec
+        raise NotFound(f"no API key {key_or_id!r}", code="api_key_not_found")
+
+    async def list(self) -> list[ApiKey]:
+        raw = await self.redis.hgetall(self.keys.api_keys)
+        return sorted((_decode(h, v) for h, v in raw.items()), key=lambda r: r.createdAt)
+
+    async def lookup(self, digest: str) -> ApiKey | None:
+        raw = await self.redis.hget(self.keys.api_keys, digest)
+        return _decode(digest, raw) if raw else None
+
+    async def count(self) -> int:
+        return int(await self.redis.hlen(self.keys.api_keys))
+
+    async def ever_configured(self) -> bool:
+        """Whether any key exists or ever was revoked: revoking the last key must not open the API."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hlen(self.keys.api_keys)
+            p.scard(self.revoked_key)
+            n, revoked = await p.execute()
+        return bool(n or revoked)
+
+    async def version(self) -> int:
+        return int(await self.redis.get(self.keys.auth_version) or 0)
+
+
+def _decode(digest: str, raw: str) -> ApiKey:
+    d: dict[str, Any] = json.loads(raw)
+    return ApiKey(str(d["id"]), str(d["tenant"]), bool(d.get("admin")), str(d.get("name", "")),
+                  float(d.get("createdAt", 0.0)), digest)
+
+
+def load_key_file(path: Path) -> list[ApiKeySpec]:
+    """Read a YAML or JSON list of ``{tenant, sha256|key, admin?, name?}``. Raises ``InvalidInput``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise InvalidInput(f"cannot read API key file {path}: {e}", code="invalid_api_key_spec") from e
+    if isinstance(data, dict) and "keys" in data:
+        data = data["keys"]
+    if not isinstance(data, list):
+        raise InvalidInput(f"API key file {path} must hold a list of keys", code="invalid_api_key_spec")
+    try:
+        return [ApiKeySpec.model_validate(x) for x in data]
+    except ValueError as e:
+        raise InvalidInput(f"API key file {path}: {e}", code="invalid_api_key_spec") from e
+
+
+__all__ = ["ApiKey", "ApiKeyStore", "hash_key", "check_tenant", "load_key_file", "TENANT_RE", "NotFound"]

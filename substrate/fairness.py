@@ -1,0 +1,95 @@
+"""Fairness between tenants when the pool is full, and a circuit breaker per tenant.
+
+* **Parked wakes**: one tenant's requests may take at most ``tenant_parked_share`` of a router's
+  ``max_parked`` places; the rest stay for others (429 ``tenant_parked_share``).
+* **Placements**: when no slot is free, a placement may suspend an idle session of another tenant only
+  while the requesting tenant holds less than its fair share of the pool's slots (slots divided by the
+  tenants present); past its share it can only make room among its own sessions (``victim_filter``).
+* **Circuit breaker**: ``breaker_failures`` failed activations (create or wake) of one tenant within
+  ``breaker_window_s`` open its breaker for ``breaker_open_s``: its creates and wakes get 429
+  ``tenant_circuit_open`` at once, without claiming slots or touching workers, while other tenants go on.
+  After the open period one trial is let through (half-open); a success closes it, a failure reopens.
+
+State is per router process (the breaker is a local defence, like a client-side breaker): with N routers
+a failing tenant is cut off after at most N x ``breaker_failures`` failures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict, deque
+
+from substrate.errors import TooManyRequests
+from substrate.settings import QuotaSettings
+
+
+class TenantBreaker:
+    """Per-tenant circuit breaker (closed -> open -> half-open -> closed). ``now`` is injectable."""
+
+    def __init__(self, settings: QuotaSettings) -> None:
+        self.settings = settings
+        self._failures: dict[str, deque[float]] = defaultdict(deque)
+        self._open_until: dict[str, float] = {}
+
+    def check(self, tenant: str, now: float | None = None) -> None:
+        """Raise ``TooManyRequests(code="tenant_circuit_open")`` while the tenant's breaker is open."""
+        now = time.monotonic() if now is None else now
+        until = self._open_until.get(tenant)
+        if until is None:
+            return
+        if now < until:
+            raise TooManyRequests(
+                f"tenant {tenant!r}: too many failed activations recently; retry later",
+                code="tenant_circuit_open", retry_after_s=max(1.0, until - now),
+                details={"tenant": tenant, "failures": len(self._failures[tenant])})
+        # half-open: let this one through; one more failure reopens at once
+        del self._open_until[tenant]
+        self._failures[tenant] = deque([now] * (self.settings.breaker_failures - 1))
+
+    def failure(self, tenant: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        q = self._failures[tenant]
+        q.append(now)
+        while q and q[0] < now - self.settings.breaker_window_s:
+            q.popleft()
+        if len(q) >= self.settings.breaker_failures:
+            self._open_until[tenant] = now + self.settings.breaker_open_s
+
+    def success(self, tenant: str) -> None:
+        self._failures.pop(tenant, None)
+        self._open_until.pop(tenant, None)
+
+    def is_open(self, tenant: str) -> bool:
+        return self._open_until.get(tenant, 0.0) > time.monotonic()
+
+
+class ParkedShare:
+    """Counts parked requests per tenant; refuses a tenant past its share of ``max_parked``."""
+
+    def __init__(self, max_parked: int, share: float) -> None:
+        self.cap = max(1, math.floor(max_parked * share))
+        self.by_tenant: dict[str, int] = defaultdict(int)
+
+    def enter(self, tenant: str, retry_after_s: float) -> None:
+        if self.by_tenant[tenant] >= self.cap:
+            raise TooManyRequests(f"tenant {tenant!r} already has {self.cap} requests waiting for resumes "
+                                  "(its share of this router); retry later", code="tenant_parked_share",
+                                  retry_after_s=retry_after_s, details={"tenant": tenant, "max": self.cap})
+        self.by_tenant[tenant] += 1
+
+    def leave(self, tenant: str) -> None:
+        self.by_tenant[tenant] -= 1
+        if self.by_tenant[tenant] <= 0:
+            del self.by_tenant[tenant]
+
+
+def victim_filter(requester: str, held_by_tenant: dict[str, int], pool_slots: int) -> str | None:
+    """Which tenant's idle sessions a placement for ``requester`` may suspend: ``None`` = anyone's (the
+    requester is under its fair share), else only the requester's own.
+
+    ``held_by_tenant``: slots of the pool held per tenant now; the fair share is the pool's slots divided
+    by the number of tenants present (the requester included), rounded up."""
+    tenants = set(held_by_tenant) | {requester}
+    share = math.ceil(pool_slots / len(tenants)) if tenants else pool_slots
+    return None if held_by_tenant.get(requester, 0) < share else requester

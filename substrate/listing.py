@@ -1,0 +1,91 @@
+"""Keyset pagination of sessions: pages stay consistent when sessions are deleted between them.
+
+The cursor is the (createdAt, session ID) of the last item a page looked at, opaque to clients (URL-safe
+base64). The next page starts strictly after it in the index's order (a Redis sorted set: score
+``createdAt``, ties broken by member, i.e. by session ID), so deleting any item between two pages can
+neither skip a survivor nor repeat one, unlike an offset. Each tenant has its own index (``Keys.
+tenant_sessions``), so a tenant's listing costs O(its page), however many sessions other tenants hold;
+admins list the global index. Index entries whose record is gone (derived data, see ``keys.py``) are
+skipped and removed on the way.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import redis.asyncio as aioredis
+
+from substrate.directory import decode_session
+from substrate.errors import InvalidInput
+from substrate.keys import Keys
+from substrate.models import SessionRecord, SessionState
+from substrate.quotas import translated
+
+
+def encode_cursor(created_at: float, sid: str) -> str:
+    return base64.urlsafe_b64encode(f"{created_at!r}|{sid}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(token: str) -> tuple[float, str]:
+    """Raises ``InvalidInput(code="invalid_continue")`` for anything not made by ``encode_cursor``."""
+    try:
+        raw = base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)).decode()
+        score, sid = raw.split("|", 1)
+        value = float(score)
+        if not sid or not math.isfinite(value):
+            raise ValueError(raw)
+        return value, sid
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidInput("bad continue token", code="invalid_continue") from None
+
+
+@translated
+async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int = 100,
+                    cursor: str | None = None, state: SessionState | None = None, template: str | None = None,
+                    scan_cap: int = 5000) -> tuple[list[SessionRecord], str | None]:
+    """One page of the sessions in sorted set ``index`` after ``cursor``, filtered by state/template.
+
+    Returns ``(items, next_cursor)``; ``next_cursor`` is None at the end. At most ``scan_cap`` index
+    entries are read per call, so a selective filter answers in bounded time (fewer items, and a cursor
+    to go on from)."""
+    after = decode_cursor(cursor) if cursor else None
+    items: list[SessionRecord] = []
+    scanned = 0
+    offset = 0
+    batch = max(limit, 100)
+    while scanned < scan_cap:
+        lo = repr(after[0]) if after else "-inf"
+        rows = await redis.zrangebyscore(index, lo, "+inf", start=offset, num=batch, withscores=True)
+        if not rows:
+            return items, None
+        fresh = [(m, s) for m, s in rows if after is None or (s, m) > (after[0], after[1])]
+        if not fresh:  # a run of equal scores longer than a batch: step over it
+            offset += len(rows)
+            continue
+        offset = 0
+        async with redis.pipeline(transaction=False) as p:
+            for m, _ in fresh:
+                p.hgetall(keys.session(m))
+            raws = await p.execute()
+        stale = []
+        for (m, s), raw in zip(fresh, raws):
+            after = (s, m)
+            scanned += 1
+            if not raw or "actorTemplate" not in raw or raw.get("state") == SessionState.DELETED.value:
+                if not raw:
+                    stale.append(m)
+                continue
+            rec = decode_session(raw)
+            if (state is None or rec.state == state) and (template is None or rec.actorTemplate == template):
+                items.append(rec)
+                if len(items) == limit:
+                    break
+        if stale:
+            await redis.zrem(index, *stale)
+        if len(items) == limit:
+            break
+        if len(rows) < batch:  # the index ends within this batch and every entry was looked at
+            return items, None
+    assert after is not None
+    return items, encode_cursor(after[0], after[1])

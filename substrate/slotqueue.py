@@ -1,0 +1,134 @@
+"""Placements waiting for a slot: one FIFO queue per pool, served by one task as slots free up.
+
+Under slot pressure a placement that finds no free slot joins its pool's queue instead of polling the
+registry itself. One pump task per pool (started on the first waiter, ending when the queue is empty)
+serves the waiters in arrival order: each round it refreshes its view of the pool once, claims slots
+for as many waiters as it can, and if none fit it asks for room once (lazy suspension of the least
+recently used idle session). So the registry is read once per round for the whole pool, not once per
+waiter per tick. It then sleeps until ``notify()`` (a slot was freed by this process, a worker came up)
+or ``poll_s`` (slots freed by other processes show up on the next refresh). Room is made for the
+oldest waiter's tenant (``make_room(tenant)``: a tenant over its share displaces only its own sessions).
+
+A waiter that gave up (timeout, cancellation) is skipped; a slot claimed for it after it gave up is
+released at once. A pinned waiter (``worker=...``) does not block unpinned ones behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+W = TypeVar("W")
+#: claim(session id, pinned worker or None) -> (worker, slot) or None when no slot fits
+Claim = Callable[[str, str | None], Awaitable["tuple[W, int] | None"]]
+
+
+@dataclass
+class _Waiter(Generic[W]):
+    sid: str
+    pin: str | None
+    fut: asyncio.Future[tuple[W, int]] = field(repr=False)
+    tenant: str = "default"
+
+
+class SlotQueue(Generic[W]):
+    """FIFO of placements of one pool (see the module docstring).
+
+    ``claim`` tries to claim a slot for a session (``None``: nothing free); ``refresh`` re-reads the
+    registry view; ``make_room(tenant)`` frees a slot for ``tenant`` by suspending an idle session
+    (True if it did);
+    ``release(worker, slot, sid)`` gives back a slot claimed for a waiter that already left.
+    """
+
+    def __init__(self, claim: Claim[W], *, refresh: Callable[[], Awaitable[None]],
+                 make_room: Callable[[str], Awaitable[bool]],
+                 release: Callable[[W, int, str], Awaitable[object]], poll_s: float = 0.05) -> None:
+        self._claim, self._refresh, self._make_room, self._release = claim, refresh, make_room, release
+        self.poll_s = poll_s
+        self._waiters: collections.deque[_Waiter[W]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        #: rounds served (each round reads the registry once): for tests and debugging
+        self.rounds = 0
+
+    def __len__(self) -> int:
+        return sum(1 for w in self._waiters if not w.fut.done())
+
+    def notify(self) -> None:
+        """A slot may have become free: serve the queue now instead of at the next poll."""
+        self._wake.set()
+
+    async def wait(self, sid: str, pin: str | None, timeout_s: float, *, tenant: str = "default"
+                   ) -> tuple[W, int]:
+        """Join the queue; the claimed ``(worker, slot)``. Raises ``TimeoutError`` after ``timeout_s``."""
+        fut: asyncio.Future[tuple[W, int]] = asyncio.get_running_loop().create_future()
+        self._waiters.append(_Waiter(sid, pin, fut, tenant))
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._run())
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled() and fut.exception() is None:
+                # claimed for us just as we gave up: hand it back
+                w, slot = fut.result()
+                await self._release(w, slot, sid)
+            raise
+
+    async def _serve_round(self) -> bool:
+        """One pass over the queue; True if any waiter got a slot."""
+        served = False
+        unpinned_full = False
+        for waiter in list(self._waiters):
+            if waiter.fut.done():
+                continue
+            if waiter.pin is None and unpinned_full:
+                continue
+            got = await self._claim(waiter.sid, waiter.pin)
+            if got is None:
+                if waiter.pin is None:
+                    unpinned_full = True
+                continue
+            if waiter.fut.done():  # left while we claimed
+                await self._release(got[0], got[1], waiter.sid)
+                continue
+            waiter.fut.set_result(got)
+            served = True
+        while self._waiters and self._waiters[0].fut.done():
+            self._waiters.popleft()
+        self._waiters = collections.deque(w for w in self._waiters if not w.fut.done())
+        return served
+
+    async def _run(self) -> None:
+        try:
+            while self._waiters:
+                self._wake.clear()
+                self.rounds += 1
+                try:
+                    if await self._serve_round():
+                        continue
+                    if self._waiters and await self._make_room(self._waiters[0].tenant):
+                        await self._refresh()
+                        continue
+                except Exception:  # noqa: BLE001 - waiters time out on their own; the pump goes on
+                    log.warning("slot queue round failed", exc_info=True)
+                if not self._waiters:
+                    break
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.poll_s)
+                except asyncio.TimeoutError:
+                    pass
+                try:
+                    await self._refresh()
+                except Exception:  # noqa: BLE001
+                    log.warning("slot queue refresh failed", exc_info=True)
+        finally:
+            self._pump = None

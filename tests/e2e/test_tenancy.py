@@ -1,0 +1,432 @@
+"""Tenants, API keys, per-activation tokens, quotas and the audit trail, end to end (issue 10): real
+runtimes (``substrate up``), a second router process on the same Redis, real workers, real HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from substrate.client import ApiError, SubstrateClient
+from tests.conftest import ROOT, RuntimeProc, free_port
+
+KEY_A = "sk_a0000001_" + "a" * 40
+KEY_B = "sk_b0000001_" + "b" * 40
+KEY_ADMIN = "sk_ad000001_" + "c" * 40
+
+
+def _keys_env(*extra: dict[str, Any]) -> str:
+    keys = [{"tenant": "team-a", "sha256": hashlib.sha256(KEY_A.encode()).hexdigest(), "name": "a"},
+            {"tenant": "team-b", "key": KEY_B, "name": "b"},
+            {"tenant": "ops", "sha256": hashlib.sha256(KEY_ADMIN.encode()).hexdigest(), "admin": True,
+             "name": "admin"}, *extra]
+    return json.dumps(keys)
+
+
+class Router:
+    """A second router (API only, no controller/state manager) on the runtime's Redis and key prefix."""
+
+    def __init__(self, rt: RuntimeProc, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        code = ("import uvicorn; from api.app import create_app; "
+                f"uvicorn.run(create_app(embedded=False), host='127.0.0.1', port={self.port}, "
+                "log_level='warning', loop='uvloop')")
+        self.log = open(tmp / f"router-{self.port}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=rt.env, cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError(Path(self.log.name).read_text())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[tuple[RuntimeProc, Router]]:
+    """A runtime with API keys for tenants team-a, team-b and an admin, plus a second router."""
+    tmp = tmp_path_factory.mktemp("tenancy")
+    rt = RuntimeProc(tmp, redis_url, replicas=2, slots=8,
+                     env={"SUBSTRATE_AUTH__API_KEYS": _keys_env()})
+    router = Router(rt, tmp)
+    yield rt, router
+    router.stop()
+    rt.stop()
+
+
+def _client(url: str, key: str | None) -> SubstrateClient:
+    return SubstrateClient(url, token=key, timeout_s=30)
+
+
+def _status(fn: Any) -> tuple[int, str]:
+    try:
+        fn()
+    except ApiError as e:
+        return e.status, e.code
+    return 200, ""
+
+
+def test_tenant_a_cannot_read_list_invoke_stream_suspend_resume_or_delete_b(keyed):
+    rt, router = keyed
+    a, b, admin = _client(rt.url, KEY_A), _client(rt.url, KEY_B), _client(rt.url, KEY_ADMIN)
+    sb = b.create_session("counter")
+    assert sb["tenant"] == "team-b"
+    b.invoke(sb["id"], "increment")
+    sid = sb["id"]
+    for url in (rt.url, router.url):  # every router enforces it, with a warm route cache or without
+        a = _client(url, KEY_A)
+        assert _status(lambda: a.get_session(sid)) == (404, "session_not_found")
+        assert _status(lambda: a.invoke(sid, "increment")) == (404, "session_not_found")
+        assert _status(lambda: list(a.invoke_stream(sid, "increment"))) == (404, "session_not_found")
+        assert _status(lambda: a.suspend(sid)) == (404, "session_not_found")
+        assert _status(lambda: a.resume(sid)) == (404, "session_not_found")
+        assert _status(lambda: a.delete_session(sid)) == (404, "session_not_found")
+        assert _status(lambda: a.session_events(sid)) == (404, "session_not_found")
+        assert sid not in {s["id"] for s in a.iter_sessions(limit=2)}
+        assert a.stats()["sessions"]["RUNNING"] == 0 and a.stats()["quota"]["tenant"] == "team-a"
+        assert _status(lambda: a.events(tenant="team-b")) == (403, "forbidden")
+        assert _status(lambda: a.list_sessions(tenant="team-b")) == (403, "forbidden")
+    # B's session is untouched: the same count, still RUNNING; B sees it, the admin sees it
+    assert b.invoke(sid, "get") == {"count": 1}
+    assert b.get_session(sid)["state"] == "RUNNING"
+    assert sid in {s["id"] for s in b.iter_sessions()}
+    assert b.stats()["sessions"]["RUNNING"] >= 1
+    assert sid in {s["id"] for s in admin.iter_sessions()}
+    assert sid in {s["id"] for s in admin.iter_sessions(tenant="team-b")}
+    # suspended: A's invoke must not wake it
+    b.suspend(sid)
+    assert _status(lambda: _client(rt.url, KEY_A).invoke(sid, "get")) == (404, "session_not_found")
+    assert b.get_session(sid)["state"] == "SUSPENDED"
+    assert admin.invoke(sid, "increment") == {"count": 2}, "an admin may touch every tenant's session"
+    b.delete_session(sid)
+
+
+def test_every_v1_call_needs_a_key_when_keys_are_configured(keyed):
+    rt, _ = keyed
+    for method, path in [("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/v1/stats"),
+                         ("POST", "/v1/sessions/x/invoke"), ("GET", "/v1/workerpools"), ("GET", "/v1/events")]:
+        r = httpx.request(method, rt.url + path, json={"actorTemplate": "counter", "input": 1})
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized", (method, path, r.text)
+        r = httpx.request(method, rt.url + path, json={}, headers={"Authorization": "Bearer sk_nope_nope"})
+        assert r.status_code == 401, (method, path)
+    assert httpx.get(rt.url + "/healthz").status_code == 200
+    spec = httpx.get(rt.url + "/openapi.json").json()
+    assert set(spec["components"]["securitySchemes"]) == {"apiKey", "oidc"}
+    codes = spec["components"]["schemas"]["Error"]["properties"]["code"]["enum"]
+    assert {"quota_max_running", "tenant_circuit_open", "session_not_found", "unauthorized"} <= set(codes)
+    post = spec["paths"]["/v1/sessions"]["post"]
+    assert "429" in post["responses"] and "Retry-After" in post["responses"]["429"]["headers"]
+
+
+def test_revoked_key_stops_working_at_once_on_every_router(keyed, tmp_path):
+    rt, router = keyed
+    env = {**rt.env}
+    out = subprocess.run([sys.executable, "-m", "substrate.cli", "keys", "create", "team-c", "--name", "ci"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    key = out.stdout.strip().splitlines()[-1]
+    assert key.startswith("sk_") and key not in json.dumps(rt.r.hgetall(rt.keys.api_keys)), "only hashes stored"
+    clients = [_client(rt.url, key), _client(router.url, key)]
+    s = clients[0].create_session("counter")
+    for c in clients:  # both routers know (and cache) the key now
+        assert c.invoke(s["id"], "increment")["count"] >= 1
+    kid = key.split("_")[1]
+    out = subprocess.run([sys.executable, "-m", "substrate.cli", "keys", "revoke", kid], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for c in clients:
+        assert _status(lambda: c.invoke(s["id"], "get")) == (401, "unauthorized")
+        assert _status(lambda: c.list_sessions()) == (401, "unauthorized")
+    _client(rt.url, KEY_ADMIN).delete_session(s["id"])
+
+
+def test_worker_refuses_calls_without_a_valid_activation_token(keyed):
+    rt, _ = keyed
+    a = _client(rt.url, KEY_A)
+    s1, s2 = a.create_session("counter"), a.create_session("counter")
+    addr = rt.workers()[s1["worker"]]["address"]
+    url = f"{addr}/v1/activations/{s1['id']}/invoke"
+    body = {"input": "increment"}
+
+    def call(headers: dict[str, str]) -> httpx.Response:
+        return httpx.post(url, json=body, headers=headers, timeout=10)
+
+    r = call({})
+    assert r.status_code == 401 and r.json()["code"] == "missing_token"
+    r = call({"Authorization": "Bearer not-a-token"})
+    assert r.status_code == 401 and r.json()["code"] == "invalid_token"
+    r = call(rt.worker_headers(addr, s2["id"], s2["epoch"], tenant="team-a"))  # another session's token
+    assert r.status_code == 403 and r.json()["code"] == "token_not_for_this_call"
+    r = call(rt.worker_headers(addr, s1["id"], s1["epoch"], tenant="team-b"))  # right session, other tenant
+    assert r.status_code == 409 and r.json()["code"] == "tenant_mismatch"
+    r = call(rt.worker_headers(addr, s1["id"], s1["epoch"], ttl_s=10, now=time.time() - 60))  # expired
+    assert r.status_code == 401 and r.json()["code"] == "token_expired"
+    other = [w["address"] for w in rt.workers().values() if w["address"] != addr][0]
+    r = call(rt.worker_headers(other, s1["id"], s1["epoch"]))  # minted for another worker
+    assert r.status_code == 401 and r.json()["code"] == "invalid_token"
+    forged = rt.worker_token(addr, s1["id"], s1["epoch"])[:-4] + "AAAA"
+    r = call({"Authorization": f"Bearer {forged}"})
+    assert r.status_code == 401 and r.json()["code"] == "invalid_token"
+    # a stale epoch's token: suspend + wake moves the session to a new epoch
+    old_epoch = s1["epoch"]
+    a.suspend(s1["id"])
+    a.invoke(s1["id"], "get")
+    cur = a.get_session(s1["id"])
+    assert cur["epoch"] > old_epoch
+    addr = rt.workers()[cur["worker"]]["address"]
+    url = f"{addr}/v1/activations/{s1['id']}/invoke"
+    r = call(rt.worker_headers(addr, s1["id"], old_epoch))
+    assert r.status_code == 409 and r.json()["code"] == "stale_epoch"
+    assert a.invoke(s1["id"], "get") == {"count": 0}, "no refused call reached the agent"
+    r = call(rt.worker_headers(addr, s1["id"], cur["epoch"], tenant="team-a"))
+    assert r.status_code == 200 and r.json() == {"output": {"count": 1}}
+    # a worker-wide token drives no session; a session token cannot list the worker
+    r = call(rt.worker_headers(addr))
+    assert r.status_code == 403
+    r = httpx.get(f"{addr}/v1/activations", headers=rt.worker_headers(addr, s1["id"], cur["epoch"]))
+    assert r.status_code == 403
+    for s in (s1, s2):
+        a.delete_session(s["id"])
+
+
+def test_signing_key_rotation_drops_no_call(keyed):
+    rt, router = keyed
+    a = _client(rt.url, KEY_A)
+    s = a.create_session("counter")
+    before = rt.r.hget(rt.keys.signing_keys, "current")
+    out = subprocess.run([sys.executable, "-m", "substrate.cli", "keys", "rotate-signing"], env=rt.env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    after = rt.r.hget(rt.keys.signing_keys, "current")
+    assert after != before and set(rt.r.hkeys(rt.keys.signing_keys)) == {"current", before, after}
+    deadline = time.monotonic() + 8  # across the routers' refresh (signing_refresh_s = 5 s)
+    n = 0
+    while time.monotonic() < deadline:
+        assert a.invoke(s["id"], "increment")["count"] == n + 1
+        n += 1
+        time.sleep(0.05)
+    # a token signed with the new key is accepted by a worker (it reloads the ring on an unknown key ID)
+    addr = rt.workers()[s["worker"]]["address"]
+    r = httpx.post(f"{addr}/v1/activations/{s['id']}/invoke", json={"input": "get"},
+                   headers=rt.worker_headers(addr, s["id"], s["epoch"], tenant="team-a"))
+    assert r.status_code == 200
+    a.delete_session(s["id"])
+
+
+def test_quotas_hold_under_100_concurrent_creates_on_two_routers(tmp_path, redis_url):
+    quota = {"team-a": {"maxRunning": 5, "maxTotal": 7}}
+    rt = RuntimeProc(tmp_path, redis_url, replicas=2, slots=8,
+                     env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(), "SUBSTRATE_QUOTA__TENANTS": json.dumps(quota),
+                          "SUBSTRATE_API__SLOT_WAIT_S": "0"})
+    router = Router(rt, tmp_path)
+    try:
+        urls = [rt.url, router.url]
+
+        def create(i: int) -> tuple[int, str, str | None, str]:
+            r = httpx.post(urls[i % 2] + "/v1/sessions", json={"actorTemplate": "counter"},
+                           headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
+            body = r.json()
+            return r.status_code, body.get("code", ""), r.headers.get("retry-after"), body.get("id", "")
+
+        with cf.ThreadPoolExecutor(100) as ex:
+            results = list(ex.map(create, range(100)))
+        ok = [r for r in results if r[0] == 201]
+        refused = [r for r in results if r[0] == 429]
+        assert len(ok) == 5, f"maxRunning 5 must hold exactly: {sorted(set((r[0], r[1]) for r in results))}"
+        assert len(refused) == 95 and {r[1] for r in refused} == {"quota_max_running"}
+        assert all(r[2] and int(r[2]) >= 1 for r in refused), "429 carries Retry-After"
+        b = _client(rt.url, KEY_B)
+        assert b.create_session("counter")["tenant"] == "team-b", "another tenant is not limited by A's quota"
+        a = _client(rt.url, KEY_A)
+        # suspended sessions hold no running quota: suspend two, two more creates fit; then maxTotal (7)
+        a.suspend(ok[0][3])
+        a.suspend(ok[1][3])
+        a.create_session("counter")
+        a.create_session("counter")
+        with pytest.raises(ApiError) as e:
+            a.create_session("counter")
+        assert e.value.status == 429 and e.value.code == "quota_max_total"
+        # waking a suspended one now needs a running place: refused with the limit's code, state unchanged
+        with pytest.raises(ApiError) as e:
+            a.invoke(ok[0][3], "get")
+        assert e.value.status == 429 and e.value.code == "quota_max_running"
+        assert a.get_session(ok[0][3])["state"] == "SUSPENDED"
+        a.delete_session(ok[2][3])  # frees a running and a total place
+        assert a.invoke(ok[0][3], "get") == {"count": 0}
+        st = a.stats()["quota"]
+        assert st["running"] == 5 and st["total"] == 6 and st["limits"] == {"maxRunning": 5, "maxTotal": 7}
+    finally:
+        router.stop()
+        rt.stop()
+
+
+def test_creates_per_minute_and_template_quota(runtime_factory):
+    extra = """
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: gpu-counter}
+spec:
+  entrypoint: workers.agents.counter:Counter
+  resources: {gpus: 2}
+  quota: {maxGpus: 3}
+"""
+    rt = runtime_factory(replicas=1, slots=8, extra_yaml=extra,
+                         env={"SUBSTRATE_QUOTA__DEFAULT": json.dumps({"maxCreatesPerMinute": 3})})
+    c = rt.client  # open mode: the tenant "default"
+    g = c.create_session("gpu-counter")
+    with pytest.raises(ApiError) as e:
+        c.create_session("gpu-counter")
+    assert e.value.status == 429 and e.value.code == "quota_max_gpus"
+    c.create_session("counter")
+    c.create_session("counter")  # the refused create above took no place in the window: this is the 3rd
+    with pytest.raises(ApiError) as e:
+        c.create_session("counter")
+    assert e.value.status == 429 and e.value.code == "quota_max_creates_per_minute"
+    assert 1 <= e.value.retry_after_s <= 61  # type: ignore[operator]
+    events = c.session_events(g["id"])["items"]
+    assert [(x["action"], x["gpus"], x["result"]) for x in events] == [("create", 2, "ok")]
+
+
+def test_every_state_change_leaves_exactly_one_audit_record(runtime_factory):
+    extra = """
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: idle-counter}
+spec:
+  entrypoint: workers.agents.counter:Counter
+  stateManagement: {snapshotInterval: 0, maxIdleTime: 1s}
+"""
+    rt = runtime_factory(replicas=2, slots=4, extra_yaml=extra,
+                         env={"SUBSTRATE_AUTH__API_KEYS": _keys_env()})
+    a = _client(rt.url, KEY_A)
+    rid = uuid.uuid4().hex
+    s = a.create_session("counter")
+    sid = s["id"]
+    a.invoke(sid, "increment")                      # no state change: no record
+    a.http.post(f"/v1/sessions/{sid}/suspend", headers={"X-Request-ID": rid})
+    a.invoke(sid, "increment")                      # automatic wake
+    a.suspend(sid)
+    a.resume(sid)                                   # explicit resume: one record, not two
+    wid = a.get_session(sid)["worker"]
+    rt.kill_worker(wid)                             # automatic recovery by the state manager
+    rt.wait_for(lambda: a.get_session(sid)["state"] == "SUSPENDED", what="recovery")
+    a.delete_session(sid)
+    idle = a.create_session("idle-counter")
+    rt.wait_for(lambda: a.get_session(idle["id"])["state"] == "SUSPENDED", what="idle suspend")
+    with pytest.raises(ApiError):
+        a.create_session("no-such-template")  # rejected before any session exists: nothing to record
+
+    ev = a.session_events(sid)["items"]  # still readable by its tenant after the delete
+    got = [(e["action"], e["reason"], e["result"]) for e in ev]
+    assert got == [("create", "", "ok"), ("suspend", "", "ok"), ("wake", "", "ok"), ("suspend", "", "ok"),
+                   ("resume", "", "ok"), ("recover", "worker_lost", "ok"), ("delete", "", "ok")], got
+    assert all(e["tenant"] == "team-a" and e["session"] == sid and e["template"] == "counter" for e in ev)
+    assert ev[0]["who"].startswith("apikey:") and ev[5]["who"].startswith("system:")
+    assert ev[1]["requestId"] == rid and ev[0]["worker"] == s["worker"] and ev[2]["worker"]
+    ev_idle = [(e["action"], e["reason"]) for e in a.session_events(idle["id"])["items"]]
+    assert ev_idle == [("create", ""), ("suspend", "idle")]
+    # paginated, per session and per tenant; other tenants see none of it
+    p1 = a.session_events(sid, limit=3)
+    p2 = a.session_events(sid, limit=3, continue_=p1["metadata"]["continue"])
+    p3 = a.session_events(sid, limit=3, continue_=p2["metadata"]["continue"])
+    assert [e["id"] for e in p1["items"] + p2["items"] + p3["items"]] == [e["id"] for e in ev]
+    assert p3["metadata"]["continue"] is None
+    tenant_ev = [e for e in a.events(limit=1000)["items"] if e["session"] in (sid, idle["id"])]
+    assert len(tenant_ev) == len(ev) + 2
+    assert _status(lambda: _client(rt.url, KEY_B).session_events(sid)) == (404, "session_not_found")
+    assert _client(rt.url, KEY_B).events()["items"] == []
+    assert len(_client(rt.url, KEY_ADMIN).events(tenant="team-a", limit=1000)["items"]) >= len(ev) + 2
+    assert "invalid_continue" == _status(lambda: a.session_events(sid, continue_="!!"))[1]
+    # mirrored to the JSON log
+    assert '"action": "recover"' in rt.logs()
+
+
+def test_template_credentials_reach_the_agent_only(runtime_factory, tmp_path):
+    secrets_dir = tmp_path / "secrets"
+    (secrets_dir / "model-keys").mkdir(parents=True)
+    (secrets_dir / "model-keys" / "openai").write_text("shared-value-123\n")
+    (secrets_dir / "team-a" / "model-keys").mkdir(parents=True)
+    (secrets_dir / "team-a" / "model-keys" / "openai").write_text("team-a-value-456\n")
+    extra = """
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: keyed-shell}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  env:
+    - {name: MODEL_KEY, valueFrom: {secretKeyRef: {name: model-keys, key: openai}}}
+    - {name: OPTIONAL_KEY, valueFrom: {secretKeyRef: {name: nope, key: nope, optional: true}}}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: missing-secret}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  env:
+    - {name: X, valueFrom: {secretKeyRef: {name: absent, key: k}}}
+"""
+    rt = runtime_factory(replicas=1, slots=4, extra_yaml=extra,
+                         env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(),
+                              "SUBSTRATE_AUTH__SECRETS_DIR": str(secrets_dir),
+                              "SUBSTRATE_QUOTA__BREAKER_FAILURES": "2"})
+    a, b = _client(rt.url, KEY_A), _client(rt.url, KEY_B)
+    sa, sb = a.create_session("keyed-shell"), b.create_session("keyed-shell")
+    # (answers are kept for idempotent retries, also in snapshots: the turns below print no secret)
+    def has(client: SubstrateClient, sid: str, value: str) -> bool:
+        out = client.invoke(sid, f'test "$MODEL_KEY" = "{value}" && echo match')["stdout"]
+        return bool(out == "match\n")
+    assert has(a, sa["id"], "team-a-value-456"), "the tenant's own credential"
+    assert has(b, sb["id"], "shared-value-123"), "the shared one for a tenant without its own"
+    a.invoke(sa["id"], "env > seen.txt; echo written")
+    assert "team-a-value" not in json.dumps(a.get_session(sa["id"])) + json.dumps(rt.session_raw(sa["id"]))
+    # rotate the secret: the next activation reads it afresh; the snapshot never held the value
+    (secrets_dir / "team-a" / "model-keys" / "openai").write_text("rotated-789\n")
+    a.invoke(sa["id"], "rm seen.txt")
+    a.suspend(sa["id"])
+    assert has(a, sa["id"], "rotated-789")
+    snaps = [p for p in Path(rt.env["SUBSTRATE_SNAPSHOT__LOCAL_DIR"]).rglob("*") if p.is_file()]
+    assert snaps, "the suspend wrote a snapshot"
+    import zstandard
+
+    for p in snaps:
+        raw = p.read_bytes()
+        try:
+            raw += zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+        except zstandard.ZstdError:
+            pass
+        assert b"team-a-value-456" not in raw and b"rotated-789" not in raw, p
+    for _ in range(2):
+        with pytest.raises(ApiError) as e:
+            a.create_session("missing-secret")
+        assert e.value.code == "secret_unavailable" and e.value.status == 422
+    # two failed activations in a row open team-a's circuit breaker; team-b is not affected
+    with pytest.raises(ApiError) as e:
+        a.create_session("keyed-shell")
+    assert e.value.status == 429 and e.value.code == "tenant_circuit_open" and e.value.retry_after_s
+    assert b.create_session("keyed-shell")["tenant"] == "team-b"
+    assert rt.r.scard(rt.keys.quota("team-a", "total")) == 1, "failed creates hold no quota"
+    assert os.environ.get("MODEL_KEY") is None

@@ -1,0 +1,56 @@
+"""The embedded Redis of ``substrate up``: persistent, private, restarted if it dies (issue 8, issue 7)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from substrate.embedded import EmbeddedRedis
+
+
+def _wait(pred, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_data_survives_a_stop_and_start_in_the_same_folder(tmp_path: Path) -> None:
+    """Regression: the embedded Redis ran without persistence, so a restart forgot every session."""
+    with EmbeddedRedis(tmp_path / "redis") as a:
+        r = redis.Redis.from_url(a.url)
+        r.hset("substrate:{s1}:session", mapping={"state": "SUSPENDED", "epoch": "4"})
+    assert list((tmp_path / "redis").iterdir()), "an append-only file was written"
+    with EmbeddedRedis(tmp_path / "redis") as b:
+        assert redis.Redis.from_url(b.url).hgetall("substrate:{s1}:session") == {b"state": b"SUSPENDED", b"epoch": b"4"}
+        assert b.url != a.url, "a new password each start"
+
+
+def test_a_killed_server_is_restarted_with_its_data(tmp_path: Path) -> None:
+    """Regression: a killed embedded Redis was never restarted (while /healthz stayed 200)."""
+    with EmbeddedRedis(tmp_path / "redis", watch_interval_s=0.1) as e:
+        r = redis.Redis.from_url(e.url, socket_timeout=1)
+        r.set("k", "v")
+        r.execute_command("BGREWRITEAOF")  # on disk now, not only in the once-a-second fsync window
+        _wait(lambda: r.info("persistence")["aof_rewrite_in_progress"] == 0)
+        os.kill(e.proc.pid, signal.SIGKILL)
+        _wait(lambda: e.restarts == 1 and redis.Redis.from_url(e.url, socket_timeout=1).get("k") == b"v")
+
+
+def test_it_needs_its_password_and_listens_on_loopback_only(tmp_path: Path) -> None:
+    with EmbeddedRedis(None) as e:
+        assert "@127.0.0.1:" in e.url and e.password in e.url
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+            redis.Redis(host="127.0.0.1", port=e.port, socket_timeout=1).ping()
+        assert redis.Redis.from_url(e.url).config_get("bind")["bind"] == "127.0.0.1"
+        assert str(e.password) not in open(f"/proc/{e.proc.pid}/cmdline").read(), "not visible in ps"

@@ -1,0 +1,302 @@
+"""Tenancy building blocks against a real Redis: keyset listing, quota script, API keys and their
+revocation, activation tokens and key rotation, OIDC JWT verification against a JWKS, audit paging."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import jwt
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from api.auth import Authenticator, JwksVerifier
+from substrate.apikeys import ApiKeyStore, hash_key
+from substrate.audit import Actor, AuditLog
+from substrate.directory import Directory
+from substrate.errors import Forbidden, StaleEpoch, TooManyRequests, Unauthorized
+from substrate.keys import Keys
+from substrate.listing import list_page
+from substrate.models import ActorTemplate, QuotaLimits, SessionRecord, SessionState
+from substrate.quotas import Quotas
+from substrate.settings import ApiKeySpec, AuditSettings, QuotaSettings, Settings
+from substrate.tokens import SigningKeyRing, TokenMinter, TokenVerifier, mint_token
+
+
+@pytest.fixture
+async def redis_prefix(redis_url: str):
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    r = aioredis.from_url(redis_url, decode_responses=True)
+    yield r, Keys(prefix), prefix
+    async for k in r.scan_iter(f"{prefix}:*"):
+        await r.delete(k)
+    await r.aclose()
+
+
+def _template(name: str = "counter", gpus: int = 0, quota: dict[str, int] | None = None) -> ActorTemplate:
+    return ActorTemplate.model_validate({"metadata": {"name": name}, "spec": {
+        "entrypoint": "workers.agents.counter:Counter", "resources": {"gpus": gpus}, "quota": quota}})
+
+
+# ------------------------------------------------------------------------------------------ listing
+async def test_keyset_listing_skips_no_survivor_when_items_are_deleted_between_pages(redis_url, redis_prefix):
+    r, keys, prefix = redis_prefix
+    d = Directory(redis_url, prefix)
+    try:
+        t0 = 1_700_000_000.0
+        ids = [f"s-{i:03d}" for i in range(30)]
+        for i, sid in enumerate(ids):  # pairs share a creation time: ties are ordered by ID
+            now = t0 + i // 2
+            await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate="counter",
+                                                 pool="default", tenant="a", createdAt=now, updatedAt=now,
+                                                 lastActiveAt=now))
+            await r.zadd(keys.tenant_sessions("a"), {sid: now})
+        seen: list[str] = []
+        items, cur = await list_page(r, keys, keys.tenant_sessions("a"), limit=7)
+        seen += [x.id for x in items]
+        deleted = set()
+        while cur:
+            # delete two already-listed items and one not yet listed before each next page
+            for sid in seen[-2:] + [ids[min(len(seen) + 3, 29)]]:
+                if sid not in deleted:
+                    deleted.add(sid)
+                    await d.delete_session(sid)
+            items, cur = await list_page(r, keys, keys.tenant_sessions("a"), limit=7, cursor=cur)
+            seen += [x.id for x in items]
+        survivors = [s for s in ids if s not in deleted]
+        assert len(seen) == len(set(seen)), "no item twice"
+        assert set(survivors) <= set(seen), "no survivor skipped"
+        assert seen == sorted(seen), "oldest first, ties by ID"
+        other, _ = await list_page(r, keys, keys.tenant_sessions("b"), limit=7)
+        assert other == []
+        with pytest.raises(Exception) as e:
+            await list_page(r, keys, keys.tenant_sessions("a"), cursor="%%%")
+        assert getattr(e.value, "code", "") == "invalid_continue"
+    finally:
+        await d.close()
+
+
+# ------------------------------------------------------------------------------------------- quotas
+async def test_quota_script_is_exact_under_100_concurrent_acquires_from_several_clients(redis_url, redis_prefix):
+    _, keys, _ = redis_prefix
+    settings = QuotaSettings(tenants={"a": QuotaLimits(maxRunning=7, maxTotal=9)})
+    clients = [aioredis.from_url(redis_url, decode_responses=True) for _ in range(4)]
+    quotas = [Quotas(c, keys, settings) for c in clients]
+    t = _template()
+
+    async def one(i: int) -> str:
+        try:
+            await quotas[i % 4].acquire("a", t, f"s{i}", create=True)
+            return "ok"
+        except TooManyRequests as e:
+            return e.code
+    res = await asyncio.gather(*(one(i) for i in range(100)))
+    assert res.count("ok") == 7 and set(res) == {"ok", "quota_max_running"}
+    u = await quotas[0].usage("a")
+    assert (u.running, u.total) == (7, 7)
+    ok_ids = [f"s{i}" for i, x in enumerate(res) if x == "ok"]
+    # release is idempotent; suspended (released) sessions keep their total place
+    await quotas[0].release("a", "counter", ok_ids[0])
+    await quotas[1].release("a", "counter", ok_ids[0])
+    assert (await quotas[0].usage("a")).running == 6
+    await quotas[0].acquire("a", t, "n1", create=True)
+    await quotas[0].release("a", "counter", "n1")
+    await quotas[0].acquire("a", t, "n2", create=True)
+    with pytest.raises(TooManyRequests) as e:
+        await quotas[0].acquire("a", t, "n3", create=True)
+    assert e.value.code == "quota_max_total" and e.value.details["scope"] == "tenant"
+    # re-acquiring for a session already counted takes nothing more (a retried wake leaks nothing)
+    await quotas[0].acquire("a", t, ok_ids[1], create=False)
+    assert (await quotas[0].usage("a")).running == 7
+    for c in clients:
+        await c.aclose()
+
+
+async def test_quota_reconcile_is_two_phase(redis_prefix):
+    r, keys, _ = redis_prefix
+    q = Quotas(r, keys, QuotaSettings())
+    t = _template(gpus=1)
+    await q.acquire("a", t, "gone", create=True)
+    await q.acquire("a", t, "suspended", create=True)
+    await q.acquire("a", t, "running", create=True)
+    now = time.time()
+    recs = {sid: SessionRecord(id=sid, state=st, actorTemplate="counter", pool="p", tenant="a", createdAt=now,
+                               updatedAt=now, lastActiveAt=now)
+            for sid, st in (("suspended", SessionState.SUSPENDED), ("running", SessionState.RUNNING))}
+    assert await q.reconcile(recs) == 0, "first sight: only suspected (a create may be one step away)"
+    await q.reconcile(recs)
+    u = await q.usage("a")
+    assert (u.running, u.total, u.gpus) == (1, 2, 1)
+
+
+# ------------------------------------------------------------------------------------- API keys
+async def test_api_keys_create_import_revoke_and_immediate_effect(redis_prefix, tmp_path):
+    r, keys, prefix = redis_prefix
+    settings = Settings(redis={"url": "redis://unused", "key_prefix": prefix},
+                        auth={"api_keys": [ApiKeySpec(tenant="env-t", key="sk_env_" + "x" * 30)]})
+    auth = Authenticator(settings, r, keys)
+    await auth.start()
+    try:
+        assert auth.enabled
+        p = await auth.authenticate({"authorization": "Bearer sk_env_" + "x" * 30})
+        assert p.tenant == "env-t" and not p.admin
+        store = ApiKeyStore(r, keys)
+        rec, key = await store.create("team-a", admin=True, name="ci")
+        assert key not in json.dumps(await r.hgetall(keys.api_keys)) and hash_key(key) in await r.hkeys(keys.api_keys)
+        assert (await auth.authenticate({"authorization": f"Bearer {key}"})).admin
+        await store.revoke(rec.id)
+        await asyncio.sleep(0.05)  # pub/sub delivery on loopback
+        with pytest.raises(Unauthorized):
+            await auth.authenticate({"authorization": f"Bearer {key}"})
+        # a key given by env, once revoked, is not re-imported at the next start
+        await store.revoke("sk_env_" + "x" * 30)
+        assert await store.import_specs(settings.auth.api_keys) == 0
+        await asyncio.sleep(0.05)
+        with pytest.raises(Unauthorized):
+            await auth.authenticate({"authorization": "Bearer sk_env_" + "x" * 30})
+        with pytest.raises(Unauthorized):
+            await auth.authenticate({})
+    finally:
+        await auth.stop()
+
+
+async def test_open_mode_without_keys(redis_prefix):
+    r, keys, prefix = redis_prefix
+    auth = Authenticator(Settings(redis={"key_prefix": prefix}), r, keys)
+    await auth.start()
+    try:
+        assert not auth.enabled
+        p = await auth.authenticate({})
+        assert p.tenant == "default" and not p.admin
+    finally:
+        await auth.stop()
+
+
+# ------------------------------------------------------------------------------ activation tokens
+async def test_activation_tokens_bind_session_epoch_worker_and_survive_rotation(redis_prefix):
+    r, keys, _ = redis_prefix
+    ring = await _ring(r, keys)
+    minter = TokenMinter(ring, ttl_s=60)
+    verifier = TokenVerifier(await _ring(r, keys), "http://w1")
+    tok = minter.mint(session="s1", epoch=3, worker_address="http://w1", tenant="a")
+    assert minter.mint(session="s1", epoch=3, worker_address="http://w1", tenant="a") == tok, "reused"
+    c = await verifier.verify(tok, session="s1", epoch=3)
+    assert (c.session, c.epoch, c.tenant) == ("s1", 3, "a")
+    with pytest.raises(Forbidden):
+        await verifier.verify(tok, session="s2", epoch=3)
+    with pytest.raises(StaleEpoch):
+        await verifier.verify(tok, session="s1", epoch=4)
+    with pytest.raises(Unauthorized):
+        await TokenVerifier(ring, "http://w2").verify(tok, session="s1", epoch=3)
+    old_kid = ring.current
+    expired = mint_token(ring.secrets[old_kid], old_kid, session="s1", epoch=3, audience="http://w1",
+                         ttl_s=1, now=time.time() - 30)
+    with pytest.raises(Unauthorized) as e:
+        await verifier.verify(expired, session="s1", epoch=3)
+    assert e.value.code == "token_expired"
+    # rotation: a token of the new key is accepted by a verifier that never saw it (reload on unknown kid)
+    new_kid, prev = await ring.rotate()
+    assert prev == old_kid
+    tok2 = minter.mint(session="s1", epoch=3, worker_address="http://w1", tenant="a")
+    assert jwt.get_unverified_header(tok2)["kid"] == new_kid
+    verifier.ring.loaded_at = 0  # past the reload rate limit
+    assert (await verifier.verify(tok2, session="s1", epoch=3)).session == "s1"
+    fresh = TokenVerifier(await _ring(r, keys), "http://w1")
+    assert (await fresh.verify(tok, session="s1", epoch=3)).epoch == 3, "previous key still accepted"
+    await ring.rotate()
+    fresh = TokenVerifier(await _ring(r, keys), "http://w1")
+    with pytest.raises(Unauthorized):
+        await fresh.verify(tok, session="s1", epoch=3)  # two rotations ago: refused
+
+
+async def _ring(r: Any, keys: Keys) -> SigningKeyRing:
+    ring = SigningKeyRing(r, keys)
+    await ring.load()
+    return ring
+
+
+# -------------------------------------------------------------------------------------- OIDC JWT
+async def test_oidc_jwt_against_jwks_with_key_rotation():
+    keys = {"k1": rsa.generate_private_key(public_exponent=65537, key_size=2048)}
+    served: dict[str, Any] = {}
+
+    def jwks() -> dict[str, Any]:
+        out = []
+        for kid, k in keys.items():
+            d = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(k.public_key()))
+            d.update(kid=kid, alg="RS256", use="sig")
+            out.append(d)
+        return {"keys": out}
+
+    async def discovery(req: web.Request) -> web.Response:
+        return web.json_response({"issuer": served["iss"], "jwks_uri": served["iss"] + "/jwks"})
+
+    async def jwks_route(req: web.Request) -> web.Response:
+        return web.json_response(jwks())
+
+    app = web.Application()
+    app.router.add_get("/.well-known/openid-configuration", discovery)
+    app.router.add_get("/jwks", jwks_route)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    served["iss"] = f"http://127.0.0.1:{port}"
+    try:
+        s = Settings(auth={"oidc_issuer": served["iss"], "oidc_audience": "substrate"})
+        v = JwksVerifier(s)
+
+        def token(kid: str, **claims: Any) -> str:
+            body = {"iss": served["iss"], "aud": "substrate", "sub": "alice", "tenant": "team-a",
+                    "exp": int(time.time()) + 60, **claims}
+            return jwt.encode(body, keys[kid], algorithm="RS256", headers={"kid": kid})
+
+        p = await v.verify(token("k1"))
+        assert (p.tenant, p.subject, p.admin, p.via) == ("team-a", "alice", False, "jwt")
+        assert (await v.verify(token("k1", roles=["substrate-admin"]))).admin
+        for bad, code in ((token("k1", aud="other"), "invalid_token"), (token("k1", iss="http://evil"), "invalid_token"),
+                          (token("k1", exp=int(time.time()) - 60), "token_expired")):
+            with pytest.raises(Unauthorized) as e:
+                await v.verify(bad)
+            assert e.value.code == code
+        with pytest.raises(Forbidden) as e2:
+            await v.verify(token("k1", tenant="Not A Tenant"))
+        assert e2.value.code == "no_tenant"
+        # the issuer rotates: a token with a new key ID makes the verifier reload the JWKS
+        keys["k2"] = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        v._loaded_at -= 5
+        assert (await v.verify(token("k2"))).tenant == "team-a"
+        forged = jwt.encode({"iss": served["iss"], "aud": "substrate", "sub": "x", "tenant": "team-a",
+                             "exp": int(time.time()) + 60},
+                            rsa.generate_private_key(public_exponent=65537, key_size=2048), algorithm="RS256",
+                            headers={"kid": "k1"})
+        with pytest.raises(Unauthorized):
+            await v.verify(forged)
+    finally:
+        await runner.cleanup()
+
+
+# --------------------------------------------------------------------------------------------- audit
+async def test_audit_records_page_per_session_and_tenant(redis_prefix):
+    r, keys, _ = redis_prefix
+    log = AuditLog(r, keys, AuditSettings())
+    for i in range(5):
+        await log.record("create" if i == 0 else "suspend", session="s1", tenant="a", template="t",
+                         who=Actor("apikey:x", "a", f"req{i}"))
+    await log.record("create", session="s2", tenant="b", template="t")
+    items, cur = await log.session_events("s1", limit=2)
+    all_ids = [x["id"] for x in items]
+    while cur:
+        items, cur = await log.session_events("s1", limit=2, after=cur)
+        all_ids += [x["id"] for x in items]
+    assert len(all_ids) == 5 == len(set(all_ids))
+    t_items, _ = await log.tenant_events("a")
+    assert [x["requestId"] for x in t_items] == [f"req{i}" for i in range(5)]
+    assert (await log.tenant_events("b"))[0][0]["who"] == "system:control-plane"
+    assert await log.session_tenant("s1") == "a" and await log.session_tenant("nope") is None

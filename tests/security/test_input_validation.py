@@ -1,0 +1,111 @@
+"""The platform's own surfaces (issue 7 item 6): whole-string patterns, lone surrogates, the bearer check and
+the body limit before any body is read (chunked too), ASCII-only ``continue``, and invoke JSON the router
+refuses with 400 ``bad_json``. Each case: a clear JSON error, and nothing changed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import RuntimeProc
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[RuntimeProc]:
+    r = RuntimeProc(tmp_path_factory.mktemp("inp"), redis_url, replicas=1, slots=4,
+                    env={"SUBSTRATE_API__AUTH_TOKEN": TOKEN})
+    r.client.http.headers["Authorization"] = f"Bearer {TOKEN}"
+    yield r
+    r.stop()
+
+
+def sessions(rt: RuntimeProc) -> int:
+    return rt.r.zcard(rt.keys.sessions_index)
+
+
+class Counted:
+    """A chunked request body that counts what the server pulled from it."""
+
+    def __init__(self, total: int, chunk: int = 64 * 1024) -> None:
+        self.total, self.chunk, self.sent = total, chunk, 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        while self.sent < self.total:
+            self.sent += self.chunk
+            yield b" " * self.chunk
+
+
+@pytest.mark.parametrize("sid", ["abc%0A", "a%0a", "abc%0A%0A"])
+def test_session_id_with_a_trailing_newline_is_refused(rt, sid):
+    before = sessions(rt)
+    r = rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter",
+                                                  "id": sid.replace("%0A", "\n").replace("%0a", "\n")})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_session_id"
+    r = rt.client.http.get(f"/v1/sessions/{sid}")
+    assert r.status_code == 422 and r.json()["code"] == "invalid_session_id"
+    r = rt.client.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_session_id"
+    assert sessions(rt) == before
+
+
+@pytest.mark.parametrize("field", ["labels", "id", "actorTemplate"])
+def test_lone_surrogate_is_refused_and_the_list_keeps_working(rt, field):
+    before = sessions(rt)
+    # JSON allows the escape "\ud800"; the body itself is plain ASCII
+    raw = {"labels": '{"actorTemplate": "counter", "labels": {"team": "\\ud800"}}',
+           "id": '{"actorTemplate": "counter", "id": "x\\ud800"}',
+           "actorTemplate": '{"actorTemplate": "x\\ud800"}'}[field]
+    r = rt.client.http.post("/v1/sessions", content=raw.encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/json"), r.text
+    assert sessions(rt) == before
+    assert rt.client.http.get("/v1/sessions").status_code == 200
+
+
+@pytest.mark.parametrize("token", ["²", "١٢", "1\n", " 1", "+1", "1_0"])
+def test_continue_takes_ascii_digits_only(rt, token):
+    r = rt.client.http.get("/v1/sessions", params={"continue": token})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_continue"
+
+
+def test_bearer_check_runs_before_the_body_is_read(rt):
+    body = Counted(8 * 1024 * 1024)
+    with httpx.Client(base_url=rt.url, timeout=30) as anon:
+        r = anon.post("/v1/sessions/whatever/invoke", content=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+        r2 = anon.post("/v1/sessions", json={"actorTemplate": "counter"})
+        assert r2.status_code == 401
+    assert body.sent < body.total, "the router did not read the unauthenticated body"
+
+
+@pytest.mark.parametrize("path", ["/v1/sessions/whatever/invoke", "/v1/sessions"])
+def test_chunked_body_over_the_limit_gets_413_before_it_is_buffered(rt, path):
+    before = sessions(rt)
+    body = Counted(300 * 1024 * 1024)  # 300 MiB, sent chunked (no Content-Length)
+    try:
+        r = rt.client.http.post(path, content=body)
+        assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
+    except httpx.HTTPError:
+        pass  # the server may close the connection once it has answered
+    assert body.sent < 32 * 1024 * 1024, "the router stopped reading soon after the 1 MiB limit"
+    assert sessions(rt) == before
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",   # too deep for any parser
+    b'{"input": ' + b"[" * 200 + b"]" * 200 + b"}",            # deeper than the router's limit
+    b'{"input": ' + b"9" * 5000 + b"}",                        # over Python's int digit limit
+    b'{"input": 1e999}', b'{"input": NaN}', b'{"input": "x"',  # overflow, non-JSON constant, truncated
+    b'\xff\xfe', b"[]", b'{"no_input": 1}',
+])
+def test_bad_invoke_json_gets_400_from_the_router(rt, raw):
+    s = rt.client.create_session("counter")
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=raw,
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] in ("bad_json", "missing_input"), r.text
+    assert "x-substrate-worker" not in r.headers, "the request never reached a worker"
+    assert rt.client.invoke(s["id"], "increment") == {"count": 1}
+    rt.client.delete_session(s["id"])

@@ -1,0 +1,125 @@
+"""Unit tests of issue 7's pure parts: session env policy, isolation limits parsed at load, the sandbox's
+command line (what is bound, what never is), and restore bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from snapshot import archive
+from substrate.envpolicy import check_session_env
+from substrate.errors import InvalidInput, SnapshotCorrupt
+from substrate.models import ActorTemplateSpec, Isolation
+from substrate.specs import SpecError, load_documents
+from workers.sandbox import Limits, SandboxPool, find_bwrap
+
+
+@pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONWARNINGS", "PATH",
+                                  "HOME", "BROWSER", "BASH_ENV", "SUBSTRATE_X", "AWS_ACCESS_KEY_ID", "lower",
+                                  "1ABC", "A-B", "A\n", "NODE_OPTIONS", "PERL5OPT", "RUBYOPT", "GCONV_PATH"])
+def test_denied_names_are_refused_with_the_name(name):
+    with pytest.raises(InvalidInput) as e:
+        check_session_env({name: "x"})
+    assert e.value.code == "invalid_env" and e.value.details["name"] == name and e.value.status == 422
+
+
+def test_template_names_are_not_overridable_and_sizes_are_bounded():
+    with pytest.raises(InvalidInput) as e:
+        check_session_env({"MODEL": "x"}, ["MODEL"])
+    assert e.value.details["name"] == "MODEL"
+    with pytest.raises(InvalidInput):
+        check_session_env({"BIG": "x" * 5000})
+    with pytest.raises(InvalidInput):
+        check_session_env({f"V{i}": "x" for i in range(65)})
+    with pytest.raises(InvalidInput):
+        check_session_env({f"V{i}": "x" * 4000 for i in range(9)})  # over the 32 KiB total
+    with pytest.raises(InvalidInput):
+        check_session_env({"S": "\ud800"})
+    assert check_session_env({"MY_KEY": "v", "_X1": ""}) == {"MY_KEY": "v", "_X1": ""}
+
+
+@pytest.mark.parametrize("iso,ok", [
+    ({"maxMemory": "512Mi", "maxCpu": "500m", "maxDiskBytes": "2Gi"}, True),
+    ({"maxMemory": "lots"}, False), ({"maxCpu": "-1"}, False), ({"maxDiskBytes": "1Zb"}, False),
+    ({"maxProcesses": 0}, False), ({"network": "internet"}, False), ({"turnTimeout": "soon"}, False),
+    ({"turnTimeout": "0"}, False), ({"network": "egress", "sandbox": False}, True),
+])
+def test_isolation_is_checked_when_the_template_is_loaded(iso, ok):
+    doc = {"kind": "ActorTemplate", "metadata": {"name": "t"},
+           "spec": {"entrypoint": "workers.agents.counter:Counter", "isolation": iso}}
+    if ok:
+        load_documents([doc])
+    else:
+        with pytest.raises(SpecError):
+            load_documents([doc])
+
+
+def test_limits_from_a_template():
+    spec = ActorTemplateSpec(entrypoint="m:C", isolation=Isolation(maxMemory="64Mi", maxCpu="250m",
+                                                                    maxProcesses=10, turnTimeout="2s"))
+    lim = Limits.of(spec)
+    assert (lim.memory_bytes, lim.cpu_cores, lim.processes, lim.turn_timeout_s) == (64 << 20, 0.25, 10, 2.0)
+    assert lim.rlimits(with_memory=True)["RLIMIT_AS"] == 64 << 20
+    assert "RLIMIT_AS" not in lim.rlimits(with_memory=False)
+
+
+@pytest.mark.skipif(find_bwrap() is None, reason="bubblewrap not installed")
+def test_sandbox_command_line_binds_no_runtime_state(tmp_path):
+    async def argv() -> list[str]:
+        pool = SandboxPool(tmp_path / "w", 1, name="unit", bwrap=find_bwrap(), uid_base=29000, uid_span=500,
+                           uid_lock_dir=tmp_path / "locks", prestart=False)
+        try:
+            return pool.argv(pool.slots[0], Limits())
+        finally:
+            await pool.close()
+
+    a = asyncio.run(argv())
+    binds = [a[i + 1] for i, x in enumerate(a) if x in ("--bind", "--ro-bind")]
+    rw = [a[i + 1] for i, x in enumerate(a) if x == "--bind"]
+    assert rw == [str(tmp_path / "w" / "slots" / "0")], "only the slot folder is writable"
+    root = Path(__file__).resolve().parents[2]
+    for src in binds:
+        assert not str(root / "var").startswith(src) and src != str(root), f"{src} exposes the runtime's files"
+    assert "--unshare-net" in a and "--clearenv" in a and "--die-with-parent" in a
+    assert not any("SUBSTRATE" in x for x in a)
+
+
+def _tar_with(tmp_path: Path, names: list[str]) -> Path:
+    import io
+
+    import zstandard
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for n in names:
+            data = b"{}" if n == "state.json" else b"x"
+            ti = tarfile.TarInfo(n)
+            ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data))
+    out = tmp_path / "a.tar.zst"
+    out.write_bytes(zstandard.ZstdCompressor().compress(raw.getvalue()))
+    return out
+
+
+def test_restore_bounds_member_names_and_counts(tmp_path, monkeypatch):
+    long_name = _tar_with(tmp_path, ["state.json", "workspace/" + "a" * 300])
+    with pytest.raises(SnapshotCorrupt) as e:
+        archive.unpack(long_name, tmp_path / "ws", expect_session="s", expect_sha256=None)
+    assert e.value.details["reason"] == "unsafe_path"
+    monkeypatch.setattr(archive, "MAX_MEMBERS", 3)
+    many = _tar_with(tmp_path, ["state.json"] + [f"workspace/f{i}" for i in range(5)])
+    with pytest.raises(SnapshotCorrupt) as e:
+        archive.unpack(many, tmp_path / "ws", expect_session="s", expect_sha256=None)
+    assert e.value.details["reason"] == "too_large"
+    assert not (tmp_path / "ws").exists()
+
+
+def test_hash_is_checked_before_decompressing(tmp_path, monkeypatch):
+    arch = _tar_with(tmp_path, ["state.json"])
+    monkeypatch.setattr(archive, "_extract", lambda *a, **k: pytest.fail("decompressed before the hash check"))
+    with pytest.raises(SnapshotCorrupt) as e:
+        archive.unpack(arch, tmp_path / "ws", expect_session="s", expect_sha256="0" * 64)
+    assert e.value.details["reason"] == "checksum_mismatch"

@@ -1,0 +1,103 @@
+"""The per-pool queue of placements waiting for a slot (substrate.slotqueue), with in-memory fakes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from substrate.slotqueue import SlotQueue
+
+
+class FakePool:
+    """Free slot counter + a log of who claimed/released; ``reads`` counts registry refreshes."""
+
+    def __init__(self, free: int = 0) -> None:
+        self.free = free
+        self.claimed: list[str] = []
+        self.released: list[str] = []
+        self.reads = 0
+        self.room = 0  # idle sessions that make_room may suspend
+        self.room_for: list[str] = []  # tenants room was asked for
+
+    async def claim(self, sid: str, pin: str | None):
+        if pin is not None and pin != "w1":
+            return None
+        if self.free <= 0:
+            return None
+        self.free -= 1
+        self.claimed.append(sid)
+        return ("w1", len(self.claimed))
+
+    async def refresh(self) -> None:
+        self.reads += 1
+
+    async def make_room(self, tenant: str) -> bool:
+        self.room_for.append(tenant)
+        if self.room <= 0:
+            return False
+        self.room -= 1
+        self.free += 1
+        return True
+
+    async def release(self, w, slot, sid) -> None:
+        self.released.append(sid)
+        self.free += 1
+
+    def queue(self, poll_s: float = 0.01) -> SlotQueue:
+        return SlotQueue(self.claim, refresh=self.refresh, make_room=self.make_room, release=self.release,
+                         poll_s=poll_s)
+
+
+async def test_waiters_are_served_in_arrival_order_as_slots_free_up():
+    pool = FakePool(free=0)
+    q = pool.queue()
+    tasks = [asyncio.create_task(q.wait(f"s{i}", None, 5.0)) for i in range(3)]
+    await asyncio.sleep(0.03)
+    assert pool.claimed == [] and len(q) == 3
+    for _ in range(3):
+        pool.free += 1
+        q.notify()
+        await asyncio.sleep(0.005)
+    results = await asyncio.gather(*tasks)
+    assert pool.claimed == ["s0", "s1", "s2"]
+    assert [r[0] for r in results] == ["w1"] * 3
+
+
+async def test_registry_is_read_once_per_round_not_once_per_waiter():
+    pool = FakePool(free=0)
+    q = pool.queue(poll_s=0.02)
+    tasks = [asyncio.create_task(q.wait(f"s{i}", None, 0.2)) for i in range(50)]
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.TimeoutError) for r in done)
+    # 50 waiters polling every 50 ms for 0.2 s would read the registry ~200 times
+    assert pool.reads <= q.rounds + 1 <= 20
+
+
+async def test_make_room_suspends_an_idle_session_for_the_head_waiter():
+    pool = FakePool(free=0)
+    pool.room = 1
+    q = pool.queue()
+    assert await q.wait("s0", None, 1.0, tenant="acme") == ("w1", 1)
+    assert pool.room == 0
+    assert pool.room_for == ["acme"], "room is made for the waiting tenant (fairness between tenants)"
+
+
+async def test_a_waiter_that_timed_out_gets_no_slot_and_leaks_none():
+    pool = FakePool(free=0)
+    q = pool.queue()
+    with pytest.raises(asyncio.TimeoutError):
+        await q.wait("late", None, 0.02)
+    pool.free = 1
+    assert await q.wait("next", None, 1.0) == ("w1", 1)
+    assert pool.claimed == ["next"] and pool.free == 0
+
+
+async def test_a_pinned_waiter_does_not_block_unpinned_ones():
+    pool = FakePool(free=1)
+    q = pool.queue()
+    pinned = asyncio.create_task(q.wait("p", "w2", 0.1))  # w2 never has room
+    got = await q.wait("u", None, 1.0)
+    assert got[0] == "w1"
+    with pytest.raises(asyncio.TimeoutError):
+        await pinned

@@ -1,0 +1,99 @@
+"""Pure parts of tenancy: circuit breaker, parked share, placement fairness, credential resolution, and
+the error-code catalogue being complete."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from api.errors_doc import ERROR_CODES, openapi_error_schema
+from substrate.errors import TooManyRequests
+from substrate.fairness import ParkedShare, TenantBreaker, victim_filter
+from substrate.models import EnvVar
+from substrate.secrets import SecretUnavailable, resolve_env
+from substrate.settings import QuotaSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_breaker_opens_per_tenant_half_opens_and_closes():
+    b = TenantBreaker(QuotaSettings(breaker_failures=3, breaker_window_s=10, breaker_open_s=5))
+    for t in (0.0, 1.0):
+        b.failure("a", now=t)
+    b.check("a", now=1.5)  # two failures: still closed
+    b.failure("a", now=2.0)
+    with pytest.raises(TooManyRequests) as e:
+        b.check("a", now=3.0)
+    assert e.value.code == "tenant_circuit_open" and e.value.retry_after_s == pytest.approx(4.0)
+    b.check("b", now=3.0)  # other tenants unaffected
+    b.check("a", now=7.5)  # open period over: one trial goes through (half-open) ...
+    b.failure("a", now=7.6)  # ... and its failure reopens at once
+    with pytest.raises(TooManyRequests):
+        b.check("a", now=7.7)
+    b.success("a")
+    b.check("a", now=7.8)
+    # failures outside the window do not add up
+    b2 = TenantBreaker(QuotaSettings(breaker_failures=2, breaker_window_s=1))
+    b2.failure("a", now=0.0)
+    b2.failure("a", now=5.0)
+    b2.check("a", now=5.1)
+
+
+def test_parked_share_caps_one_tenant():
+    p = ParkedShare(max_parked=10, share=0.3)
+    for _ in range(3):
+        p.enter("a", 1)
+    with pytest.raises(TooManyRequests) as e:
+        p.enter("a", 1)
+    assert e.value.code == "tenant_parked_share"
+    p.enter("b", 1)
+    p.leave("a")
+    p.enter("a", 1)
+
+
+def test_victim_filter_fair_share():
+    # 16 slots, tenants a and b: fair share 8
+    assert victim_filter("a", {"a": 3, "b": 13}, 16) is None, "under its share: may displace anyone idle"
+    assert victim_filter("b", {"a": 3, "b": 13}, 16) == "b", "over its share: only its own sessions"
+    assert victim_filter("c", {"a": 8, "b": 8}, 16) is None, "a newcomer gets a share"
+    assert victim_filter("a", {}, 4) is None
+
+
+def test_resolve_env_tenant_first_then_shared(tmp_path):
+    (tmp_path / "s" / "k").parent.mkdir(parents=True)
+    (tmp_path / "s" / "k").write_text("shared\n")
+    (tmp_path / "t1" / "s").mkdir(parents=True)
+    (tmp_path / "t1" / "s" / "k").write_text("mine")
+    env = [EnvVar(name="A", valueFrom={"secretKeyRef": {"name": "s", "key": "k"}}), EnvVar(name="B", value="plain"),
+           EnvVar(name="C", valueFrom={"secretKeyRef": {"name": "x", "key": "y", "optional": True}})]
+    assert resolve_env(env, tenant="t1", secrets_dir=tmp_path) == {"A": "mine"}
+    assert resolve_env(env, tenant="t2", secrets_dir=tmp_path) == {"A": "shared"}
+    for ref in ({"name": "../s", "key": "k"}, {"name": "nope", "key": "k"}):
+        with pytest.raises(SecretUnavailable):
+            resolve_env([EnvVar(name="A", valueFrom={"secretKeyRef": ref})], tenant="t1", secrets_dir=tmp_path)
+    with pytest.raises(SecretUnavailable):
+        resolve_env(env[:1], tenant="t1", secrets_dir=None)
+
+
+#: codes only the workers' internal API or the CLI answer with (never a public API answer: the router turns
+#: a worker's refusal into a retry through the directory or into worker_unavailable)
+INTERNAL = {"not_active", "busy", "stale_epoch", "missing_token", "token_not_for_this_call", "epoch_mismatch",
+            "no_signing_key", "unsupported_template", "api_key_not_found", "invalid_api_key_spec",
+            "invalid_tenant", "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
+            "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch",
+            "worker_fenced"}
+
+
+def test_every_error_code_is_documented():
+    found: set[str] = set()
+    for folder in ("api", "substrate", "snapshot", "workers"):
+        for p in (ROOT / folder).rglob("*.py"):
+            text = p.read_text()
+            found |= set(re.findall(r'code="([a-z_]+)"', text))
+            found |= set(re.findall(r'code = "([a-z_]+)"', text))
+            found |= set(re.findall(r'status, code = \d+, "([a-z_]+)"', text))
+    missing = found - set(ERROR_CODES) - INTERNAL
+    assert not missing, f"error codes without documentation in api/errors_doc.py: {sorted(missing)}"
+    assert set(openapi_error_schema()["properties"]["code"]["enum"]) == set(ERROR_CODES)
