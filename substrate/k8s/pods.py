@@ -108,7 +108,7 @@ def session_limits(templates: list[Any], slots: int) -> tuple[dict[str, str], in
     if all(mems):
         limits["memory"] = str(int(max(parse_quantity(m) for m in mems) * slots))
     disks = [getattr(i, "maxDiskBytes", None) for i in isos]
-    disk = int(max(int(d) for d in disks)) * slots if all(disks) else None
+    disk = int(max(parse_quantity(d) for d in disks) * slots) if all(disks) else None
     return limits, disk
 
 

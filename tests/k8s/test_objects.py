@@ -228,16 +228,16 @@ def test_template_isolation_bounds_the_worker_pod() -> None:
                                              "spec": {"entrypoint": "a:B", "isolation": iso}})
 
     pool = _pool({"slots": 4})
-    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="500m", maxMemory="1Gi", maxDiskBytes=1 << 30),
-                                                             tpl("b", maxCpu="2", maxMemory="512Mi", maxDiskBytes=1 << 20)])
+    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="500m", maxMemory="1Gi", maxDiskBytes="1Gi"),
+                                                             tpl("b", maxCpu="2", maxMemory="512Mi", maxDiskBytes="1Mi")])
     validate(pod)
     c = pod["spec"]["containers"][0]
     assert c["resources"]["limits"] == {"cpu": "8000m", "memory": str(4 << 30)}
     ws = next(v for v in pod["spec"]["volumes"] if v["name"] == "substrate-workspace")
     assert ws["emptyDir"]["sizeLimit"] == str(4 << 30)
     # one template without a bound leaves the Pod unbounded; the pod template's own limits win
-    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="1"), tpl("b")])
-    assert "limits" not in pod["spec"]["containers"][0].get("resources", {})
+    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="1"), tpl("b", maxCpu=None)])
+    assert "cpu" not in pod["spec"]["containers"][0].get("resources", {}).get("limits", {})
     own = _pool({"slots": 2, "template": {"spec": {"containers": [{"name": "worker", "image": "x",
                                                                    "resources": {"limits": {"cpu": "3"}}}]}}})
     pod = build_worker_pod(own, "w", Settings(), templates=[tpl("a", maxCpu="1", maxMemory="1Gi")])
