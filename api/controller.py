@@ -71,9 +71,7 @@ async def run(settings: Settings, host: str, port: int, identity: str | None = N
         kcat = KubeCatalog(kube, k.namespace)
         kcat.start()
         await kcat.wait_synced(30)
-        backend = KubernetesBackend(settings, kube)
-        backend.start()
-        await backend.pods.wait_synced(30)
+        backend = KubernetesBackend(settings, kube)  # its Pod watch starts with the pool controller
         rt = await Runtime.build(settings, embedded=False, catalog=kcat.catalog)
         rt.kube_catalog = kcat
         rt.state_manager = StateManager(settings, rt.directory, rt.catalog, rt.activator, rt.store)

@@ -7,7 +7,8 @@
 * A watch of the namespace's worker Pods (label ``app.kubernetes.io/component=worker``) feeds
   ``running()``/``reap()``: a Pod that is gone, ``Failed``/``Succeeded`` (a crash, an eviction by the
   kubelet) or being deleted by someone else (an API eviction, a node drain) stops counting as running, so
-  a replacement is created and the pool controller recovers its sessions once it is reaped. Pods this
+  a replacement is created at once. It is reaped (its sessions recovered) only when its object is gone or
+  Failed: while it terminates, its worker suspends its own sessions (graceful drain on SIGTERM). Pods this
   backend deletes are never reported as dead (they were drained first).
 * ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
   no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
@@ -80,11 +81,16 @@ class KubernetesBackend:
         self._backoff: dict[str, _Backoff] = {}
         self._first_seen_problem: dict[str, float] = {}
         self.gang_pools: set[str] = set()
+        #: pool name -> the ActorTemplates it hosts (their isolation bounds the Pods); set by the controller
+        self.templates_for: Any = lambda _pool: []
         self.creates = 0
 
-    def start(self) -> None:
+    async def start(self, sync_timeout_s: float = 30.0) -> None:
+        """Start the Pod watch and wait for its first listing (called by ``PoolController.start``)."""
         if self.pods._thread is None:
             self.pods.start()
+        if not await self.pods.wait_synced(sync_timeout_s):
+            log.warning("worker Pods not listed yet from the API server")
 
     # --------------------------------------------------------------------------------------- port
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
@@ -93,7 +99,7 @@ class KubernetesBackend:
             log.debug("create skipped: backing off", extra={"pool": pool.name})
             return
         body = build_worker_pod(pool, worker_id, self.settings, namespace=self.namespace,
-                                gang=pool.name in self.gang_pools)
+                                gang=pool.name in self.gang_pools, templates=self.templates_for(pool.name))
         self._created[worker_id] = _Created(pool.name)
         try:
             await asyncio.to_thread(self.kube.create_pod, self.namespace, body)
@@ -145,7 +151,9 @@ class KubernetesBackend:
             pod = items.get(name)
             if name in self._created:
                 continue
-            gone = pod is None or pod_failed(pod) or bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+            # a Pod being deleted by someone else (eviction, node drain) still runs its worker, which drains
+            # itself on SIGTERM: it is dead only once its object is gone (the kubelet stopped it) or Failed
+            gone = pod is None or pod_failed(pod)
             if gone:
                 self._reported.pop(name)
                 dead.append(name)

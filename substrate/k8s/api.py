@@ -71,6 +71,7 @@ class Kube:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.coordination = client.CoordinationV1Api(api_client)
+        self.resource = client.ResourceV1Api(api_client)
 
     def raw(self, obj: Any) -> dict[str, Any]:
         """A client model as the API's JSON dict (camelCase)."""

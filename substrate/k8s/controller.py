@@ -28,7 +28,8 @@ from typing import Any
 
 from substrate.backends.kubernetes import KubernetesBackend
 from substrate.directory import Directory
-from substrate.k8s import dra, status as kstatus
+from substrate import metrics
+from substrate.k8s import dra, gpu, status as kstatus
 from substrate.k8s.api import GROUP, VERSION, Informer, Kube
 from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
 from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
@@ -62,7 +63,6 @@ class KubeCatalog:
         self.deleting: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
         self._warned: set[tuple[str, Any]] = set()
-        self.changed = asyncio.Event()
         for inf in (self.pools, self.templates):
             inf.add_listener(self.rebuild)
 
@@ -92,7 +92,7 @@ class KubeCatalog:
                 try:
                     part = load_documents([doc], f"{doc.get('kind')}/{name}", log_warnings=False)
                 except SpecError as e:
-                    errors[name] = e.message
+                    errors[f"{doc.get('kind')}/{name}"] = e.message
                     continue
                 gen = (doc.get("metadata") or {}).get("generation")
                 for w in part.warnings:  # once per object generation, not on every status update
@@ -109,7 +109,6 @@ class KubeCatalog:
         self.catalog.pools.update(pools)
         self.catalog.templates.clear()
         self.catalog.templates.update(templates)
-        self.changed.set()
 
 
 class KubePoolController(PoolController):
@@ -126,12 +125,36 @@ class KubePoolController(PoolController):
         self._finalizing: set[str] = set()
         self._last_status: dict[str, dict[str, Any]] = {}
         self._rolling: set[str] = set()
+        backend.templates_for = self._templates_for
+        # DRA allocations and the drivers' device inventory, for the GPU memory gauges (substrate.k8s.gpu)
+        res = self.kube.resource
+        self.claims = Informer(self.kube, lambda ns, **kw: res.list_namespaced_resource_claim(ns, **kw),
+                               self.namespace, name="resourceclaims")
+        self.slices = Informer(self.kube, lambda _ns, **kw: res.list_resource_slice(**kw), self.namespace,
+                               name="resourceslices")
+
+    async def start(self) -> None:
+        self.claims.start()
+        self.slices.start()
+        await super().start()
 
     async def stop(self) -> None:
         # leave worker Pods running: a controller restart or failover must not touch serving workers
         if self._task:
             self._task.cancel()
+        self.claims.stop()
+        self.slices.stop()
         await self.backend.close()
+
+    def _templates_for(self, pool: str) -> list[ActorTemplate]:
+        out = []
+        for t in self.catalog.templates.values():
+            try:
+                if self.catalog.pool_for(t).name == pool:
+                    out.append(t)
+            except Exception:  # noqa: BLE001 - a template naming an unknown pool hosts nowhere
+                continue
+        return out
 
     def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
         """While a pool rolls, ``max_surge`` extra workers (new template) so capacity never dips."""
@@ -159,6 +182,13 @@ class KubePoolController(PoolController):
             if name not in self._finalizing:
                 self._finalizing.add(name)
                 asyncio.create_task(self._finalize(name, raw))
+        for key, message in list(self.kcat.errors.items()):
+            kind, _, name = key.partition("/")
+            if kind == "WorkerPool":
+                try:
+                    await self._invalid_status(name, message)
+                except Exception:  # noqa: BLE001
+                    log.warning("status of an invalid pool failed", extra={"pool": name}, exc_info=True)
         await super().tick()
         for pool in list(self.catalog.pools.values()):
             try:
@@ -266,9 +296,32 @@ class KubePoolController(PoolController):
                 log.info("rolling worker", extra={"pool": pool.name, "worker": name})
             budget -= 1
 
+    def _gpu_metrics(self, pool: WorkerPool, workers: list[Any]) -> None:
+        pods = self.kbackend.pods_of(pool.name)
+        if not self.claims.items or not self.slices.items:
+            total = fragmented = 0
+        else:
+            serving = {w.id for w in workers if w.state == WorkerState.READY and w.id not in self._draining}
+            total, fragmented = gpu.pool_gpu_memory(pods, serving, self.claims.items,
+                                                    gpu.device_memory(self.slices.items.values()))
+        metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
+        metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
+
+    async def _invalid_status(self, name: str, message: str) -> None:
+        """A WorkerPool that does not load gets ``Valid=False`` with the loader's message (naming the field)."""
+        raw = self.kcat.raw_pools.get(name) or {}
+        old = raw.get("status") or {}
+        gen = int((raw.get("metadata") or {}).get("generation") or 1)
+        cond = kstatus.condition("Valid", False, "InvalidSpec", message[:1000], old.get("conditions") or [], gen)
+        new = {**old, "observedGeneration": gen, "conditions": [cond]}
+        if old != new and self._last_status.get(name) != new:
+            await self._api(self.kube.patch_pool_status, self.namespace, name, new)
+            self._last_status[name] = new
+
     async def _write_status(self, pool: WorkerPool) -> None:
         raw = self.kcat.raw_pools.get(pool.name) or {}
         workers = [w for w in await self.directory.list_workers() if w.pool == pool.name]
+        self._gpu_metrics(pool, workers)
         st = self._state.get(pool.name)
         new = kstatus.compute(pool, raw, workers, self.kbackend.pods_of(pool.name),
                               self.kbackend.problems(pool.name), expectations=len(st.expectations) if st else 0,

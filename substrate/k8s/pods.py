@@ -90,9 +90,33 @@ def _merge_env(user: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[d
     return [*user, *(e for e in ours if e["name"] not in names)]
 
 
+def session_limits(templates: list[Any], slots: int) -> tuple[dict[str, str], int | None]:
+    """Pod limits implied by the ``isolation`` of the templates a pool hosts: for ``cpu``/``memory``, the
+    largest per-session ``maxCpu``/``maxMemory`` times ``slots`` (only when every template sets it: one
+    unbounded template leaves the Pod unbounded too); and the workspace volume's size from
+    ``maxDiskBytes`` the same way. Returns (limits, workspace bytes or None)."""
+    from kubernetes.utils.quantity import parse_quantity  # lazy: importing kubernetes costs ~1 s
+
+    limits: dict[str, str] = {}
+    if not templates:
+        return limits, None
+    isos = [t.spec.isolation for t in templates]
+    cpus = [getattr(i, "maxCpu", None) for i in isos]
+    if all(cpus):
+        limits["cpu"] = f"{int(max(parse_quantity(c) for c in cpus) * 1000 * slots)}m"
+    mems = [getattr(i, "maxMemory", None) for i in isos]
+    if all(mems):
+        limits["memory"] = str(int(max(parse_quantity(m) for m in mems) * slots))
+    disks = [getattr(i, "maxDiskBytes", None) for i in isos]
+    disk = int(max(parse_quantity(d) for d in disks) * slots) if all(disks) else None
+    return limits, disk
+
+
 def build_worker_pod(pool: WorkerPool, worker_id: str, settings: Settings, *, namespace: str | None = None,
-                     gang: bool = False) -> dict[str, Any]:
-    """The Pod (a plain dict) for worker ``worker_id`` of ``pool``. Pure: no API call."""
+                     gang: bool = False, templates: list[Any] | None = None) -> dict[str, Any]:
+    """The Pod (a plain dict) for worker ``worker_id`` of ``pool``. Pure: no API call. ``templates``:
+    the ActorTemplates the pool hosts, whose per-session isolation limits bound the Pod where the
+    pod template sets no limit (``session_limits``)."""
     k = settings.kubernetes
     ns = namespace or pool.metadata.namespace or k.namespace
     tpl = copy.deepcopy(pool.spec.template or {})
@@ -139,6 +163,13 @@ def build_worker_pod(pool: WorkerPool, worker_id: str, settings: Settings, *, na
     csc.setdefault("capabilities", {"drop": ["ALL"]})
     csc.setdefault("runAsNonRoot", True)
 
+    # --- limits from the hosted templates' isolation, where the pod template sets none
+    limits, disk_bytes = session_limits(templates or [], pool.spec.slots)
+    if limits:
+        have = c.setdefault("resources", {}).setdefault("limits", {})
+        for r, q in limits.items():
+            have.setdefault(r, q)
+
     # --- writable workspace and /tmp on a read-only root
     volumes = spec.setdefault("volumes", [])
     mounts = c.setdefault("volumeMounts", [])
@@ -147,7 +178,10 @@ def build_worker_pod(pool: WorkerPool, worker_id: str, settings: Settings, *, na
         if path not in mounted:
             mounts.append({"name": vol, "mountPath": path})
             if not any(v.get("name") == vol for v in volumes):
-                volumes.append({"name": vol, "emptyDir": {}})
+                empty: dict[str, Any] = {}
+                if vol == "substrate-workspace" and disk_bytes:
+                    empty["sizeLimit"] = str(disk_bytes)
+                volumes.append({"name": vol, "emptyDir": empty})
 
     # --- GPUs through DRA
     claims = [dict(x) for x in pool.spec.resourceClaims]

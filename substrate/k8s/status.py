@@ -50,6 +50,7 @@ def compute(pool: WorkerPool, raw: dict[str, Any], workers: list[WorkerRecord], 
     unsched = [p for p in problems if p.reason == "Unschedulable"]
     backoff = [p for p in problems if p.reason == "BackOff"]
     conds = [
+        condition("Valid", True, "Loaded", "spec loaded", previous, generation),
         condition("Ready", len(ready) >= desired and desired > 0 or desired == 0,
                   "WorkersReady" if len(ready) >= desired else "WorkersStarting",
                   f"{len(ready)} of {desired} workers ready", previous, generation),

@@ -61,6 +61,7 @@ class Cluster:
                                                     "data": {key: base64.b64encode(value.encode()).decode()}})
         self.kubelet = TestKubelet(self.api.url, ns, tmp / "node", max_pods=max_pods).start()
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.controller_urls: dict[str, str] = {}
         self.env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
                     "SUBSTRATE_WORKER__INTERNAL_TOKEN": self.token, "SUBSTRATE_KUBERNETES__API_URL": self.api.url,
                     "SUBSTRATE_KUBERNETES__NAMESPACE": ns, "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(tmp / "snapshots"),
@@ -80,7 +81,9 @@ class Cluster:
         return p
 
     def controller(self, name: str = "controller") -> subprocess.Popen[bytes]:
-        return self.start("controller", "--host", "127.0.0.1", "--port", str(free_port()), log=name)
+        port = free_port()
+        self.controller_urls[name] = f"http://127.0.0.1:{port}"
+        return self.start("controller", "--host", "127.0.0.1", "--port", str(port), log=name)
 
     def router(self) -> SubstrateClient:
         port = free_port()

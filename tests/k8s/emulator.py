@@ -6,6 +6,8 @@
 * the status subresource: a PATCH of ``.../status`` changes only ``status``; a PATCH of the object ignores
   ``status`` (``/scale`` patches ``spec.replicas``);
 * ``labelSelector`` (equality terms) on list and watch;
+* graceful Pod deletion: a DELETE marks the Pod (``deletionTimestamp``); the kubelet removes it with
+  ``gracePeriodSeconds=0`` once its containers stopped;
 * speed: kmock keeps every request and scans them all on each dispatch; only recent ones are kept.
 
 ``EmulatedCluster`` runs it on a real HTTP port in a background thread with its own event loop, so tests
@@ -21,6 +23,7 @@ import threading
 import uuid
 from typing import Any
 
+import aiohttp.web
 import kmock
 from kmock._internal import enums
 from kmock._internal.k8s import KubernetesError
@@ -32,6 +35,8 @@ RESOURCES = {
     "substrate.agent.dev/v1/workerpools": ("WorkerPool", True),
     "substrate.agent.dev/v1/actortemplates": ("ActorTemplate", True),
     "resource.k8s.io/v1/resourceclaimtemplates": ("ResourceClaimTemplate", True),
+    "resource.k8s.io/v1/resourceclaims": ("ResourceClaim", True),
+    "resource.k8s.io/v1/resourceslices": ("ResourceSlice", False),
     "scheduling.k8s.io/v1beta1/podgroups": ("PodGroup", True),
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True),
 }
@@ -86,6 +91,19 @@ class Emulator(kmock.KubernetesEmulator):
             del self._requests[:-4]
             for payload in self._payloads:
                 del payload._requests[:-4]
+        if (request.action == enums.action.DELETE and request.name is not None
+                and str(request.resource) == str(kmock.resource("v1/pods"))
+                and (request.params or {}).get("gracePeriodSeconds") != "0"):
+            # graceful deletion, as the API server does for Pods: mark it; the kubelet stops the containers
+            # and then removes the object (a delete with gracePeriodSeconds=0)
+            obj = self._stored(request)
+            if obj is not None and not obj.deleted and not (obj.last.raw.get("metadata") or {}).get("deletionTimestamp"):
+                async with self._lock:
+                    obj.patch({"metadata": {"deletionTimestamp": dt.datetime.now(dt.timezone.utc).strftime(
+                        "%Y-%m-%dT%H:%M:%SZ"), "resourceVersion": self._next_rv()}})
+                    raw = obj.raw
+                    await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+                return aiohttp.web.json_response(raw)
         if request.resource is not None and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {}) if request.action == enums.action.CREATE else None
             if request.action == enums.action.CREATE:
@@ -177,7 +195,9 @@ class EmulatedCluster:
     def stop(self) -> None:
         if self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(10)
+        # open watch streams keep the server's graceful shutdown waiting (~10 s); the thread is a daemon
+        # and finishes on its own, the test need not wait for it
+        self.thread.join(1)
 
     def objects(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
         """Live objects of ``resource`` (e.g. ``v1/pods``)."""

@@ -6,7 +6,8 @@ same port), maps each volume mount to a fresh host folder, resolves the containe
 (values, ``fieldRef`` metadata.name/namespace/status.podIP, ``secretKeyRef`` from Secrets in the emulator),
 starts the container command (``substrate ...`` runs this venv's ``python -m substrate.cli ...``) with only
 that env, and marks the Pod ``Running`` + ``Ready`` once ``/healthz`` answers. A Pod deleted from the API
-gets SIGTERM (SIGKILL after its grace period); a process that exits marks its Pod ``Failed``. Pods with
+(``deletionTimestamp``) gets SIGTERM, SIGKILL after its grace period, then the Pod object is removed; a
+process that exits by itself marks its Pod ``Failed``. Pods with
 ``spec.nodeSelector`` ``test/unschedulable: "true"``, and Pods beyond ``max_pods`` (the node is full), are
 marked ``Unschedulable`` instead of started.
 """
@@ -43,6 +44,7 @@ class TestKubelet:
         self.ips: dict[str, str] = {}
         self._next_ip = 2
         self._stop = threading.Event()
+        self._terminating: set[str] = set()
         self.thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
         self.started = 0
         self.log_dir = root / "logs"
@@ -59,7 +61,7 @@ class TestKubelet:
         self.thread.join(10)
         self.pods.stop()
         for name in list(self.procs):
-            self._kill(name, grace_s=5)
+            self._kill(name, grace_s=1)  # teardown: no need to wait for graceful drains
 
     # ------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -84,11 +86,19 @@ class TestKubelet:
                              "message": "0/3 nodes are available: 3 Insufficient gpu.nvidia.com."}]})
                     continue
                 self._start(pod)
+        for name, pod in items.items():  # terminating Pods without a process: remove them
+            if (pod.get("metadata") or {}).get("deletionTimestamp") and name not in self.procs \
+                    and name not in self._terminating:
+                self._remove(name)
         for name, (proc, ip, _port) in list(self.procs.items()):
             pod = items.get(name)
             if pod is None or (pod.get("metadata") or {}).get("deletionTimestamp"):
+                if name in self._terminating:
+                    continue
                 grace = int(((pod or {}).get("spec") or {}).get("terminationGracePeriodSeconds") or 30)
-                self._kill(name, grace_s=min(grace, 30))
+                self._terminating.add(name)
+                threading.Thread(target=self._terminate, args=(name, min(grace, 30), pod is not None),
+                                 daemon=True).start()
                 continue
             if proc.poll() is not None:
                 self.procs.pop(name)
@@ -105,6 +115,21 @@ class TestKubelet:
                 if ok:
                     self._status(name, {"phase": "Running", "podIP": ip, "conditions": [
                         {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]})
+
+    def _terminate(self, name: str, grace_s: float, remove: bool) -> None:
+        """SIGTERM, SIGKILL after the grace period, then remove the Pod object (as a kubelet does)."""
+        try:
+            self._kill(name, grace_s)
+            if remove:
+                self._remove(name)
+        finally:
+            self._terminating.discard(name)
+
+    def _remove(self, name: str) -> None:
+        try:
+            self.kube.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+        except client.ApiException:
+            pass
 
     def _status(self, name: str, status: dict[str, Any]) -> None:
         try:
@@ -161,7 +186,7 @@ class TestKubelet:
         self.started += 1
 
     def _kill(self, name: str, grace_s: float) -> None:
-        entry = self.procs.pop(name, None)
+        entry = self.procs.get(name)
         if entry is None:
             return
         proc = entry[0]
@@ -172,4 +197,5 @@ class TestKubelet:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        self.procs.pop(name, None)
         shutil.rmtree(self.root / "pods" / name, ignore_errors=True)

@@ -66,7 +66,12 @@ def test_label_selectors_on_list_and_watch(kube) -> None:
     while time.monotonic() < deadline and "c" not in inf.items:
         time.sleep(0.02)
     assert set(inf.items) == {"b", "c"}
-    k.delete_pod("ns", "c")
+    k.delete_pod("ns", "c")  # graceful: marked, not removed (the kubelet removes it)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not inf.items["c"]["metadata"].get("deletionTimestamp"):
+        time.sleep(0.02)
+    assert inf.items["c"]["metadata"]["deletionTimestamp"]
+    k.delete_pod("ns", "c", 0)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "c" in inf.items:
         time.sleep(0.02)

@@ -186,3 +186,59 @@ def test_condition_transition_time_moves_only_when_status_changes() -> None:
     third = compute(pool, raw, [], {}, [])
     ready = next(c for c in third["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+
+
+def test_gpu_memory_from_claim_allocation_and_resource_slices() -> None:
+    from substrate.k8s.gpu import device_memory, pool_gpu_memory
+
+    slice_ = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "node-a-gpu"},
+              "spec": {"driver": "gpu.nvidia.com", "pool": {"name": "node-a", "generation": 1,
+                                                            "resourceSliceCount": 1},
+                       "nodeName": "node-a",
+                       "devices": [{"name": f"gpu-{i}", "capacity": {"memory": {"value": "80Gi"}},
+                                    "attributes": {"productName": {"string": "A100"}}} for i in range(3)]}}
+    validate(slice_)
+
+    def claim(name: str, devices: list[str]) -> dict[str, Any]:
+        c = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name, "namespace": "ns"},
+             "spec": {"devices": {"requests": [{"name": "accelerators", "exactly": {
+                 "deviceClassName": "gpu.nvidia.com", "count": len(devices)}}]}},
+             "status": {"allocation": {"devices": {"results": [
+                 {"request": "accelerators", "driver": "gpu.nvidia.com", "pool": "node-a", "device": d}
+                 for d in devices]}}}}
+        validate(c)
+        return c
+
+    claims = {"w1-accelerators-x": claim("w1-accelerators-x", ["gpu-0", "gpu-1"]),
+              "w2-accelerators-y": claim("w2-accelerators-y", ["gpu-2"])}
+    pods = {w: {"metadata": {"name": w}, "status": {"resourceClaimStatuses": [
+        {"name": "accelerators", "resourceClaimName": c}]}} for w, c in (("w1", "w1-accelerators-x"),
+                                                                       ("w2", "w2-accelerators-y"))}
+    pods["w3"] = {"metadata": {"name": "w3"}, "status": {}}  # Pending, nothing allocated yet
+    gib = 1 << 30
+    total, fragmented = pool_gpu_memory(pods, {"w1"}, claims, device_memory([slice_]))
+    assert total == 3 * 80 * gib and fragmented == 80 * gib  # w2 holds a GPU but does not serve
+
+
+def test_template_isolation_bounds_the_worker_pod() -> None:
+    from substrate.models import ActorTemplate
+
+    def tpl(name: str, **iso: Any) -> ActorTemplate:
+        return ActorTemplate.model_validate({"metadata": {"name": name},
+                                             "spec": {"entrypoint": "a:B", "isolation": iso}})
+
+    pool = _pool({"slots": 4})
+    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="500m", maxMemory="1Gi", maxDiskBytes="1Gi"),
+                                                             tpl("b", maxCpu="2", maxMemory="512Mi", maxDiskBytes="1Mi")])
+    validate(pod)
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"] == {"cpu": "8000m", "memory": str(4 << 30)}
+    ws = next(v for v in pod["spec"]["volumes"] if v["name"] == "substrate-workspace")
+    assert ws["emptyDir"]["sizeLimit"] == str(4 << 30)
+    # one template without a bound leaves the Pod unbounded; the pod template's own limits win
+    pod = build_worker_pod(pool, "w", Settings(), templates=[tpl("a", maxCpu="1"), tpl("b", maxCpu=None)])
+    assert "cpu" not in pod["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    own = _pool({"slots": 2, "template": {"spec": {"containers": [{"name": "worker", "image": "x",
+                                                                   "resources": {"limits": {"cpu": "3"}}}]}}})
+    pod = build_worker_pod(own, "w", Settings(), templates=[tpl("a", maxCpu="1", maxMemory="1Gi")])
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "3", "memory": str(2 << 30)}

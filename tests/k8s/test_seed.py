@@ -108,4 +108,33 @@ def test_seed_pool_runs_sessions_on_the_emulated_cluster(cluster_factory) -> Non
     assert len(hpas) == 1 and hpas[0]["spec"]["metrics"][0]["resource"]["name"] == "cpu"
     for obj in [*rct, *hpas, *c.pods("coding-agents")[:5]]:
         kubernetes_validate.validate(obj, "1.37", strict=True)
+
+    # GPU memory from DRA: a driver publishes 2 x 40Gi devices, the claim of one serving worker gets both,
+    # the kubelet reports the claim on the Pod -> the controller's gauges carry real values
+    serving = sorted(c.ready_workers("coding-agents"))[0]
+    claim_name = f"{serving}-accelerators"
+    c.custom.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "node-a"},
+        "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-a",
+                 "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                 "devices": [{"name": f"mig-{i}", "capacity": {"memory": {"value": "40Gi"}}} for i in range(2)]}})
+    c.custom.create_namespaced_custom_object("resource.k8s.io", "v1", "ai-agents", "resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": claim_name},
+        "spec": {"devices": {"requests": [{"name": "accelerators", "exactly": {"deviceClassName": "mig.nvidia.com",
+                                                                                "count": 2}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "accelerators", "driver": "gpu.nvidia.com", "pool": "node-a", "device": f"mig-{i}"}
+            for i in range(2)]}}}})
+    c.core.patch_namespaced_pod_status(serving, "ai-agents", {"status": {"resourceClaimStatuses": [
+        {"name": "accelerators", "resourceClaimName": claim_name}]}})
+    import httpx
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def gauges() -> dict[str, float]:
+        text = httpx.get(c.controller_urls["controller"] + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("agent_substrate_gpu_memory") and s.labels.get("pool") == "coding-agents"}
+    wait_for(lambda: gauges().get("agent_substrate_gpu_memory_total") == 80 * (1 << 30), 30, "GPU memory gauge")
+    assert gauges()["agent_substrate_gpu_memory_fragmented"] == 0
     router.close()

@@ -235,6 +235,10 @@ def test_rbac_is_least_privilege() -> None:
     assert verbs[(models.API_GROUP, "actortemplates")] == {"list", "watch"}
     assert verbs[(models.API_GROUP, "workerpools/status")] == {"patch"}
     assert verbs[("coordination.k8s.io", "leases")] == {"get", "create", "patch"}
+    assert verbs[("resource.k8s.io", "resourceclaims")] == {"list", "watch"}
+    slices = _one("ClusterRole", "substrate-resourceslice-reader")
+    assert slices["rules"] == [{"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
+                                "verbs": ["list", "watch"]}]
     for g, r in (("resource.k8s.io", "resourceclaimtemplates"), ("scheduling.k8s.io", "podgroups"),
                  ("autoscaling", "horizontalpodautoscalers")):
         assert verbs[(g, r)] == {"create"}
