@@ -5,6 +5,7 @@ workers, real sandboxes). Each test asserts the attack fails (issue 7, "Done whe
 from __future__ import annotations
 
 import base64
+import json
 import os
 import sys
 import time
@@ -299,7 +300,9 @@ def test_nothing_outlives_the_turn_timeout_delete_or_suspend(rt):
 ])
 def test_client_env_attacks_get_422(rt, env):
     before = rt.r.zcard(rt.keys.sessions_index)
-    r = rt.client.http.post("/v1/sessions", json={"actorTemplate": "shell", "env": env})
+    # json.dumps escapes a lone surrogate ("\\ud800"), which httpx's own encoder refuses to send
+    r = rt.client.http.post("/v1/sessions", content=json.dumps({"actorTemplate": "shell", "env": env}).encode(),
+                            headers={"Content-Type": "application/json"})
     assert r.status_code == 422, r.text
     body = r.json()
     assert body["code"] in ("invalid_env", "invalid_input")
