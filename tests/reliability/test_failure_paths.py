@@ -223,6 +223,11 @@ def test_a_retried_turn_is_answered_not_run_twice(shared_runtime):
     r3 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"}, headers=h)
     assert r3.json() == {"output": {"count": 1}} and r3.headers["x-substrate-replayed"] == "1"
     assert c.invoke(s["id"], "get") == {"count": 1}
+    # the same key with another body is another turn's key: refused, not answered with the old turn
+    # (fresh-user run: it was replayed silently), also after the suspend above
+    r4 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"}, headers=h)
+    assert r4.status_code == 422 and r4.json()["code"] == "idempotency_key_reused"
+    assert c.invoke(s["id"], "get") == {"count": 1}, "nothing ran"
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"}, headers={"Idempotency-Key": "x" * 201})
     assert r.status_code == 422 and r.json()["code"] == "invalid_idempotency_key"
     c.delete_session(s["id"])
