@@ -333,9 +333,12 @@ spec:
     wid = a.get_session(sid)["worker"]
     rt.kill_worker(wid)                             # automatic recovery by the state manager
     rt.wait_for(lambda: a.get_session(sid)["state"] == "SUSPENDED", what="recovery")
+    rt.wait_for(lambda: a.session_events(sid)["items"][-1]["action"] == "recover", what="recovery record")
     a.delete_session(sid)
     idle = a.create_session("idle-counter")
     rt.wait_for(lambda: a.get_session(idle["id"])["state"] == "SUSPENDED", what="idle suspend")
+    # the record follows the transition (written once the worker's suspend call returns)
+    rt.wait_for(lambda: len(a.session_events(idle["id"])["items"]) >= 2, what="idle suspend record")
     with pytest.raises(ApiError):
         a.create_session("no-such-template")  # rejected before any session exists: nothing to record
 
