@@ -366,7 +366,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/v1/workerpools", dependencies=v1, tags=["control plane"])
     async def list_pools(request: Request) -> dict[str, Any]:
-        """WorkerPools with live status (replicas, readyReplicas, slots, freeSlots)."""
+        """WorkerPools with live status (replicas, readyReplicas, slots, freeSlots = availableSlots: free slots
+        on READY workers, the same field the Kubernetes status carries)."""
         rt = _rt(request)
         workers = await rt.directory.list_workers()
         items = []
@@ -376,6 +377,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             d = pool.model_dump(mode="json")
             d["status"].update(replicas=len(mine), readyReplicas=len(ready),
                                slots=sum(w.slots for w in ready), freeSlots=sum(w.freeSlots for w in ready),
+                               availableSlots=sum(w.freeSlots for w in ready),
                                observedGeneration=pool.metadata.generation)
             if rt.pools is not None:
                 d["status"]["conditions"] = [c.model_dump() for c in rt.pools.conditions(pool.name)]

@@ -148,9 +148,14 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the s
     out: list[Any] = []
     for f in files:
         try:
-            docs, warnings = convert_documents(list(yaml.safe_load_all(f.read_text())), str(f))
-        except (OSError, yaml.YAMLError, SpecError) as e:
-            err.print(f"[red]error[/red]: {escape(str(e))}")
+            loaded = [d for d in yaml.safe_load_all(f.read_text()) if d is not None]
+            bad = [d for d in loaded if not isinstance(d, dict) or "kind" not in d]
+            if bad or not loaded:  # e.g. /etc/passwd parses as one YAML string: not a document of ours
+                raise SpecError("no Kubernetes-style documents (mappings with apiVersion and kind) found")
+            docs, warnings = convert_documents(loaded, str(f))
+        except (OSError, yaml.YAMLError, SpecError, RecursionError, UnicodeDecodeError) as e:
+            msg = "nested too deeply" if isinstance(e, RecursionError) else getattr(e, "message", None) or str(e)
+            err.print(f"[red]error[/red]: {f}: {escape(msg)}")
             raise typer.Exit(2) from None
         for w in warnings:
             err.print(f"[yellow]warning[/yellow]: {escape(w)}")

@@ -18,6 +18,7 @@ import json
 import time
 import uuid
 from typing import Any, Iterator
+from urllib.parse import quote
 
 import httpx
 
@@ -31,8 +32,16 @@ class ApiError(Exception):
         self.details = details or {}
 
 
+def _session_path(sid: str) -> str:
+    """``/v1/sessions/<sid>`` with the ID percent-encoded; an empty ID is refused here (it would name the
+    collection, which answers a redirect, not an error). Raises ApiError 422 ``invalid_session_id``."""
+    if not isinstance(sid, str) or not sid:
+        raise ApiError(422, "invalid_session_id", "a session ID must be a non-empty string")
+    return "/v1/sessions/" + quote(sid, safe="")
+
+
 def _raise_for(resp: httpx.Response) -> None:
-    if resp.status_code < 400:
+    if resp.status_code < 300:
         return
     try:
         body = resp.json()
@@ -84,7 +93,7 @@ class SubstrateClient:
         return self._req("POST", "/v1/sessions", json=body)
 
     def get_session(self, sid: str) -> dict[str, Any]:
-        return self._req("GET", f"/v1/sessions/{sid}")
+        return self._req("GET", _session_path(sid))
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
                       continue_: str | None = None, tenant: str | None = None) -> dict[str, Any]:
@@ -107,7 +116,7 @@ class SubstrateClient:
         """One turn; returns the agent's ``output``. Retried with the same idempotency key (see the
         module docstring); raises ``ApiError`` once retries are spent or for a non-retryable answer."""
         key = idempotency_key or uuid.uuid4().hex
-        path = f"/v1/sessions/{sid}/invoke"
+        path = _session_path(sid) + "/invoke"
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
@@ -133,7 +142,7 @@ class SubstrateClient:
 
     def invoke_stream(self, sid: str, input: Any) -> Iterator[Any]:  # noqa: A002
         """One streamed turn; yields the agent's chunks."""
-        with self.http.stream("POST", f"/v1/sessions/{sid}/invoke", params={"stream": "true"},
+        with self.http.stream("POST", _session_path(sid) + "/invoke", params={"stream": "true"},
                               json={"input": input}) as resp:
             if resp.status_code >= 400:
                 resp.read()
@@ -149,14 +158,14 @@ class SubstrateClient:
                     raise ApiError(200, err.get("code", "error"), err.get("message", ""))
 
     def suspend(self, sid: str) -> dict[str, Any]:
-        return self._req("POST", f"/v1/sessions/{sid}/suspend")
+        return self._req("POST", _session_path(sid) + "/suspend")
 
     def resume(self, sid: str, *, worker: str | None = None) -> dict[str, Any]:
         """Wake a session now; ``worker`` pins it to one worker."""
-        return self._req("POST", f"/v1/sessions/{sid}/resume", json={"worker": worker} if worker else None)
+        return self._req("POST", _session_path(sid) + "/resume", json={"worker": worker} if worker else None)
 
     def delete_session(self, sid: str) -> None:
-        self._req("DELETE", f"/v1/sessions/{sid}")
+        self._req("DELETE", _session_path(sid))
 
     def pools(self) -> list[dict[str, Any]]:
         return self._req("GET", "/v1/workerpools")["items"]
@@ -169,7 +178,7 @@ class SubstrateClient:
         params: dict[str, Any] = {"limit": limit}
         if continue_:
             params["continue"] = continue_
-        return self._req("GET", f"/v1/sessions/{sid}/events", params=params)  # type: ignore[no-any-return]
+        return self._req("GET", _session_path(sid) + "/events", params=params)  # type: ignore[no-any-return]
 
     def events(self, *, tenant: str | None = None, limit: int = 100, continue_: str | None = None) -> dict[str, Any]:
         """One page of the caller's tenant's audit records (admins: ``tenant``'s)."""

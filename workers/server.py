@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ from substrate.directory import Directory
 from substrate.errors import (
     BadRequest,
     Conflict,
+    InvalidInput,
     NoCapacity,
     NotFound,
     StaleEpoch,
@@ -114,8 +116,8 @@ class Activation:
     restored: str | None = None
     #: the local sandbox slot (uid, cgroup, folder) the agent runs in
     sandbox_slot: Slot | None = None
-    #: idempotency key -> (status, JSON body) of recent turns, oldest first
-    answers: "OrderedDict[str, tuple[int, str]]" = field(default_factory=OrderedDict)
+    #: idempotency key -> (status, JSON body, sha256 of the request body) of recent turns, oldest first
+    answers: "OrderedDict[str, tuple[int, str, str]]" = field(default_factory=OrderedDict)
     #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
     #: stale cache sends one (a deleted ID re-created by another tenant at the same epoch)
     tenant: str = ""
@@ -400,7 +402,7 @@ class Worker:
         workspace = box.workspace
         try:
             state: dict[str, Any] | None = None
-            answers: OrderedDict[str, tuple[int, str]] = OrderedDict()
+            answers: OrderedDict[str, tuple[int, str, str]] = OrderedDict()
             if ref is not None:
                 state = await self.snapshots.restore(sid, ref, workspace, template)
                 await asyncio.to_thread(self.sandboxes.own_workspace, box)
@@ -408,7 +410,7 @@ class Worker:
                     state = dict(state)
                     own = state.pop(_STATE_KEY)
                     for k, v in (own.get("answers") or []):
-                        answers[str(k)] = (int(v[0]), str(v[1]))
+                        answers[str(k)] = (int(v[0]), str(v[1]), str(v[2]) if len(v) > 2 else "")
             # the restore may have outlived the claim (a deadline rolled the session back): activate only
             # what the directory still names, or this slot would be held for nobody
             try:
@@ -607,8 +609,10 @@ class Worker:
             act = self._get(sid, claims.epoch)
             if act.tenant != claims.tenant:
                 raise Conflict(f"session {sid!r} here belongs to another tenant", code="tenant_mismatch")
+            raw = await request.read()
+            digest = hashlib.sha256(raw).hexdigest()
             try:
-                body = await request.json()
+                body = json.loads(raw)
             except (ValueError, RecursionError, UnicodeDecodeError):  # also too deep / huge numbers
                 raise BadRequest("body must be JSON: {\"input\": ...}", code="bad_json") from None
             if not isinstance(body, dict) or "input" not in body:
@@ -619,7 +623,10 @@ class Worker:
                 if act.closing:  # suspended or dropped while this request waited for the turn
                     raise NotFound(f"session {sid!r} is not active", code="not_active")
                 if key is not None and key in act.answers:  # a retried turn: answered, never run twice
-                    status, text = act.answers[key]
+                    status, text, seen = act.answers[key]
+                    if seen and seen != digest:  # the key of another turn: replaying it would mislead
+                        raise InvalidInput(f"Idempotency-Key {key!r} was used for a turn with another body",
+                                           code="idempotency_key_reused")
                     return web.Response(text=text, status=status, content_type="application/json",
                                         headers={"X-Substrate-Replayed": "1", **self._restored(act)})
                 self._check_serving()
@@ -631,22 +638,22 @@ class Worker:
                     try:
                         output = await act.agent.invoke(body["input"])
                     except AgentError as e:
-                        raise self._remember(act, key, SubstrateError(str(e), code="agent_error")) from e
+                        raise self._remember(act, key, digest, SubstrateError(str(e), code="agent_error")) from e
                     except TurnFailed as e:  # timeout, memory limit, crash of the agent's process
-                        raise self._remember(act, key, e) from e
+                        raise self._remember(act, key, digest, e) from e
                     except NotImplementedError as e:
                         raise SubstrateError("agent does not implement invoke", code="agent_error") from e
                     except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
                         log.exception("agent crashed in a turn", extra={
                             "session": sid, "epoch": act.epoch, "worker": self.id,
                             "request_id": request.headers.get("X-Request-ID")})
-                        raise self._remember(act, key, SubstrateError(
+                        raise self._remember(act, key, digest, SubstrateError(
                             f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed")) from e
                     act.dirty_turns += 1
                     act.unreported_turns += 1
                     text = json.dumps({"output": output})
                     if key is not None:
-                        self._store_answer(act, key, 200, text)
+                        self._store_answer(act, key, 200, text, digest)
                     # past the lease now (paused mid-turn)? the session may live elsewhere: do not
                     # acknowledge; a retry with the same key gets this answer if this activation stays
                     self._check_serving()
@@ -663,17 +670,17 @@ class Worker:
     def _restored(act: Activation) -> dict[str, str]:
         return {"X-Substrate-Restored": act.restored} if act.restored else {}
 
-    def _store_answer(self, act: Activation, key: str, status: int, text: str) -> None:
-        act.answers[key] = (status, text)
+    def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str) -> None:
+        act.answers[key] = (status, text, digest)
         act.answers.move_to_end(key)
         while len(act.answers) > self.settings.worker.idempotency_keys:
             act.answers.popitem(last=False)
 
-    def _remember(self, act: Activation, key: str | None, e: SubstrateError) -> SubstrateError:
+    def _remember(self, act: Activation, key: str | None, digest: str, e: SubstrateError) -> SubstrateError:
         """Record an agent's failed turn as the answer of ``key`` (it ran: a retry must not run it again)."""
         if key is not None:
             status = 422 if e.code == "agent_error" else e.status
-            self._store_answer(act, key, status, json.dumps(e.to_dict()))
+            self._store_answer(act, key, status, json.dumps(e.to_dict()), digest)
         return e
 
     async def _stream_turn(self, request: web.Request, act: Activation, input: Any) -> web.StreamResponse:  # noqa: A002

@@ -77,6 +77,8 @@ class LocalBackend:
         env["SUBSTRATE_STATE"] = s.state.model_dump_json()
         # workers need where template credentials are, not the API keys
         env["SUBSTRATE_AUTH"] = s.auth.model_dump_json(include={"secrets_dir", "signing_refresh_s"})
+        # the same catalog as the runtime (the worker checks its pool's sandbox opt-out against it)
+        env["SUBSTRATE_CONFIG_DIR"] = str(Path(s.config_dir).resolve())
         env["SUBSTRATE_LOG_LEVEL"] = s.log_level
         env["SUBSTRATE_LOG_JSON"] = "true" if s.log_json else "false"
         return env

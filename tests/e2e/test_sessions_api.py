@@ -108,6 +108,10 @@ def test_pools_templates_stats_metrics_openapi(shared_runtime):
     pools = c.pools()
     assert pools[0]["metadata"]["name"] == "default"
     assert pools[0]["status"]["readyReplicas"] == 2 and pools[0]["status"]["slots"] == 16
+    # fresh-user run: availableSlots stayed 0 while freeSlots counted the free slots
+    assert pools[0]["status"]["availableSlots"] == pools[0]["status"]["freeSlots"] > 0
+    # workers read the runtime's catalog, not the packaged examples (they warned about those before)
+    assert "examples/pool.yaml" not in shared_runtime.logs()
     assert {t["metadata"]["name"] for t in c.templates()} >= {"counter", "notebook", "shell"}
     st = c.stats()
     assert st["workers"] == 2 and st["slots"] == 16

@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -223,6 +225,11 @@ def test_a_retried_turn_is_answered_not_run_twice(shared_runtime):
     r3 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"}, headers=h)
     assert r3.json() == {"output": {"count": 1}} and r3.headers["x-substrate-replayed"] == "1"
     assert c.invoke(s["id"], "get") == {"count": 1}
+    # the same key with another body is another turn's key: refused, not answered with the old turn
+    # (fresh-user run: it was replayed silently), also after the suspend above
+    r4 = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"}, headers=h)
+    assert r4.status_code == 422 and r4.json()["code"] == "idempotency_key_reused"
+    assert c.invoke(s["id"], "get") == {"count": 1}, "nothing ran"
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"}, headers={"Idempotency-Key": "x" * 201})
     assert r.status_code == 422 and r.json()["code"] == "invalid_idempotency_key"
     c.delete_session(s["id"])
@@ -256,3 +263,33 @@ def test_sdk_retries_with_the_same_key(shared_runtime):
             lambda r: httpx.Response(502, json={"code": "worker_unavailable", "message": "x"})),
             retries=2, retry_backoff_s=0).invoke("s1", "get")
     c.close()
+
+
+def test_a_turn_that_kills_its_worker_is_not_resent_without_bound(runtime_factory):
+    """Fresh-user run: a turn that killed its worker was resent to each newly woken activation (11
+    workers killed in 13 s). Now it is resent at most ``max_lost_worker_retries`` times, then 502."""
+    extra = f"""
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: poison}}
+spec:
+  command: ["{sys.executable}", "-u", "{Path(__file__).resolve().parent.parent / 'agents' / 'poison.py'}"]
+  isolation: {{sandbox: false}}
+"""
+    rt = runtime_factory(replicas=2, slots=4, extra_yaml=extra,
+                         env={"SUBSTRATE_API__MAX_LOST_WORKER_RETRIES": "1"})
+    c = rt.client
+    s = c.create_session("poison")
+    pids_before = {w["pid"] for w in rt.workers().values()}
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "boom"},
+                    headers={"Idempotency-Key": "poison-1"})
+    assert r.status_code == 502 and r.json()["code"] == "worker_unavailable", r.text
+    def alive(pid: str) -> bool:
+        try:
+            os.kill(int(pid), 0)
+            return True
+        except ProcessLookupError:
+            return False
+    killed = [p for p in pids_before if not alive(p)]
+    assert 1 <= len(killed) <= 2, f"the first try and at most one resend lost a worker, not {len(killed)}"
