@@ -31,6 +31,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unknown_worker": (422, "resume pinned to a worker that is not registered"),
     "invalid_continue": (422, "a `continue` token not made by this API"),
     "invalid_idempotency_key": (422, "an `Idempotency-Key` over 200 characters"),
+    "idempotency_key_reused": (422, "the `Idempotency-Key` was used before for a turn with another body"),
     "agent_error": (422, "the agent refused the input"),
     "invalid_env": (422, "a session env variable the policy refuses (name in `details.name`; see README Security model)"),
     "memory_limit_exceeded": (422, "the session went over `isolation.maxMemory`; its agent restarts from its last snapshot"),
