@@ -227,8 +227,19 @@ def _copy_file(tw: _TarWriter, path: str, size: int) -> None:
     tw.pad(size)
 
 
+class WorkspaceNotArchivable(ValueError):
+    """The workspace breaks a bound that its restore would refuse (apparent bytes, member count, name
+    length): the snapshot is not taken, so a session never commits a snapshot it cannot come back from.
+    ``code`` is the stable error code (``workspace_too_large`` or ``workspace_name_too_long``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, template: str,
-         out_path: Path, zstd_level: int = 3) -> tuple[Manifest, int, str]:
+         out_path: Path, zstd_level: int = 3, max_bytes: int | None = None,
+         max_members: int | None = None) -> tuple[Manifest, int, str]:
     """Archive ``workspace`` and the agent ``state`` into one zstd-compressed tar at ``out_path``.
 
     Streams: memory stays at a few MiB whatever the workspace size. Symlinks are stored as links, never
@@ -237,8 +248,13 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
     Returns ``(manifest, compressed_size_bytes, sha256_hex_of_the_compressed_file)``.
     Raises ``TypeError``/``ValueError`` if ``state`` is not JSON-serialisable, ``ValueError`` if ``out_path``
     lies inside the workspace, ``FileNotFoundError``/``NotADirectoryError`` if the workspace is missing or
-    not a directory, ``OSError`` on I/O failures.
+    not a directory, ``OSError`` on I/O failures, ``WorkspaceNotArchivable`` when the workspace's apparent
+    bytes exceed ``max_bytes`` (default and ceiling :data:`MAX_TOTAL_BYTES`; a sparse file counts at its
+    apparent size, which is what a restore writes), its members exceed ``max_members`` (default and ceiling
+    :data:`MAX_MEMBERS`) or a name exceeds the restore's name bounds: the same bounds ``unpack`` enforces.
     """
+    max_bytes = min(max_bytes or MAX_TOTAL_BYTES, MAX_TOTAL_BYTES)
+    max_members = min(max_members or MAX_MEMBERS, MAX_MEMBERS)
     workspace = Path(workspace)
     out_path = Path(out_path)
     state_bytes = json.dumps(state, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
@@ -250,7 +266,7 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
         raise ValueError(f"the archive {out_path} cannot be written inside the workspace it archives")
     now = time.time()
     cctx = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True)
-    files = ws_bytes = skipped = 0
+    files = ws_bytes = skipped = n_members = 0
     try:
         with open(out_path, "wb", buffering=0) as raw:
             out = _HashingWriter(raw)
@@ -272,10 +288,21 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
                 subdirs: list[tuple[str, str]] = []
                 for e in entries:
                     name = f"{dir_name}/{e.name}"
+                    n_members += 1
+                    if n_members > max_members:
+                        raise WorkspaceNotArchivable("workspace_too_large", f"the workspace has over "
+                                                     f"{max_members} files and folders")
+                    raw_name = name.encode(_ENCODING, _ERRORS)
+                    if len(raw_name) > MAX_NAME_BYTES or len(e.name.encode(_ENCODING, _ERRORS)) > MAX_COMPONENT_BYTES:
+                        raise WorkspaceNotArchivable("workspace_name_too_long", f"a path in the workspace is "
+                                                     f"over {MAX_NAME_BYTES} bytes: {name[:120]!r}...")
                     try:
                         st = e.stat(follow_symlinks=False)
                         mode = st.st_mode
                         if stat.S_ISREG(mode):
+                            if ws_bytes + st.st_size > max_bytes:
+                                raise WorkspaceNotArchivable("workspace_too_large", f"the workspace holds over "
+                                                             f"{max_bytes} bytes (sparse files count in full)")
                             tw.header(name, type_=tarfile.REGTYPE, size=st.st_size, mode=stat.S_IMODE(mode),
                                       mtime=int(st.st_mtime))
                             _copy_file(tw, e.path, st.st_size)
@@ -304,6 +331,12 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
             tw.write(_ZERO_BLOCK * 2)  # end-of-archive marker
             zw.flush(zstandard.FLUSH_FRAME)
             zw.close()
+    except OSError as e:
+        _unlink_quietly(out_path)
+        if e.errno == errno.ENAMETOOLONG:  # a path deeper than the OS can open: not restorable either
+            raise WorkspaceNotArchivable("workspace_name_too_long",
+                                         f"a path in the workspace is too long: {str(e.filename)[:120]}...") from e
+        raise
     except BaseException:
         _unlink_quietly(out_path)
         raise

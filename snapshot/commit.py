@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapshot.archive import pack, unpack
+from snapshot.archive import WorkspaceNotArchivable, pack, unpack
 from snapshot.store import ObjectStore, session_prefix, snapshot_key
 from substrate import metrics
 from substrate.directory import Directory
-from substrate.errors import NotFound, SnapshotCorrupt
+from substrate.errors import InvalidInput, NotFound, SnapshotCorrupt
 from substrate.models import SessionState, SnapshotRef
 from substrate.settings import SnapshotSettings
 
@@ -54,19 +54,30 @@ class SnapshotManager:
         self._seq = itertools.count(int(time.time() * 1000) % 1_000_000)
 
     async def capture(self, sid: str, epoch: int, template: str, workspace: Path,
-                      state: dict[str, Any]) -> SnapshotRef:
-        """Pack and upload one snapshot; returns its (not yet committed) ref.
+                      state: dict[str, Any], *, max_bytes: int | None = None) -> SnapshotRef:
+        """Pack and upload one snapshot; returns its (not yet committed) ref. ``max_bytes``: the
+        template's ``isolation.maxDiskBytes`` (a workspace above it is not archived).
 
-        Raises ``StoreUnavailable`` if object storage cannot be reached (nothing is committed then).
+        Raises ``StoreUnavailable`` if object storage cannot be reached, ``InvalidInput`` 422
+        (``workspace_too_large`` / ``workspace_name_too_long`` / ``workspace_unreadable``) when the
+        workspace cannot be archived into something a restore accepts; nothing is committed then.
         """
         fd, tmp = tempfile.mkstemp(prefix=f"{sid}-", suffix=".tar.zst", dir=self.tmp_dir)
         os.close(fd)
         path = Path(tmp)
         try:
             t0 = time.perf_counter()
-            manifest, size, sha = await asyncio.to_thread(
-                pack, workspace, state, session=sid, epoch=epoch, template=template, out_path=path,
-                zstd_level=self.settings.zstd_level)
+            try:
+                manifest, size, sha = await asyncio.to_thread(
+                    pack, workspace, state, session=sid, epoch=epoch, template=template, out_path=path,
+                    zstd_level=self.settings.zstd_level, max_bytes=max_bytes)
+            except WorkspaceNotArchivable as e:
+                raise InvalidInput(f"snapshot of {sid!r} not taken: {e}", code=e.code) from e
+            except (FileNotFoundError, NotADirectoryError):
+                raise  # the activation went away meanwhile: the caller's concern
+            except OSError as e:  # e.g. ENAMETOOLONG, EACCES on a file the agent made unreadable
+                raise InvalidInput(f"snapshot of {sid!r} not taken: {e.strerror or e} ({e.filename})",
+                                   code="workspace_unreadable") from e
             t1 = time.perf_counter()
             key = snapshot_key(self.settings.prefix, sid, epoch, next(self._seq))
             await self.store.put_file(key, path)

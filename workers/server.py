@@ -270,8 +270,10 @@ class Worker:
                     continue
                 try:
                     await self.snapshot(act.sid, act.epoch)
-                except Exception:  # noqa: BLE001 - retried on the next tick
-                    log.warning("periodic snapshot failed", extra={"session": act.sid}, exc_info=True)
+                except Exception as e:  # noqa: BLE001 - retried one interval later, not every tick
+                    act.last_snapshot_at = now  # (a workspace that cannot be archived logged 100+ tracebacks/min)
+                    log.warning("periodic snapshot failed: %s", e, extra={"session": act.sid},
+                                exc_info=not isinstance(e, SubstrateError))
 
     async def shutdown(self) -> None:
         """Stop: when declared dead, drop every activation (its sessions may live elsewhere already);
@@ -446,7 +448,8 @@ class Worker:
         state = self._with_answers(await act.agent.snapshot(), act)
         act.agent.freeze(True)  # no agent process runs while its workspace is packed
         try:
-            return await self.snapshots.capture(act.sid, epoch, act.template, act.workspace, state)
+            return await self.snapshots.capture(act.sid, epoch, act.template, act.workspace, state,
+                                                max_bytes=act.spec.isolation.disk_bytes)
         finally:
             act.agent.freeze(False)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}

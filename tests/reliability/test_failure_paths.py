@@ -293,3 +293,22 @@ spec:
             return False
     killed = [p for p in pids_before if not alive(p)]
     assert 1 <= len(killed) <= 2, f"the first try and at most one resend lost a worker, not {len(killed)}"
+
+
+def test_a_workspace_that_cannot_be_restored_is_not_snapshotted(shared_runtime):
+    """Second fresh-user run: sparse files (4 KiB on disk, GBs apparent) were archived and restored as GBs of
+    real data; a workspace over its template's maxDiskBytes (1Gi here) is now refused at suspend with a
+    clear code, and the session keeps running with its state."""
+    c = shared_runtime.client
+    s = c.create_session("shell")
+    out = c.invoke(s["id"], "truncate -s 900M a b && echo made > note && du -k a")
+    assert out["exitCode"] == 0, out
+    with pytest.raises(ApiError) as e:
+        c.suspend(s["id"])
+    assert e.value.status == 422 and e.value.code == "workspace_too_large", e.value
+    assert c.get_session(s["id"])["state"] == "RUNNING"
+    assert c.invoke(s["id"], "cat note")["stdout"] == "made\n", "still running, state kept"
+    assert c.invoke(s["id"], "rm a b")["exitCode"] == 0
+    assert c.suspend(s["id"])["state"] == "SUSPENDED", "suspends once it fits"
+    assert c.invoke(s["id"], "cat note")["stdout"] == "made\n"
+    c.delete_session(s["id"])

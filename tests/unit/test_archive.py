@@ -434,3 +434,43 @@ def test_malformed_archives_are_bad_format(tmp_path: Path, existing: Path, entri
 def test_archive_without_manifest_is_truncated(tmp_path: Path, existing: Path) -> None:
     archive = craft(tmp_path / "nomanifest.tar.zst", [STATE_ENTRY, dir_entry(), reg("workspace/a", b"x")])
     refused(archive, existing, "truncated")
+
+
+# --- pack refuses what unpack would refuse (second fresh-user run) -----------------------------------------
+from snapshot.archive import WorkspaceNotArchivable  # noqa: E402
+
+
+def test_pack_counts_a_sparse_file_at_its_apparent_size(tmp_path):
+    """A 4 KiB-on-disk sparse file of 64 MiB was archived and came back as 64 MiB of real data."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    with open(ws / "sparse", "wb") as f:
+        f.truncate(64 << 20)
+    with pytest.raises(WorkspaceNotArchivable) as e:
+        pack(ws, {}, session="s", epoch=1, template="t", out_path=tmp_path / "a.tar.zst", max_bytes=32 << 20)
+    assert e.value.code == "workspace_too_large"
+    assert not (tmp_path / "a.tar.zst").exists(), "no half-written archive left"
+    pack(ws, {}, session="s", epoch=1, template="t", out_path=tmp_path / "b.tar.zst", max_bytes=128 << 20)
+
+
+def test_pack_bounds_members_and_name_lengths(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(12):
+        (ws / f"f{i}").write_text("x")
+    with pytest.raises(WorkspaceNotArchivable) as e:
+        pack(ws, {}, session="s", epoch=1, template="t", out_path=tmp_path / "a.tar.zst", max_members=10)
+    assert e.value.code == "workspace_too_large"
+    deep = tmp_path / "ws2"
+    deep.mkdir()
+    here = os.getcwd()
+    try:  # 17 x 250-byte names: a path over 4096 bytes (made step by step: the OS cannot open it whole)
+        os.chdir(deep)
+        for _ in range(17):
+            os.mkdir("a" * 250)
+            os.chdir("a" * 250)
+    finally:
+        os.chdir(here)
+    with pytest.raises(WorkspaceNotArchivable) as e:
+        pack(deep, {}, session="s", epoch=1, template="t", out_path=tmp_path / "c.tar.zst")
+    assert e.value.code == "workspace_name_too_long"
