@@ -32,6 +32,13 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_continue": (422, "a `continue` token not made by this API"),
     "invalid_idempotency_key": (422, "an `Idempotency-Key` over 200 characters"),
     "idempotency_key_reused": (422, "the `Idempotency-Key` was used before for a turn with another body"),
+    "workspace_too_large": (422, "suspend/snapshot refused: the workspace's apparent bytes exceed the template's "
+                                 "`isolation.maxDiskBytes` (sparse files count in full) or it has too many files; "
+                                 "the session keeps running"),
+    "workspace_name_too_long": (422, "suspend/snapshot refused: a path in the workspace is longer than a restore "
+                                     "accepts; the session keeps running"),
+    "workspace_unreadable": (422, "suspend/snapshot refused: a workspace file could not be read; the session "
+                                  "keeps running"),
     "agent_error": (422, "the agent refused the input"),
     "invalid_env": (422, "a session env variable the policy refuses (name in `details.name`; see README Security model)"),
     "memory_limit_exceeded": (422, "the session went over `isolation.maxMemory`; its agent restarts from its last snapshot"),
