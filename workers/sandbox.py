@@ -537,7 +537,8 @@ class SandboxPool:
         a += ["--proc", "/proc", "--dev", "/dev"]
         if limits.disk_bytes:
             a += ["--size", str(limits.disk_bytes)]
-        a += ["--tmpfs", "/tmp", "--bind", str(slot.dir), "/slot", "--symlink", "/slot/workspace", WORKSPACE_PATH,
+        # sticky and world-writable like a host /tmp: the agent runs as the slot's uid, not root
+        a += ["--perms", "1777", "--tmpfs", "/tmp", "--bind", str(slot.dir), "/slot", "--symlink", "/slot/workspace", WORKSPACE_PATH,
               "--chdir", WORKSPACE_PATH]
         for k, v in self.base_env(limits).items():
             a += ["--setenv", k, v]

@@ -312,3 +312,12 @@ def test_a_workspace_that_cannot_be_restored_is_not_snapshotted(shared_runtime):
     assert c.suspend(s["id"])["state"] == "SUSPENDED", "suspends once it fits"
     assert c.invoke(s["id"], "cat note")["stdout"] == "made\n"
     c.delete_session(s["id"])
+
+
+def test_the_sandbox_tmp_is_writable_by_the_agent(shared_runtime):
+    """Second fresh-user run: TMPDIR=/tmp but /tmp was a root-owned 0755 tmpfs, so `mktemp` failed."""
+    c = shared_runtime.client
+    s = c.create_session("shell")
+    out = c.invoke(s["id"], "f=$(mktemp) && echo hi > $f && cat $f")
+    assert out["exitCode"] == 0 and out["stdout"] == "hi\n", out
+    c.delete_session(s["id"])
