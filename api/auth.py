@@ -173,8 +173,7 @@ class Authenticator:
         if self.settings.auth.api_keys_file:
             specs += load_key_file(self.settings.auth.api_keys_file)
         try:
-            if specs:
-                await self.store.import_specs(specs)
+            await self.store.import_specs(specs)  # also revokes file/env keys no longer given
             self.have_keys = bool(specs) or await self.store.ever_configured()
         except (RedisError, OSError) as e:
             # fail closed: if keys may exist we cannot tell, so demand them until Redis answers

@@ -91,10 +91,19 @@ class ApiKeyStore:
         await self.redis.hset(self.keys.api_keys, rec.sha256, body)
         return True
 
+    @property
+    def imported_key(self) -> str:
+        return f"{self.keys.api_keys}:imported"
+
     async def import_specs(self, specs: list[ApiKeySpec]) -> int:
-        """Add keys given by file or env (skipping revoked ones and ones already present). Returns how
-        many were added. Raises ``InvalidInput`` for a spec without a usable hash or key."""
+        """Make the keys given by file or env the ones that hold: add new ones (skipping revoked ones and
+        ones already present) and revoke every key an earlier start imported from file or env that is no
+        longer given (the file is the source of truth for its keys: a key removed from it, e.g. by
+        ``substrate keys revoke --file``, stops working at the next start). Keys made with ``substrate keys
+        create`` are not touched. Returns how many were added. Raises ``InvalidInput`` for a spec without a
+        usable hash or key."""
         added = 0
+        given: set[str] = set()
         revoked = set(await self.redis.smembers(self.revoked_key))
         for i, s in enumerate(specs):
             check_tenant(s.tenant)
@@ -104,11 +113,22 @@ class ApiKeyStore:
             if not _HEX64.match(digest):
                 raise InvalidInput(f"API key #{i} of tenant {s.tenant!r} needs `sha256` (64 hex) or `key`",
                                    code="invalid_api_key_spec")
+            given.add(digest)
             if digest in revoked:
                 continue
             rec = ApiKey(s.name or f"file-{digest[:8]}", s.tenant, s.admin, s.name, time.time(), digest)
             added += await self._put(rec, only_new=True)
-        if added:
+        before = set(await self.redis.smembers(self.imported_key))
+        gone = before - given
+        async with self.redis.pipeline(transaction=False) as p:
+            if given:
+                p.sadd(self.imported_key, *given)
+            for digest in gone:  # revoked first, as in ``revoke``
+                p.sadd(self.revoked_key, digest)
+                p.hdel(self.keys.api_keys, digest)
+                p.srem(self.imported_key, digest)
+            await p.execute()
+        if added or gone:
             await self._changed()
         return added
 

@@ -417,12 +417,20 @@ def _keys_backend() -> tuple[Any, Any]:
 
     from substrate.settings import Settings
 
+    from substrate.embedded import url_file
+
     settings = Settings()
-    if not settings.redis.url:
-        err.print("[red]error[/red]: set SUBSTRATE_REDIS_URL (the Redis of the runtime; `substrate up` prints "
-                  "its embedded one), or use --file")
+    url = settings.redis.url
+    if not url:  # a running `substrate up` on this data folder leaves its embedded Redis' URL here (0600)
+        try:
+            url = url_file(settings.redis.data_dir).read_text().strip()
+        except OSError:
+            url = None
+    if not url:
+        err.print("[red]error[/red]: no runtime found: start `substrate up` (its embedded Redis is found through "
+                  f"{url_file(settings.redis.data_dir)}), set SUBSTRATE_REDIS_URL, or use --file")
         raise typer.Exit(2)
-    return settings, aioredis.from_url(settings.redis.url, decode_responses=True, socket_timeout=5)
+    return settings, aioredis.from_url(url, decode_responses=True, socket_timeout=5)
 
 
 def _async(coro_fn: Any) -> Any:

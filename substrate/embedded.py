@@ -33,6 +33,12 @@ import redis
 log = logging.getLogger(__name__)
 
 
+def url_file(data_dir: Path | str) -> Path:
+    """Where a running embedded Redis leaves its URL (password included; mode 0600, removed at stop), so
+    CLI commands on the same machine and data folder (``substrate keys ...``) can reach it."""
+    return Path(data_dir) / "url"
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the runtime dies, even by SIGKILL (Linux prctl
     PR_SET_PDEATHSIG), so no orphaned Redis keeps serving the data folder."""
@@ -168,6 +174,11 @@ class EmbeddedRedis:
         if not self._wait_up():
             self.stop()
             raise RuntimeError("embedded Redis did not start")
+        if self.data_dir is not None:
+            f = url_file(self._dir())
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(self.url + "\n")
         if self.restart:
             self._stop.clear()
             self._watcher = threading.Thread(target=self._watch, name="embedded-redis-watch", daemon=True)
@@ -203,13 +214,15 @@ class EmbeddedRedis:
             self._tmp.cleanup()
             self._tmp = None
         if self._lock_fd is not None:
+            url_file(self._dir()).unlink(missing_ok=True)
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
     @property
     def safe_url(self) -> str:
         """The URL without its password (for logs and terminals)."""
-        return f"redis://127.0.0.1:{self.port}/0 (password generated, kept in-process)"
+        where = f"; full URL for local CLI commands in {url_file(self._dir())}" if self.data_dir is not None else ""
+        return f"redis://127.0.0.1:{self.port}/0 (password generated{where})"
 
     def __enter__(self) -> "EmbeddedRedis":
         self.start()

@@ -86,3 +86,14 @@ def test_a_redis_left_by_a_killed_runtime_is_stopped_at_the_next_start(tmp_path:
 def test_the_url_shown_to_users_carries_no_password(tmp_path: Path) -> None:
     with EmbeddedRedis(tmp_path / "redis") as a:
         assert a.password not in a.safe_url and str(a.port) in a.safe_url
+
+
+def test_cli_commands_find_the_running_embedded_redis(tmp_path: Path) -> None:
+    """Second fresh-user run: `substrate keys create` could not reach the embedded Redis (its password is
+    not shown). A running runtime leaves its URL in a 0600 file in its data folder, removed at stop."""
+    from substrate.embedded import url_file
+
+    with EmbeddedRedis(tmp_path / "redis") as a:
+        f = url_file(tmp_path / "redis")
+        assert f.read_text().strip() == a.url and (f.stat().st_mode & 0o777) == 0o600
+    assert not f.exists()

@@ -165,6 +165,22 @@ async def test_api_keys_create_import_revoke_and_immediate_effect(redis_prefix, 
         await auth.stop()
 
 
+async def test_a_key_removed_from_the_key_file_stops_working_at_the_next_start(redis_prefix):
+    """Second fresh-user run: `substrate keys revoke --file` removed the key from the file, but the copy
+    imported into Redis kept working after a restart (and the embedded Redis' password is not shown)."""
+    r, keys, prefix = redis_prefix
+    store = ApiKeyStore(r, keys)
+    a, b = "sk_filea_" + "a" * 30, "sk_fileb_" + "b" * 30
+    made, made_key = await store.create("team-c")  # made with the CLI: the file does not govern it
+    assert await store.import_specs([ApiKeySpec(tenant="t1", key=a), ApiKeySpec(tenant="t2", key=b)]) == 2
+    assert await store.lookup(hash_key(a)) and await store.lookup(hash_key(b))
+    assert await store.import_specs([ApiKeySpec(tenant="t2", key=b)]) == 0  # a was removed from the file
+    assert await store.lookup(hash_key(a)) is None, "a key no longer in the file is revoked"
+    assert await store.lookup(hash_key(b)) is not None
+    assert await store.import_specs([ApiKeySpec(tenant="t1", key=a)]) == 0, "and stays revoked if re-added"
+    assert await store.lookup(hash_key(made_key)) is not None, "keys made with `keys create` are kept"
+
+
 async def test_open_mode_without_keys(redis_prefix):
     r, keys, prefix = redis_prefix
     auth = Authenticator(Settings(redis={"key_prefix": prefix}), r, keys)
