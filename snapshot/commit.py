@@ -94,12 +94,15 @@ class SnapshotManager:
         step moves the session to SUSPENDED and clears its worker and slot. Returns whether it committed.
         """
         keep = max(1, self.settings.retention)
+        # a newer snapshot holds every turn acknowledged since a lossy restore: the loss (``reason``) is no
+        # longer what the next restore brings back
         if suspend:
             ok, dropped = await self.directory.commit_snapshot(
                 sid, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,), to=SessionState.SUSPENDED,
-                unset=("worker", "slot"), retention=keep)
+                unset=("worker", "slot", "reason", "message"), retention=keep)
         else:
-            ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref, retention=keep)
+            ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref, retention=keep,
+                                                               unset=("reason", "message"))
         if not ok:
             log.warning("snapshot commit rejected (stale epoch or state)",
                         extra={"session": sid, "epoch": epoch, "key": ref.key})

@@ -585,7 +585,11 @@ class Activator:
             reason=rec.reason or "resume")
         done = await self.directory.transition(
             rec.id, from_states=[SessionState.RESUMING], epoch=epoch, to=SessionState.RUNNING,
-            set={"restoredFrom": restored, "lastActiveAt": time.time()}, unset=("reason", "message"))
+            # ``reason`` stays until a newer snapshot is committed (snapshot/commit.py clears it): if this
+            # activation is lost before any of its answers is acknowledged, the next wake still restores
+            # from the same snapshot and must still say so (chaos run: a loss reported only on answers the
+            # client never received)
+            set={"restoredFrom": restored, "lastActiveAt": time.time()})
         if not done.ok:
             # a deadline roll (or a delete) got there first: the activation just made is not the
             # session's any more; drop it and give the slot back, or the worker holds it for good
