@@ -513,7 +513,13 @@ class SandboxPool:
         a = [self.bwrap, *_unshare(slot.uid, limits.network), "--die-with-parent", "--new-session",
              "--hostname", "sandbox", "--clearenv"]
         a += ["--ro-bind", "/usr", "/usr", *_root_links()]
-        made: set[str] = {"/"}
+        # /tmp first: a later tmpfs would hide binds below it (a checkout or venv under /tmp, as in CI's
+        # fresh clone, left every agent without its interpreter: exit 127). Sticky and world-writable like
+        # a host /tmp: the agent runs as the slot's uid, not root
+        if limits.disk_bytes:
+            a += ["--size", str(limits.disk_bytes)]
+        a += ["--perms", "1777", "--tmpfs", "/tmp"]
+        made: set[str] = {"/", "/tmp"}
 
         def ro(src: str, dest: str) -> None:
             # parents bwrap would create 0700 (unreadable for the slot uid) are made 0755 first
@@ -535,10 +541,7 @@ class SandboxPool:
             ro(src, src)
         ro(str(_PROJECT_ROOT / "workers"), f"{CODE_PATH}/workers")
         a += ["--proc", "/proc", "--dev", "/dev"]
-        if limits.disk_bytes:
-            a += ["--size", str(limits.disk_bytes)]
-        # sticky and world-writable like a host /tmp: the agent runs as the slot's uid, not root
-        a += ["--perms", "1777", "--tmpfs", "/tmp", "--bind", str(slot.dir), "/slot", "--symlink", "/slot/workspace", WORKSPACE_PATH,
+        a += ["--bind", str(slot.dir), "/slot", "--symlink", "/slot/workspace", WORKSPACE_PATH,
               "--chdir", WORKSPACE_PATH]
         for k, v in self.base_env(limits).items():
             a += ["--setenv", k, v]

@@ -4,6 +4,7 @@ command line (what is bound, what never is), and restore bounds."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import tarfile
 from pathlib import Path
 
@@ -85,6 +86,41 @@ def test_sandbox_command_line_binds_no_runtime_state(tmp_path):
         assert not str(root / "var").startswith(src) and src != str(root), f"{src} exposes the runtime's files"
     assert "--unshare-net" in a and "--clearenv" in a and "--die-with-parent" in a
     assert not any("SUBSTRATE" in x for x in a)
+    # the tmpfs /tmp comes before every bind: mounted later it hid a checkout or venv under /tmp (CI's
+    # fresh clone lives there), and every agent failed to start with exit status 127
+    tmpfs_at = a.index("--tmpfs")
+    assert a[tmpfs_at + 1] == "/tmp"
+    assert all(i > tmpfs_at for i, x in enumerate(a) if x in ("--bind", "--ro-bind") and a[i + 2] != "/usr")
+
+
+@pytest.mark.skipif(find_bwrap() is None, reason="bubblewrap not installed")
+def test_an_agent_starts_when_the_interpreter_lives_under_tmp(tmp_path):
+    """End to end for the case above: the sandbox's own python runs when the runtime lives under /tmp."""
+    import subprocess
+    import sys
+
+    if not sys.executable.startswith("/tmp/"):
+        venv = Path(tempfile.mkdtemp(prefix="substrate-venv-", dir="/tmp"))
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        python = str(venv / "bin" / "python")
+    else:
+        python = sys.executable
+
+    async def run() -> subprocess.CompletedProcess[bytes]:
+        pool = SandboxPool(tmp_path / "w", 1, name="unit", bwrap=find_bwrap(), uid_base=29000, uid_span=500,
+                           uid_lock_dir=tmp_path / "locks", prestart=False)
+        try:
+            pool._site.append(str(Path(python).parent.parent))
+            (pool.slots[0].dir / "workspace").mkdir(parents=True, exist_ok=True)
+            a = pool.argv(pool.slots[0], Limits())
+            cut = a.index("--") + 1
+            argv = a[:cut] + [python, "-c", "print('alive')"]
+            return subprocess.run(argv, capture_output=True, timeout=30)
+        finally:
+            await pool.close()
+
+    r = asyncio.run(run())
+    assert r.returncode == 0 and r.stdout == b"alive\n", r.stderr
 
 
 def _tar_with(tmp_path: Path, names: list[str]) -> Path:
