@@ -212,7 +212,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
     s = runtime.settings
     deadline = time.monotonic() + s.api.park_timeout_s + s.worker.lease_s + s.worker.lease_grace_s
     attempt = 0
-    lost = 0
+    lost_workers: set[str] = set()  # workers that dropped this turn after it was sent
     while True:
         attempt += 1
         if attempt > 1 and (time.monotonic() > deadline or attempt > 12):
@@ -238,17 +238,19 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                    "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
         try:
             resp = await _post(runtime, route, url, body, headers)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost):
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost) as e:
             # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
             # and resend with the same key; the worker answers a turn it already ran from its cache.
             # Bounded: a turn that keeps losing its worker may be what kills it (fresh-user run: one
-            # turn took down 11 workers in a row), so after max_lost_worker_retries it is answered 502.
-            lost += 1
+            # turn took down 11 workers in a row), so once more than max_lost_worker_retries distinct
+            # workers dropped it after it was sent, it is answered 502.
+            if not isinstance(e, aiohttp.ClientConnectorError):  # refused before sending: not this turn's doing
+                lost_workers.add(route.worker)
             cache.drop(sid)
-            if lost > s.api.max_lost_worker_retries:
+            if len(lost_workers) > s.api.max_lost_worker_retries:
                 await act.check_worker(route.worker, sid=sid)
                 raise WorkerUnavailable(
-                    f"session {sid!r}: the worker went away during this turn {lost} times; not retried again "
+                    f"session {sid!r}: {len(lost_workers)} workers went away during this turn; not retried again "
                     "(the turn may be what stops it)", code="worker_unavailable", retry_after_s=s.api.retry_after_s)
             await act.check_worker(route.worker, sid=sid)
             route = None

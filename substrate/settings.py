@@ -52,8 +52,8 @@ class ApiSettings(BaseModel):
     retry_after_s: int = 1
     #: how often the router refreshes its view of registered workers
     worker_refresh_s: float = 0.5
-    #: how many times one turn is resent after its worker went away mid-call (stale keep-alive, crash,
-    #: lease lost); past it the answer is 502 worker_unavailable (a turn may be what kills its worker)
+    #: how many distinct workers may drop one turn after it was sent (reset, crash, lease lost) before the
+    #: answer is 502 worker_unavailable (a turn may be what kills its worker); refused connects don't count
     max_lost_worker_retries: int = 3
     #: proxied call timeout (a turn may run long)
     invoke_timeout_s: float = 300.0
