@@ -71,6 +71,9 @@ class HostedAgent(Agent):
         self.host: HostProcess | None = None
         self._state: dict[str, Any] | None = None
         self._first = True
+        #: set when the agent process was started again within this activation (it died or was killed:
+        #: crash, memory limit, turn timeout): its state since the last snapshot is gone, and answers say so
+        self.restarted = False
         #: a call is waiting for the host's answer (a stop meanwhile kills instead of talking)
         self._reading = False
 
@@ -145,6 +148,7 @@ class HostedAgent(Agent):
             self.host = await self.pool.host_for(self.slot, self.limits)
             self._first = False
         else:
+            self.restarted = True
             self.host = await self.pool.spawn(self.slot, self.limits)
         deadline = self._deadline()
         with_memory_rlimit = self.slot.cgroup is None

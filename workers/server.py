@@ -671,6 +671,10 @@ class Worker:
 
     @staticmethod
     def _restored(act: Activation) -> dict[str, str]:
+        if not act.restored and getattr(act.agent, "restarted", False):
+            # the agent process restarted inside this activation from the state of its last snapshot:
+            # turns acknowledged since are gone, and the answer must say so (chaos run, violation 2)
+            act.restored = "agent_restarted"
         return {"X-Substrate-Restored": act.restored} if act.restored else {}
 
     def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str) -> None:

@@ -237,6 +237,10 @@ def test_memory_limit_hits_only_the_session_that_went_over(rt):
     with pytest.raises(ApiError) as e:
         c.invoke(nb, "b = bytearray(400 * 2**20)")
     assert e.value.code == "memory_limit_exceeded" and e.value.status == 422
+    # its agent restarted from its last snapshot (none: `keep` is gone), and the next answer says so
+    r = c.http.post(f"/v1/sessions/{nb}/invoke", json={"input": "'keep' in dir()"})
+    assert r.json()["output"]["repr"] == "False"
+    assert r.headers.get("x-substrate-restored") == "agent_restarted", r.headers
     assert c.invoke(neighbour, "increment") == {"count": 2}, "the neighbour kept its count"
     assert c.invoke(hog_sh, "echo alive")["stdout"] == "alive\n", "the session itself goes on"
     for sid in (neighbour, hog_sh, nb):
