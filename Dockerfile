@@ -25,9 +25,9 @@ COPY loadtest ./loadtest
 RUN uv sync --frozen --no-dev --no-editable
 
 FROM ${PYTHON_IMAGE} AS runtime
-# bubblewrap: the per-session sandbox inside worker Pods; tini: PID 1 that forwards SIGTERM
+# bubblewrap + libseccomp2: the per-session sandbox (and its seccomp filter) inside worker Pods; tini: PID 1 that forwards SIGTERM
 RUN apt-get update \
- && apt-get install -y --no-install-recommends bubblewrap tini \
+ && apt-get install -y --no-install-recommends bubblewrap libseccomp2 tini \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 substrate \
  && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin substrate \

@@ -27,12 +27,13 @@ from starlette.routing import Match, Route
 
 from api import proxy
 from api.auth import Principal
-from api.errors_doc import openapi_error_schema, responses_for
+from api.errors_doc import DEFAULT_STATUSES, ROUTE_STATUSES, openapi_error_schema, responses_for
 from api.runtime import Runtime
 from substrate import metrics
+from substrate.apikeys import check_tenant
 from api.guard import Guard
 from substrate.envpolicy import check_session_env
-from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError
+from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
 from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
@@ -66,11 +67,11 @@ class CreateSession(BaseModel):
             raise ValueError("at most 64 labels")
         for k, val in v.items():
             if not _LABEL_KEY.fullmatch(k):
-                raise ValueError(f"label key {k!r} must be 1-63 letters, digits, '-', '_', '.', '/'")
+                raise ValueError(f"label key {clip(k)} must be 1-63 letters, digits, '-', '_', '.', '/'")
             if len(val) > 256:
-                raise ValueError(f"label {k!r} value is over 256 characters")
+                raise ValueError(f"label {clip(k)} value is over 256 characters")
             if not _text_ok(val) or "\0" in val:
-                raise ValueError(f"label {k!r} value is not valid Unicode text (lone surrogate or NUL)")
+                raise ValueError(f"label {clip(k)} value is not valid Unicode text (lone surrogate or NUL)")
         return v
 
     @field_validator("actorTemplate", "id")
@@ -87,11 +88,18 @@ class ResumeSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     worker: str | None = Field(None, description="place the activation on this worker only")
 
+    @field_validator("worker")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not _text_ok(v):
+            raise ValueError("not valid Unicode text (lone surrogate)")
+        return v
+
 
 def session_view(rec: SessionRecord, rt: Runtime | None = None) -> dict[str, Any]:
     """The public shape of a session (env values are not echoed: they may hold secrets).
     ``sandboxed`` is false only when the session's template opts out of the per-session sandbox."""
-    out = rec.model_dump(mode="json", exclude={"env"})
+    out = rec.model_dump(mode="json", exclude={"env", "carriedAnswers"})
     out["env"] = sorted(rec.env)
     if rt is not None:
         t = rt.catalog.templates.get(rec.actorTemplate)
@@ -153,9 +161,20 @@ async def _body_limit(request: Request) -> None:
         raise PayloadTooLarge(f"body is over the {limit}-byte limit")
 
 
+async def _json_body(request: Request) -> None:
+    """415 ``unsupported_media_type`` for a body not labelled JSON (see ``proxy.check_json_content_type``):
+    FastAPI would not parse it as JSON and answer a 422 saying the body is not an object. Then 400
+    ``bad_json`` for a body that is not UTF-8 JSON or repeats a key (``{"actorTemplate": "a",
+    "actorTemplate": "b"}``: JSON parsers disagree on which one wins, so the request is ambiguous)."""
+    body = await request.body()
+    proxy.check_json_content_type(request.headers.get("content-type"), body)
+    if body:
+        proxy.check_json_keys(body)
+
+
 def _check_id(sid: str) -> str:
     if not SESSION_ID_RE.fullmatch(sid):
-        raise InvalidInput(f"malformed session id {sid!r}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
+        raise InvalidInput(f"malformed session id {clip(sid)}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
                            code="invalid_session_id")
     return sid
 
@@ -191,6 +210,49 @@ class RequestCounter:
             metrics.REQUESTS_TOTAL.labels(route=route, code=str(status)).inc()
 
 
+#: a request header of every /v1 operation (``api.proxy.request_id`` checks it), as the README describes it
+REQUEST_ID_PARAM: dict[str, Any] = {
+    "name": "X-Request-ID", "in": "header", "required": False,
+    "description": "The request's ID, recorded in the audit trail (and, for invoke, the idempotency key when no "
+                   "`Idempotency-Key` is sent): 1-128 visible ASCII characters (`!` to `~`), anything else is "
+                   "422 `invalid_request_id`; absent or empty: the router makes one.",
+    "schema": {"type": "string", "maxLength": 128, "pattern": "^[!-~]*$"}}
+
+IDEMPOTENCY_KEY_PARAM: dict[str, Any] = {
+    "name": "Idempotency-Key", "in": "header", "required": False,
+    "description": "Anything unique per turn; makes the turn safe to retry: a retry with the same key is answered "
+                   "again (`X-Substrate-Replayed: 1`), never run twice (the worker keeps the answers of the last "
+                   "64 keys per session; a retry whose answer was too big to keep gets 410 `answer_not_kept`). "
+                   "Without one, the `X-Request-ID` is the key. Over 200 characters: 422 "
+                   "`invalid_idempotency_key`; used before for a turn with another body: 422 "
+                   "`idempotency_key_reused`.",
+    "schema": {"type": "string", "maxLength": 200}}
+
+
+def _header(description: str) -> dict[str, Any]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
+#: the headers of invoke's answers (``api.proxy._forward``), as the README describes them
+INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
+    "X-Substrate-Worker": _header("The worker that ran the turn."),
+    "X-Substrate-Epoch": _header("The session's activation epoch (an integer) that ran the turn."),
+    "X-Substrate-Woke": _header("`1` when this call woke the session."),
+    "X-Substrate-Wake-Ms": _header("With `X-Substrate-Woke`: how long the wake took, in milliseconds."),
+    "X-Substrate-Restored": _header(
+        "The answer's state came back from a snapshot after a loss: `worker_lost` (an older snapshot after a "
+        "crash; the session's `restoredFrom` says which), `worker_lost;snapshot=none` (the worker died before "
+        "the session's first snapshot: its state restarted empty) or `agent_restarted` (the agent process "
+        "died: back from its last snapshot under a new epoch)."),
+    "X-Substrate-Restored-Snapshot-At": _header(
+        "With `X-Substrate-Restored`: the time (Unix s) the answer's state dates from; turns acknowledged "
+        "after it are gone."),
+    "X-Substrate-Replayed": _header("`1`: a retried turn (same `Idempotency-Key`) answered from its kept "
+                                    "answer, not run again."),
+    "X-Request-ID": _header("The request's ID: the client's `X-Request-ID`, or the one the router made."),
+}
+
+
 def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None) -> FastAPI:
     """Build the ASGI app. The runtime is built in the lifespan unless one is passed."""
     settings = settings or get_settings()
@@ -222,20 +284,35 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
         if any(er.get("type") == "json_invalid" for er in e.errors()):
+            try:  # say what is wrong (json.loads's message), as on invoke
+                proxy.check_json_keys(await request.body())
+            except SubstrateError as bad:
+                return proxy.error_response(bad)
             return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
-        errs = [{"loc": list(er.get("loc", ())), "msg": er.get("msg", "")} for er in e.errors()]
+        # loc holds client keys (a label's name): echoed clipped, like every input in a message
+        errs = [{"loc": [p if isinstance(p, int) else clip(p, quote=False) for p in er.get("loc", ())],
+                 "msg": clip(er.get("msg", ""), 300, quote=False)} for er in e.errors()]
         msg = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in errs)
         return JSONResponse({"code": "invalid_input", "message": msg or "invalid request",
                              "details": {"errors": errs}}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        if e.status_code == 400 and "parsing the body" in str(e.detail):
+            # FastAPI's answer to a body json.loads refused for other reasons than syntax (not UTF-8, a
+            # number of over 4300 digits): say which, with the code every other bad body gets
+            try:
+                proxy.check_json_keys(await request.body())
+            except SubstrateError as bad:
+                return proxy.error_response(bad)
+            return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return JSONResponse({"code": code, "message": str(e.detail)}, status_code=e.status_code)
 
     v1 = [Depends(_auth)]
 
-    @app.post("/v1/sessions", status_code=201, dependencies=[*v1, Depends(_body_limit)], tags=["sessions"])
+    @app.post("/v1/sessions", status_code=201, dependencies=[*v1, Depends(_body_limit), Depends(_json_body)],
+              tags=["sessions"])
     async def create_session(body: CreateSession, request: Request) -> Response:
         """Create a session of an ActorTemplate on a free slot of a warm worker and start it."""
         rt = _rt(request)
@@ -263,7 +340,11 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         return JSONResponse(session_view(rec, rt), status_code=201)  # skips FastAPI's generic encoder
 
     def _tenant_scope(request: Request, tenant: str | None) -> str | None:
-        """The tenant whose data a call reads: the caller's own; an admin's choice (None = all)."""
+        """The tenant whose data a call reads: the caller's own; an admin's choice (None = all). A
+        ``tenant`` that is no valid tenant name (also an empty ``tenant=``) is 422 ``invalid_tenant``, by the
+        rule API keys are made with: it could only ever match nothing."""
+        if tenant is not None:
+            check_tenant(tenant)
         p = _principal(request)
         if tenant is not None and not p.admin and tenant != p.tenant:
             raise Forbidden("only an admin may read another tenant's data", code="forbidden")
@@ -309,16 +390,24 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
         async def op() -> SessionRecord:
             if rec.state == SessionState.RUNNING:
-                await rt.activator.suspend(rec)
+                try:
+                    await rt.activator.suspend(rec)
+                except SubstrateError as e:
+                    # the activation read is gone (a concurrent suspend, resume or crash): the worker's
+                    # not_active / stale_epoch become what the directory says now (202 or 409 conflict)
+                    if e.code not in ("not_active", "stale_epoch"):
+                        raise
+                    rt.routes.drop(sid)
+                    return await rt.activator.after_lost_suspend(rec, e)
                 rt.routes.drop(sid)
                 return await rt.directory.get_session(sid)
             if rec.state not in (SessionState.SUSPENDED, SessionState.SUSPENDING):
                 raise Conflict(f"session {sid!r} is {rec.state.value}; only a RUNNING session can be suspended",
                                code="invalid_state")
             return rec
-        return session_view(await _audited(rt, "suspend", rec, op))
+        return session_view(await _audited(rt, "suspend", rec, op), rt)
 
-    @app.post("/v1/sessions/{sid}/resume", dependencies=v1, tags=["sessions"])
+    @app.post("/v1/sessions/{sid}/resume", dependencies=[*v1, Depends(_json_body)], tags=["sessions"])
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:
         """Wake a suspended (or FAILED) session now instead of on its next request. ``worker`` pins the
         placement to one worker (like a Pod's ``nodeName``): 503 if it has no free slot."""
@@ -329,14 +418,14 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         if pin is not None and pin not in rt.view.workers:
             await rt.view.refresh()
             if pin not in rt.view.workers:
-                raise InvalidInput(f"unknown worker {pin!r}", code="unknown_worker")
+                raise InvalidInput(f"unknown worker {clip(pin)}", code="unknown_worker")
 
         async def op() -> SessionRecord:
             route, _ = await rt.activator.wake(sid, worker=pin, tenant=None if p.admin else p.tenant,
                                                audit_action=None)
             rt.routes.put(sid, route)
             return await rt.directory.get_session(sid)
-        return session_view(await _audited(rt, "resume", rec, op))
+        return session_view(await _audited(rt, "resume", rec, op), rt)
 
     @app.get("/v1/sessions/{sid}/events", dependencies=v1, tags=["audit"])
     async def session_events(sid: str, request: Request, limit: int = Query(100, ge=1, le=1000),
@@ -347,11 +436,14 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         p = _principal(request)
         try:
             await _owned(rt, sid, p)
-        except NotFound:
-            owner = await rt.audit.session_tenant(sid)  # a deleted session: its records say whose it was
-            if owner is None or not p.owns(owner):
-                raise
-        items, nxt = await rt.audit.session_events(sid, after=continue_, limit=limit)
+            owned = True
+        except NotFound as e:
+            owned, missing = False, e
+        # only the caller's tenant's records: an ID one tenant deleted may now be another's session
+        items, nxt = await rt.audit.session_events(sid, after=continue_, limit=limit,
+                                                   tenant=None if p.admin else p.tenant)
+        if not owned and not items:  # neither a live session of the caller's nor a deleted one's trail
+            raise missing
         return {"items": items, "metadata": {"continue": nxt}}
 
     @app.get("/v1/events", dependencies=v1, tags=["audit"])
@@ -367,8 +459,19 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     @app.get("/v1/workerpools", dependencies=v1, tags=["control plane"])
     async def list_pools(request: Request) -> dict[str, Any]:
         """WorkerPools with live status (replicas, readyReplicas, slots, freeSlots = availableSlots: free slots
-        on READY workers, the same field the Kubernetes status carries)."""
+        on READY workers, the same field the Kubernetes status carries). The live status is for admins and
+        the open-mode caller (``Principal.sees_fleet``); an ordinary tenant gets each pool's spec without
+        ``replicas`` (which the autoscaler sets) and ``status.observedGeneration`` only: capacity and load
+        say what other tenants run (as ``/v1/stats``)."""
         rt = _rt(request)
+        if not _principal(request).sees_fleet:
+            items = []
+            for pool in rt.catalog.pools.values():
+                d = pool.model_dump(mode="json")
+                d["spec"].pop("replicas", None)  # the autoscaler's live choice, not configuration
+                d["status"] = {"observedGeneration": pool.metadata.generation}
+                items.append(d)
+            return {"items": items}
         workers = await rt.directory.list_workers()
         items = []
         for pool in rt.catalog.pools.values():
@@ -390,16 +493,19 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         return {"items": [t.model_dump(mode="json") for t in _rt(request).catalog.templates.values()]}
 
     @app.get("/v1/stats", dependencies=v1, tags=["control plane"])
-    async def stats(request: Request) -> dict[str, Any]:
-        """Runtime-wide figures for dashboards and the trace replay: workers, slots, the cumulative cost
-        integrals since the directory was created (``workerSeconds``, ``slotSeconds`` = provisioned slots
-        x time, ``processSeconds`` = workers plus the zygote), and the caller's sessions by state and
-        quota usage (admins: every tenant's sessions, or ``tenant``'s). All tenants' sessions by state
-        come from counters the transitions maintain (O(states)); one tenant's from its own index."""
+    async def stats(request: Request, tenant: str | None = Query(None, description="admins: one tenant's")
+                    ) -> dict[str, Any]:
+        """The caller's sessions by state and quota usage (admins: every tenant's sessions, or
+        ``tenant``'s), plus, for admins and the open-mode caller only (``Principal.sees_fleet``), the
+        fleet's figures for dashboards and the trace replay: workers, slots, the cumulative cost integrals
+        since the directory was created (``workerSeconds``, ``slotSeconds`` = provisioned slots x time,
+        ``processSeconds`` = workers plus the zygote), and this router's parked requests and route cache.
+        An ordinary tenant's answer has only ``sessions``, ``tenant`` and ``quota``: the fleet's capacity
+        and load say what other tenants run. All tenants' sessions by state come from counters the
+        transitions maintain (O(states)); one tenant's from its own index."""
         rt = _rt(request)
         p = _principal(request)
-        scope = _tenant_scope(request, request.query_params.get("tenant"))
-        workers = await rt.directory.list_workers()
+        scope = _tenant_scope(request, tenant)
         keys = rt.directory.keys
         if scope is None:
             by_state = await rt.directory.state_counts()
@@ -413,16 +519,21 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                     by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
                 if cursor is None:
                     break
-        s = await rt.directory.get_stats()
         usage = await rt.quotas.usage(scope or p.tenant)
+        out: dict[str, Any] = {
+            "sessions": by_state, "tenant": scope,
+            "quota": {"tenant": scope or p.tenant, "running": usage.running, "total": usage.total,
+                      "gpus": usage.gpus,
+                      "limits": rt.quotas.limits_of(scope or p.tenant).model_dump(exclude_none=True)}}
+        if not p.sees_fleet:
+            return out
+        workers = await rt.directory.list_workers()
+        s = await rt.directory.get_stats()
         return {"workers": len(workers), "slots": sum(w.slots for w in workers),
-                "slotsUsed": sum(w.slots - w.freeSlots for w in workers), "sessions": by_state,
+                "slotsUsed": sum(w.slots - w.freeSlots for w in workers),
                 "workerSeconds": s.get("workerSeconds", 0.0), "slotSeconds": s.get("slotSeconds", 0.0),
                 "processSeconds": s.get("processSeconds", 0.0), "parked": rt.activator.parked,
-                "routeCacheEntries": len(rt.routes), "tenant": scope,
-                "quota": {"tenant": scope or p.tenant, "running": usage.running, "total": usage.total,
-                          "gpus": usage.gpus,
-                          "limits": rt.quotas.limits_of(scope or p.tenant).model_dump(exclude_none=True)}}
+                "routeCacheEntries": len(rt.routes), **out}
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_endpoint() -> Response:
@@ -461,12 +572,16 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             "tags": ["sessions"], "summary": "Invoke a session (wakes it if suspended)",
             "description": "Body `{\"input\": ...}` -> 200 `{\"output\": ...}`. `?stream=true` answers "
                            "NDJSON lines `{\"chunk\": ...}` then `{\"done\": true}`. Headers "
-                           "`X-Substrate-Woke: 1` and `X-Substrate-Wake-Ms` when the call woke the session.",
+                           "`X-Substrate-Woke: 1` and `X-Substrate-Wake-Ms` when the call woke the session "
+                           "(all of the answer's headers: see the 200 response).",
             "parameters": [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}},
-                           {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}}],
+                           {"name": "stream", "in": "query", "required": False,
+                            "description": "`1`/`true`: NDJSON; `0`/`false` (default): JSON; else 422",
+                            "schema": {"type": "string", "enum": ["1", "true", "0", "false"]}},
+                           IDEMPOTENCY_KEY_PARAM],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["input"], "properties": {"input": {}}}}}},
-            "responses": {"200": {"description": "the agent's output"}}}}
+            "responses": {"200": {"description": "the agent's output", "headers": INVOKE_RESPONSE_HEADERS}}}}
         comps = schema.setdefault("components", {})
         comps.setdefault("schemas", {})["Error"] = openapi_error_schema()
         comps["securitySchemes"] = {
@@ -478,16 +593,23 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                                     "JWKS); the tenant is the `auth.tenant_claim` claim, admins carry "
                                     "`auth.admin_role` in `auth.roles_claim`."}}
         for path, ops in schema["paths"].items():
-            if not path.startswith("/v1"):
-                continue
-            for op in ops.values():
-                # no credentials configured = open mode (the single tenant `default`): {} allows that
-                op["security"] = [{"apiKey": []}, {"oidc": []}, {}]
-                statuses = [401, 403, 422, 503] + ([404] if "{sid}" in path else [])
-                if op is ops.get("post") and (path == "/v1/sessions" or path.endswith(("/invoke", "/resume"))):
-                    statuses += [429]
-                for code, resp in responses_for(*sorted(statuses)).items():
-                    op.setdefault("responses", {}).setdefault(code, resp)
+            for method, op in ops.items():
+                statuses = ROUTE_STATUSES.get((method, path))
+                if path.startswith("/v1"):
+                    # no credentials configured = open mode (the single tenant `default`): {} allows that
+                    op["security"] = [{"apiKey": []}, {"oidc": []}, {}]
+                    params = op.setdefault("parameters", [])  # every /v1 route takes (and checks) one
+                    if not any(p.get("name") == "X-Request-ID" for p in params):
+                        params.append(REQUEST_ID_PARAM)
+                    statuses = statuses or DEFAULT_STATUSES
+                responses = op.setdefault("responses", {})
+                if statuses is None:
+                    responses.pop("422", None)  # FastAPI's validation answer: a route without parameters
+                    continue
+                # replaces FastAPI's own 422 (HTTPValidationError): every error answer here is an Error
+                responses.update(responses_for(*sorted(set(statuses))))
+        for name in ("HTTPValidationError", "ValidationError"):  # no answer has that shape
+            comps["schemas"].pop(name, None)
         app.openapi_schema = schema
         return schema
 

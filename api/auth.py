@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from substrate.apikeys import ApiKeyStore, TENANT_RE, hash_key, load_key_file
-from substrate.errors import DirectoryUnavailable, Forbidden, Unauthorized
+from substrate.errors import DirectoryUnavailable, Forbidden, Unauthorized, clip
 from substrate.keys import Keys
 from substrate.settings import Settings
 
@@ -55,6 +55,14 @@ class Principal:
 
     def owns(self, tenant: str) -> bool:
         return self.admin or tenant == self.tenant
+
+    @property
+    def sees_fleet(self) -> bool:
+        """Whether the caller may read fleet-wide figures (workers, slots, cost integrals, the router's
+        parked requests): admins, and the single caller of open mode (no credentials configured, so there
+        are no tenants to keep apart). An ordinary tenant's key or JWT does not: capacity and load are
+        other tenants' business too."""
+        return self.admin or self.via == "anonymous"
 
 
 ANONYMOUS = Principal(tenant="default", subject="anonymous")
@@ -111,7 +119,7 @@ class JwksVerifier:
             await self.reload()
         k = self._keys.get(kid)
         if k is None:
-            raise Unauthorized(f"token signed with unknown key {kid!r}", code="invalid_token")
+            raise Unauthorized(f"token signed with unknown key {clip(kid)}", code="invalid_token")
         return k
 
     async def verify(self, token: str) -> Principal:
@@ -134,7 +142,7 @@ class JwksVerifier:
         except jwt.PyJWTError as e:
             raise Unauthorized(f"invalid token: {e}", code="invalid_token") from None
         tenant = claims.get(self.tenant_claim)
-        if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
             raise Forbidden(f"token has no valid {self.tenant_claim!r} claim", code="no_tenant")
         roles = claims.get(self.roles_claim) or []
         if isinstance(roles, str):

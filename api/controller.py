@@ -75,7 +75,8 @@ async def run(settings: Settings, host: str, port: int, identity: str | None = N
         rt = await Runtime.build(settings, embedded=False, catalog=kcat.catalog)
         rt.kube_catalog = kcat
         rt.state_manager = StateManager(settings, rt.directory, rt.catalog, rt.activator, rt.store)
-        rt.pools = KubePoolController(settings, rt.directory, kcat, backend, rt.activator)
+        # routers are other processes: their waiting placements and our starting workers meet in Redis
+        rt.pools = KubePoolController(settings, rt.directory, kcat, backend, rt.activator, board=rt.activator.board)
         wanted = getattr(rt.activator, "capacity_wanted", None)
         if wanted is not None:  # a spec or Pod change reconciles at once, not on the next timer tick
             for inf in (kcat.pools, kcat.templates, backend.pods):

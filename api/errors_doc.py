@@ -20,18 +20,27 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "no such route"),
     "session_not_found": (404, "no such session, or it belongs to another tenant (same answer on purpose)"),
     "method_not_allowed": (405, "wrong HTTP method"),
+    "request_timeout": (408, "the body did not arrive within `api.body_read_timeout_s` of the request's headers; "
+                             "the connection is closed"),
     "session_exists": (409, "the client-chosen session ID is taken"),
     "invalid_state": (409, "the session is not in a state that allows the call"),
-    "conflict": (409, "the session changed concurrently; retry"),
+    "conflict": (409, "the session changed concurrently (e.g. a suspend met a concurrent resume); retry"),
     "payload_too_large": (413, "the body is over `api.max_body_bytes`"),
-    "invalid_input": (422, "the body or a parameter fails validation"),
+    "unsupported_media_type": (415, "a body sent without `Content-Type: application/json` (none, or e.g. curl's "
+                                    "default `application/x-www-form-urlencoded`): send that header"),
+    "invalid_input": (422, "the body or a parameter fails validation (also invoke's `stream=` other than `1`, "
+                           "`true`, `0`, `false`)"),
     "invalid_session_id": (422, "a malformed session ID"),
     "unknown_template": (422, "no such ActorTemplate"),
     "unknown_pool": (422, "the template names a WorkerPool that does not exist"),
     "unknown_worker": (422, "resume pinned to a worker that is not registered"),
     "invalid_continue": (422, "a `continue` token not made by this API"),
+    "invalid_tenant": (422, "a `tenant=` that is no tenant name (1-63 lower-case letters, digits and '-'; also an "
+                            "empty `tenant=`)"),
     "invalid_idempotency_key": (422, "an `Idempotency-Key` over 200 characters"),
-    "idempotency_key_reused": (422, "the `Idempotency-Key` was used before for a turn with another body"),
+    "invalid_request_id": (422, "an `X-Request-ID` that is not 1-128 visible ASCII characters"),
+    "idempotency_key_reused": (422, "the `Idempotency-Key` (without one, the `X-Request-ID`) was used before for a "
+                                    "turn with another body"),
     "workspace_too_large": (422, "suspend/snapshot refused: the workspace's apparent bytes exceed the template's "
                                  "`isolation.maxDiskBytes` (sparse files count in full) or it has too many files; "
                                  "the session keeps running"),
@@ -41,6 +50,18 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                                   "keeps running"),
     "agent_error": (422, "the agent refused the input"),
     "invalid_env": (422, "a session env variable the policy refuses (name in `details.name`; see README Security model)"),
+    "output_too_large": (422, "the turn's answer (or a streamed chunk) is over the worker's `max_answer_bytes` "
+                              "(16 MiB); the agent goes on"),
+    "answer_not_kept": (410, "a retried turn (same `Idempotency-Key`) that already ran, whose answer was too big to "
+                             "keep (`worker.answer_keep_bytes`); the turn is not run again"),
+    "session_deleted": (410, "the session was deleted while this turn was under way: the delete stopped the turn "
+                             "(the outcome of its side effects is unknown) and the session is gone"),
+    "state_load_failed": (422, "the session's saved state cannot be loaded by its agent (`details.exception` names "
+                               "what the load raised); the session is FAILED with its snapshot kept, DELETE works, "
+                               "the tenant's breaker does not count it"),
+    "state_too_large": (422, "suspend/snapshot refused: the agent's state does not fit the template's limits (the "
+                             "message names the limit, e.g. `isolation.maxDiskBytes`); the session keeps running "
+                             "with all its state"),
     "memory_limit_exceeded": (422, "the session went over `isolation.maxMemory`; its agent restarts from its last snapshot"),
     "secret_unavailable": (422, "a credential the template asks for cannot be resolved for this tenant"),
     "quota_max_running": (429, "the tenant (or the tenant's template) holds its maximum of live sessions"),
@@ -51,6 +72,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "tenant_circuit_open": (429, "the tenant's recent activations kept failing; its breaker is open"),
     "agent_crashed": (500, "the agent raised an exception in the turn"),
     "agent_start_failed": (500, "the agent failed to start"),
+    "agent_protocol_violation": (500, "the agent wrote a protocol line that does not answer the worker's current "
+                                      "request (e.g. agent code writing to the agent host's pipe); it was killed "
+                                      "and the session restarts from its last snapshot"),
     "activation_failed": (500, "the worker could not set up the activation (logged on the worker)"),
     "snapshot_corrupt": (500, "the snapshot failed verification; the session is FAILED, next call uses the previous one"),
     "checkpoint_failed": (500, "a process checkpoint of the agent failed (suspend keeps it RUNNING)"),
@@ -63,11 +87,38 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "no_capacity": (503, "no free slot; retry after `Retry-After`"),
     "directory_unavailable": (503, "Redis is unreachable"),
     "snapshot_store_unavailable": (503, "object storage is unreachable"),
-    "resume_timeout": (503, "the session did not resume within `api.park_timeout_s`"),
+    "resume_timeout": (503, "the session did not resume within `api.park_timeout_s` (longer while a worker is being started for it)"),
+    "worker_fenced": (503, "the worker chosen was past its own lease; the router placed the call on other workers and they were fenced too; retry"),
     "too_many_parked": (503, "too many requests wait for resumes in this router"),
     "no_workers": (503, "/readyz: a pool lacks its ready workers"),
+    "router_stopping": (503, "the router stopped (its graceful-shutdown time ran out) before the call's answer came; "
+                             "the turn may have run: retry with the same `Idempotency-Key`"),
     "suspend_timeout": (503, "the object store was slower than the transition deadline; the session stays RUNNING"),
 }
+
+
+#: the error statuses each public route can answer, as its OpenAPI ``responses`` list them (every ``/v1``
+#: route can answer 401/403 (credentials), 422 (``invalid_request_id``) and 503 (``directory_unavailable``);
+#: the activating routes the worker's answers as well). A route not listed gets ``DEFAULT_STATUSES``.
+_V1 = (401, 403, 422, 503)
+_BODY = (400, 408, 413, 415)  # the JSON-body routes
+_ACTIVATES = (409, 429, 500, 501, 502)  # routes that may place and start an activation
+ROUTE_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/sessions"): (*_V1, *_BODY, *_ACTIVATES),
+    ("get", "/v1/sessions"): _V1,
+    ("get", "/v1/sessions/{sid}"): (*_V1, 404),
+    ("delete", "/v1/sessions/{sid}"): (*_V1, 404, 409),
+    ("post", "/v1/sessions/{sid}/invoke"): (*_V1, *_BODY, *_ACTIVATES, 404, 410, 504),
+    ("post", "/v1/sessions/{sid}/suspend"): (*_V1, 404, 409, 500),
+    ("post", "/v1/sessions/{sid}/resume"): (*_V1, *_BODY, *_ACTIVATES, 404),
+    ("get", "/v1/sessions/{sid}/events"): (*_V1, 404),
+    ("get", "/v1/events"): _V1,
+    ("get", "/v1/workerpools"): _V1,
+    ("get", "/v1/actortemplates"): _V1,
+    ("get", "/v1/stats"): _V1,
+    ("get", "/readyz"): (503,),
+}
+DEFAULT_STATUSES: tuple[int, ...] = _V1
 
 
 def openapi_error_schema() -> dict[str, Any]:

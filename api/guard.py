@@ -7,17 +7,28 @@ every ``/v1/`` request:
 
 1. the caller is authenticated with the runtime's ``api.auth`` (shared token compared in constant time,
    API keys, JWTs) -> 401/403 as that answers; without a runtime, ``Authorization: Bearer <token>`` is
-   compared in constant time (``hmac.compare_digest``) against ``api.auth_token``. The route's own
-   dependency authenticates again (cheap: keys are cached) and keeps the principal;
+   compared in constant time (``hmac.compare_digest``) against ``api.auth_token``. The principal is
+   left in the request's state (``scope["state"]``), where the route's own check finds it: one
+   authentication per request;
 2. a ``Content-Length`` over ``api.max_body_bytes`` -> 413 at once; a malformed one -> 400 ``bad_request``;
-3. a body without ``Content-Length`` (chunked) is read at most ``max_body_bytes + 1`` bytes: over the
-   limit -> 413 without reading further; else it is replayed to the app unchanged.
+3. the body is read here, whole, before the app sees the request: a chunked one (no ``Content-Length``)
+   at most ``max_body_bytes + 1`` bytes (over the limit -> 413 without reading further), and every body
+   within ``api.body_read_timeout_s`` of the request's start: a client that sends its headers and then
+   trickles (or never finishes) the body gets 408 ``request_timeout`` and its connection is closed
+   (uvicorn has no such bound, so it would otherwise hold a connection and a handler for ever). The body
+   is replayed to the app unchanged; every route reads its body whole anyway.
+4. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
+   by uvicorn, which would answer a plain-text 500 (a fresh-user run: SIGTERM during a 25 s shell turn);
+   it gets 503 ``router_stopping`` in JSON with ``Retry-After`` instead: the turn may have run, and a
+   retry with the same ``Idempotency-Key`` is answered from its kept answer, never run twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
 from typing import Any, Awaitable, Callable
 
 from starlette.datastructures import Headers
@@ -31,12 +42,36 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-async def _answer(send: Send, status: int, code: str, message: str) -> None:
+async def _answer(send: Send, status: int, code: str, message: str,
+                  extra: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"code": code, "message": message}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(extra or [])]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _until_stopped(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Run ``app``; if the server cancels it (shutdown past its graceful time) before it began its
+    answer, answer 503 ``router_stopping`` (see the module docstring, 4) and end the request there."""
+    started = False
+
+    async def tracking(msg: Message) -> None:
+        nonlocal started
+        if msg["type"] == "http.response.start":
+            started = True
+        await send(msg)
+
+    try:
+        await app(scope, receive, tracking)
+    except asyncio.CancelledError:
+        if started:
+            raise  # half an answer: uvicorn closes the connection
+        # the request's own task is ending here: nothing above it waits for the cancellation
+        await _answer(send, 503, "router_stopping",
+                      "the router stopped before this call's answer came; the turn may have run: retry with "
+                      "the same Idempotency-Key (a turn that ran is answered again, never run twice)",
+                      [(b"retry-after", b"1")])
 
 
 def _Headers(scope: Scope) -> Headers:  # noqa: N802 - a constructor
@@ -64,17 +99,19 @@ class Guard:
             return
         settings, auth = self.get_settings(scope)
         api = settings.api
+        # the body's time runs from here (the headers are in): authentication is part of the wait
+        deadline = time.monotonic() + float(api.body_read_timeout_s)
         headers = dict(scope["headers"])  # later duplicates win; both checks below refuse odd values
-        # the invoke route (api/proxy.py) authenticates before it reads its body: not twice on the hot path
-        # (a chunked invoke body is read here, so then the caller is authenticated here first)
-        is_invoke = scope.get("method") == "POST" and scope["path"].endswith("/invoke")
-        if auth is not None and (not is_invoke or b"content-length" not in headers):
+        if auth is not None:
             try:
-                await auth.authenticate(_Headers(scope))
+                # kept in the request's state: the route's own check (api/proxy.authenticate) uses it
+                # instead of authenticating again (a JWT used to be verified twice per call). The invoke
+                # route is authenticated here too: its body is read below, and only for a known caller
+                scope.setdefault("state", {})["principal"] = await auth.authenticate(_Headers(scope))
             except SubstrateError as e:
                 await _answer(send, e.status, e.code, e.message)
                 return
-        elif auth is None and api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
+        elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
             await _answer(send, 401, "unauthorized", "missing or wrong bearer token")
             return
         limit = int(api.max_body_bytes)
@@ -86,29 +123,39 @@ class Guard:
             if int(cl) > limit:
                 await _answer(send, 413, "payload_too_large", f"body of {int(cl)} bytes is over the {limit}-byte limit")
                 return
-            await self.app(scope, receive, send)
+            if int(cl) == 0:
+                await _until_stopped(self.app, scope, receive, send)
+                return
+        elif scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await _until_stopped(self.app, scope, receive, send)  # no Content-Length, no body-carrying method
             return
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        # no Content-Length: read at most limit + 1 bytes, then replay what was read
+        # read the whole body (a chunked one at most limit + 1 bytes) by the deadline, then replay it;
+        # one timeout scope for the whole read (asyncio.wait_for would make a task per chunk)
         chunks: list[bytes] = []
         size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body = msg.get("body", b"")
-            size += len(body)
-            if size > limit:
-                await _answer(send, 413, "payload_too_large", f"body is over the {limit}-byte limit")
-                return
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    body = msg.get("body", b"")
+                    size += len(body)
+                    if size > limit:
+                        await _answer(send, 413, "payload_too_large", f"body is over the {limit}-byte limit")
+                        return
+                    chunks.append(body)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _answer(send, 408, "request_timeout",
+                          f"the request body did not arrive within {api.body_read_timeout_s:g} s; "
+                          "send it whole right after the headers")
+            return
+        replay = [{"type": "http.request", "body": chunks[0] if len(chunks) == 1 else b"".join(chunks),
+                   "more_body": False}]
 
         async def replayed() -> Message:
             return replay.pop() if replay else await receive()
 
-        await self.app(scope, replayed, send)
+        await _until_stopped(self.app, scope, replayed, send)

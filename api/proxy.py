@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -42,9 +43,12 @@ from substrate.errors import (
     InvalidInput,
     NotFound,
     PayloadTooLarge,
+    SessionDeleted,
     StaleEpoch,
     SubstrateError,
+    UnsupportedMediaType,
     WorkerUnavailable,
+    clip,
 )
 from substrate.models import SESSION_ID_RE
 from substrate.workerclient import IDEMPOTENCY_HEADER
@@ -82,24 +86,130 @@ class RouteCache:
         return len(self._d)
 
 
+#: codes of the workers' internal API that are no public answer (api/errors_doc.py lists the public ones),
+#: and what a client is told instead: (status, public code, what happened). The routes turn the cases
+#: they know into retries or precise answers; this is the net under all of them (fresh-user run: a
+#: suspend racing another answered 404 ``not_active`` for a session that exists)
+_INTERNAL_CODES: dict[str, tuple[int, str, str]] = {
+    "not_active": (409, "conflict", "the session's activation ended while this call reached it (it was "
+                                    "suspended, resumed or moved concurrently); retry"),
+    "stale_epoch": (409, "conflict", "the session moved to a new activation while this call reached it; retry"),
+    "busy": (409, "conflict", "the session is in the middle of a turn; retry"),
+    "worker_error": (502, "worker_unavailable", "the worker failed the call without saying why"),
+}
+
+
+def public_error(e: SubstrateError) -> SubstrateError:
+    """``e`` as a client may see it: a worker-internal code (``_INTERNAL_CODES``) becomes its public
+    counterpart, with the worker's message kept after the explanation; any other error as it is."""
+    mapped = _INTERNAL_CODES.get(e.code)
+    if mapped is None:
+        return e
+    status, code, what = mapped
+    out = SubstrateError(f"{what} ({clip(e.message, 300, quote=False)})", code=code,
+                         retry_after_s=e.retry_after_s, details=e.details)
+    out.status = status
+    return out
+
+
 def error_response(e: SubstrateError) -> Response:
-    """Render an error as ``{"code","message"[,"details"]}`` JSON with its status and Retry-After."""
+    """Render an error as ``{"code","message"[,"details"]}`` JSON with its status and Retry-After; a
+    worker-internal code is first turned into its public counterpart (``public_error``)."""
     import json
 
+    e = public_error(e)
     headers = dict(_JSON)
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
     return Response(json.dumps(e.to_dict()), status_code=e.status, headers=headers)
 
 
+#: a client's ``X-Request-ID`` must be 1-128 visible ASCII characters (``!`` to ``~``: no spaces, control
+#: characters or non-ASCII): it goes into audit records, logs, the worker call and the answer's headers
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
+
+
+def request_id(headers: Any) -> str:
+    """The request's ID: the client's ``X-Request-ID`` if it follows the rule above, a fresh UUID (hex)
+    when it is absent or empty. Raises ``InvalidInput`` (422 ``invalid_request_id``) for any other value:
+    an ID that cannot be stored as sent is refused, not silently replaced, so the client's correlation
+    never breaks unnoticed."""
+    rid = headers.get("x-request-id")
+    if not rid:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID_RE.fullmatch(rid):
+        raise InvalidInput(f"X-Request-ID must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters "
+                           f"(got {len(rid)} characters)", code="invalid_request_id")
+    return str(rid)
+
+
 async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
-    """The caller (see ``api.auth``); also sets the audit actor for everything this request causes."""
-    principal = await runtime.auth.authenticate(request.headers)
-    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    """The caller (see ``api.auth``); also sets the audit actor for everything this request causes.
+
+    The caller is authenticated once per request: a principal the front door (``api.guard.Guard``) put in
+    the request's state is used as is (a JWT is not verified twice). Raises the authentication errors
+    (401/403) and ``InvalidInput`` ``invalid_request_id`` (see ``request_id``)."""
+    principal = getattr(request.state, "principal", None)
+    if principal is None:
+        principal = await runtime.auth.authenticate(request.headers)
+    rid = request_id(request.headers)
     request.state.request_id = rid
     request.state.principal = principal
     audit.actor.set(audit.Actor(principal.subject, principal.tenant, rid))
     return principal
+
+
+def check_json_content_type(content_type: str | None, body: bytes) -> None:
+    """Refuse a non-empty ``body`` that is not labelled JSON: ``UnsupportedMediaType`` (415
+    ``unsupported_media_type``, naming the header to send). JSON is ``application/json`` or any
+    ``application/*+json``, parameters (``; charset=utf-8``) ignored. An empty body passes (a resume
+    without one).
+
+    Deliberately strict, also for a body without ``Content-Type``: ``curl -d`` labels a JSON body
+    ``application/x-www-form-urlencoded`` and the answer tells how to fix that; guessing instead would let a
+    web page drive the API from the user's browser, since a form, ``text/plain`` or unlabelled post is
+    sent cross-site without a CORS preflight (in open mode, with no credentials, a page could create a
+    shell session under an ID it chose and run commands in it), while ``application/json`` is not."""
+    if not body:
+        return
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    main, _, sub = media.partition("/")
+    if main == "application" and (sub == "json" or sub.endswith("+json")):
+        return
+    got = f"Content-Type {clip(content_type)} is not JSON" if content_type else "the body has no Content-Type"
+    raise UnsupportedMediaType(f"{got}: send the body as JSON with the header 'Content-Type: application/json' "
+                               "(curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {clip(k)}")
+        out[k] = v
+    return out
+
+
+def _json_error(e: Exception) -> str:
+    """What to say of a body ``json.loads`` refused (never Python's advice on its own settings)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return "not UTF-8 text"
+    if "integer string conversion" in str(e):
+        return "a number has more than 4300 digits"
+    return str(e)[:200]
+
+
+def check_json_keys(body: bytes) -> None:
+    """Refuse a control-plane body (create, resume) that is not UTF-8 JSON or repeats a key in an
+    object: ``BadRequest`` (400 ``bad_json``). Not used on invoke, whose input is the agent's business
+    and whose parse is on the hot path."""
+    try:
+        json.loads(body, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
 
 
 #: invoke inputs nested deeper than this are refused (a worker or agent must never see them)
@@ -130,19 +240,65 @@ def _depth_ok(doc: Any, limit: int) -> bool:
     return True
 
 
+def lone_surrogate_path(doc: Any) -> str | None:
+    """Where in ``doc`` (parsed JSON) a string or key holds a lone surrogate (``"\ud800"``: JSON allows
+    the escape, UTF-8 cannot hold it), as a short path like ``input[2].k``; None if nowhere."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "(body)"
+        elif isinstance(v, dict):
+            for k, c in v.items():
+                sub = f"{path}.{clip(k, 32, quote=False)}" if path else clip(k, 32, quote=False)
+                stack.append((k, sub))
+                stack.append((c, sub))
+        elif isinstance(v, list):
+            stack.extend((c, f"{path}[{i}]") for i, c in enumerate(v))
+    return None
+
+
 def check_invoke_body(body: bytes) -> None:
     """Refuse an invoke body that is not ``{"input": ...}`` JSON, nests deeper than
     ``MAX_JSON_DEPTH``, or holds numbers Python cannot hold (over 4300 digits, overflowing floats,
-    NaN/Infinity). Raises ``BadRequest`` (400 ``bad_json`` / ``missing_input``)."""
+    NaN/Infinity): ``BadRequest`` (400 ``bad_json`` / ``missing_input``); or that holds a lone surrogate
+    in a string (text no agent can be given, the README's "text with a lone surrogate is 422"):
+    ``InvalidInput`` (422 ``invalid_input``)."""
     try:
         doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        msg = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
-        raise BadRequest(f"body is not valid JSON: {msg}", code="bad_json") from None
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
     if not isinstance(doc, dict) or "input" not in doc:
         raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and not _depth_ok(doc, MAX_JSON_DEPTH):
         raise BadRequest(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
+    # a lone surrogate arrives as a \uD800-\uDFFF escape or (json.loads decodes with surrogatepass) as raw
+    # UTF-8-like bytes ED A0-BF: only then is the walk needed
+    if b"\\u" in body or b"\xed" in body:
+        where = lone_surrogate_path(doc)
+        if where is not None:
+            raise InvalidInput(f"{where}: not valid Unicode text (a lone surrogate such as \\ud800)",
+                               code="invalid_input", details={"path": where})
+
+
+_STREAM_VALUES = {"1": True, "true": True, "0": False, "false": False}
+
+
+def stream_param(values: list[str]) -> bool:
+    """Invoke's ``?stream=``: ``1``/``true`` stream, ``0``/``false`` or none answer plain JSON. Anything
+    else (``maybe``, ``yes``, given twice) raises ``InvalidInput`` (422 ``invalid_input``, as FastAPI's
+    answer to a bad parameter elsewhere): silently answering JSON would break a client expecting NDJSON."""
+    if not values:
+        return False
+    if len(values) == 1 and values[0] in _STREAM_VALUES:
+        return _STREAM_VALUES[values[0]]
+    got = ", ".join(clip(v) for v in values[:3])
+    msg = f"query.stream: must be one of 1, true, 0, false (got {got})"
+    raise InvalidInput(msg, code="invalid_input",
+                       details={"errors": [{"loc": ["query", "stream"], "msg": msg.split(": ", 1)[1]}]})
 
 
 async def invoke(request: Request) -> Response:
@@ -152,7 +308,7 @@ async def invoke(request: Request) -> Response:
     try:
         principal = await authenticate(runtime, request)
         if not SESSION_ID_RE.fullmatch(sid):
-            raise InvalidInput(f"malformed session id {sid!r}", code="invalid_session_id")
+            raise InvalidInput(f"malformed session id {clip(sid)}", code="invalid_session_id")
         limit = runtime.settings.api.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None and cl.isascii() and cl.isdigit() and int(cl) > limit:
@@ -160,13 +316,15 @@ async def invoke(request: Request) -> Response:
         body = await request.body()
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
+        check_json_content_type(request.headers.get("content-type"), body)
         check_invoke_body(body)
-        stream = request.query_params.get("stream") in ("1", "true")
+        stream = stream_param(request.query_params.getlist("stream"))
         rid = request.state.request_id
         key = request.headers.get("idempotency-key") or rid
         if len(key) > 200:
             raise InvalidInput("Idempotency-Key is over 200 characters", code="invalid_idempotency_key")
-        return await _forward(runtime, sid, body, stream, rid, key, principal)
+        return await _forward(runtime, sid, body, stream, rid, key, principal,
+                              key_is_request_id=not request.headers.get("idempotency-key"))
     except SubstrateError as e:
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
@@ -197,7 +355,7 @@ async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers
 
 
 async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,
-                   principal: "Principal") -> Response:
+                   principal: "Principal", *, key_is_request_id: bool = False) -> Response:
     cache = runtime.routes
     t_start = time.perf_counter()
     act = runtime.activator
@@ -213,6 +371,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
     deadline = time.monotonic() + s.api.park_timeout_s + s.worker.lease_s + s.worker.lease_grace_s
     attempt = 0
     lost_workers: set[str] = set()  # workers that dropped this turn after it was sent
+    sent = False  # a worker may have started this turn: a session gone since was deleted under it
     while True:
         attempt += 1
         if attempt > 1 and (time.monotonic() > deadline or attempt > 12):
@@ -222,6 +381,10 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             t0 = time.perf_counter()
             try:
                 route, woke = await act.wake(sid, tenant=None if principal.admin else principal.tenant)
+            except NotFound as e:
+                if sent and e.code == "session_not_found":
+                    raise _deleted(sid) from e
+                raise
             except (StaleEpoch, Conflict, WorkerUnavailable) as e:
                 if e.code not in ("stale_epoch", "conflict", "worker_unavailable"):
                     raise
@@ -231,13 +394,16 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 continue
             if woke:
                 woke_ms = (time.perf_counter() - t0) * 1000
-                restored = route.restored or restored
+                # this activation's own marker: one from an earlier attempt's wake may be stale (a commit
+                # since then can have told the record the loss was reported)
+                restored = route.restored
             cache.put(sid, route)
         url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
                    "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
         try:
             resp = await _post(runtime, route, url, body, headers)
+            sent = True
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost) as e:
             # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
             # and resend with the same key; the worker answers a turn it already ran from its cache.
@@ -246,6 +412,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             # workers dropped it after it was sent, it is answered 502.
             if not isinstance(e, aiohttp.ClientConnectorError):  # refused before sending: not this turn's doing
                 lost_workers.add(route.worker)
+                sent = True
             cache.drop(sid)
             if len(lost_workers) > s.api.max_lost_worker_retries:
                 await act.check_worker(route.worker, sid=sid)
@@ -284,18 +451,29 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 route = None
                 await asyncio.sleep(min(0.05 * attempt, 0.5))
                 continue
-            return Response(json.dumps(err), status_code=resp.status, headers={**_JSON, "X-Request-ID": rid})
+            if isinstance(err, dict) and code in _INTERNAL_CODES:  # never a worker-internal code to a client
+                pub = public_error(SubstrateError(str(err.get("message", "")), code=code))
+                err, status = pub.to_dict(), pub.status
+            else:
+                status = resp.status
+            return Response(json.dumps(err), status_code=status, headers={**_JSON, "X-Request-ID": rid})
         extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
-        for h in ("X-Substrate-Restored", "X-Substrate-Replayed"):
+        for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At", "X-Substrate-Replayed"):
             if h in resp.headers:
                 extra[h] = resp.headers[h]
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
-            if restored:  # state since the last snapshot was lost: say so on the answer itself
+            # state since the last snapshot was lost: say so on the answer itself (the worker's own marker
+            # wins: a replayed answer says what the activation that ran the turn had lost)
+            if restored and "X-Substrate-Restored" not in extra:
                 extra["X-Substrate-Restored"] = restored
-        if stream and resp.status == 200:
-            return StreamingResponse(_relay(resp), status_code=200, media_type="application/x-ndjson",
+        # the worker's content type: a replayed answer comes in the form its turn first ran (a streamed
+        # turn's NDJSON lines, a plain turn's JSON), whichever this call asked for
+        ctype = resp.headers.get("Content-Type", "")
+        ndjson = ctype.startswith("application/x-ndjson")
+        if stream and resp.status == 200 and ndjson:
+            return StreamingResponse(_relay(resp, runtime, sid), status_code=200, media_type="application/x-ndjson",
                                      headers=extra)
         try:
             data = await resp.read()
@@ -306,16 +484,92 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             continue
         finally:
             resp.release()
+        if resp.status >= 500 and not await _exists(runtime, sid):
+            # a DELETE ends the activation at once, even mid-turn: the agent stopped under the turn is the
+            # delete's doing, not a crash to retry (fresh-user run: 500 agent_crashed, "it restarts from
+            # its last snapshot", for a session that had been deleted)
+            raise _deleted(sid)
         if woke_ms is None:  # the hot path only: a wake is timed by the wake/resume histograms
             metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
+        if resp.status == 422 and key_is_request_id:
+            data = _request_id_key_reused(data, rid)
+        if ndjson:
+            extra["Content-Type"] = "application/x-ndjson"
         return Response(data, status_code=resp.status, headers={**_JSON, **extra})
 
 
-async def _relay(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+def _request_id_key_reused(data: bytes, rid: str) -> bytes:
+    """The worker's ``idempotency_key_reused`` answer when the key was the router's choice (the request ID,
+    no ``Idempotency-Key`` sent): the worker's message names an Idempotency-Key the client never sent, so it
+    is told which header to change instead. Any other answer is returned as it is."""
+    if b"idempotency_key_reused" not in data:
+        return data
+    try:
+        err = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(err, dict) or err.get("code") != "idempotency_key_reused":
+        return data
+    err["message"] = (f"X-Request-ID {clip(rid)} was used as the idempotency key (no Idempotency-Key was sent) "
+                      "for a turn with another body: send a new X-Request-ID, or an Idempotency-Key, per turn")
+    return json.dumps(err).encode()
+
+
+def _deleted(sid: str) -> SessionDeleted:
+    return SessionDeleted(f"session {sid!r} was deleted while this turn was under way; the turn was stopped "
+                          "and the session is gone")
+
+
+async def _exists(runtime: "Runtime", sid: str) -> bool:
+    """Whether ``sid`` still exists (one directory read, on a worker's failure answer only). A directory
+    that cannot be reached counts as existing: the worker's own answer is then given as it is."""
+    try:
+        await runtime.directory.get_session(sid)
+    except NotFound:
+        return False
+    except SubstrateError:
+        return True
+    return True
+
+
+async def _relay(resp: aiohttp.ClientResponse, runtime: "Runtime", sid: str) -> AsyncIterator[bytes]:
+    """Pass a streamed turn's NDJSON lines through as they come. Its final ``{"error": ...}`` line of a
+    5xx kind is checked as a plain turn's 5xx answer is: if the session is gone, a DELETE stopped the
+    turn, and the line says ``session_deleted`` (a fresh-user run: ``agent_crashed``, "it restarts from
+    its last snapshot", for a session that had been deleted)."""
+    rest = b""
     try:
         async for chunk in resp.content.iter_any():
-            yield chunk
+            data = rest + chunk
+            cut = data.rfind(b"\n") + 1
+            whole, rest = data[:cut], data[cut:]
+            if whole.startswith(b'{"error"') or b'\n{"error"' in whole:
+                whole = await _deleted_line(whole, runtime, sid)
+            if whole:
+                yield whole
+        if rest:
+            yield rest
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
-        yield b'{"error": {"code": "worker_unavailable", "message": "worker failed mid-stream"}}\n'
+        yield rest + b'{"error": {"code": "worker_unavailable", "message": "worker failed mid-stream"}}\n'
     finally:
         resp.release()
+
+
+#: in-band error codes of a stream that a DELETE of the session under the turn also produces
+_STREAM_KILLED = ("agent_crashed", "turn_timeout", "agent_protocol_violation")
+
+
+async def _deleted_line(lines: bytes, runtime: "Runtime", sid: str) -> bytes:
+    """``lines`` (whole NDJSON lines) with an error line of ``_STREAM_KILLED`` replaced by a
+    ``session_deleted`` one if the session no longer exists (one directory read, on that line only)."""
+    out = []
+    for line in lines.split(b"\n"):
+        if line.startswith(b'{"error"'):
+            try:
+                code = json.loads(line)["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                code = None
+            if code in _STREAM_KILLED and not await _exists(runtime, sid):
+                line = json.dumps({"error": _deleted(sid).to_dict()}).encode()
+        out.append(line)
+    return b"\n".join(out)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +22,10 @@ from snapshot.state_manager import StateManager
 from snapshot.store import ObjectStore, make_store
 from substrate.activator import Activator, WorkerView
 from substrate.audit import AuditLog
+from substrate.demand import DemandBoard
 from substrate.backends.local import LocalBackend
 from substrate.directory import Directory
+from substrate.gctune import tune_after_startup
 from substrate.loops import run_forever
 from substrate.pool import PoolController
 from substrate.quotas import Quotas
@@ -77,6 +82,10 @@ class Runtime:
         quotas = Quotas(directory.redis, directory.keys, settings.quota, retry_after_s=settings.api.retry_after_s)
         audit = AuditLog(directory.redis, directory.keys, settings.audit)
         activator = Activator(settings, directory, catalog, client, view, quotas=quotas, audit=audit)
+        if not embedded:  # routers and the controller are separate processes: they meet in Redis
+            activator.board = DemandBoard(directory.redis, directory.keys,
+                                          f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                          ttl_s=settings.pool.demand_ttl_s)
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=settings.api.invoke_timeout_s, sock_connect=2),
@@ -110,8 +119,13 @@ class Runtime:
         self.view.start()
         if self.pools is not None:
             await self.pools.start()
+        elif self.activator.board is not None:
+            # a router: the pool controller runs elsewhere and must see what this process waits for
+            self._tasks.append(asyncio.create_task(run_forever(
+                self.activator.publish_demand, self.settings.pool.demand_publish_s, "demand publish")))
         if self.state_manager is not None:
             self.state_manager.start()
+        tune_after_startup()  # the router's request path: see substrate/gctune.py
 
     async def wait_ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until every pool has a READY worker (embedded mode)."""

@@ -30,19 +30,20 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
 from loadtest.bench_report import markdown_table
 from loadtest.report import DEFINITIONS
 from substrate.quantiles import percentile
+from substrate.netports import free_port as _free_port  # outside the ephemeral range
 
 POOL = """apiVersion: substrate.agent.dev/v1
 kind: WorkerPool
@@ -90,12 +91,6 @@ spec:
   entrypoint: workers.agents.shell:Shell
   stateManagement: {snapshotInterval: 0, maxIdleTime: 0}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -298,7 +293,9 @@ async def bench_creation(n: int) -> list[dict[str, Any]]:
                 stats = await r.json()
             rows.append(_row(f"create session, agent process per session, {conc} concurrent, from "
                              f"{len(ids)} live sessions (workers: {stats['workers']} at the end)", lat2,
-                             per_s=len(lat2) / wall, errors=sum(errors.values()), target=">= 1000/s"))
+                             per_s=len(lat2) / wall, errors=sum(errors.values()), target=">= 1000/s",
+                             **({"error_codes": ", ".join(f"{k} x{v}" for k, v in sorted(errors.items()))}
+                                if errors else {})))
             for sid in ids2:
                 async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
                     pass
@@ -343,8 +340,8 @@ async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[st
                 for sid in sids:  # a distinct session each time: no cache helps
                     t0 = time.perf_counter()
                     async with http.post(f"{srv.url}/v1/sessions/{sid}/invoke", json={"input": "true"}) as r:
-                        await r.read()
-                        assert r.status == 200 and r.headers.get("X-Substrate-Woke") == "1"
+                        text = await r.text()
+                        assert r.status == 200 and r.headers.get("X-Substrate-Woke") == "1", (r.status, text[:300])
                         client.append(time.perf_counter() - t0)
                         server.append(float(r.headers["X-Substrate-Wake-Ms"]) / 1000)
                     async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
@@ -464,32 +461,44 @@ def main(argv: list[str] | None = None) -> None:
     else:
         red = None
     rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def section(name: str, run: Callable[[], list[dict[str, Any]]]) -> None:
+        """One part of the bench; a part that fails is reported (a row and the traceback) and the others
+        still run, so one broken part does not throw away a quarter hour of figures."""
+        try:
+            rows.extend(run())
+        except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
+            traceback.print_exc()
+            failed.append(name)
+            rows.append({"case": f"{name}: FAILED", "error": f"{e.__class__.__name__}: {e}"[:300]})
+
+    sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
     try:
         if not args.skip_runtime:
-            rows += asyncio.run(bench_runtime(args.n))
+            section("runtime", lambda: asyncio.run(bench_runtime(args.n)))
         if not args.skip_creation:
-            rows += asyncio.run(bench_creation(args.n))
-        sizes = tuple(int(x) << 20 for x in args.sizes_mib.split(","))
+            section("creation", lambda: asyncio.run(bench_creation(args.n)))
         if not args.skip_wake:
-            rows += asyncio.run(bench_wake_sizes(sizes, args.wake_repeats))
+            section("wake", lambda: asyncio.run(bench_wake_sizes(sizes, args.wake_repeats)))
         if not args.skip_sandbox:  # issue 7: create and 1 MiB wake with the sandbox on and off
             from loadtest.bench_sandbox import bench_sandbox
 
-            rows += asyncio.run(bench_sandbox(min(args.n, 200)))
+            section("sandbox", lambda: asyncio.run(bench_sandbox(min(args.n, 200))))
         if not args.skip_auth:
             from loadtest.bench_auth import bench_auth
 
-            rows += asyncio.run(bench_auth(min(args.n, 1000)))
+            section("auth", lambda: asyncio.run(bench_auth(min(args.n, 1000))))
         if not args.skip_snapshots:
-            rows += asyncio.run(bench_snapshots(args.repeats, sizes))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+            section("snapshots", lambda: asyncio.run(bench_snapshots(args.repeats, sizes)))
         if not args.skip_k8s:
             from loadtest.bench_k8s import bench_k8s
 
-            rows += bench_k8s(os.environ["SUBSTRATE_REDIS_URL"])
+            section("k8s", lambda: bench_k8s(os.environ["SUBSTRATE_REDIS_URL"]))
         if not args.skip_replay and Path(args.replay).exists():
-            rows += bench_replay(Path(args.replay), args.replay_args.split(), out / "replay")
+            section("replay", lambda: bench_replay(Path(args.replay), args.replay_args.split(), out / "replay"))
     finally:
         if red is not None:
             red.stop()
@@ -500,6 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "bench.json").write_text(json.dumps(rows, indent=2))
     print(table)
     print(f"\nwrote {out / 'bench.md'} and {out / 'bench.json'}")
+    if failed:
+        raise SystemExit(f"bench parts that failed: {', '.join(failed)} (tracebacks above)")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ all from ``tests/k8s``; real ``substrate controller``/``router``/``worker`` proc
 * failover: two controllers; the leader is SIGKILLed; time until the standby holds the Lease
   (lease duration set to 3 s here; the default is 15 s, so expect up to ~duration + renew period);
 * pod creation rate of one controller: a pool scaled 0 -> N on a node with no room (no processes start),
-  Pods per second until all N exist in the API.
+  Pods per second until all N exist in the API (creates run ``SUBSTRATE_KUBERNETES__CREATE_CONCURRENCY``
+  at once, 8 by default; set it to 1 for the sequential figure).
 
 What these leave out: the emulator answers in microseconds-to-milliseconds where an API server, the
 scheduler and image pulls take seconds; worker start-up here is a local process (~1 s), not a container.

@@ -34,8 +34,9 @@ class Turn:
     ``seq``: the client's turn number in its session (1, 2, ...); ``sent_at``/``acked_at``: wall clock
     (s) of the first attempt and of the acknowledgement; ``epoch``/``worker``: from the answer's headers;
     ``restored``: the ``X-Substrate-Restored`` header or None; ``value``: the count (counter) or the
-    list of lines (log); ``restored_snapshot_at``: createdAt (s) of the snapshot the session came back
-    from, when the harness could read it for this epoch, else None.
+    list of lines (log); ``restored_snapshot_at``: createdAt (s) of the snapshot the answer's state came
+    back from (its ``X-Substrate-Restored-Snapshot-At``, else the record's ``restoredFrom`` for this
+    epoch), None if unknown.
     """
 
     session: str
@@ -50,6 +51,9 @@ class Turn:
     attempts: int = 1
     router: str = ""
     restored_snapshot_at: float | None = None
+    #: the answer was a replay (``X-Substrate-Replayed``): the turn ran earlier, maybe in an older
+    #: activation, whose restored marker and snapshot time the answer carries
+    replayed: bool = False
 
 
 @dataclass(frozen=True)

@@ -416,6 +416,8 @@ class TargetRunner:
         rec["added_ms"] = latency_ms - pt.work_s * 1000.0
         rec["kind"], rec["woke"], rec["wake_ms"], rec["state_before"] = classify(payload, headers)
         rec["worker"] = headers.get("X-Substrate-Worker")
+        # the runtime's own word that this answer's state came back older (a crash, a killed agent)
+        rec["restored"] = headers.get("X-Substrate-Restored")
         block = payload.get("session") if isinstance(payload, dict) else None
         epoch = block.get("epoch") if isinstance(block, dict) else None
         if epoch is None and headers.get("X-Substrate-Epoch", "").isdigit():

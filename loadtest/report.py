@@ -44,7 +44,8 @@ TurnRecord
     null when no 200 came back), ``kind`` (``warm`` | ``wake``; null when no 200 came back), ``woke``
     (bool|null), ``wake_ms`` (server-reported), ``state_before``, ``worker`` (X-Substrate-Worker),
     ``epoch`` (activation epoch), ``count`` (counter value returned), ``expected`` ([lo, hi] accepted
-    counts), ``retries`` (503 retries), ``error`` (text|null).
+    counts), ``retries`` (503 retries), ``error`` (text|null), ``restored`` (the answer's
+    ``X-Substrate-Restored``: the runtime said its state came back older, e.g. after a crash; null).
 SessionRecord
     ``id``, ``key`` (``owner#n``), ``owner``, ``start_s`` (first arrival), ``last_end_s`` (latest turn
     end, planned), ``end_s`` (planned delete = last_end_s + idle split), ``hold_s``, ``turns``,
@@ -230,6 +231,9 @@ def summarize_target(
         "ok": by_status.get("ok", 0),
         "errors": len(failed),
         "lost_state": by_status.get("lost_state", 0),
+        # of those, answers on which the runtime itself said the state came back older (a worker or
+        # agent was killed): a loss it reported, within its contract, but still a loss
+        "lost_state_reported": sum(1 for t in turns if t["status"] == "lost_state" and t.get("restored")),
         "not_run": by_status.get("not_run", 0),
         "trace_failed": sum(1 for t in turns if not t.get("trace_ok", True)),
         "errors_by_kind": errors_by_kind,
@@ -350,7 +354,9 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("errors", str(summary["errors"]) + (
             " (" + ", ".join(f"{k} x{v}" for k, v in sorted(summary["errors_by_kind"].items())) + ")"
             if summary.get("errors_by_kind") else "")),
-        ("lost_state", str(summary["lost_state"])),
+        ("lost_state", str(summary["lost_state"]) + (
+            f" ({summary['lost_state_reported']} reported by X-Substrate-Restored)"
+            if summary.get("lost_state_reported") else "")),
         ("trace-failed turns (replayed)", str(summary["trace_failed"])),
         ("sessions (created / planned)", f"{summary['sessions']['created']} / {summary['sessions']['planned']}"),
         ("warm-hit rate", _pct(summary["warm_hit_rate"])),

@@ -4,14 +4,19 @@
 #   redis-server (redis-server)  embedded directory and Redis Cluster tests
 #   kubectl  (kubernetes-client) `kubectl kustomize` renders deploy/
 #   promtool (prometheus)        checks the shipped alert rules
+#   libseccomp.so.2 (libseccomp2) the agent sandboxes' seccomp filter (workers/syscalls.py)
 # Without root (or apt) it prints what is missing and goes on: tests that need a tool skip with a reason,
-# except the sandbox, which the runtime refuses to start without (see README "Security model").
+# except the sandbox (bwrap, libseccomp2), which the runtime refuses to start without (see README "Security model").
 set -u
 declare -A pkg=([bwrap]=bubblewrap [redis-server]=redis-server [kubectl]=kubernetes-client [promtool]=prometheus)
 missing=()
 for cmd in "${!pkg[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${pkg[$cmd]}")
 done
+# a library, not a command: workers refuse to start sandboxes without it (like without bwrap)
+if ! { ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; } && ! ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1; then
+  missing+=(libseccomp2)
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "system-deps: installing ${missing[*]}" >&2

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -347,16 +348,19 @@ def pack(workspace: Path, state: dict[str, Any], *, session: str, epoch: int, te
 
 
 class _HashingReader:
-    """Reads the compressed file, hashing every byte (sha256 of the whole archive file)."""
+    """Reads the compressed file, hashing every byte (sha256 of the whole archive file) unless
+    ``hashing`` is off (bytes already verified in memory: hashing them again proves nothing)."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, hashing: bool = True) -> None:
         self._raw = raw
         self.sha = hashlib.sha256()
         self.bytes = 0
+        self._hashing = hashing
 
     def read(self, n: int = -1) -> bytes:
         data = self._raw.read(n)
-        self.sha.update(data)
+        if self._hashing:
+            self.sha.update(data)
         self.bytes += len(data)
         return data
 
@@ -436,10 +440,13 @@ def _check_name(name: str) -> str:
 
 
 class _Extractor:
-    """Creates members under ``root`` (a fresh, empty staging directory) without following any link."""
+    """Creates members under ``root`` (a fresh, empty staging directory) without following any link;
+    with ``owner`` (a uid), every entry it creates is given to that uid and its group of the same number
+    as it is made (``fchown``/``lchown``: no walk afterwards, never through a link)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, owner: int | None = None) -> None:
         self.root = root
+        self.owner = owner
         self.dirs: dict[str, tuple[int, int]] = {"": (0o755, 0)}  # rel -> (mode, mtime) created by us
         self.others: set[str] = set()  # files and symlinks created by us
         self.buf = bytearray(CHUNK_BYTES)
@@ -457,7 +464,12 @@ class _Extractor:
             if prefix in self.others:
                 raise _Refused("unsafe_path", f"member {rel!r} would be written through link or file {prefix!r}")
             os.mkdir(os.path.join(self.root, prefix), 0o700)
+            self._own(os.path.join(self.root, prefix))
             self.dirs[prefix] = (0o755, 0)
+
+    def _own(self, path: str) -> None:
+        if self.owner is not None:
+            os.lchown(path, self.owner, self.owner)
 
     def add(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> tuple[int, int]:
         """Extract one workspace member; returns (regular_file_bytes, files_counted)."""
@@ -477,10 +489,12 @@ class _Extractor:
             return m.size, 1
         if m.isdir():
             os.mkdir(path, 0o700)
+            self._own(path)
             self.dirs[rel] = (m.mode, int(m.mtime))
             return 0, 0
         if m.issym():
             os.symlink(m.linkname, path)
+            self._own(path)
             self.others.add(rel)
             return 0, 1
         kind = "hard link" if m.islnk() else "special or sparse file"
@@ -502,6 +516,8 @@ class _Extractor:
                 while out:
                     out = out[os.write(fd, out):]
                 remaining -= n
+            if self.owner is not None:  # before fchmod: a chown clears no bits that fchmod then sets
+                os.fchown(fd, self.owner, self.owner)
             os.fchmod(fd, _file_mode(m.mode))
             os.utime(fd, (m.mtime, m.mtime))
         finally:
@@ -552,12 +568,14 @@ def _check_bounds(m: tarfile.TarInfo, members: int, total: int) -> None:
         raise _Refused("unsafe_path", f"link target of {m.name[:80]!r} is too long")
 
 
-def _extract(raw: _HashingReader, staging: str, verify_content: bool) -> tuple[Manifest, dict[str, Any]]:
+def _extract(raw: _HashingReader, staging: str, verify_content: bool,
+             owner: int | None = None) -> tuple[Manifest, dict[str, Any]]:
     """Extract the whole archive into ``staging``; raise ``_Refused`` or let zstd/tar errors through."""
     dctx = zstandard.ZstdDecompressor()
     zr = dctx.stream_reader(raw, read_size=CHUNK_BYTES, read_across_frames=False)
     content = _ContentHasher(zr, enabled=verify_content)
-    ex = _Extractor(staging)
+    ex = _Extractor(staging, owner)
+    ex._own(staging)
     state: dict[str, Any] | None = None
     manifest: Manifest | None = None
     ws_bytes = files = members = total = 0
@@ -634,12 +652,22 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+#: archives up to this size are read into memory once: the bytes whose sha256 is checked are the very
+#: bytes decompressed (one read and one hash instead of two, and no window between check and use);
+#: larger ones are hashed in a first pass over the file and again while they are streamed
+IN_MEMORY_ARCHIVE_BYTES = 16 << 20
+
+
 def unpack(archive_path: Path, workspace: Path, *, expect_session: str,
-           expect_sha256: str | None) -> tuple[Manifest, dict[str, Any]]:
+           expect_sha256: str | None, owner: int | None = None) -> tuple[Manifest, dict[str, Any]]:
     """Restore an archive made by :func:`pack` into ``workspace``, replacing what was there.
 
+    ``owner``: a uid that every restored entry (the workspace root included) is given to, with the
+    group of the same number, as it is created (None: left to the caller's uid).
+
     The sha256 of the whole file is checked against ``expect_sha256`` (when given) before anything is
-    decompressed; then one streamed pass decompresses and extracts into a fresh staging directory beside
+    decompressed (an archive of up to :data:`IN_MEMORY_ARCHIVE_BYTES` is read into memory once and
+    decompressed from the bytes checked); then one streamed pass decompresses and extracts into a fresh staging directory beside
     ``workspace``, bounding members (:data:`MAX_MEMBERS`), total bytes (:data:`MAX_TOTAL_BYTES`) and name
     lengths as it goes (reason ``too_large`` / ``unsafe_path``); only when the archive is complete and well-formed and its manifest names ``expect_session``, the
     staging directory is swapped in (``renameat2(RENAME_EXCHANGE)`` where available, else two renames) and
@@ -655,24 +683,28 @@ def unpack(archive_path: Path, workspace: Path, *, expect_session: str,
     workspace = Path(workspace)
     parent = workspace.parent
     parent.mkdir(parents=True, exist_ok=True)
+    in_memory: bytes | None = None
     if expect_sha256 is not None:  # verify before decompressing a single byte (sha256 runs at ~GB/s)
-        actual = file_sha256(archive_path)
+        with open(archive_path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size <= IN_MEMORY_ARCHIVE_BYTES:
+                in_memory = f.read(IN_MEMORY_ARCHIVE_BYTES + 1)
+        actual = hashlib.sha256(in_memory).hexdigest() if in_memory is not None else file_sha256(archive_path)
         if actual != expect_sha256.lower():
             raise _corrupt("checksum_mismatch", f"archive sha256 {actual} != expected {expect_sha256}",
                            path=str(archive_path), sha256=actual, expected=expect_sha256)
-    with open(archive_path, "rb", buffering=0) as f:
-        raw = _HashingReader(f)
+    with (io.BytesIO(in_memory) if in_memory is not None else open(archive_path, "rb", buffering=0)) as f:
+        raw = _HashingReader(f, hashing=in_memory is None)
         staging = tempfile.mkdtemp(prefix=f".{workspace.name}.unpack-", dir=parent)
         try:
             refused: _Refused | None = None
             try:
-                manifest, state = _extract(raw, staging, verify_content=expect_sha256 is None)
+                manifest, state = _extract(raw, staging, verify_content=expect_sha256 is None, owner=owner)
             except Exception as e:  # zstd, tar and our own refusals; local OSErrors (ENOSPC...) go through
                 refused = _classify(e)
                 if refused is None:
                     raise
             raw.drain()  # hash whatever the decompressor did not need (trailing bytes, or after an error)
-            actual = raw.sha.hexdigest()
+            actual = raw.sha.hexdigest() if in_memory is None else (expect_sha256 or "").lower()
             if expect_sha256 is not None and actual != expect_sha256.lower():
                 reason = "truncated" if refused is not None and refused.reason == "truncated" else "checksum_mismatch"
                 raise _corrupt(reason, f"archive sha256 {actual} != expected {expect_sha256}"

@@ -89,20 +89,32 @@ class SnapshotManager:
         finally:
             path.unlink(missing_ok=True)
 
-    async def commit(self, sid: str, epoch: int, ref: SnapshotRef, *, suspend: bool = False) -> bool:
+    async def commit(self, sid: str, epoch: int, ref: SnapshotRef, *, suspend: bool = False,
+                     turns: int = 0, unreported_loss: float | None = None) -> bool:
         """Point the session at ``ref`` if ``epoch`` is still current. With ``suspend`` the same atomic
-        step moves the session to SUSPENDED and clears its worker and slot. Returns whether it committed.
+        step moves the session to SUSPENDED and clears its worker and slot, and adds ``turns`` (the
+        activation's turns no heartbeat reported yet) to the record's count. Returns whether it committed.
+
+        ``unreported_loss``: set when the committing activation restored older state (a lossy recovery)
+        and has answered no turn since, so no client has been told of the loss: the time (Unix s) its
+        state dates from (0: none came back). The record then keeps its ``reason`` and ``message`` and
+        records that time as ``lostAfter``, so the next wake still says what was lost and since when
+        (chaos run on ba39209: a drain right after a lossy restore cleared the loss, and the next
+        answer named the drain's snapshot as the state's date). Otherwise the loss is cleared: this
+        snapshot holds every turn acknowledged since the restore.
         """
         keep = max(1, self.settings.retention)
-        # a newer snapshot holds every turn acknowledged since a lossy restore: the loss (``reason``) is no
-        # longer what the next restore brings back
+        # the snapshot also holds the answers the record carried (``carriedAnswers``)
+        clear = ["carriedAnswers"] if unreported_loss is not None else ["reason", "message", "lostAfter",
+                                                                          "carriedAnswers"]
+        keep_loss = {"lostAfter": unreported_loss} if unreported_loss is not None else None
         if suspend:
             ok, dropped = await self.directory.commit_snapshot(
                 sid, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,), to=SessionState.SUSPENDED,
-                unset=("worker", "slot", "reason", "message"), retention=keep)
+                set=keep_loss, unset=("worker", "slot", *clear), retention=keep, add_turns=turns)
         else:
             ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref, retention=keep,
-                                                               unset=("reason", "message"))
+                                                               set=keep_loss, unset=clear)
         if not ok:
             log.warning("snapshot commit rejected (stale epoch or state)",
                         extra={"session": sid, "epoch": epoch, "key": ref.key})
@@ -112,8 +124,10 @@ class SnapshotManager:
             await self._delete_quietly(key)
         return True
 
-    async def restore(self, sid: str, ref: SnapshotRef, workspace: Path, template: str = "") -> dict[str, Any]:
-        """Download ``ref`` and restore it into ``workspace``; returns the agent state.
+    async def restore(self, sid: str, ref: SnapshotRef, workspace: Path, template: str = "",
+                      owner: int | None = None) -> dict[str, Any]:
+        """Download ``ref`` and restore it into ``workspace``; returns the agent state. ``owner``: the uid
+        (and gid) every restored file is given to as it is created (the slot's sandbox uid), or None.
 
         Raises ``SnapshotCorrupt`` (checksum, truncation, foreign session, bounds, and any ``OSError``
         while extracting, reason ``os_error``; the activator then falls back to the previous good
@@ -132,7 +146,7 @@ class SnapshotManager:
             t1 = time.perf_counter()
             try:
                 _, state = await asyncio.to_thread(unpack, path, workspace, expect_session=sid,
-                                                   expect_sha256=ref.sha256)
+                                                   expect_sha256=ref.sha256, owner=owner)
             except OSError as e:  # name too long, disk full, ...: this snapshot cannot be restored here
                 raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {e.__class__.__name__}: {e}",
                                       details={"reason": "os_error", "errno": e.errno}) from e

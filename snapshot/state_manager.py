@@ -6,8 +6,9 @@ Every ``scan_interval_s`` (level-triggered; an error in one step is logged and t
    (``reason: worker_lost``) and come back from their last committed snapshot on the next request, or
    at once with ``eager_recovery``.
 2. **Idle sessions**: a RUNNING session idle past its template's ``maxIdleTime`` is suspended through its
-   worker (which refuses if a turn arrived meanwhile). A failure (object store down) leaves it RUNNING
-   and is retried with exponential back-off (tenacity's wait policy).
+   worker (which refuses if a turn arrived meanwhile), in a task beside the scan (a hanging suspend
+   holds up no other duty). A failure (object store down) leaves it RUNNING and is retried with
+   exponential back-off (tenacity's wait policy).
 3. **Deadlines**: a session past its transitional state's deadline is rolled forward or back:
    PENDING -> deleted (it never ran); STARTING/RESUMING -> SUSPENDED (the half-made activation is fenced
    by the next epoch bump); SUSPENDING -> RUNNING if its worker is alive, else SUSPENDED.
@@ -17,7 +18,9 @@ Every ``scan_interval_s`` (level-triggered; an error in one step is logged and t
    of an existing session names (uploads of failed or rejected commits, corrupt snapshots set aside,
    snapshots of deleted sessions whose clean-up failed) are deleted once they have been found orphaned
    for ``snapshot.orphan_min_age_s`` (two sightings that far apart, so an upload in flight is never
-   taken for garbage). At most ``sweep_max_deletes`` per pass.
+   taken for garbage). At most ``sweep_max_deletes`` per pass. It runs in a task beside the scan, one at
+   a time: a store that hangs (frozen, or slow past boto's read timeout) holds up no other duty (a
+   full-suite run: the first sweep hung on a frozen store and no deadline was enforced for 30 s).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tenacity import wait_exponential
 from snapshot.store import ObjectStore
 from substrate import metrics
 from substrate.activator import Activator
+from substrate.audit import SYSTEM
 from substrate.directory import Directory
 from substrate.errors import NotFound, SubstrateError
 from substrate.loops import run_forever
@@ -59,6 +63,11 @@ class StateManager:
         self.sweep_max_deletes = 1000
         self._wait = wait_exponential(multiplier=settings.state.suspend_retry_base_s,
                                       max=settings.state.suspend_retry_max_s)
+        #: idle suspends in flight, by session: they run beside the scan, never inside it (see suspend_idle)
+        self._suspending: dict[str, asyncio.Task[None]] = {}
+        self._idle_sem = asyncio.Semaphore(8)
+        #: the orphan sweep in flight, if any (it runs beside the scan, see the module docstring)
+        self._sweep: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(run_forever(self.scan_once, self.settings.state.scan_interval_s,
@@ -67,6 +76,10 @@ class StateManager:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+        for t in list(self._suspending.values()):
+            t.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
 
     async def scan_once(self) -> None:
         """One pass of every duty (see module docstring)."""
@@ -81,12 +94,16 @@ class StateManager:
                 await self.repair()
             except Exception:  # noqa: BLE001
                 log.warning("repair failed", exc_info=True)
-        if self.store is not None and time.time() - self._swept_at >= self.settings.snapshot.sweep_interval_s:
+        if (self.store is not None and (self._sweep is None or self._sweep.done())
+                and time.time() - self._swept_at >= self.settings.snapshot.sweep_interval_s):
             self._swept_at = time.time()
-            try:
-                await self.sweep_orphans()
-            except Exception:  # noqa: BLE001
-                log.warning("orphan sweep failed", exc_info=True)
+            self._sweep = asyncio.create_task(self._sweep_quietly())
+
+    async def _sweep_quietly(self) -> None:
+        try:
+            await self.sweep_orphans()
+        except Exception:  # noqa: BLE001 - the next interval tries again
+            log.warning("orphan sweep failed", exc_info=True)
 
     async def export_counts(self) -> None:
         """``agent_substrate_sessions`` from the directory's per-state counters (O(states))."""
@@ -117,6 +134,10 @@ class StateManager:
         return await self.directory.get_sessions(sids)
 
     async def suspend_idle(self) -> None:
+        """Start suspending every RUNNING session idle past its template's ``maxIdleTime`` (at most 8 at
+        once; a session whose suspend is still in flight is skipped). The suspends run as tasks beside
+        the scan: one that hangs (object store frozen; the worker call is bounded only by the invoke
+        timeout) must not hold up the other duties, least of all the deadline that rolls it back."""
         idles = [t.spec.stateManagement.max_idle_time_s for t in self.catalog.templates.values()]
         shortest = min((i for i in idles if i), default=None)
         if shortest is None:
@@ -136,13 +157,12 @@ class StateManager:
             if not max_idle or now - rec.lastActiveAt < max_idle:
                 continue
             retry = self._retry_at.get(rec.id)
-            if retry and retry[0] > now:
+            if (retry and retry[0] > now) or rec.id in self._suspending:
                 continue
             due.append((rec, max_idle))
-        sem = asyncio.Semaphore(8)
 
         async def one(rec: SessionRecord, max_idle: float) -> None:
-            async with sem:
+            async with self._idle_sem:
                 try:
                     await self.activator.suspend(rec, idle_s=max_idle, reason="idle")
                     self._retry_at.pop(rec.id, None)
@@ -157,8 +177,13 @@ class StateManager:
                     self._retry_at[rec.id] = (time.time() + self._wait(_RS()), attempts)  # type: ignore[arg-type]
                     log.warning("idle suspend failed; will retry", extra={"session": rec.id, "code": e.code,
                                                                           "attempts": attempts})
+                except Exception:  # noqa: BLE001 - a task of its own (no scan step catches it); next scan retries
+                    log.warning("idle suspend failed", extra={"session": rec.id}, exc_info=True)
 
-        await asyncio.gather(*(one(r, m) for r, m in due))
+        for rec, max_idle in due:
+            task = asyncio.create_task(one(rec, max_idle))
+            self._suspending[rec.id] = task
+            task.add_done_callback(lambda _t, sid=rec.id: self._suspending.pop(sid, None))
 
     async def enforce_deadlines(self) -> None:
         for sid in await self.directory.expired_deadlines():
@@ -178,8 +203,8 @@ class StateManager:
         metrics.RECOVERIES_TOTAL.labels(reason="deadline").inc()
         if rec.state == SessionState.PENDING:
             await d.delete_session(rec.id)
-            await self.activator.release_quota(rec, total=True)
-            await self.activator.record("deadline", rec, reason="PENDING->deleted")
+            await self.activator.release_quota(rec, epoch=None, total=True)
+            await self.activator.record("deadline", rec, reason="PENDING->deleted", who=SYSTEM)
             return
         if rec.state == SessionState.SUSPENDING:
             w = await d.get_worker(rec.worker or "")
@@ -187,14 +212,15 @@ class StateManager:
                 cas = await d.transition(rec.id, from_states=[SessionState.SUSPENDING], epoch=rec.epoch,
                                          to=SessionState.RUNNING)
                 if cas.ok:
-                    await self.activator.record("deadline", rec, reason="SUSPENDING->RUNNING")
+                    await self.activator.record("deadline", rec, reason="SUSPENDING->RUNNING", who=SYSTEM)
                 return
         cas = await d.transition(rec.id, from_states=[rec.state], epoch=rec.epoch, to=SessionState.SUSPENDED,
                                  set={"reason": "deadline", "message": f"{rec.state.value} did not finish in time"},
                                  unset=("worker", "slot"))
-        if cas.ok:  # suspended sessions hold no running quota
-            await self.activator.release_quota(rec)
-            await self.activator.record("deadline", rec, reason=f"{rec.state.value}->SUSPENDED")
+        if cas.ok:  # suspended sessions hold no running quota (a wake since owns a newer epoch's place)
+            await self.activator.release_quota(rec, epoch=rec.epoch)
+            await self.activator.record("deadline", rec, reason=f"{rec.state.value}->SUSPENDED",
+                                         who=SYSTEM)
         if cas.ok and rec.worker is not None and rec.slot is not None:
             w = await d.get_worker(rec.worker)
             if w is not None:
@@ -245,7 +271,10 @@ class StateManager:
             while offset is not None:
                 page, offset = await d.list_sessions(limit=1000, offset=offset)
                 records.update((r.id, r) for r in page)
-            await self.activator.quotas.reconcile(records)
+            def gpus_of(name: str) -> int:
+                t = self.activator.catalog.templates.get(name)
+                return t.spec.resources.gpus if t else 0
+            await self.activator.quotas.reconcile(records, gpus_of)
 
     async def sweep_orphans(self, now: float | None = None) -> list[str]:
         """One orphan sweep (see the module docstring). Returns the keys deleted."""

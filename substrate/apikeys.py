@@ -24,12 +24,10 @@ from typing import Any
 import redis.asyncio as aioredis
 import yaml
 
-from substrate.errors import InvalidInput, NotFound
+from substrate.errors import InvalidInput, NotFound, clip
 from substrate.keys import Keys
-from substrate.settings import ApiKeySpec
+from substrate.settings import TENANT_RE, ApiKeySpec
 
-#: tenant names: DNS-label-like, so they fit in keys, labels and log fields unchanged
-TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9\-]{0,61}[a-z0-9])?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -40,8 +38,8 @@ def hash_key(key: str) -> str:
 
 def check_tenant(name: str) -> str:
     """Return ``name`` or raise ``InvalidInput(code="invalid_tenant")``."""
-    if not TENANT_RE.match(name):
-        raise InvalidInput(f"invalid tenant name {name!r}: use 1-63 lower-case letters, digits and '-'",
+    if not TENANT_RE.fullmatch(name):  # not match: "$" would let "team-a\n" through
+        raise InvalidInput(f"invalid tenant name {clip(name)}: use 1-63 lower-case letters, digits and '-'",
                            code="invalid_tenant")
     return name
 
@@ -143,7 +141,7 @@ class ApiKeyStore:
                     await p.execute()
                 await self._changed()
                 return rec
-        raise NotFound(f"no API key {key_or_id!r}", code="api_key_not_found")
+        raise NotFound(f"no API key {clip(key_or_id)}", code="api_key_not_found")
 
     async def list(self) -> list[ApiKey]:
         raw = await self.redis.hgetall(self.keys.api_keys)

@@ -37,11 +37,139 @@ keys_app = typer.Typer(help="API keys (tenants) and the activation-token signing
                             "file read by `substrate up` (SUBSTRATE_AUTH__API_KEYS_FILE).", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # one error, one line (no wrap at the terminal width)
 
 ServerOpt = typer.Option("http://127.0.0.1:8080", "--server", "-s", envvar="SUBSTRATE_SERVER",
                          help="Base URL of the API.")
-TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_API__AUTH_TOKEN", help="Bearer token, if the API needs one.")
+#: the client's credential. Not ``SUBSTRATE_API__AUTH_TOKEN``: that is the server's admin token, and sharing
+#: one variable made a tenant's key an admin token when `substrate up` was started from the same shell
+TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_TOKEN",
+                        help="API key (sk_...) or JWT for the client commands (env SUBSTRATE_TOKEN).")
+
+
+def _warn_unknown_env() -> None:
+    """One warning line per ``SUBSTRATE_`` variable nothing reads (a typo such as ``SUBSTRATE_API__PORTT``
+    was silently ignored), naming the closest known one. Only a warning: it may be meant for another tool."""
+    from substrate.settings import unknown_env
+
+    for var, close in unknown_env(os.environ):
+        hint = f"; did you mean {close}?" if close else " (the settings are in substrate/settings.py)"
+        err.print(f"[yellow]warning[/yellow]: {escape(var)} is not a substrate setting and is ignored{hint}")
+
+
+def _env_name(loc: tuple[Any, ...]) -> str:
+    """The variable a pydantic error location names: field names joined by ``__``, then list indexes and
+    fields inside a JSON value as ``[0].tenant`` (``SUBSTRATE_AUTH__API_KEYS[0].tenant``)."""
+    names: list[str] = []
+    rest = ""
+    for p in loc:
+        if rest or isinstance(p, int):
+            rest += f"[{p}]" if isinstance(p, int) else f".{p}"
+        else:
+            names.append(str(p).upper())
+    var = "SUBSTRATE_" + "__".join(names)
+    if var == "SUBSTRATE_REDIS__URL" and var not in os.environ and "SUBSTRATE_REDIS_URL" in os.environ:
+        var = "SUBSTRATE_REDIS_URL"  # the short alias the user set
+    return var + rest
+
+
+def _settings(warn: bool = True) -> Any:
+    """The runtime's settings, or one clear line and exit 2 when an environment variable is invalid; first
+    (``warn``) a warning per unknown ``SUBSTRATE_`` variable."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from substrate.settings import Settings, bad_json_env
+
+    if warn:
+        _warn_unknown_env()
+    try:
+        return Settings()
+    except ValidationError as e:
+        for x in e.errors():
+            msg = escape(str(x["msg"]).removeprefix("Value error, "))
+            # an error of the whole model (e.g. the SUBSTRATE_REDIS_URL alias) names its variable itself
+            err.print(f"[red]error[/red]: {_env_name(x['loc'])}: {msg}" if x["loc"] else f"[red]error[/red]: {msg}")
+        raise typer.Exit(2) from None
+    except SettingsError as e:  # a value meant as JSON that is not JSON: pydantic-settings names only the field
+        bad = bad_json_env(os.environ) or [(str(e), str(e.__cause__ or "not valid JSON"))]
+        for var, why in bad:
+            err.print(f"[red]error[/red]: {escape(var)}: {escape(why)}")
+        raise typer.Exit(2) from None
+
+
+def _folder_problem(path: Path) -> str | None:
+    """None if ``path`` is a folder this process can write in, or can be created, else why not (checked
+    before anything starts: a regular file there was a NotADirectoryError traceback)."""
+    p = path.absolute()
+    while not p.exists():
+        if p.is_symlink():  # a dangling link: mkdir would fail on it
+            return f"{path} is a broken symbolic link"
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a folder" if p == path.absolute() else f"{p} (in {path}) is not a folder"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable" + ("" if p == path.absolute() else f" (to create {path})")
+    return None
+
+
+def _prestart_problems(settings: Any, *, local: bool = True) -> list[str]:
+    """Problems of the settings that would otherwise show only after the API started (a traceback and exit 3):
+    the runtime's folders (``local``: the embedded default's) and the API key file. Each is one line naming
+    its variable."""
+    from substrate.apikeys import load_key_file
+    from substrate.errors import SubstrateError
+
+    out: list[str] = []
+    if local:
+        d = settings.data_dir
+        folders = [("SUBSTRATE_DATA_DIR", d)]
+        if not settings.redis.url:  # the embedded Redis keeps its append-only file here
+            folders.append(("SUBSTRATE_REDIS__DATA_DIR", settings.redis.data_dir))
+        folders.append(("SUBSTRATE_WORKER__ROOT_DIR", settings.worker.root_dir))
+        if settings.snapshot.store == "local":
+            folders.append(("SUBSTRATE_SNAPSHOT__LOCAL_DIR", settings.snapshot.local_dir))
+        said: set[str] = set()
+        for var, path in folders:
+            # a folder that follows data_dir is that variable's problem, said once
+            var = "SUBSTRATE_DATA_DIR" if Path(path).is_relative_to(d) else var
+            if var not in said and (why := _folder_problem(Path(path))):
+                out.append(f"{var}: {why}")
+                said.add(var)
+    if settings.auth.api_keys_file:
+        try:
+            load_key_file(settings.auth.api_keys_file)
+        except SubstrateError as e:
+            out.append(f"SUBSTRATE_AUTH__API_KEYS_FILE: {e.message}")
+    return out
+
+
+def _free_port(host: str, port: int) -> str | None:
+    """None if ``host:port`` can be bound now, else why not and what to do (checked before anything is
+    started): a taken port is told apart from an address this machine does not have."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve {host}: {e}"
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                why = f"cannot listen on {host}:{port}: {e.strerror or e}"
+                if e.errno == errno.EADDRINUSE:
+                    return f"{why} (another `substrate up`? choose one with --port)"
+                if e.errno == errno.EADDRNOTAVAIL:
+                    return (f"{why} ({host} is not an address of this machine; choose one with --host, e.g. "
+                            "127.0.0.1, or 0.0.0.0 for all)")
+                if e.errno == errno.EACCES:
+                    return f"{why} (ports below 1024 need privileges; choose another with --port)"
+                return why
+    return None
 
 
 def _client(server: str, token: Optional[str]) -> SubstrateClient:
@@ -65,10 +193,14 @@ def _run(fn: Any) -> Any:
 
 @app.callback()
 def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Base URL of the API for the "
-                                               "client commands (also accepted after the subcommand).")) -> None:
+                                               "client commands (also accepted after the subcommand)."),
+          token: Optional[str] = typer.Option(None, "--token", help="API key or JWT for the client commands "
+                                              "(also accepted after the subcommand; env SUBSTRATE_TOKEN).")) -> None:
     """Agent session runtime: many bursty, stateful agent sessions on few warm workers."""
     if server:
         os.environ["SUBSTRATE_SERVER"] = server
+    if token:
+        os.environ["SUBSTRATE_TOKEN"] = token
 
 
 @app.command()
@@ -83,13 +215,13 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     from substrate.embedded import EmbeddedRedis
     from substrate.logs import configure_logging
-    from substrate.settings import Settings
+    from substrate.serving import Server
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
     from substrate.specs import SpecError, load_catalog
 
-    settings = Settings()
+    settings = _settings()
     try:
         load_catalog(settings.config_dir)  # fail before starting anything, with the file and field
     except SpecError as e:
@@ -98,6 +230,13 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     configure_logging(settings.log_level, settings.log_json)
     host = host or settings.api.host
     port = port or settings.api.port
+    if why := _free_port(host, port):  # before Redis and workers start, not as an error deep in the log
+        err.print(f"[red]error[/red]: {escape(why)}")
+        raise typer.Exit(2)
+    if problems := _prestart_problems(settings):
+        for why in problems:
+            err.print(f"[red]error[/red]: {escape(why)}")
+        raise typer.Exit(2)
     embedded = None
     if not settings.redis.url:
         embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
@@ -116,7 +255,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     try:
         cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
                              log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
-        server = uvicorn.Server(cfg)
+        server = Server(cfg)  # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully
 
         def _announce() -> None:  # only once the port accepts connections
             while not server.started and not server.should_exit:
@@ -177,6 +316,7 @@ def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="
     SUBSTRATE_WORKER__INTERNAL_TOKEN (a Secret). SIGTERM stops it within the Pod's grace period."""
     import importlib
 
+    _settings()  # an invalid variable: one line and exit 2, not a traceback from the worker
     if not pool or not slots:
         err.print("[red]error[/red]: --pool and --slots (or SUBSTRATE_WORKER_POOL / SUBSTRATE_WORKER_SLOTS) are required")
         raise typer.Exit(2)
@@ -199,13 +339,17 @@ def _serve_api(host: str, port: int) -> None:
     import uvicorn
 
     from substrate.logs import configure_logging
-    from substrate.settings import Settings
+    from substrate.serving import Server
 
-    settings = Settings()
+    settings = _settings(warn=False)  # the router warned before its own checks
+    if problems := _prestart_problems(settings, local=False):
+        for why in problems:
+            err.print(f"[red]error[/red]: {escape(why)}")
+        raise typer.Exit(2)
     configure_logging(settings.log_level, settings.log_json)
     cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
                          log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
-    server = uvicorn.Server(cfg)
+    server = Server(cfg)
     server.run()
     if not server.started:
         raise typer.Exit(1)
@@ -219,6 +363,7 @@ def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
                                                 "--config files.")) -> None:
     """Run the public REST API and proxy only (stateless: run any number side by side). Needs
     SUBSTRATE_REDIS_URL and SUBSTRATE_WORKER__INTERNAL_TOKEN (the same value on every router)."""
+    _warn_unknown_env()
     if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
         err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set (a router has no embedded Redis)")
         raise typer.Exit(2)
@@ -237,6 +382,7 @@ def controller(host: str = typer.Option("0.0.0.0", help="Probe/metrics listen ad
     coordination.k8s.io Lease; extra replicas wait as standbys)."""
     import importlib
 
+    _settings()  # an invalid variable: one line and exit 2, not a traceback from the controller
     if not (os.environ.get("SUBSTRATE_REDIS_URL") or os.environ.get("SUBSTRATE_REDIS__URL")):
         err.print("[red]error[/red]: SUBSTRATE_REDIS_URL is not set")
         raise typer.Exit(2)
@@ -246,52 +392,148 @@ def controller(host: str = typer.Option("0.0.0.0", help="Probe/metrics listen ad
     raise typer.Exit(importlib.import_module("api.controller").main(host, port))
 
 
+def _drop_prefix(redis_url: str, prefix: str) -> int:
+    """Delete every key under ``prefix:`` in the Redis at ``redis_url`` (cluster URLs too); returns how
+    many. Used by the demo to leave nothing in a Redis it shares with the user."""
+    import asyncio
+
+    from substrate.directory import Directory
+
+    async def run() -> int:
+        d = Directory(redis_url, prefix, socket_timeout_s=5)
+        n = 0
+        try:
+            async for key in d.redis.scan_iter(match=f"{prefix}:*", count=1000):
+                n += await d.redis.delete(key)
+        finally:
+            await d.close()
+        return n
+    return asyncio.run(run())
+
+
+#: in a demo's temporary folder: the demo's pid, Redis key prefix and shared Redis URL (or null)
+DEMO_OWNER_FILE = "demo-owner.json"
+
+
+def _sweep_killed_demos() -> None:
+    """Remove the temporary folders (and shared-Redis keys) of demos that were killed before they could
+    clean up (SIGKILL, a crash): a ``substrate-demo-*`` folder whose owner file names a pid that no
+    longer runs. A folder without that file, or whose demo still runs, is left alone."""
+    import shutil
+    import tempfile
+
+    for folder in Path(tempfile.gettempdir()).glob("substrate-demo-*"):
+        try:
+            owner = json.loads((folder / DEMO_OWNER_FILE).read_text())
+            pid = int(owner["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # still running (or the pid was reused: leave it rather than guess)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        if owner.get("redis"):
+            try:
+                _drop_prefix(str(owner["redis"]), str(owner["prefix"]))
+            except Exception as e:  # noqa: BLE001 - say what is left, go on
+                err.print(f"could not remove a killed demo's Redis keys (prefix {owner.get('prefix')}): "
+                          f"{escape(str(e))}")
+                continue
+        shutil.rmtree(folder, ignore_errors=True)
+        err.print(f"removed the data of a demo that was killed ({folder})")
+
+
 @app.command()
 def demo(port: int = typer.Option(18080, help="Port for the demo server."),
          keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
     """Start the embedded default, create a counter session and invoke it, suspend it and wake it with
-    the next invoke, then stop everything."""
-    env = dict(os.environ, SUBSTRATE_LOG_LEVEL=os.environ.get("SUBSTRATE_LOG_LEVEL", "WARNING"))
-    proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env)
+    the next invoke, then stop everything. The demo's runtime keeps its data (embedded Redis, snapshots,
+    workspaces) in a fresh temporary folder, and under its own key prefix when SUBSTRATE_REDIS_URL names a
+    Redis; at the end it deletes its sessions, that folder and those keys: nothing of it is left."""
+    import shutil
+    import tempfile
+    import uuid
+
+    from substrate.embedded import die_with_parent_hook
+
+    _sweep_killed_demos()
+    data = Path(tempfile.mkdtemp(prefix="substrate-demo-"))
+    prefix = f"substrate-demo-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, SUBSTRATE_LOG_LEVEL=os.environ.get("SUBSTRATE_LOG_LEVEL", "WARNING"),
+               # every folder the runtime writes to, so none of the user's settings points it at ./var
+               SUBSTRATE_DATA_DIR=str(data), SUBSTRATE_REDIS__DATA_DIR=str(data / "redis"),
+               SUBSTRATE_WORKER__ROOT_DIR=str(data / "workers"), SUBSTRATE_SNAPSHOT__LOCAL_DIR=str(data / "snapshots"),
+               SUBSTRATE_REDIS__KEY_PREFIX=prefix)
+    shared_redis = env.get("SUBSTRATE_REDIS_URL") or env.get("SUBSTRATE_REDIS__URL")
+    # who owns the folder: a later demo removes it (and the keys) if this one is killed before its end
+    (data / DEMO_OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "prefix": prefix, "redis": shared_redis}))
+    err.print(f"demo data in {data}" + (f" and under Redis key prefix {prefix}" if shared_redis else "")
+              + "; removed when the demo ends")
+    # SIGTERM to the server if the demo itself is killed, so no runtime outlives it
+    proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env,
+                            preexec_fn=die_with_parent_hook())
     url = f"http://127.0.0.1:{port}"
+    created: list[str] = []
     try:
         with SubstrateClient(url) as c:
-            for _ in range(300):
-                try:
-                    if c.http.get("/readyz").status_code == 200:
-                        break
-                except Exception:  # noqa: BLE001 - not up yet
-                    pass
-                if proc.poll() is not None:
-                    err.print("[red]the server exited[/red]")
-                    raise typer.Exit(1)
-                time.sleep(0.1)
-            s = _run(lambda: c.create_session("counter"))
-            console.print(f"created session [bold]{s['id']}[/bold] on worker {s['worker']} (state {s['state']})")
-            for _ in range(3):
-                console.print(f"invoke increment -> {_run(lambda: c.invoke(s['id'], 'increment'))}")
-            st = _run(lambda: c.suspend(s["id"]))
-            console.print(f"suspended -> state {st['state']}, snapshot {st['snapshot']['sizeBytes']} bytes")
-            t0 = time.perf_counter()
-            out = _run(lambda: c.invoke(s["id"], "increment"))
-            console.print(f"invoke increment (woke it in {1000 * (time.perf_counter() - t0):.0f} ms) -> {out}")
-            st = _run(lambda: c.get_session(s["id"]))
-            console.print(f"state {st['state']} on worker {st['worker']}, epoch {st['epoch']}, "
-                          f"restoredFrom {st['restoredFrom']}")
-            nb = _run(lambda: c.create_session("notebook"))
-            _run(lambda: c.invoke(nb["id"], "x = 6 * 7"))
-            _run(lambda: c.suspend(nb["id"]))
-            console.print(f"notebook after suspend/resume: x -> {_run(lambda: c.invoke(nb['id'], 'x'))}")
-            if keep:
-                console.print(f"server at {url}; Ctrl-C stops")
-                proc.wait()
+            try:
+                for _ in range(300):
+                    try:
+                        if c.http.get("/readyz").status_code == 200:
+                            break
+                    except Exception:  # noqa: BLE001 - not up yet
+                        pass
+                    if proc.poll() is not None:
+                        err.print("[red]the server exited[/red]")
+                        raise typer.Exit(1)
+                    time.sleep(0.1)
+                s = _run(lambda: c.create_session("counter"))
+                created.append(s["id"])
+                console.print(f"created session [bold]{s['id']}[/bold] on worker {s['worker']} (state {s['state']})")
+                for _ in range(3):
+                    console.print(f"invoke increment -> {_run(lambda: c.invoke(s['id'], 'increment'))}")
+                st = _run(lambda: c.suspend(s["id"]))
+                console.print(f"suspended -> state {st['state']}, snapshot {st['snapshot']['sizeBytes']} bytes")
+                t0 = time.perf_counter()
+                out = _run(lambda: c.invoke(s["id"], "increment"))
+                console.print(f"invoke increment (woke it in {1000 * (time.perf_counter() - t0):.0f} ms) -> {out}")
+                st = _run(lambda: c.get_session(s["id"]))
+                console.print(f"state {st['state']} on worker {st['worker']}, epoch {st['epoch']}, "
+                              f"restoredFrom {st['restoredFrom']}")
+                nb = _run(lambda: c.create_session("notebook"))
+                created.append(nb["id"])
+                _run(lambda: c.invoke(nb["id"], "x = 6 * 7"))
+                _run(lambda: c.suspend(nb["id"]))
+                console.print(f"notebook after suspend/resume: x -> {_run(lambda: c.invoke(nb['id'], 'x'))}")
+                if keep:
+                    console.print(f"server at {url}; Ctrl-C stops (and removes the demo's data)")
+                    proc.wait()
+            finally:
+                # through the API while the server runs: that also deletes their snapshots wherever the
+                # store is (an S3 bucket from SUBSTRATE_SNAPSHOT__* too), not only in the folder below
+                for sid in created if proc.poll() is None else []:
+                    try:
+                        c.delete_session(sid)
+                    except Exception:  # noqa: BLE001 - best effort; the folder and keys go below anyway
+                        err.print(f"could not delete demo session {sid}")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(20)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+        if shared_redis:
+            try:
+                _drop_prefix(shared_redis, prefix)
+            except Exception as e:  # noqa: BLE001 - say what is left rather than hide the demo's outcome
+                err.print(f"could not remove the demo's Redis keys (prefix {prefix}): {escape(str(e))}")
+        shutil.rmtree(data, ignore_errors=True)
+        err.print(f"demo data removed ({data})")
 
 
 @sessions.command("create")
@@ -378,15 +620,19 @@ def s_delete(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt)
 
 @app.command()
 def pools(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """Worker pools with replicas, ready replicas and free slots."""
+    """Worker pools with replicas, ready replicas and free slots (admins and the open mode; a tenant's key
+    sees the pools' names only: their capacity and load are not its to see)."""
     with _client(server, token) as c:
         items = _run(c.pools)
+    fields = ("replicas", "readyReplicas", "slots", "freeSlots")
     t = Table("NAME", "REPLICAS", "READY", "SLOTS", "FREE")
     for p in items:
-        st = p["status"]
-        t.add_row(p["metadata"]["name"], str(st["replicas"]), str(st["readyReplicas"]), str(st["slots"]),
-                  str(st["freeSlots"]))
+        st = p.get("status") or {}
+        # the API leaves these out for an ordinary tenant: "-", not a KeyError
+        t.add_row(p["metadata"]["name"], *(str(st[f]) if f in st else "-" for f in fields))
     console.print(t)
+    if any(not set(fields) & set(p.get("status") or {}) for p in items):
+        err.print("replicas and slots are shown to admins only")
 
 
 @app.command()
@@ -406,7 +652,7 @@ def templates(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
 
 @app.command()
 def stats(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """Runtime-wide figures: workers, slots, sessions by state, worker-seconds."""
+    """Your sessions by state and quota usage; admins (and open mode) also see workers, slots, worker-seconds."""
     with _client(server, token) as c:
         _print(_run(c.stats))
 
@@ -415,11 +661,10 @@ def _keys_backend() -> tuple[Any, Any]:
     """(settings, redis client) for the key commands; exits with a clear line if no Redis URL is set."""
     import redis.asyncio as aioredis
 
-    from substrate.settings import Settings
 
     from substrate.embedded import url_file
 
-    settings = Settings()
+    settings = _settings()
     url = settings.redis.url
     if not url:  # a running `substrate up` on this data folder leaves its embedded Redis' URL here (0600)
         try:
@@ -438,6 +683,8 @@ def _async(coro_fn: Any) -> Any:
 
     from substrate.errors import SubstrateError
 
+    from redis.exceptions import RedisError
+
     async def run() -> Any:
         settings, r = _keys_backend()
         try:
@@ -449,7 +696,7 @@ def _async(coro_fn: Any) -> Any:
     except SubstrateError as e:
         err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
         raise typer.Exit(1) from None
-    except OSError as e:
+    except (OSError, RedisError) as e:  # redis-py's ConnectionError is not an OSError: one line, not a traceback
         err.print(f"[red]error[/red]: Redis unreachable: {escape(str(e))}")
         raise typer.Exit(1) from None
 

@@ -140,13 +140,20 @@ class SubstrateClient:
             delay = max(delay, min(retry_after_s, 5.0)) if self.retry_backoff_s else 0.0
         time.sleep(delay)
 
-    def invoke_stream(self, sid: str, input: Any) -> Iterator[Any]:  # noqa: A002
-        """One streamed turn; yields the agent's chunks."""
+    def invoke_stream(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Iterator[Any]:  # noqa: A002
+        """One streamed turn; yields the agent's chunks. Not retried here (chunks may have been yielded);
+        a caller that retries passes the same ``idempotency_key``: a turn that ran is answered again from
+        its kept lines, never run twice (a plain turn's kept answer comes back as one chunk)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         with self.http.stream("POST", _session_path(sid) + "/invoke", params={"stream": "true"},
-                              json={"input": input}) as resp:
+                              json={"input": input}, headers=headers) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for(resp)
+            if resp.headers.get("content-type", "").startswith("application/json"):
+                resp.read()  # the replay of a plain turn under this key: its answer as it was
+                yield resp.json()["output"]
+                return
             for line in resp.iter_lines():
                 if not line:
                     continue

@@ -40,9 +40,9 @@ from substrate.models import (
 P = ParamSpec("P")
 T = TypeVar("T")
 
-_JSON_FIELDS = {"labels", "env", "snapshot", "previousSnapshot", "restoredFrom"}
+_JSON_FIELDS = {"labels", "env", "snapshot", "previousSnapshot", "restoredFrom", "carriedAnswers"}
 _INT_FIELDS = {"epoch", "slot", "turns"}
-_FLOAT_FIELDS = {"createdAt", "updatedAt", "lastActiveAt", "stateDeadline"}
+_FLOAT_FIELDS = {"createdAt", "updatedAt", "lastActiveAt", "stateDeadline", "lostAfter"}
 
 # KEYS[1] session hash. ARGV[1] JSON {from?, epoch?, worker?, to?, bump?, set?, del?, now}
 # -> {1, state, epoch, previous state} on success, {0, state, epoch} on a failed check, {-1} if absent.
@@ -105,6 +105,7 @@ end
 if a['to'] then redis.call('HSET', h, 'state', a['to']) end
 if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
 if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
+if a['turns'] then redis.call('HINCRBY', h, 'turns', a['turns']) end
 redis.call('HSET', h, 'updatedAt', a['now'])
 return out
 """
@@ -202,10 +203,11 @@ def _translate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return await fn(*args, **kwargs)
-        except RedisError as e:
-            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e.__class__.__name__}: {e}") from e
-        except OSError as e:
-            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e}") from e
+        except (RedisError, OSError) as e:
+            if args and isinstance(args[0], Directory):  # see Directory.unavailable_within
+                args[0].unavailable_at_m = time.monotonic()
+            detail = f"{e.__class__.__name__}: {e}" if isinstance(e, RedisError) else str(e)
+            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {detail}") from e
 
     return wrapper
 
@@ -301,6 +303,8 @@ class Directory:
         """``cluster``: talk to a Redis Cluster (redis-py's cluster client); default: on when the URL's
         query has ``cluster=1`` or the scheme is ``redis+cluster://``."""
         self.keys = Keys(prefix)
+        #: monotonic time (s) this process last failed to reach Redis; -inf: never
+        self.unavailable_at_m = float("-inf")
         if cluster is None:
             cluster = redis_url.startswith("redis+cluster://") or "cluster=1" in redis_url.partition("?")[2]
         self.cluster = cluster
@@ -438,8 +442,12 @@ class Directory:
     async def commit_snapshot(self, sid: str, *, epoch: int, ref: SnapshotRef,
                               states: Iterable[SessionState] = (SessionState.RUNNING, SessionState.SUSPENDING),
                               to: SessionState | None = None, set: dict[str, Any] | None = None,
-                              unset: Iterable[str] = (), retention: int = 2) -> tuple[bool, list[str]]:
+                              unset: Iterable[str] = (), retention: int = 2,
+                              add_turns: int = 0) -> tuple[bool, list[str]]:
         """Point the session at snapshot ``ref`` if it still carries ``epoch`` (and is in ``states``).
+        ``add_turns``: turns the activation ran that its worker's heartbeat has not reported yet, added to
+        the record's ``turns`` in the same atomic step (only if it commits): a suspend folds them in, as
+        no heartbeat reports them once the activation is gone.
 
         Returns ``(committed, dropped)``: ``dropped`` are the object keys of committed snapshots beyond
         the newest ``retention`` (``snapshot.retention``, at least 1), to be deleted from the store.
@@ -457,6 +465,8 @@ class Directory:
             args["set"] = _encode(set)
         if dels:
             args["del"] = dels
+        if add_turns > 0:
+            args["turns"] = int(add_turns)
         await self._ready()
         res = await self._commit(keys=[self.keys.session(sid), self.keys.session_snapshots(sid)],
                                  args=[json.dumps(args)])
@@ -605,6 +615,12 @@ class Directory:
         """Remove a worker unconditionally (it is stopping, or its process is known to be gone);
         returns its slot table (slot -> session) as it was, for recovery."""
         return await self.expire_worker(wid, force=True) or {}
+
+    def unavailable_within(self, window_s: float) -> bool:
+        """True if this process failed to reach Redis in the last ``window_s`` seconds. Workers could
+        not renew their leases then either, so a lease that lapsed during such an outage says nothing
+        about the worker (see ``Activator.recover_worker``)."""
+        return time.monotonic() - self.unavailable_at_m < window_s
 
     @_translate
     async def expire_worker(self, wid: str, *, grace_s: float = 0.0, force: bool = False,

@@ -1,8 +1,8 @@
 """An embedded Redis for the embedded default: a real ``redis-server`` child process on a loopback port.
 
 * **Persistent**: append-only file (``appendfsync everysec``) in a data folder (``redis.data_dir``,
-  ``var/redis`` by default), so stopping and starting ``substrate up`` keeps every session and every
-  snapshot pointer. Without a data folder it runs in memory only (tests).
+  ``<data_dir>/redis``, ``var/redis`` by default), so stopping and starting ``substrate up`` keeps every
+  session and every snapshot pointer. Without a data folder it runs in memory only (tests).
 * **Private**: listens on 127.0.0.1 only and requires a password generated at each start (issue 7: a
   local process or an agent cannot talk to it without the password, which only the runtime and its
   workers receive in their settings).
@@ -21,14 +21,16 @@ import os
 import secrets
 import signal
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
+
+from substrate.netports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +41,37 @@ def url_file(data_dir: Path | str) -> Path:
     return Path(data_dir) / "url"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the runtime dies, even by SIGKILL (Linux prctl
-    PR_SET_PDEATHSIG), so no orphaned Redis keeps serving the data folder."""
+def _prctl() -> object | None:
+    """libc's ``prctl``, looked up in the parent: ``dlopen`` in a child forked from a threaded process
+    could deadlock on a loader lock another thread held at the fork."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def die_with_parent_hook() -> "Callable[[], None]":
+    """A ``preexec_fn`` for a child of this process: SIGTERM when the runtime dies, even by SIGKILL
+    (Linux prctl PR_SET_PDEATHSIG), so no orphaned Redis keeps serving the data folder. If the runtime
+    died between the fork and the prctl (the signal would never come), the child ends itself there.
+    The kernel ties the signal to the *thread* that forked: here the main thread, or the watcher thread,
+    which lives until ``stop``."""
+    parent = os.getpid()
+
+    def hook() -> None:
+        if _PRCTL is not None:
+            _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # type: ignore[operator]  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # outside the ephemeral range: see substrate.netports
 
 
 class EmbeddedRedis:
@@ -147,7 +166,7 @@ class EmbeddedRedis:
             [self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
              "--dir", self._dir(), "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE,
-            start_new_session=True, preexec_fn=_die_with_parent)
+            start_new_session=True, preexec_fn=die_with_parent_hook())
         if self.data_dir is not None:
             (Path(self._dir()) / "redis.pid").write_text(str(self.proc.pid))
         assert self.proc.stdin is not None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from substrate.errors import InvalidInput
+from substrate.errors import InvalidInput, clip
 
 NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 MAX_NAME_CHARS = 128
@@ -48,7 +48,7 @@ DENIED_NAMES: frozenset[str] = frozenset({
 
 
 def _bad(name: str, why: str) -> InvalidInput:
-    return InvalidInput(f"env {name!r}: {why}", code="invalid_env", details={"name": name})
+    return InvalidInput(f"env {clip(name)}: {why}", code="invalid_env", details={"name": clip(name, 256, quote=False)})
 
 
 def _utf8(text: str) -> bytes | None:
@@ -76,11 +76,12 @@ def check_session_env(env: Mapping[str, object], template_names: Iterable[str] =
             raise _bad(repr(name), "names must be strings of A-Z, 0-9 and '_'")
         if len(name) > MAX_NAME_CHARS or not NAME_RE.fullmatch(name):
             raise _bad(name, f"names must match [A-Z_][A-Z0-9_]* (at most {MAX_NAME_CHARS} characters)")
+        # the template's own reason first: SHELL_TIMEOUT_S is also under a denied prefix (SHELL)
+        if name in fixed:
+            raise _bad(name, "the ActorTemplate sets this variable; a session cannot override it")
         if name in DENIED_NAMES or name.startswith(DENIED_PREFIXES):
             raise _bad(name, "loaders, interpreters or the runtime act on this variable; it cannot be set "
                              "per session (set it in the ActorTemplate if the agent needs it)")
-        if name in fixed:
-            raise _bad(name, "the ActorTemplate sets this variable; a session cannot override it")
         if not isinstance(value, str):
             raise _bad(name, "values must be strings")
         raw = _utf8(value)

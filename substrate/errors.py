@@ -9,6 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
+#: how much of a client's input an error message echoes back (a 20 KB ID is not sent back whole)
+ECHO_LIMIT = 64
+
+
+def clip(value: object, limit: int = ECHO_LIMIT, *, quote: bool = True) -> str:
+    """``value`` as error messages echo it: cut at ``limit`` characters (then ``...`` and its full length),
+    quoted with ``repr`` (``quote``) or else with unprintable characters escaped; never a lone surrogate."""
+    text = value if isinstance(value, str) else str(value)
+    cut = len(text) > limit
+    head = text[:limit] if cut else text
+    out = repr(head) if quote else head.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{out}... ({len(text)} characters)" if cut else out
+
 
 class SubstrateError(Exception):
     """Base class. ``status`` is the HTTP status the API answers with; ``code`` is stable for clients."""
@@ -64,6 +77,12 @@ class PayloadTooLarge(SubstrateError):
     status, code = 413, "payload_too_large"
 
 
+class UnsupportedMediaType(SubstrateError):
+    """A body sent with a ``Content-Type`` the route does not read (JSON routes: not JSON)."""
+
+    status, code = 415, "unsupported_media_type"
+
+
 class TemporaryError(SubstrateError):
     """Retry later: the answer is 503 with ``Retry-After``."""
 
@@ -103,8 +122,23 @@ class SnapshotCorrupt(SubstrateError):
     status, code = 500, "snapshot_corrupt"
 
 
+class StateLoadFailed(SubstrateError):
+    """The agent host reported that the session's restored state itself cannot be loaded (e.g. a
+    notebook variable whose unpickling ends the process). The session's own fault: the wake answers 422,
+    the session goes to FAILED with its snapshot kept, and the tenant's circuit breaker does not count
+    it. ``details["exception"]`` names what the load raised."""
+
+    status, code = 422, "state_load_failed"
+
+
 class SessionFailed(SubstrateError):
     status, code = 409, "session_failed"
+
+
+class SessionDeleted(SubstrateError):
+    """The session was deleted while the call was under way (a turn in flight is stopped by the delete)."""
+
+    status, code = 410, "session_deleted"
 
 
 class TooManyRequests(SubstrateError):

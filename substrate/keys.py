@@ -59,6 +59,23 @@ class Keys:
         """Sorted set: worker id -> lease expiry (s)."""
         return f"{self.prefix}:workers"
 
+    # pools (demand and capacity notes shared by routers and the pool controller) ---------------------
+    @property
+    def pool_demand(self) -> str:
+        """Hash: process id -> JSON ``{"at": s, "pools": {pool: [waiting, inFlight, activations]}}``, what
+        each router process waits for (``substrate.demand``)."""
+        return f"{self.prefix}:pool-demand"
+
+    @property
+    def pool_demand_channel(self) -> str:
+        """Pub/sub channel: a router's placement found no free slot (the pool controller reconciles now)."""
+        return f"{self.prefix}:pool-demand:wanted"
+
+    @property
+    def pool_capacity(self) -> str:
+        """Hash: pool -> JSON ``{"at": s, "starting": n, "blocked": why}``, written by the pool controller."""
+        return f"{self.prefix}:pool-capacity"
+
     @property
     def stats(self) -> str:
         """Hash: runtime-wide counters (worker-seconds integral, ...)."""

@@ -13,31 +13,45 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 
 import redis.asyncio as aioredis
 
 from substrate.directory import decode_session
 from substrate.errors import InvalidInput
 from substrate.keys import Keys
-from substrate.models import SessionRecord, SessionState
+from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.quotas import translated
 
 
 def encode_cursor(created_at: float, sid: str) -> str:
+    """The ``continue`` token of a page that ends at (``created_at``, ``sid``): URL-safe base64, unpadded,
+    of ``"<repr(created_at)>|<sid>"``."""
     return base64.urlsafe_b64encode(f"{created_at!r}|{sid}".encode()).decode().rstrip("=")
 
 
+#: what ``repr`` writes for a finite float (ASCII only: ``float`` alone takes " 1", "1_000", "١")
+_FLOAT_RE = re.compile(r"\A-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?\Z")
+
+
 def decode_cursor(token: str) -> tuple[float, str]:
-    """Raises ``InvalidInput(code="invalid_continue")`` for anything not made by ``encode_cursor``."""
+    """Raises ``InvalidInput(code="invalid_continue")`` for anything not made by ``encode_cursor``: exactly
+    one ``|``, a plain finite decimal before it, a valid session ID (``SESSION_ID_RE``) after it, and the
+    token exactly as ``encode_cursor`` writes it."""
     try:
-        raw = base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)).decode()
-        score, sid = raw.split("|", 1)
+        raw = base64.urlsafe_b64decode(token.encode("ascii") + b"=" * (-len(token) % 4)).decode("ascii")
+        if raw.count("|") != 1:
+            raise ValueError(raw)
+        score, sid = raw.split("|")
+        if not _FLOAT_RE.fullmatch(score) or not SESSION_ID_RE.fullmatch(sid):
+            raise ValueError(raw)
         value = float(score)
-        if not sid or not math.isfinite(value):
+        # the round trip refuses what b64decode skips over and non-canonical numbers ("1.50", "1e0")
+        if not math.isfinite(value) or encode_cursor(value, sid) != token:
             raise ValueError(raw)
         return value, sid
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidInput("bad continue token", code="invalid_continue") from None
+    except (ValueError, UnicodeError):
+        raise InvalidInput("bad continue token: not one this API made", code="invalid_continue") from None
 
 
 @translated

@@ -14,7 +14,7 @@ import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 API_GROUP = "substrate.agent.dev"
 API_VERSION = f"{API_GROUP}/v1"
@@ -202,6 +202,16 @@ class QuotaLimits(BaseModel):
     maxGpus: int | None = Field(None, ge=0)
     maxCreatesPerMinute: int | None = Field(None, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _any_case(cls, data: Any) -> Any:
+        """Field names in any case: the nested environment form (``SUBSTRATE_QUOTA__TENANTS__A__MAXTOTAL``)
+        reaches here lower-cased (``maxtotal``), which ``extra="forbid"`` refused."""
+        if not isinstance(data, dict):
+            return data
+        names = {n.lower(): n for n in cls.model_fields}
+        return {names.get(k.lower(), k) if isinstance(k, str) else k: v for k, v in data.items()}
+
 
 class TemplateResources(BaseModel):
     """What one live session of a template holds (for quotas and the audit trail)."""
@@ -364,6 +374,10 @@ class RestoredFrom(BaseModel):
     snapshotEpoch: int | None
     reason: str
     at: float = Field(default_factory=time.time)
+    #: with a lossy ``reason``: the time (Unix s) the restored state dates from, i.e. turns acknowledged
+    #: after it may be gone; older than ``snapshotCreatedAt`` when that snapshot was taken by an activation
+    #: that came back from an older one and ran no turn before it (a drain); 0: no state came back
+    lostAfter: float | None = None
 
 
 class SessionRecord(BaseModel):
@@ -389,7 +403,17 @@ class SessionRecord(BaseModel):
     restoredFrom: RestoredFrom | None = None
     reason: str | None = None
     message: str | None = None
+    #: with a lossy ``reason``: the time (Unix s) the state to be restored dates from, when the current
+    #: ``snapshot`` was committed by an activation that restored older state and answered no turn (so no
+    #: client was told of the loss yet, and the loss and its base stay for the next wake); 0: no state
+    #: came back then (no snapshot existed). Cleared by a commit of an activation that answered a turn.
+    lostAfter: float | None = None
     turns: int = 0
+    #: answers (``[key, [status, body, digest, restored, restoredAt]]``) of turns that failed when an
+    #: agent died, carried by the record to the session's next activation (the activation that ran them
+    #: ended with them), so a retry is answered, never run again; cleared by the next committed snapshot,
+    #: which holds them. Internal: not in the public session view.
+    carriedAnswers: list[list[Any]] = Field(default_factory=list)
 
 
 class WorkerState(str, Enum):
@@ -412,3 +436,6 @@ class WorkerRecord(BaseModel):
     freeSlots: int = 0
     #: slots whose session is mid-turn or was active within the worker's active window
     activeSlots: int = 0
+    #: GPUs the worker sees and their total memory in bytes, from ``nvidia-smi`` (None: not reported)
+    gpus: int | None = None
+    gpuMemoryBytes: int | None = None

@@ -18,9 +18,15 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
   workers (an exponentially weighted mean);
 * **up at once**: ``desired = clamp(max(ceil(need / (S x target%)), ceil(need / S) + warmPool), min, max)``;
 * **down with hysteresis**: the pool shrinks only below the largest ``desired`` of the last
-  ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one worker per
-  round, and the worker drained is the least loaded one (fewest active, then fewest used slots): its
-  idle sessions are the fewest to suspend, and a loaded worker is not churned.
+  ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one drain at a
+  time (none while another is under way or a worker starts), and the worker drained is the least
+  loaded one (fewest active, then fewest used slots): its idle sessions are the fewest to suspend, and
+  a loaded worker is not churned. A worker whose active sessions plus the waiting placements would not
+  fit in the free slots of the others is never drained (current demand needs its slots).
+* **growing beats evicting**: while this process's controller starts a worker for a pool (or has not
+  yet run a round since a placement found no slot), the activator's placements wait for it instead of
+  lazy-suspending idle sessions (``Activator.may_make_room``); each round bumps
+  ``activator.capacity_ticks`` so that they know it ran.
 
 This replaces a hand-set ``maxReplicas`` cap per trace: the same pool spec holds on quiet and busy days.
 Sources: Knative's KPA (panic/stable windows; scale down after a stable window), Ray Serve's
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from substrate import metrics
+from substrate.demand import CapacityNote, DemandBoard, PoolDemand
 from substrate.directory import Directory
 from substrate.errors import SubstrateError
 from substrate.models import Condition, SessionState, WorkerPool, WorkerPoolSpec, WorkerRecord, WorkerState
@@ -105,10 +112,13 @@ def demand(obs: PoolObservation) -> int:
     """Slots wanted now (see the module docstring): active + waiting + in flight + forecast."""
     alive = [w for w in obs.workers if w.alive]
     active = sum(w.used if w.active is None else min(w.active, w.used) for w in alive)
-    # an activation in flight already holds a claimed slot that the heartbeat may not call active yet:
-    # count it only beyond the used-but-not-active slots, so that it is not counted twice
-    idle_used = sum(w.used for w in alive) - active
-    in_flight = max(0, obs.in_flight - idle_used)
+    # every activation in flight (slot claimed or about to be, not RUNNING yet) is demand: its claimed
+    # slot shows as used but not active until the worker's next heartbeat after the activation. It
+    # used to be counted only beyond the used-but-not-active slots, which are exactly those claims: a
+    # burst of 120 creates in flight read as ~15 slots wanted and the pool drained 5 of its 8 workers
+    # mid-burst (fresh-user run, issue 11). The overlap (an activation done on the worker, not yet
+    # RUNNING in the directory, within one heartbeat) overcounts by a few slots for a moment at most.
+    in_flight = max(0, obs.in_flight)
     # expected arrivals while a new worker starts, rounded to the nearest slot (a trickle of one
     # activation a minute does not hold a worker forever)
     forecast = math.floor(max(0.0, obs.arrival_rate_per_s) * max(0.0, obs.lead_time_s) + 0.5)
@@ -117,9 +127,11 @@ def demand(obs: PoolObservation) -> int:
 
 def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: bool = True) -> PoolPlan:
     """Pure: what to do for one pool. Scales up at once to the demand; drains at most one worker per
-    call and only below the scale-down window's largest ``desired`` (``obs.recent_desired``); removes
-    only empty DRAINING workers; counts STARTING workers and expectations as capacity so it never
-    over-creates. ``allow_scale_down=False`` forbids any drain (e.g. while workers start)."""
+    call and only below the scale-down window's largest ``desired`` (``obs.recent_desired``: the
+    demand must have stayed lower for the whole delay), never while a worker starts or another drain
+    is still under way, and only a worker whose active sessions (plus the waiting placements) fit in
+    the free slots of the others; removes only empty DRAINING workers; counts STARTING workers and
+    expectations as capacity so it never over-creates. ``allow_scale_down=False`` forbids any drain."""
     alive = [w for w in obs.workers if w.alive]
     serving = [w for w in alive if w.state != WorkerState.DRAINING]
     need = demand(obs)
@@ -131,11 +143,24 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
         return PoolPlan(now_desired, create=now_desired - current, remove=remove,
                         reason=f"need={need} above capacity", need=need)
     drain: tuple[str, ...] = ()
-    if current > hold and allow_scale_down and obs.starting == 0:
+    # one drain at a time: a drain takes seconds (a snapshot per session) and while it runs the demand
+    # it was sized for may come back; the next one is decided on what is left after it
+    draining = any(w.state == WorkerState.DRAINING and w.used > 0 for w in alive)
+    if current > hold and allow_scale_down and obs.starting == 0 and not draining:
         ready = sorted((w for w in serving if w.state == WorkerState.READY),
-                       key=lambda w: (w.used if w.active is None else w.active, w.used, w.id))
-        drain = tuple(w.id for w in ready[:1])
+                       key=lambda w: (_active(w), w.used, w.id))
+        for victim in ready[:1]:
+            # never drain a worker whose slots current demand needs: its active sessions and the
+            # placements waiting must fit in the free slots of the workers that stay
+            others_free = sum(w.slots - w.used for w in serving if w.id != victim.id)
+            if _active(victim) + max(0, obs.waiting) <= others_free:
+                drain = (victim.id,)
     return PoolPlan(hold, drain=drain, remove=remove, reason=f"need={need}", need=need)
+
+
+def _active(w: WorkerObs) -> int:
+    """Slots of ``w`` that are demand (mid-turn or recently active); all used ones if not reported."""
+    return w.used if w.active is None else min(w.active, w.used)
 
 
 class SlidingWindow:
@@ -174,6 +199,7 @@ class Backend(Protocol):
     def reap(self) -> list[str]:
         """Worker ids whose process/pod ended since the last call."""
         ...
+    # optional: ``create_concurrency: int``, creates the controller may run at once (default 1)
     # optional: ``helper_processes() -> int``, processes kept for sessions besides the workers (the local
     # zygote), counted in the process-seconds cost; a backend without it counts 0.
     # optional: ``gpu_memory(pool) -> (total_bytes, fragmented_bytes)`` of the pool's ResourceClaims;
@@ -197,7 +223,7 @@ class PoolController:
 
     def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, backend: Backend,
                  activator: "object | None" = None, *, scale_down_delay_s: float | None = None,
-                 create_timeout_s: float = 60.0) -> None:
+                 create_timeout_s: float = 60.0, board: DemandBoard | None = None) -> None:
         self.settings = settings
         self.directory = directory
         self.catalog = catalog
@@ -210,6 +236,11 @@ class PoolController:
         self._task: asyncio.Task[None] | None = None
         self._draining: set[str] = set()
         self._last_tick = time.monotonic()
+        #: demand of router processes and the capacity note they read (``substrate.demand``); None when
+        #: every placement runs in this process (the embedded default)
+        self.board = board
+        self._remote: dict[str, PoolDemand] = {}
+        self._follow: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         prepare = getattr(self.backend, "start", None)  # optional: e.g. the local zygote, started ahead
@@ -218,12 +249,17 @@ class PoolController:
                 await prepare()
             except Exception:  # noqa: BLE001 - workers then start the slow way
                 log.warning("backend prepare failed", exc_info=True)
+        wanted = getattr(self.activator, "capacity_wanted", None)
+        if self.board is not None and isinstance(wanted, asyncio.Event):
+            self._follow = asyncio.create_task(self.board.follow(wanted))
         await self.tick()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+        if self._follow:
+            self._follow.cancel()
 
         async def stop_one(wid: str) -> None:  # graceful: the worker suspends its sessions first
             try:
@@ -269,7 +305,19 @@ class PoolController:
                 log.warning("pool reconcile failed", exc_info=True)
 
     async def tick(self) -> None:
-        """One observe-reconcile-apply round for every pool."""
+        """One observe-reconcile-apply round for every pool (errors propagate to the loop, which logs)."""
+        try:
+            await self._tick()
+        finally:
+            # tell this process's placements that the pools were sized for the demand they showed (a
+            # placement lazy-suspends a session only after that, and only if no worker is starting for
+            # it); also after a failed round, so that a failing controller never holds back lazy
+            # suspension: it only cannot grow the pool
+            ticks = getattr(self.activator, "capacity_ticks", None)
+            if isinstance(ticks, int):
+                self.activator.capacity_ticks = ticks + 1  # type: ignore[union-attr]
+
+    async def _tick(self) -> None:
         now_m = time.monotonic()
         dt, self._last_tick = now_m - self._last_tick, now_m
         running = self.backend.running()
@@ -289,8 +337,42 @@ class PoolController:
                                                       process_s=dt * (len(running) + extra))
         except SubstrateError:
             pass
+        seen_at: float | None = None
+        if self.board is not None:
+            try:
+                t_read = time.time()
+                # this process's own placements are counted from its activator, not twice
+                self._remote = await self.board.read_demand(exclude=self.board.process_id)
+                seen_at = t_read
+            except Exception:  # noqa: BLE001 - sized on local demand until Redis answers
+                log.warning("reading router demand failed", exc_info=True)
         for pool in self.catalog.pools.values():
             await self._reconcile_pool(pool, [w for w in workers if w.pool == pool.name], running, now)
+        if seen_at is not None:
+            await self._publish_capacity({w.id for w in workers}, seen_at)
+
+    def capacity_notes(self, registered: set[str]) -> dict[str, CapacityNote]:
+        """Per pool: workers on their way (created or started, not registered, not refused by the
+        backend, e.g. Pods the scheduler marked Unschedulable) and why none can come (the backend's
+        ``unplaceable(pool) -> (worker ids, reason)`` when it has one)."""
+        running = self.backend.running()
+        stuck_of = getattr(self.backend, "unplaceable", None)
+        out = {}
+        for pool in self.catalog.pools:
+            st = self._state.get(pool)
+            stuck, why = stuck_of(pool) if callable(stuck_of) else (set(), "")
+            on_way = {wid for wid, p in running.items() if p == pool and wid not in registered}
+            # expected too before its create returned (creates run concurrently, in the background)
+            on_way |= set(st.expectations if st else {})
+            out[pool] = CapacityNote(starting=len(on_way - set(stuck)), blocked=why)
+        return out
+
+    async def _publish_capacity(self, registered: set[str], seen_at: float) -> None:
+        assert self.board is not None
+        try:
+            await self.board.publish_capacity(self.capacity_notes(registered), seen_at=seen_at)
+        except Exception:  # noqa: BLE001 - routers then answer no_capacity after slot_wait_s
+            log.warning("publishing the capacity note failed", exc_info=True)
 
     async def _reconcile_pool(self, pool: WorkerPool, workers: list[WorkerRecord], running: dict[str, str],
                               now: float) -> None:
@@ -316,19 +398,25 @@ class PoolController:
         waiting = int(getattr(act, "waiting_by_pool", {}).get(pool.name, 0))
         in_flight = int(getattr(act, "in_flight_by_pool", {}).get(pool.name, 0))
         parked = int(getattr(act, "parked_by_pool", {}).get(pool.name, 0))
-        st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0)))
+        # plus what router processes wait for (Kubernetes: they are other processes; substrate.demand)
+        remote = self._remote.get(pool.name, PoolDemand())
+        st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0) + remote.activations))
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
             starting=len(st.expectations) + unregistered,
-            waiting=waiting + max(0, parked - waiting - in_flight),
-            in_flight=in_flight,
+            waiting=waiting + max(0, parked - waiting - in_flight) + remote.waiting,
+            in_flight=in_flight + remote.in_flight,
             arrival_rate_per_s=st.arrivals.rate(),
             lead_time_s=st.lead_time_s if st.lead_time_s is not None else self.settings.pool.lead_time_s)
         spec = self.effective_spec(pool)
         recent = st.desired_window.max()
-        plan = reconcile(spec, replace(obs, recent_desired=None if recent is None else int(recent)))
+        # a drain this controller started is in progress until its worker is gone (its DRAINING state
+        # may not be in the registry yet): no second one meanwhile
+        drain_running = any(wid in self._draining for wid, p in running.items() if p == pool.name)
+        plan = reconcile(spec, replace(obs, recent_desired=None if recent is None else int(recent)),
+                         allow_scale_down=not drain_running)
         st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
         st.desired = plan.desired
         if plan.create or plan.drain:
@@ -336,16 +424,8 @@ class PoolController:
                                             "create": plan.create, "drain": list(plan.drain),
                                             "waiting": obs.waiting, "inFlight": obs.in_flight,
                                             "ratePerS": round(obs.arrival_rate_per_s, 2)})
-        for _ in range(plan.create):
-            # unique across processes and hosts: two runtimes sharing one Redis never share a worker ID
-            wid = f"{pool.name}-{uuid.uuid4().hex[:12]}"
-            st.expectations[wid] = time.monotonic()
-            self._publish_starting(pool.name, st)
-            try:
-                await self.backend.create(pool, wid)
-            except Exception:  # noqa: BLE001
-                st.expectations.pop(wid, None)
-                log.warning("worker create failed", extra={"pool": pool.name}, exc_info=True)
+        if plan.create:
+            await self._create_workers(pool, st, plan.create)
         self._publish_starting(pool.name, st)
         for wid in plan.drain:
             if wid not in self._draining:
@@ -361,9 +441,15 @@ class PoolController:
         for state in WorkerState:
             metrics.WORKERS.labels(pool=pool.name, state=state.value).set(
                 sum(1 for w in workers if w.state == state))
-        # GPU memory of the pool's ResourceClaims: a backend that knows it says so, else 0 (documented)
+        # GPU memory of the pool's ResourceClaims: a backend that knows it says so, else what the workers
+        # read from nvidia-smi (workers.devices; the part on workers not READY is fragmented), else 0
         gpu = getattr(self.backend, "gpu_memory", None)
-        total, fragmented = gpu(pool.name) if callable(gpu) else (0, 0)
+        if callable(gpu):
+            total, fragmented = gpu(pool.name)
+        else:
+            total = sum(w.gpuMemoryBytes or 0 for w in workers)
+            ready_ids = {w.id for w in ready}
+            fragmented = sum(w.gpuMemoryBytes or 0 for w in workers if w.id not in ready_ids)
         metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
         metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
         st.conditions = [
@@ -373,6 +459,27 @@ class PoolController:
             Condition(type="Scaling", status="True" if plan.create or plan.drain else "False",
                       reason=plan.reason),
         ]
+
+    async def _create_workers(self, pool: WorkerPool, st: _PoolState, n: int) -> None:
+        """Create ``n`` workers, up to the backend's ``create_concurrency`` (default 1) at once. Every
+        one is an expectation before the first create starts (a stale view never over-creates); a failed
+        create drops its own expectation, so the next round creates it again."""
+        # unique across processes and hosts: two runtimes sharing one Redis never share a worker ID
+        wids = [f"{pool.name}-{uuid.uuid4().hex[:12]}" for _ in range(n)]
+        for wid in wids:
+            st.expectations[wid] = time.monotonic()
+        self._publish_starting(pool.name, st)
+        gate = asyncio.Semaphore(max(1, int(getattr(self.backend, "create_concurrency", 1))))
+
+        async def one(wid: str) -> None:
+            async with gate:
+                try:
+                    await self.backend.create(pool, wid)
+                except Exception:  # noqa: BLE001
+                    st.expectations.pop(wid, None)
+                    log.warning("worker create failed", extra={"pool": pool.name}, exc_info=True)
+
+        await asyncio.gather(*(one(wid) for wid in wids))
 
     def _publish_starting(self, pool: str, st: _PoolState) -> None:
         """Tell this process's placements a worker is starting for ``pool`` (they wait for it rather

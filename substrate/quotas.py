@@ -9,16 +9,27 @@ Lua script touches one Redis Cluster slot)
 * ``total`` set of session IDs that exist,
 * ``gpus`` hash session ID -> GPUs its live activation holds (``spec.resources.gpus``),
 * ``creates`` sorted set of create times (a sliding one-minute window),
+* ``owner`` hash session ID -> the activation epoch its running place belongs to (0: a create's, before
+  its record has an epoch),
 
-and the same four per (tenant, template) for the template's ``spec.quota``. ``acquire`` is one Lua
+and the same four (not ``owner``) per (tenant, template) for the template's ``spec.quota``. ``acquire`` is one Lua
 script: it checks every configured limit and takes what the call needs only if all pass, so 100
 concurrent creates through any number of routers never exceed a limit (no read-then-write). Taking is
 idempotent (a session already counted is not counted twice), so a retried wake cannot leak quota.
 
+**Ownership by epoch.** A running place is taken for one activation: a wake takes it right after its
+compare-and-set won the activation (the epoch it got is unique to it) and records that epoch as the
+place's owner; a release names the epoch of the activation that ended and gives the place back only if
+its owner is that epoch or older. A suspend whose release arrives after a concurrent resume re-took the
+place for the next activation therefore leaves it alone (fresh-user run: resume/suspend/resume races left
+RUNNING sessions outside the set, and a tenant with ``maxRunning`` 2 ran 3). Releases without an epoch
+(delete: the session is gone) are unconditional.
+
 Releases happen where a session stops holding: suspend, crash recovery, deadline rollback, failed
-create or resume, delete. ``reconcile`` (run by the state manager's repair pass) drops members whose
-session no longer holds, so a crash between a transition and its release leaks quota for one repair
-period at most.
+create or resume, delete. ``reconcile`` (run by the state manager's repair pass) makes the bookkeeping
+agree with the records both ways: it drops members whose session no longer holds and adds live sessions
+that are missing, each only when seen so at two passes in a row, so a crash between a transition and its
+quota step is repaired within two repair periods.
 """
 
 from __future__ import annotations
@@ -41,13 +52,20 @@ from substrate.settings import QuotaSettings
 #: states in which a session holds running quota (and its GPUs)
 HOLDING = frozenset({SessionState.STARTING, SessionState.RUNNING, SessionState.RESUMING,
                      SessionState.SUSPENDING, SessionState.PENDING})
+#: states a session reaches only after its running place was taken: a session in one of them that is
+#: missing from the running set lost its place (the repair adds it back). Not RESUMING: a wake takes
+#: its place one step after claiming RESUMING (and may be refused), so counting a RESUMING session
+#: that has no place yet could let that pending take pass over the limit.
+COUNTED = frozenset({SessionState.STARTING, SessionState.RUNNING, SessionState.SUSPENDING})
 
 _LIMIT_CODES = {"maxRunning": "quota_max_running", "maxTotal": "quota_max_total",
                 "maxGpus": "quota_max_gpus", "maxCreatesPerMinute": "quota_max_creates_per_minute"}
 
-# KEYS: tenant running, total, gpus, creates, then template running, total, gpus, creates (one hash tag).
-# ARGV[1] JSON {sid, now, gpus, create, run, limits: [tenant limits, template limits]}
-# -> {0} taken | {1, limit name, scope index (1 tenant, 2 template), retry-after seconds}
+# KEYS: tenant running, total, gpus, creates, then template running, total, gpus, creates, then the
+# tenant's owner hash (one hash tag).
+# ARGV[1] JSON {sid, now, gpus, create, run, epoch, dry, limits: [tenant limits, template limits]}
+# ``dry``: check only, take nothing. The owner of the running place becomes max(owner, epoch).
+# -> {0} taken (or would be) | {1, limit name, scope index (1 tenant, 2 template), retry-after seconds}
 _ACQUIRE = """
 local a = cjson.decode(ARGV[1])
 local sid, now, gpus = a['sid'], tonumber(a['now']), tonumber(a['gpus'])
@@ -79,6 +97,7 @@ for scope = 1, 2 do
     end
   end
 end
+if a['dry'] then return {0} end
 for scope = 1, 2 do
   local base = (scope - 1) * 4
   if a['create'] then
@@ -91,7 +110,63 @@ for scope = 1, 2 do
     if gpus > 0 then redis.call('HSET', KEYS[base + 3], sid, gpus) end
   end
 end
+if a['run'] then
+  local owner = tonumber(redis.call('HGET', KEYS[9], sid) or '-1') or -1
+  if tonumber(a['epoch']) > owner then redis.call('HSET', KEYS[9], sid, a['epoch']) end
+end
 return {0}
+"""
+
+# KEYS: tenant running, gpus, total, template running, gpus, total, tenant owner hash (one hash tag).
+# ARGV[1] sid, ARGV[2] epoch of the activation that ended ('' = unconditional), ARGV[3] '1' = total too.
+# The running place (and GPUs) go only if its owner is that epoch or older (or has none recorded):
+# a newer owner is a later activation's. -> 1 released | 0 kept (a newer owner)
+_RELEASE = """
+local sid = ARGV[1]
+if ARGV[2] ~= '' then
+  local owner = tonumber(redis.call('HGET', KEYS[7], sid) or '-1') or -1
+  if owner > tonumber(ARGV[2]) then
+    if ARGV[3] == '1' then redis.call('SREM', KEYS[3], sid); redis.call('SREM', KEYS[6], sid) end
+    return 0
+  end
+end
+redis.call('SREM', KEYS[1], sid); redis.call('HDEL', KEYS[2], sid)
+redis.call('SREM', KEYS[4], sid); redis.call('HDEL', KEYS[5], sid)
+redis.call('HDEL', KEYS[7], sid)
+if ARGV[3] == '1' then redis.call('SREM', KEYS[3], sid); redis.call('SREM', KEYS[6], sid) end
+return 1
+"""
+
+# Reconcile steps, per session. KEYS as for _RELEASE (running, gpus, total, template running, gpus, total,
+# owner). ARGV[1] JSON {sid, op, epoch, gpus}:
+# op 'drop': give back the running place only if its owner is ``epoch`` or older (the record's epoch when
+#   it was read: a wake that took the place since has a newer one); with ``epoch`` null also the total
+#   place, unconditionally (no record);
+# op 'add': take the running place (and GPUs) of a live session missing it, owner max(owner, epoch); no
+#   limit check: the session runs, and counting it is what keeps later creates within the limit.
+# -> 1 changed | 0 not
+_RECONCILE = """
+local a = cjson.decode(ARGV[1])
+local sid = a['sid']
+local owner = tonumber(redis.call('HGET', KEYS[7], sid) or '-1') or -1
+if a['op'] == 'drop' then
+  if a['epoch'] == cjson.null or a['epoch'] == nil then
+    redis.call('SREM', KEYS[3], sid); redis.call('SREM', KEYS[6], sid)
+  elseif owner > tonumber(a['epoch']) then
+    return 0
+  end
+  local n = redis.call('SREM', KEYS[1], sid) + redis.call('SREM', KEYS[4], sid)
+    + redis.call('HDEL', KEYS[2], sid) + redis.call('HDEL', KEYS[5], sid) + redis.call('HDEL', KEYS[7], sid)
+  if n > 0 then return 1 end
+  return 0
+end
+local n = redis.call('SADD', KEYS[1], sid) + redis.call('SADD', KEYS[4], sid)
+if tonumber(a['gpus']) > 0 then
+  redis.call('HSET', KEYS[2], sid, a['gpus']); redis.call('HSET', KEYS[5], sid, a['gpus'])
+end
+if tonumber(a['epoch']) > owner then redis.call('HSET', KEYS[7], sid, a['epoch']) end
+if n > 0 then return 1 end
+return 0
 """
 
 
@@ -126,8 +201,12 @@ class Quotas:
         self.settings = settings
         self.retry_after_s = retry_after_s
         self._acquire = redis.register_script(_ACQUIRE)
-        #: members found stale by the previous reconcile pass (dropped only if still stale now)
-        self._suspects: set[tuple[str, str]] = set()
+        self._release = redis.register_script(_RELEASE)
+        self._reconcile = redis.register_script(_RECONCILE)
+        #: what the previous reconcile pass found wrong: ("drop", tenant, sid, epoch) of members whose
+        #: session did not hold, ("add", tenant, sid, epoch) of live sessions missing (acted on only if
+        #: found so again now)
+        self._suspects: set[tuple[str, str, str, int | None]] = set()
 
     def limits_of(self, tenant: str) -> QuotaLimits:
         return self.settings.tenants.get(tenant, self.settings.default)
@@ -136,18 +215,31 @@ class Quotas:
         k = self.keys.quota
         return [k(tenant, "running"), k(tenant, "total"), k(tenant, "gpus"), k(tenant, "creates"),
                 k(tenant, f"running:{template}"), k(tenant, f"total:{template}"), k(tenant, f"gpus:{template}"),
-                k(tenant, f"creates:{template}")]
+                k(tenant, f"creates:{template}"), k(tenant, "owner")]
+
+    def _release_keys(self, tenant: str, template: str) -> list[str]:
+        k = self.keys.quota
+        return [k(tenant, "running"), k(tenant, "gpus"), k(tenant, "total"),
+                k(tenant, f"running:{template}"), k(tenant, f"gpus:{template}"), k(tenant, f"total:{template}"),
+                k(tenant, "owner")]
 
     @translated
-    async def acquire(self, tenant: str, template: ActorTemplate, sid: str, *, create: bool) -> None:
-        """Take a running place (and GPUs) for ``sid``, and with ``create`` a total place and a create in
-        the rate window, if every limit allows; else raise ``TooManyRequests`` and take nothing."""
+    async def acquire(self, tenant: str, template: ActorTemplate, sid: str, *, create: bool,
+                      epoch: int = 0, dry: bool = False) -> None:
+        """Take a running place (and GPUs) for activation ``epoch`` of ``sid`` (0: a create, before its
+        record has an epoch), and with ``create`` a total place and a create in the rate window, if every
+        limit allows; else raise ``TooManyRequests`` (429, code ``quota_*``) and take nothing.
+
+        A place already held by ``sid`` is not counted again; its owner becomes ``epoch`` if that is newer
+        (see the module docstring). ``dry``: only check (raises the same way, takes nothing): a wake asks
+        before it claims a slot, so a refused one makes nobody room, and takes after it won the claim."""
         t_lim = self.limits_of(tenant).model_dump(exclude_none=True)
         c_lim = template.spec.quota.model_dump(exclude_none=True) if template.spec.quota else {}
         # with no limit configured the membership is still kept: usage stays visible and a limit added
         # later starts from the truth
         args = {"sid": sid, "now": repr(time.time()), "gpus": template.spec.resources.gpus,
-                "create": create, "run": True, "limits": [t_lim or {"none": 0}, c_lim or {"none": 0}]}
+                "create": create, "run": True, "epoch": int(epoch), "dry": dry,
+                "limits": [t_lim or {"none": 0}, c_lim or {"none": 0}]}
         res = await self._acquire(keys=self._keys(tenant, template.name), args=[json.dumps(args)])
         if int(res[0]) == 0:
             return
@@ -162,16 +254,15 @@ class Quotas:
                      "template": template.name, "max": lim})
 
     @translated
-    async def release(self, tenant: str, template: str, sid: str, *, total: bool = False) -> None:
-        """Give back ``sid``'s running place and GPUs (and its total place with ``total``). Idempotent."""
-        k = self.keys.quota
-        async with self.redis.pipeline(transaction=False) as p:
-            for suffix in ("", f":{template}"):
-                p.srem(k(tenant, f"running{suffix}"), sid)
-                p.hdel(k(tenant, f"gpus{suffix}"), sid)
-                if total:
-                    p.srem(k(tenant, f"total{suffix}"), sid)
-            await p.execute()
+    async def release(self, tenant: str, template: str, sid: str, *, epoch: int | None = None,
+                      total: bool = False) -> bool:
+        """Give back ``sid``'s running place and GPUs held for activation ``epoch`` or an older one (a
+        place a later activation took stays); ``epoch`` None: whatever it holds (the session is gone).
+        With ``total`` also its total place, always. Idempotent. Returns whether the running place went
+        (or was not held); False: a newer activation owns it."""
+        res = await self._release(keys=self._release_keys(tenant, template),
+                                  args=[sid, "" if epoch is None else int(epoch), "1" if total else "0"])
+        return bool(int(res))
 
     @translated
     async def usage(self, tenant: str) -> Usage:
@@ -183,29 +274,52 @@ class Quotas:
             running, total, gpus = await p.execute()
         return Usage(int(running), int(total), sum(int(g) for g in gpus))
 
-    async def reconcile(self, records: dict[str, SessionRecord]) -> int:
-        """Drop members whose session no longer holds (``records``: every existing session by ID).
+    @translated
+    async def reconcile(self, records: dict[str, SessionRecord],
+                        gpus_of: Callable[[str], int] | None = None) -> tuple[int, int]:
+        """Make the bookkeeping agree with ``records`` (every existing session by ID, read just before):
+        drop places of sessions that no longer hold one, add places of live sessions missing one.
+        ``gpus_of``: template name -> GPUs its activations hold (for an added place; default 0).
 
-        Two-phase, like the slot repair: quota is taken one step before the record is written (create)
-        or moves (wake), so a member is dropped only if it was already stale at the previous pass.
-        Returns how many members were dropped."""
-        dropped = 0
-        suspects: set[tuple[str, str]] = set()
+        Two-phase, like the slot repair: something is changed only if it was found the same way (same
+        session, same record epoch) at the previous pass, as a create takes its place one step before
+        its record is written and a wake one step after its claim. A drop is also guarded by the epoch
+        the record had (a wake that took the place since owns a newer epoch and keeps it). An add checks
+        no limit: the session runs, and counting it is what keeps later creates within the limits.
+        Returns ``(dropped, added)``."""
+        found: set[tuple[str, str, str, int | None]] = set()
+        template_of: dict[tuple[str, str], str] = {}
+        members: dict[str, set[str]] = {}  # tenant -> session IDs in its running set
         pattern = f"{self.keys.prefix}:{{t:*}}:quota:*"
         async for key in self.redis.scan_iter(match=pattern, count=1000):
-            kind = key.rsplit(":quota:", 1)[1].split(":", 1)[0]
+            tag, _, what = key[len(self.keys.prefix) + 1:].partition("}:quota:")
+            tenant = tag[len("{t:"):]
+            kind, _, template = what.partition(":")
             if kind == "creates":
                 continue
-            members = await (self.redis.hkeys(key) if kind == "gpus" else self.redis.smembers(key))
-            stale = []
-            for sid in members:
+            ids = await (self.redis.hkeys(key) if kind in ("gpus", "owner") else self.redis.smembers(key))
+            if kind == "running" and not template:
+                members.setdefault(tenant, set()).update(ids)
+            for sid in ids:
                 rec = records.get(sid)
-                if rec is None or (kind != "total" and rec.state not in HOLDING):
-                    suspects.add((key, sid))
-                    if (key, sid) in self._suspects:
-                        stale.append(sid)
-            if stale:
-                dropped += len(stale)
-                await (self.redis.hdel(key, *stale) if kind == "gpus" else self.redis.srem(key, *stale))
-        self._suspects = suspects
-        return dropped
+                if rec is None:
+                    found.add(("drop", tenant, sid, None))
+                    if template or (tenant, sid) not in template_of:  # a template's key names it
+                        template_of[(tenant, sid)] = template
+                elif kind != "total" and rec.state not in HOLDING:
+                    found.add(("drop", tenant, sid, rec.epoch))
+        for rec in records.values():
+            if rec.state in COUNTED and rec.id not in members.get(rec.tenant, ()):
+                found.add(("add", rec.tenant, rec.id, rec.epoch))
+        dropped = added = 0
+        for op, tenant, sid, epoch in found & self._suspects:
+            rec = records.get(sid)
+            template = rec.actorTemplate if rec is not None else template_of.get((tenant, sid), "")
+            gpus = gpus_of(template) if (gpus_of is not None and op == "add") else 0
+            changed = await self._reconcile(keys=self._release_keys(tenant, template), args=[json.dumps(
+                {"sid": sid, "op": op, "epoch": epoch, "gpus": gpus})])
+            if int(changed):
+                dropped += op == "drop"
+                added += op == "add"
+        self._suspects = found
+        return dropped, added

@@ -7,12 +7,18 @@ as a short alias for ``SUBSTRATE_REDIS__URL`` because it is the one setting almo
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import re
+import types
+import typing
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from substrate.models import QuotaLimits
@@ -21,44 +27,97 @@ from substrate.models import QuotaLimits
 #: the example WorkerPool and ActorTemplates shipped inside the package
 EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
 
+#: tenant names: DNS-label-like, so they fit in keys, labels and log fields unchanged
+TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9\-]{0,61}[a-z0-9])?$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+#: URL schemes the runtime connects to (redis-py's three, and ``redis+cluster://`` of substrate.directory)
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """None if ``url`` has the shape of a Redis URL the runtime can use, else what is wrong with it (checked
+    at settings load: a bad URL otherwise failed only after the API had started)."""
+    from urllib.parse import urlsplit
+
+    usage = "use redis://host:port/db, rediss://..., unix:///path/to/redis.sock or redis+cluster://host:port"
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as e:
+        return f"not a Redis URL ({e}): {usage}"
+    if u.scheme not in REDIS_SCHEMES or "://" not in url:
+        return f"not a Redis URL (scheme {u.scheme + '://' if u.scheme else 'missing'}): {usage}"
+    if u.scheme == "unix" and not u.path:
+        return f"not a Redis URL (no socket path): {usage}"
+    if u.scheme != "unix" and not u.hostname:
+        return f"not a Redis URL (no host): {usage}"
+    return None
+
 
 class RedisSettings(BaseModel):
     """Where the directory lives. ``url=None`` means: start an embedded Redis server (persistent: AOF
     in ``data_dir``). A Redis Cluster: ``redis+cluster://host:port/0``."""
 
     url: str | None = None
-    #: data folder of the embedded Redis (append-only file), so a restart keeps every session
+
+    @field_validator("url")
+    @classmethod
+    def _a_redis_url(cls, v: str | None) -> str | None:
+        if v and (why := redis_url_problem(v)):
+            raise ValueError(why)
+        return v or None
+
+    #: data folder of the embedded Redis (append-only file), so a restart keeps every session; unset:
+    #: ``<Settings.data_dir>/redis``
     data_dir: Path = Path("var/redis")
     key_prefix: str = "substrate"
-    socket_timeout_s: float = 2.0
+    socket_timeout_s: float = Field(2.0, gt=0)
 
 
 class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = 1 * 1024 * 1024
+    port: int = Field(8080, ge=1, le=65535)
+    max_body_bytes: int = Field(1 * 1024 * 1024, gt=0)
+    #: how long a request's body may take to arrive, counted from its headers (s): a client that trickles
+    #: or never finishes its body gets 408 ``request_timeout`` and its connection is closed, instead of
+    #: holding a connection and a handler for ever. 30 s carries ``max_body_bytes`` at ~35 KB/s.
+    body_read_timeout_s: float = Field(30.0, gt=0)
     #: how long a request for a SUSPENDED session may wait for its resume
-    park_timeout_s: float = 5.0
+    park_timeout_s: float = Field(5.0, ge=0)
     #: cap on requests parked at once in one router process
-    max_parked: int = 1000
+    max_parked: int = Field(1000, ge=0)
     #: how long a request waits for a free slot before 503 (0 = answer at once)
-    slot_wait_s: float = 2.0
+    slot_wait_s: float = Field(2.0, ge=0)
     #: how long a placement waits for a worker that is being started for its pool (instead of
     #: answering ``no_capacity``); a cold start on a busy machine can take several seconds
-    start_wait_s: float = 30.0
+    start_wait_s: float = Field(30.0, ge=0)
     #: under slot pressure, only sessions idle at least this long are suspended to make room
-    pressure_min_idle_s: float = 1.0
+    pressure_min_idle_s: float = Field(1.0, ge=0)
     #: Retry-After sent with 503 answers
-    retry_after_s: int = 1
+    retry_after_s: int = Field(1, ge=0)
     #: how often the router refreshes its view of registered workers
-    worker_refresh_s: float = 0.5
+    worker_refresh_s: float = Field(0.5, gt=0)
     #: how many distinct workers may drop one turn after it was sent (reset, crash, lease lost) before the
     #: answer is 502 worker_unavailable (a turn may be what kills its worker); refused connects don't count
-    max_lost_worker_retries: int = 3
+    max_lost_worker_retries: int = Field(3, ge=0)
     #: proxied call timeout (a turn may run long)
-    invoke_timeout_s: float = 300.0
-    #: optional bearer token; when set every /v1 call must carry it
+    invoke_timeout_s: float = Field(300.0, gt=0)
+    #: an explicit suspend (``POST .../suspend``) of a session in the middle of a turn waits at most this
+    #: long for the turn to end, then answers 409 ``conflict`` (retry): a turn may run for minutes
+    suspend_wait_s: float = Field(10.0, ge=0)
+    #: optional bearer token; when set every /v1 call must carry it (an admin of tenant ``default``)
     auth_token: str | None = None
+
+    @field_validator("auth_token")
+    @classmethod
+    def _not_an_api_key(cls, v: str | None) -> str | None:
+        # a tenant's API key here would make that key an admin token (the CLI once read this variable)
+        if v is not None and v.startswith("sk_"):
+            raise ValueError("SUBSTRATE_API__AUTH_TOKEN holds an API key (sk_...): that would make a tenant's "
+                             "key an admin token. The client commands read SUBSTRATE_TOKEN; unset this one "
+                             "or give it a secret of its own")
+        return v
 
 
 class WorkerSettings(BaseModel):
@@ -68,29 +127,51 @@ class WorkerSettings(BaseModel):
     #: same value on every router, controller and worker (on Kubernetes: the Secret
     #: ``substrate-internal-token``); unset in the embedded default (Redis is private to it there).
     internal_token: str | None = None
-    heartbeat_s: float = 1.0
-    lease_s: float = 5.0
+
+    @field_validator("internal_token")
+    @classmethod
+    def _not_a_placeholder(cls, v: str | None) -> str | None:
+        # the shipped overlays' placeholder (deploy/overlays/*/token.env) is public: a known HMAC secret
+        if v is not None and ("change-me" in v.lower() or len(v) < 16):
+            raise ValueError("the internal token is a placeholder or shorter than 16 characters: set it to a "
+                             "secret of its own, e.g. the output of `openssl rand -hex 24`")
+        return v
+    heartbeat_s: float = Field(1.0, gt=0)
+    lease_s: float = Field(5.0, gt=0)
     #: a worker stops serving at its own lease expiry (self-fencing); others may declare it dead and
     #: place its sessions elsewhere only this long after that (room for clock skew and a slow tick)
-    lease_grace_s: float = 1.0
+    lease_grace_s: float = Field(1.0, ge=0)
     #: how often a worker compares its activations with the directory and frees what it does not own
-    reconcile_s: float = 2.0
+    reconcile_s: float = Field(2.0, gt=0)
     #: on SIGTERM (or ``substrate up`` stopping) a worker suspends every session within this bound
-    shutdown_grace_s: float = 20.0
+    shutdown_grace_s: float = Field(20.0, ge=0)
     #: answers of recent turns kept per activation (and in its snapshot), by idempotency key
-    idempotency_keys: int = 64
+    idempotency_keys: int = Field(64, ge=0)
+    #: bytes of those answers kept per activation (and in its snapshot), in the worker's memory outside any
+    #: sandbox: an answer over it, or the oldest once the sum is over it, is replaced by a small marker
+    #: that answers a retry 410 ``answer_not_kept`` (the turn ran; it is never run again)
+    answer_keep_bytes: int = Field(4 * 1024 * 1024, ge=0)
+    #: largest answer (JSON bytes) of one turn, and of one streamed chunk; larger: 422 ``output_too_large``
+    max_answer_bytes: int = Field(16 * 1024 * 1024, gt=0)
     #: a slot counts as active (demand for the autoscaler) while its session is mid-turn or had a turn
     #: within this window; idle sessions beyond it are evictable capacity (lazy suspension)
-    active_window_s: float = 2.0
+    active_window_s: float = Field(2.0, ge=0)
     root_dir: Path = Path("var/workers")
     #: per-slot sandbox uids are claimed in [sandbox_uid_base, sandbox_uid_base + sandbox_uid_span)
     #: with flock files in sandbox_uid_lock_dir (when the worker runs as root); see workers/sandbox.py
-    sandbox_uid_base: int = 20000
-    sandbox_uid_span: int = 10000
+    sandbox_uid_base: int = Field(20000, ge=1)
+    sandbox_uid_span: int = Field(10000, ge=1)
     sandbox_uid_lock_dir: Path = Path("/run/substrate/sandbox-uids")
     #: keep a sandboxed agent host started for up to this many free slots (0: none), so a create does
     #: not pay the spawn (each idle host is a Python process of ~10-15 MiB)
-    prestart_hosts: int = 16
+    prestart_hosts: int = Field(16, ge=0)
+    #: the worker reads its GPUs' count and memory from this binary at registration when it exists on
+    #: PATH (``workers.devices``); empty: never run it
+    nvidia_smi: str = "nvidia-smi"
+    #: a slot freed while two or more pre-started hosts are still free is refilled this much later (s):
+    #: the activation that usually follows a suspend (a pressure suspend makes room for a waiting wake)
+    #: then does not share the CPU with the refill's start-up (workers/sandbox.py, SandboxPool)
+    prestart_refill_delay_s: float = Field(0.25, ge=0)
 
 
 class ApiKeySpec(BaseModel):
@@ -101,6 +182,21 @@ class ApiKeySpec(BaseModel):
     key: str | None = None
     admin: bool = False
     name: str = ""
+
+    @field_validator("tenant")
+    @classmethod
+    def _a_tenant_name(cls, v: str) -> str:
+        # checked here, at settings load, not when the keys are imported after the API started
+        if not TENANT_RE.fullmatch(v):  # not match: "$" would let "team-a\n" through
+            raise ValueError(f"invalid tenant name {v[:70]!r}: use 1-63 lower-case letters, digits and '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _a_hash_or_key(self) -> "ApiKeySpec":
+        digest = (self.sha256 or "").lower().removeprefix("sha256:")
+        if not (_HEX64.match(digest) or (not digest and self.key)):
+            raise ValueError(f"the key of tenant {self.tenant!r} needs `sha256` (64 hex digits) or `key`")
+        return self
 
 
 class AuthSettings(BaseModel):
@@ -121,13 +217,13 @@ class AuthSettings(BaseModel):
     roles_claim: str = "roles"
     admin_role: str = "substrate-admin"
     #: how long the JWKS is reused before a background reload (an unknown key ID reloads at once)
-    jwks_ttl_s: float = 300.0
+    jwks_ttl_s: float = Field(300.0, gt=0)
     #: safety net only: verified API keys are re-read after this long even without a revocation message
-    key_cache_ttl_s: float = 30.0
+    key_cache_ttl_s: float = Field(30.0, gt=0)
     #: lifetime of per-activation tokens the control plane presents to workers
-    activation_token_ttl_s: float = 300.0
+    activation_token_ttl_s: float = Field(300.0, gt=0)
     #: how often routers and workers re-read the activation-token signing keys
-    signing_refresh_s: float = 5.0
+    signing_refresh_s: float = Field(5.0, gt=0)
     #: folder of credentials templates may ask for (``valueFrom.secretKeyRef``): files
     #: ``<dir>/<tenant>/<secret>/<key>`` or ``<dir>/<secret>/<key>`` (a mounted Kubernetes Secret)
     secrets_dir: Path | None = None
@@ -144,17 +240,17 @@ class QuotaSettings(BaseModel):
     tenant_parked_share: float = Field(0.5, gt=0, le=1)
     #: circuit breaker: this many failed activations of one tenant within the window open it ...
     breaker_failures: int = Field(10, ge=1)
-    breaker_window_s: float = 60.0
+    breaker_window_s: float = Field(60.0, gt=0)
     #: ... for this long: creates and wakes of that tenant get 429 ``tenant_circuit_open``
-    breaker_open_s: float = 30.0
+    breaker_open_s: float = Field(30.0, ge=0)
 
 
 class AuditSettings(BaseModel):
     #: records kept per tenant stream and per session stream (approximate trimming, MAXLEN ~)
-    max_per_tenant: int = 100_000
-    max_per_session: int = 1_000
+    max_per_tenant: int = Field(100_000, ge=1)
+    max_per_session: int = Field(1_000, ge=1)
     #: a deleted session's records stay queryable (by its tenant and admins) this long
-    deleted_retention_s: float = 7 * 24 * 3600.0
+    deleted_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
 
 
 class SnapshotSettings(BaseModel):
@@ -166,39 +262,47 @@ class SnapshotSettings(BaseModel):
     region: str | None = None
     access_key_id: str | None = None
     secret_access_key: str | None = None
-    multipart_threshold_bytes: int = 8 * 1024 * 1024
+    multipart_threshold_bytes: int = Field(8 * 1024 * 1024, gt=0)
     #: committed snapshots kept per session (older ones are garbage-collected)
-    retention: int = 2
-    zstd_level: int = 3
+    retention: int = Field(2, ge=1)
+    zstd_level: int = Field(3, le=22)
     #: create the bucket at start-up if it is missing (S3 store)
     create_bucket: bool = True
     #: the state manager's orphan sweep (objects no committed snapshot points at) runs this often
-    sweep_interval_s: float = 300.0
+    sweep_interval_s: float = Field(300.0, gt=0)
     #: an object is deleted by the sweep only after it was found orphaned this long (an upload in
     #: flight is never taken for garbage)
-    orphan_min_age_s: float = 900.0
+    orphan_min_age_s: float = Field(900.0, ge=0)
 
 
 class StateSettings(BaseModel):
-    scan_interval_s: float = 1.0
+    scan_interval_s: float = Field(1.0, gt=0)
     #: deadline for each transitional state; past it the session is recovered
-    transition_deadline_s: float = 60.0
+    transition_deadline_s: float = Field(60.0, gt=0)
     #: resume a crashed worker's sessions eagerly instead of on the next request
     eager_recovery: bool = False
-    suspend_retry_base_s: float = 0.5
-    suspend_retry_max_s: float = 30.0
+    suspend_retry_base_s: float = Field(0.5, gt=0)
+    suspend_retry_max_s: float = Field(30.0, gt=0)
 
 
 class PoolSettings(BaseModel):
-    reconcile_interval_s: float = 1.0
-    #: the pool shrinks only below the largest size wanted over this window (hysteresis)
-    scale_down_delay_s: float = 10.0
+    reconcile_interval_s: float = Field(1.0, gt=0)
+    #: the pool shrinks only below the largest size wanted over this window (hysteresis): demand must
+    #: have stayed lower this long. 10 s drained a burst's workers between its creates and its first
+    #: turns on a loaded machine (fresh-user run, issue 11); Knative's stable window is 60 s, the HPA's
+    #: scale-down stabilization 300 s. Replays of compressed traces set it lower (loadtest/bench.py)
+    scale_down_delay_s: float = Field(30.0, ge=0)
     #: window of the activation arrival-rate forecast (creates + wakes per second)
-    forecast_window_s: float = 30.0
+    forecast_window_s: float = Field(30.0, gt=0)
     #: assumed create-to-READY time of a worker until one was measured
-    lead_time_s: float = 0.5
+    lead_time_s: float = Field(0.5, ge=0)
     #: a dead local worker process is restarted after this back-off
-    restart_backoff_s: float = 0.5
+    restart_backoff_s: float = Field(0.5, ge=0)
+    #: how often a router process writes its waiting placements to Redis for the pool controller while
+    #: any wait (``substrate.demand``); the first wait of a burst is written at once
+    demand_publish_s: float = Field(0.5, gt=0)
+    #: demand and capacity notes older than this are ignored (a router or controller that died)
+    demand_ttl_s: float = Field(5.0, gt=0)
 
 
 class KubernetesSettings(BaseModel):
@@ -212,22 +316,24 @@ class KubernetesSettings(BaseModel):
     api_url: str | None = None
     #: a Lease in ``namespace``; standbys take over within ``lease_duration_s`` of the leader's last renewal
     lease_name: str = "substrate-controller"
-    lease_duration_s: float = 15.0
-    lease_renew_s: float = 5.0
+    lease_duration_s: float = Field(15.0, gt=0)
+    lease_renew_s: float = Field(5.0, gt=0)
     #: the image worker Pods run when the pool's template names none
     worker_image: str = "ghcr.io/agent-substrate/substrate:0.1.0"
-    worker_port: int = 8081
+    worker_port: int = Field(8081, ge=1, le=65535)
     #: where the worker's workspace volume is mounted (an emptyDir unless the template brings one)
     worker_root: str = "/var/lib/substrate"
     redis_secret: str = "substrate-redis"
     token_secret: str = "substrate-internal-token"
     #: workers replaced at once when a pool's pod template changes
-    max_surge: int = 1
+    max_surge: int = Field(1, ge=1)
+    #: Pod creates one controller runs at once (a pool scaled by N creates N Pods in parallel up to this)
+    create_concurrency: int = Field(8, ge=1, le=64)
     #: a Pod Unschedulable this long puts the pool's condition ``PodsSchedulable`` to False
-    unschedulable_grace_s: float = 10.0
+    unschedulable_grace_s: float = Field(10.0, ge=0)
     #: back-off between re-creations of failing Pods of one pool (doubles up to the max)
-    failure_backoff_s: float = 1.0
-    failure_backoff_max_s: float = 60.0
+    failure_backoff_s: float = Field(1.0, ge=0)
+    failure_backoff_max_s: float = Field(60.0, ge=0)
 
 
 class Settings(BaseSettings):
@@ -248,8 +354,9 @@ class Settings(BaseSettings):
     #: folder of ActorTemplate / WorkerPool YAML files for the local mode (default: the example pool and
     #: agents shipped inside the package, so ``substrate up`` runs from any folder)
     config_dir: Path = EXAMPLES_DIR
-    #: the one folder for runtime data of the embedded default: ``workers/`` (workspaces) and
-    #: ``snapshots/`` (the local snapshot store) unless ``worker.root_dir`` / ``snapshot.local_dir`` are set
+    #: the one folder for runtime data of the embedded default: ``redis/`` (the embedded Redis' append-only
+    #: file), ``workers/`` (workspaces) and ``snapshots/`` (the local snapshot store) unless
+    #: ``redis.data_dir`` / ``worker.root_dir`` / ``snapshot.local_dir`` are set
     data_dir: Path = Path("var")
     #: where templates and pools come from: ``files`` (config_dir) or ``kubernetes`` (the API server)
     catalog_source: Literal["files", "kubernetes"] = "files"
@@ -258,17 +365,151 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_paths_are_unset(cls, data: object) -> object:
+        # SUBSTRATE_DATA_DIR= (empty) was Path("."): redis/, workers/ and snapshots/ in the current folder
+        return _drop_empty_paths(cls, data)
+
     def model_post_init(self, __context: object) -> None:
         short = os.environ.get("SUBSTRATE_REDIS_URL")
         if short and not self.redis.url:
+            if why := redis_url_problem(short):  # the alias bypasses RedisSettings' own check
+                raise ValueError(f"SUBSTRATE_REDIS_URL: {why}")
             self.redis.url = short
+        # every folder follows data_dir: a Redis left in ./var while snapshots moved made session records
+        # point at snapshots that are not there (fresh-user run)
+        if "data_dir" not in self.redis.model_fields_set:
+            self.redis.data_dir = self.data_dir / "redis"
         if "root_dir" not in self.worker.model_fields_set:
             self.worker.root_dir = self.data_dir / "workers"
         if "local_dir" not in self.snapshot.model_fields_set:
             self.snapshot.local_dir = self.data_dir / "snapshots"
 
 
+def _is_path(annotation: object) -> bool:
+    """Whether ``annotation`` is ``Path`` or ``Path | None``."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return annotation is Path or (union and Path in typing.get_args(annotation))
+
+
+def _drop_empty_paths(model: type[BaseModel], data: object) -> object:
+    """``data`` (the raw input of ``model``) without the empty strings given for its folder and file fields, in
+    nested models too: an empty variable means the default, as if it were unset."""
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for k, v in data.items():
+        info = model.model_fields.get(k)
+        if info is not None and _is_path(info.annotation) and isinstance(v, str) and not v.strip():
+            continue
+        sub = _model_of(info.annotation) if info is not None else None
+        out[k] = _drop_empty_paths(sub, v) if sub is not None else v
+    return out
+
+
+def _field_at(path: list[str]) -> typing.Any:
+    """The annotation of the setting at ``path`` (lower-case field names from the root), or None."""
+    model: type[BaseModel] | None = Settings
+    annotation: typing.Any = None
+    for part in path:
+        info = model.model_fields.get(part) if model is not None else None
+        if info is None:
+            return None
+        annotation = info.annotation
+        model = _model_of(annotation)
+    return annotation
+
+
+def _is_complex(annotation: object) -> bool:
+    """Whether pydantic-settings reads a value of this type from the environment as JSON."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for a in (annotation, *(typing.get_args(annotation) if union else ())):
+        if _model_of(a) is not None or typing.get_origin(a) in (list, dict, set, tuple) or a in (list, dict):
+            return True
+    return False
+
+
+def bad_json_env(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``SUBSTRATE_`` variables whose setting takes JSON (a list, a mapping, a nested model) but whose value
+    is not JSON, each with what is wrong, sorted: pydantic-settings names only the top-level field of such a
+    variable (``SettingsError: error parsing value for field "quota"``), not the variable."""
+    out: list[tuple[str, str]] = []
+    for var in sorted(environ):
+        if not var.upper().startswith("SUBSTRATE_") or not environ[var].strip():
+            continue
+        annotation = _field_at(var.upper().removeprefix("SUBSTRATE_").lower().split("__"))
+        if annotation is None or not _is_complex(annotation):
+            continue
+        try:
+            json.loads(environ[var])
+        except ValueError as e:
+            out.append((var, f"not valid JSON ({e})"))
+    return out
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """Process-wide settings, read once from the environment."""
     return Settings()
+
+
+#: ``SUBSTRATE_`` variables read outside the settings model: the short Redis alias, the CLI client, the
+#: ``substrate worker`` options and its Pod's downward API, the lifeline pipe, the agent host, the tests and
+#: the load tests
+ENV_READ_ELSEWHERE = frozenset({
+    "SUBSTRATE_REDIS_URL", "SUBSTRATE_SERVER", "SUBSTRATE_TOKEN",
+    "SUBSTRATE_WORKER_POOL", "SUBSTRATE_WORKER_SLOTS", "SUBSTRATE_WORKER_PORT", "SUBSTRATE_WORKER_LISTEN_HOST",
+    "SUBSTRATE_POD_IP", "SUBSTRATE_POD_NAME", "SUBSTRATE_LIFELINE_FD", "SUBSTRATE_SESSION_ID",
+    "SUBSTRATE_TEST_REDIS_URL", "SUBSTRATE_LOAD_SHAPE", "SUBSTRATE_TIME_COMPRESSION", "SUBSTRATE_SHAPE_DURATION_S",
+    "SUBSTRATE_COUNTER_TEMPLATE", "SUBSTRATE_NOTEBOOK_TEMPLATE", "SUBSTRATE_BURST_BASE_USERS",
+    "SUBSTRATE_BURST_PEAK_USERS", "SUBSTRATE_BURST_PERIOD_S", "SUBSTRATE_BURST_LEN_S", "SUBSTRATE_BURST_SPAWN_RATE",
+})
+
+
+def _model_of(annotation: object) -> type[BaseModel] | None:
+    """The BaseModel class ``annotation`` names (also inside ``X | None``, never inside a dict or list), else
+    None."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for a in (annotation, *(typing.get_args(annotation) if union else ())):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def setting_env_names(model: type[BaseModel] = Settings, prefix: str = "SUBSTRATE_") -> tuple[set[str], set[str]]:
+    """The environment variables the settings model reads: (exact names, prefixes of open-ended names).
+
+    Every field is a name (a nested model also as a whole, in JSON); a nested model's fields follow with
+    ``__``; a dict or list field also takes ``NAME__<anything>`` (pydantic-settings nests into it)."""
+    names: set[str] = set()
+    open_prefixes: set[str] = set()
+    for field_name, info in model.model_fields.items():
+        name = prefix + field_name.upper()
+        names.add(name)
+        sub = _model_of(info.annotation)
+        if sub is not None:
+            sub_names, sub_open = setting_env_names(sub, name + "__")
+            names |= sub_names
+            open_prefixes |= sub_open
+        elif typing.get_origin(info.annotation) in (dict, list):
+            open_prefixes.add(name + "__")
+    return names, open_prefixes
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``SUBSTRATE_`` variables in ``environ`` that nothing reads (a typo is otherwise silently ignored), each
+    with the closest known name or None, sorted. Names are compared case-insensitively, as pydantic-settings
+    reads them."""
+    names, open_prefixes = setting_env_names()
+    known = names | ENV_READ_ELSEWHERE
+    out: list[tuple[str, str | None]] = []
+    for var in sorted(environ):
+        up = var.upper()
+        if not up.startswith("SUBSTRATE_") or up in known or up.startswith(tuple(open_prefixes)):
+            continue
+        # compare without the common prefix: every candidate shares it, which would make any name "close"
+        close = difflib.get_close_matches(up.removeprefix("SUBSTRATE_"),
+                                          [k.removeprefix("SUBSTRATE_") for k in known], n=1, cutoff=0.75)
+        out.append((var, "SUBSTRATE_" + close[0] if close else None))
+    return out

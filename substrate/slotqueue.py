@@ -67,16 +67,40 @@ class SlotQueue(Generic[W]):
         """A slot may have become free: serve the queue now instead of at the next poll."""
         self._wake.set()
 
-    async def wait(self, sid: str, pin: str | None, timeout_s: float, *, tenant: str = "default"
-                   ) -> tuple[W, int]:
-        """Join the queue; the claimed ``(worker, slot)``. Raises ``TimeoutError`` after ``timeout_s``."""
+    async def wait(self, sid: str, pin: str | None, timeout_s: float, *, tenant: str = "default",
+                   hold: Callable[[], bool] | None = None, max_s: float | None = None) -> tuple[W, int]:
+        """Join the queue; the claimed ``(worker, slot)``. Raises ``TimeoutError`` after ``timeout_s``;
+        if ``hold()`` is true when that time is up (capacity is on its way: e.g. a worker starting for
+        the pool), the wait goes on for another ``timeout_s``, and so on, and once more after the first
+        look that finds it false (so at least ``timeout_s`` after the capacity came), up to ``max_s``
+        (default ``timeout_s``) in all. ``hold`` is asked only at those moments (one timer per waiter,
+        not a poll). The waiter keeps its place in the queue meanwhile."""
         fut: asyncio.Future[tuple[W, int]] = asyncio.get_running_loop().create_future()
         self._waiters.append(_Waiter(sid, pin, fut, tenant))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
         self._wake.set()
+        loop = asyncio.get_running_loop()
+        limit = loop.time() + max(timeout_s, max_s or 0.0)
+        deadline = loop.time() + timeout_s
+        held = False
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            while True:
+                now = loop.time()
+                if now >= deadline and hold is not None:
+                    # capacity on its way, or it was at the last look (growth stopped in between: the
+                    # new slots get a whole timeout_s to reach this waiter; a burst's fresh-user run
+                    # refused 15 creates with 23 slots free when this counted from the last look)
+                    was_held, held = held, hold()
+                    if held or was_held:
+                        deadline = now + timeout_s
+                end = min(deadline, limit)
+                if now >= end:
+                    raise asyncio.TimeoutError
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), end - now)
+                except asyncio.TimeoutError:
+                    continue
         except (asyncio.TimeoutError, asyncio.CancelledError):
             if not fut.done():
                 fut.cancel()

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from substrate.errors import InvalidInput
+from substrate.errors import InvalidInput, clip
 from substrate.models import API_GROUP, API_VERSION, ActorTemplate, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class Catalog:
             return self.templates[name]
         except KeyError:
             known = ", ".join(sorted(self.templates)) or "none"
-            raise InvalidInput(f"unknown actorTemplate {name!r} (known: {known})",
+            raise InvalidInput(f"unknown actorTemplate {clip(name)} (known: {clip(known, 300, quote=False)})",
                                code="unknown_template") from None
 
     def pool_for(self, template: ActorTemplate) -> WorkerPool:
@@ -272,6 +272,13 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
             continue  # folded into the pools that reference it (see _use_v1alpha2_claims)
         else:
             out.append(d)
+            # passed through as it is; a kind of no Kubernetes API group (``v1``, ``apps/v1``,
+            # ``*.k8s.io``) is one nothing here acts on (e.g. agent-sandbox's ``agents.x-k8s.io``
+            # ``Sandbox``): say so rather than pass it on without a word
+            group = str(api).partition("/")[0] if "/" in str(api) else ""
+            if not (group == "" or "." not in group or group.endswith(".k8s.io")):
+                warnings.append(f"{source} {kind} {name}: {api} {kind} is not a kind of this runtime; passed "
+                                "through unchanged (kubectl applies it to whatever serves it)")
     return out, warnings
 
 

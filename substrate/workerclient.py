@@ -26,6 +26,7 @@ _BY_CODE: dict[str, type[E.SubstrateError]] = {
     "stale_epoch": E.StaleEpoch, "not_active": E.NotFound, "snapshot_corrupt": E.SnapshotCorrupt,
     "snapshot_store_unavailable": E.StoreUnavailable, "no_capacity": E.NoCapacity,
     "busy": E.Conflict, "invalid_state": E.Conflict, "directory_unavailable": E.DirectoryUnavailable,
+    "state_load_failed": E.StateLoadFailed,
 }
 
 
@@ -91,21 +92,34 @@ class WorkerClient:
 
     async def activate(self, address: str, *, session: str, epoch: int, template: ActorTemplate, slot: int,
                        env: dict[str, str], snapshot: SnapshotRef | None,
-                       restored: str | None = None, tenant: str = "default") -> dict[str, Any]:
+                       restored: str | None = None, tenant: str = "default",
+                       answers: list[list[Any]] | None = None,
+                       restored_at: float | None = None) -> dict[str, Any]:
         """Start or restore an activation. ``restored``: why older state comes back (``worker_lost``
-        ...), sent on every answer of the activation as ``X-Substrate-Restored``. Raises SnapshotCorrupt,
-        StoreUnavailable, NoCapacity, StaleEpoch, WorkerUnavailable."""
+        ...), sent on every answer of the activation as ``X-Substrate-Restored``; ``restored_at``: with
+        it, the time (Unix s) the restored state dates from when that is not the snapshot's own
+        ``createdAt`` (the record's ``lostAfter``; 0: no state came back), sent as
+        ``X-Substrate-Restored-Snapshot-At``; ``answers``: the
+        record's ``carriedAnswers`` (kept by idempotency key next to the snapshot's). Raises
+        SnapshotCorrupt, StoreUnavailable, NoCapacity, StaleEpoch, WorkerUnavailable."""
         return await self._call("POST", f"{address}/v1/activations", address=address, session=session,
                                 epoch=epoch, tenant=tenant, json_body={
             "session": session, "epoch": epoch, "template": template.name,
             "spec": template.spec.model_dump(mode="json", exclude_none=True), "slot": slot, "env": env,
-            "snapshot": snapshot.model_dump() if snapshot else None, "restored": restored})
+            "snapshot": snapshot.model_dump() if snapshot else None, "restored": restored,
+            **({"restoredAt": restored_at} if restored and restored_at is not None else {}),
+            **({"answers": answers} if answers else {})})
 
     async def suspend(self, address: str, session: str, epoch: int, *, idle_s: float | None = None,
-                      tenant: str = "") -> SnapshotRef:
-        params = {"idle_s": repr(idle_s)} if idle_s is not None else None
+                      wait_s: float | None = None, tenant: str = "") -> SnapshotRef:
+        """Suspend ``session`` on its worker. ``idle_s``: only if idle that long (an idle or pressure
+        suspend never waits for a turn); ``wait_s``: wait at most that long for a running turn to end,
+        else ``Conflict`` (``busy``); neither: wait for the turn (a drain)."""
+        params = {"idle_s": repr(idle_s)} if idle_s is not None else {}
+        if wait_s is not None:
+            params["wait_s"] = repr(wait_s)
         body = await self._call("POST", f"{address}/v1/activations/{session}/suspend", address=address,
-                                session=session, epoch=epoch, tenant=tenant, params=params)
+                                session=session, epoch=epoch, tenant=tenant, params=params or None)
         return SnapshotRef.model_validate(body["snapshot"])
 
     async def snapshot(self, address: str, session: str, epoch: int) -> SnapshotRef:

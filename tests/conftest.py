@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from substrate import netports
 from substrate.client import SubstrateClient
 from substrate.embedded import EmbeddedRedis
 from substrate.keys import Keys
@@ -45,9 +45,10 @@ def redis_url() -> Iterator[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port outside the kernel's ephemeral range (``substrate.netports``): a port picked by
+    ``bind(0)`` could be handed to a worker's own ``bind(0)`` or an outgoing connection before the
+    runtime binds it (CI failed on exactly that)."""
+    return netports.free_port()
 
 
 POOL_YAML = """
@@ -122,6 +123,9 @@ class RuntimeProc:
                     "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
                     "SUBSTRATE_LOG_LEVEL": "WARNING", "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2",
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
+                    # dozens of runtimes share 2 cores here: 16 booting agent hosts per worker (the default)
+                    # starved heartbeats past the 2 s test lease; tests that need more pre-started set it
+                    "SUBSTRATE_WORKER__PRESTART_HOSTS": "4",
                     **(env or {})}
         self.log = open(tmp / f"runtime-{self.prefix}-{self.port}.log", "wb")  # noqa: SIM115
         self.proc = self._spawn()
@@ -135,7 +139,11 @@ class RuntimeProc:
             self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.replicas = replicas
         self.shared = share_with is not None
-        self._wait_ready(workers=wait_workers)
+        try:
+            self._wait_ready(workers=wait_workers)
+        except BaseException:
+            self.stop()  # never handed to the factory: nothing else would stop it (it leaked, serving)
+            raise
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],

@@ -5,7 +5,10 @@ shown) only when ``redis-server``/``redis-cli`` are not installed.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -15,11 +18,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from substrate import netports
+
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # the bus port (port + 10000) must stay below the ephemeral range too
+    return netports.free_port(high=netports.ephemeral_range()[0] - 10001)
 
 
 def _ports(n: int) -> list[int]:
@@ -36,6 +40,20 @@ def _ports(n: int) -> list[int]:
                 continue
         out.append(p)
     return out
+
+
+def _die_with(parent: int):
+    """``preexec_fn`` of a node: SIGTERM when the test process dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG, as ``substrate/embedded.py`` does for the embedded Redis), so a killed pytest
+    leaves no cluster node behind; exits at once if that parent is already gone."""
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # died between fork and prctl: no signal would ever come
+            os._exit(1)
+    return preexec
 
 
 def _cluster_ok(info: object) -> bool:
@@ -61,7 +79,8 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
                 [server, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                  "--cluster-config-file", str(d / "nodes.conf"), "--cluster-node-timeout", "5000",
                  "--save", "", "--appendonly", "no", "--dir", str(d), "--protected-mode", "no"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with(os.getpid())))
         for p in ports:
             deadline = time.monotonic() + 10
             while True:

@@ -1,11 +1,12 @@
 """The agent host: the process that runs ONE session's agent, inside that session's sandbox.
 
 Started by the worker (``workers/sandbox.py``) as ``python -m workers.agenthost`` with the JSON-lines
-protocol of ``workers/command.py`` on stdin/stdout. Its first message is ``init``:
+protocol of ``workers/command.py`` on stdin/stdout. Once started (interpreter up, the shipped agents'
+modules imported: ``PRELOAD``) it writes ``{"ready": true}``, then waits; its first message is ``init``:
 
     -> {"op": "init", "entrypoint": "pkg.mod:Class" | null, "argv": [...] | null, "env": {...},
         "session": "s1", "epoch": 3, "template": "t", "workspace": "/workspace",
-        "rlimits": {"RLIMIT_NPROC": 256, ...}, "sandboxed": true}
+        "rlimits": {"RLIMIT_NPROC": 256, ...}, "sandboxed": true, "maxAnswerBytes": 16777216}
 
 The host lowers its rlimits (inherited by every process the agent starts), sets the template's and
 session's env, changes to the workspace and then either
@@ -15,14 +16,26 @@ session's env, changes to the workspace and then either
 * ``entrypoint`` (Python agents): imports the class, answers ``{"ok": true}``, and serves ``start`` /
   ``invoke`` / ``snapshot`` / ``stop`` by calling the agent (``workers.handler.Agent``).
 
+Every request of the worker carries ``"id"`` (a fresh random string per request); every line the host
+writes for it (answer, streamed chunk, error) carries the same ``"id"``. The agent's code runs in this
+process and can write to the protocol pipe itself; the worker takes a line without the id of the request
+it waits for as a protocol violation by the agent and ends the activation (``workers/command.py``).
+
 The agent's state is serialized (``snapshot``) and restored (``start``) here, inside the sandbox; the
-worker only moves JSON. The protocol's stdout is a private duplicate of fd 1: fd 1 and ``sys.stdout``
-point at stderr (the worker's log), so an agent that prints cannot corrupt the protocol.
+worker only moves JSON. An agent that finds its restored state unusable raises
+``workers.handler.StateLoadFailed`` from ``start``: the answer is then
+``{"error": ..., "code": "state_load_failed", "exception": "<type>"}`` (the only answer the worker
+takes as the session's own state being at fault; any other start failure is treated as one of the
+moment). A ``snapshot`` that cannot be written within the limits raises ``StateTooLarge``:
+``{"error": ..., "code": "state_too_large"}``, and the agent goes on. The protocol's stdout is a private duplicate of fd 1: fd 1 and ``sys.stdout``
+point at stderr, so an agent that prints cannot corrupt the protocol. stderr is a pipe to the worker,
+which logs it as bounded, escaped data (``workers/agentlog.py``), never the runtime's own stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -32,6 +45,23 @@ from typing import Any, BinaryIO
 
 #: an answer line is at most this long (the worker's reader has the same bound)
 MAX_LINE_BYTES = 64 * 1024 * 1024
+#: the host's first line, once started (the same bytes as ``workers.sandbox.READY_LINE``; this module
+#: imports nothing of the worker's, so it is spelled out here)
+READY_LINE = b'{"ready": true}'
+#: modules of the shipped agents, imported while a host waits for its session (pre-started hosts), so
+#: ``init`` of a shipped template costs no import (measured: the shell agent's ~5-9 ms, mostly
+#: ``subprocess`` and ``tempfile``); an agent of any other entrypoint imports its own at ``init``
+PRELOAD = ("workers.agents.shell", "workers.agents.counter", "workers.agents.notebook")
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a broken optional agent must not stop the host
+            print(f"agenthost: preloading {name} failed: {e!r}", file=sys.stderr)
 
 
 def _apply_rlimits(limits: dict[str, int]) -> None:
@@ -55,18 +85,32 @@ class Host:
         self.out = out
         self.loop = asyncio.new_event_loop()
         self.agent: Any = None
+        #: the largest protocol line sent (``maxAnswerBytes`` of ``init``); the worker reads no longer line
+        self.max_line = MAX_LINE_BYTES
+        #: the ``id`` of the request being answered (None: it carried none), echoed in every line sent for
+        #: it, so the worker can tell the answer to its current request from a line the agent's own code
+        #: wrote to the protocol pipe (it runs in this process and can reach ``out``). Not a secret: the
+        #: agent can read it here; the worker's check is that a line answers the request it waits for.
+        self.rid: Any = None
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Write ``msg`` (plus ``id``: the current request's, if it carried one) as one line; False if it
+        was replaced by an error (not JSON, or too long)."""
+        sent = True
+        tag = {} if self.rid is None else {"id": self.rid}
         try:
-            line = json.dumps(msg).encode()
+            line = json.dumps({**msg, **tag}).encode()
         except (TypeError, ValueError, RecursionError) as e:
             line = json.dumps({"error": f"agent answered something that is not JSON: {e}",
-                               "code": "agent_error"}).encode()
-        if len(line) > MAX_LINE_BYTES:
-            line = json.dumps({"error": f"answer of {len(line)} bytes is over {MAX_LINE_BYTES}",
-                               "code": "agent_error"}).encode()
+                               "code": "agent_error", **tag}).encode()
+            sent = False
+        if len(line) > self.max_line:
+            line = json.dumps({"error": f"the agent's answer of {len(line)} bytes is over the {self.max_line}-byte "
+                                        "limit (worker.max_answer_bytes)", "code": "output_too_large", **tag}).encode()
+            sent = False
         self.out.write(line + b"\n")
         self.out.flush()
+        return sent
 
     def recv(self) -> dict[str, Any] | None:
         line = self.inp.readline()
@@ -76,6 +120,8 @@ class Host:
 
     def init(self, msg: dict[str, Any]) -> None:
         _apply_rlimits(msg.get("rlimits") or {})
+        if msg.get("maxAnswerBytes"):
+            self.max_line = min(MAX_LINE_BYTES, int(msg["maxAnswerBytes"]))
         env = {str(k): str(v) for k, v in (msg.get("env") or {}).items()}
         os.environ.update(env)
         workspace = msg.get("workspace") or os.getcwd()
@@ -105,9 +151,10 @@ class Host:
         self.send({"ok": True})
 
     def serve(self) -> None:
-        from workers.handler import AgentError
+        from workers.handler import AgentError, StateLoadFailed, StateTooLarge
 
         while True:
+            self.rid = None
             try:
                 msg = self.recv()
             except (ValueError, RecursionError) as e:
@@ -115,6 +162,10 @@ class Host:
                 continue
             if msg is None:
                 return
+            if not isinstance(msg, dict):
+                self.send({"error": "a request line must be a JSON object", "code": "agent_error"})
+                continue
+            self.rid = msg.get("id")
             op = msg.get("op")
             try:
                 if op == "init":
@@ -137,6 +188,13 @@ class Host:
                     self.send({"error": f"unknown op {op!r}", "code": "agent_error"})
             except AgentError as e:
                 self.send({"error": str(e), "code": "agent_error"})
+            except StateLoadFailed as e:  # the agent's positive word that its restored state is unusable
+                # (only ``start`` loads state: from any other op it is just a failed call)
+                code = "state_load_failed" if op == "start" else "agent_error"
+                self.send({"error": str(e), "code": code, "exception": e.exception_type})
+            except StateTooLarge as e:
+                code = "state_too_large" if op == "snapshot" else "agent_error"
+                self.send({"error": str(e), "code": code})
             except MemoryError:
                 self.send({"error": "the agent ran out of memory (isolation.maxMemory)",
                            "code": "memory_limit_exceeded"})
@@ -157,13 +215,16 @@ class Host:
                 chunk = self.loop.run_until_complete(gen.__anext__())
             except StopAsyncIteration:
                 break
-            self.send({"chunk": chunk})
+            if not self.send({"chunk": chunk}):  # the error ends the turn: nothing more may follow it
+                with contextlib.suppress(Exception):
+                    self.loop.run_until_complete(gen.aclose())
+                return
             last = chunk
         self.send({"output": last, "streamed": True})
 
 
 def main() -> None:
-    # the protocol keeps a private copy of stdout; the agent's prints go to stderr (the worker's log)
+    # the protocol keeps a private copy of stdout; the agent's prints go to stderr (a pipe the worker logs)
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -173,6 +234,11 @@ def main() -> None:
     os.close(devnull)
     import workers.handler  # noqa: F401 - imported before the session arrives (pre-started hosts)
 
+    _preload()
+    # the worker hands a pre-started host to a session only after this line: a session never waits
+    # for the interpreter's start-up while a booted host is free (``workers.sandbox.HostProcess``)
+    proto_out.write(READY_LINE + b"\n")
+    proto_out.flush()
     Host(proto_in, proto_out).serve()
     sys.stderr.flush()
     os._exit(0)  # threads an agent left behind must not keep the sandbox alive

@@ -2,25 +2,45 @@
 
 Every agent runs out of the worker's process (``workers/sandbox.py``, ``workers/agenthost.py``); this
 module is the only place the worker talks to it. The protocol (one JSON object per line, request then
-answer; stderr goes to the worker's log) is also what a ``spec.command`` agent in any language speaks:
+answer; stderr is a pipe the worker logs as bounded, escaped data: ``workers/agentlog.py``) is also what a ``spec.command`` agent in any language speaks:
 
     -> {"op": "start", "session": "s1", "epoch": 3, "workspace": "/workspace", "state": {...} | null}
-    <- {"ok": true}
+    <- {"ok": true}                (or {"error": ..., "code": "state_load_failed", "exception": "Type"}:
+                                    the restored state itself cannot be loaded; see ``StateLoadFailed``)
     -> {"op": "invoke", "input": <any>, "stream": false}
     <- {"chunk": <any>}            (zero or more, for streaming)
     <- {"output": <any>}           (or {"error": "message", "code": "agent_error"})
     -> {"op": "snapshot"}
-    <- {"state": {...}}
+    <- {"state": {...}}           (or {"error": ..., "code": "state_too_large"}: the agent goes on)
     -> {"op": "stop"}               (the process should exit; it is killed after 2 s)
 
-Before ``start`` the worker sends the host's ``init`` (see ``workers/agenthost.py``); for a command agent
-the host answers it and ``exec``s the command, which then gets ``start``. A command runs with its
+Every request but ``stop`` also carries ``"id"``: a fresh random string per request. The agent host
+echoes it in every line it writes for that request (chunks, answer, error), and the worker accepts only
+lines carrying the id of the request it waits for: the agent's own code runs in the host's process and
+can write to the protocol pipe, and a line it writes (or a stale answer left in the pipe after it) must
+never be taken as the answer to a request. Such a line is a protocol violation by the agent: the agent is
+killed and the call fails with 500 ``agent_protocol_violation``, the way a crashed agent's does (the
+activation ends; the session comes back from its last snapshot). The id is no secret from the agent (it
+can read it from the host's memory); the point is that every answer the worker takes is the one line
+answering its current request, in order, so the protocol never shifts by a line. A command agent should
+echo ``id`` too (``workers/agents/echo_jsonl.py`` does); one that does not is accepted as before (it
+speaks for itself: no other code shares its pipe), but once it echoes an id every later line must carry
+the right one. A line of the wrong kind (e.g. ``output`` answering ``snapshot``) is a violation too.
+
+Before ``start``, the agent host (``workers/agenthost.py``, not a command agent) writes ``{"ready": true}``
+once its interpreter has started, and the worker sends the host's ``init``; for a command agent the host
+answers it and ``exec``s the command, which then gets ``start``. A command runs with its
 workspace as the current directory and the template's and session's env.
 
 Failures: a turn that runs past the template's ``isolation.turnTimeout`` kills the whole sandbox and
 answers 504 ``turn_timeout``; a host killed by its memory cgroup answers 422 ``memory_limit_exceeded``;
-any other death 500 ``agent_crashed``. The next call starts a new sandbox in the same slot from the state
-of the last snapshot (the workspace files stay), so a failed turn never takes the session down with it.
+an answer (or streamed chunk) over ``worker.max_answer_bytes`` answers 422 ``output_too_large`` (refused
+by the agent host, which goes on; a command agent that sends such a line anyway is killed);
+any other death 500 ``agent_crashed``. The agent is then ``dead`` and is never started again inside the
+same activation: every later call raises ``TurnFailed`` (``agent_crashed``) and the worker ends the
+activation, so the session comes back from its last committed snapshot under a new epoch, and the
+answers say so (``X-Substrate-Restored: agent_restarted``). Restarting it in place from the last
+snapshot's state (as before) lost acknowledged turns inside one epoch (issue 8, chaos run).
 """
 
 from __future__ import annotations
@@ -28,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import sys
 import time
 from typing import Any, AsyncIterator
@@ -38,15 +59,30 @@ from workers.sandbox import WORKSPACE_PATH, HostProcess, Limits, SandboxPool, Sl
 
 _STOP_GRACE_S = 2.0
 _STATUS = {"turn_timeout": 504, "memory_limit_exceeded": 422, "agent_crashed": 500, "agent_error": 422,
-           "agent_start_failed": 500}
+           "agent_start_failed": 500, "output_too_large": 422, "state_load_failed": 422, "state_too_large": 422,
+           "agent_protocol_violation": 500}
+#: bytes a protocol line may carry beyond the answer itself (the ``{"output": ...}`` wrapping)
+LINE_SLACK_BYTES = 64 * 1024
+
+
+def _keys(msg: dict[str, Any]) -> str:
+    """A stray line's first keys, for an error message (never its values: they may be large)."""
+    return ", ".join(repr(str(k)[:40]) for k in list(msg)[:6]) or "none"
 
 
 class TurnFailed(SubstrateError):
     """A turn (or start/snapshot) failed in the agent's process; ``code`` says how."""
 
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message, code=code)
+    def __init__(self, message: str, code: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message, code=code, details=details)
         self.status = _STATUS.get(code, 500)
+
+
+class AgentGone(TurnFailed):
+    """The agent's process was already gone when a call began: nothing of the call ran."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "agent_crashed")
 
 
 class HostedAgent(Agent):
@@ -57,8 +93,10 @@ class HostedAgent(Agent):
     """
 
     def __init__(self, ctx: SessionContext, *, pool: SandboxPool, slot: Slot, limits: Limits,
-                 entrypoint: str | None, argv: list[str] | None) -> None:
+                 entrypoint: str | None, argv: list[str] | None, max_answer_bytes: int = 16 * 1024 * 1024) -> None:
         super().__init__(ctx)
+        #: the largest answer line the host may send (it refuses bigger ones with ``output_too_large``)
+        self.max_answer_bytes = max_answer_bytes
         self.pool = pool
         self.slot = slot
         self.limits = limits
@@ -70,29 +108,73 @@ class HostedAgent(Agent):
         self.argv = argv
         self.host: HostProcess | None = None
         self._state: dict[str, Any] | None = None
-        self._first = True
-        #: set when the agent process was started again within this activation (it died or was killed:
-        #: crash, memory limit, turn timeout): its state since the last snapshot is gone, and answers say so
-        self.restarted = False
+        #: the host was started once; it is never started again (see ``dead``)
+        self._started = False
         #: a call is waiting for the host's answer (a stop meanwhile kills instead of talking)
         self._reading = False
+        #: every line must carry its request's ``id``: always for the Python agent host; for a command
+        #: agent once it has echoed one (an older command agent that never does is taken at its word)
+        self._ids_required = argv is None
+
+    @property
+    def dead(self) -> bool:
+        """True once the agent's process died or was killed after it started (crash, memory limit, turn
+        timeout, a broken line): its state since the last snapshot is gone and it is not restarted here;
+        the worker ends the activation (``workers.server``)."""
+        return self._started and (self.host is None or not self.host.alive)
 
     @property
     def workspace_in_sandbox(self) -> str:
         return WORKSPACE_PATH if self.limits.sandboxed else str(self.slot.workspace)
 
     # ------------------------------------------------------------------------------------- transport
-    async def _send(self, msg: dict[str, Any]) -> None:
+    async def _send(self, msg: dict[str, Any]) -> str:
+        """Send one request with a fresh ``id`` (see the module docstring); returns that id, which the
+        answer's lines must carry (pass it to ``_recv``). Raises ``TurnFailed`` if the process is gone."""
         host = self.host
         if host is None or host.proc.stdin is None:
             raise TurnFailed("agent process is not running", "agent_crashed")
+        rid = secrets.token_hex(8)
         try:
-            host.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+            host.proc.stdin.write(json.dumps({**msg, "id": rid}).encode() + b"\n")
             await host.proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as e:
             raise await self._died(f"agent process went away ({e.__class__.__name__})") from e
+        return rid
 
-    async def _recv(self, deadline: float) -> dict[str, Any]:
+    async def _violation(self, what: str) -> TurnFailed:
+        """Kill the agent for breaking the protocol and return the error to raise: 500
+        ``agent_protocol_violation`` (the agent is then ``dead``: the activation ends as a crash's)."""
+        await self._kill()
+        return TurnFailed(f"the agent broke the protocol ({what}); its process was killed and the session "
+                          "restarts from its last snapshot", "agent_protocol_violation")
+
+    async def _recv(self, deadline: float, rid: str, *, kinds: tuple[str, ...],
+                    strict: bool | None = None) -> dict[str, Any]:
+        """The next line of the answer to request ``rid`` (what ``_send`` returned), which must carry one
+        of the keys ``kinds`` (or ``error``). ``strict``: the line must carry ``id`` (default: whether
+        this agent echoes ids). Raises ``TurnFailed``: ``turn_timeout`` past ``deadline`` (monotonic s),
+        ``output_too_large``, ``agent_crashed`` (process gone, not JSON), ``agent_protocol_violation``
+        (a line not answering ``rid``, or of another kind); the agent is killed for every one of them."""
+        msg = await self._read_line(deadline)
+        got = msg.get("id")
+        if strict is None:
+            strict = self._ids_required
+        if got is not None or strict:
+            if got != rid:
+                seen = "no id" if got is None else f"id {str(got)[:40]!r}"
+                # it may have been written any time since the previous answer (a process the agent left
+                # behind, a cell writing to the pipe): say so, not only that this request got it
+                raise await self._violation(f"a line that answers no current request ({seen}; its keys: "
+                                            f"{_keys(msg)}), read while waiting for the answer to request {rid}: "
+                                            "written by the agent's code since its previous answer or now")
+            if not strict:  # a command agent that echoes ids: every later line must carry the right one
+                self._ids_required = True
+        if not any(k in msg for k in (*kinds, "error")):
+            raise await self._violation(f"a line with none of {', '.join(kinds)} or error; its keys: {_keys(msg)}")
+        return msg
+
+    async def _read_line(self, deadline: float) -> dict[str, Any]:
         host = self.host
         assert host is not None and host.proc.stdout is not None
         self._reading = True
@@ -104,8 +186,11 @@ class HostedAgent(Agent):
                              "process of the session was killed and it restarts from its last snapshot",
                              "turn_timeout") from None
         except (ValueError, asyncio.LimitOverrunError) as e:  # a line over the reader's limit
+            # (a command agent that ignores maxAnswerBytes; the Python host refuses such answers itself)
             await self._kill()
-            raise TurnFailed(f"agent wrote an answer line that is too long: {e}", "agent_crashed") from e
+            raise TurnFailed(f"the agent's answer is over the {self.max_answer_bytes}-byte limit "
+                             "(worker.max_answer_bytes); its process was killed and restarts from its last "
+                             "snapshot", "output_too_large") from e
         finally:
             self._reading = False
         if not line:
@@ -144,34 +229,64 @@ class HostedAgent(Agent):
 
     # ------------------------------------------------------------------------------------ lifecycle
     async def _boot(self) -> None:
-        if self._first:
-            self.host = await self.pool.host_for(self.slot, self.limits)
-            self._first = False
-        else:
-            self.restarted = True
-            self.host = await self.pool.spawn(self.slot, self.limits)
+        self.host = await self.pool.host_for(self.slot, self.limits)
+        self._started = True
+        self.host.session, self.host.epoch = self.ctx.session_id, self.ctx.epoch  # labels its logged stderr
         deadline = self._deadline()
+        await self._booted(deadline)
         with_memory_rlimit = self.slot.cgroup is None
-        await self._send({"op": "init", "entrypoint": self.entrypoint, "argv": self.argv,
+        start = {"op": "start", "session": self.ctx.session_id, "epoch": self.ctx.epoch,
+                 "workspace": self.workspace_in_sandbox, "state": self._state}
+        init_id = await self._send({"op": "init", "entrypoint": self.entrypoint, "argv": self.argv,
                           "env": self.ctx.env, "session": self.ctx.session_id, "epoch": self.ctx.epoch,
                           "template": self.ctx.template, "workspace": self.workspace_in_sandbox,
                           "rlimits": self.limits.rlimits(with_memory_rlimit), "sandboxed": self.limits.sandboxed,
+                          "maxAnswerBytes": self.max_answer_bytes,
                           "limits": {"turnTimeoutS": self.limits.turn_timeout_s,
-                                     "memoryBytes": self.limits.memory_bytes}})
-        await self._expect_ok(await self._recv(deadline), "init")
-        await self._send({"op": "start", "session": self.ctx.session_id, "epoch": self.ctx.epoch,
-                          "workspace": self.workspace_in_sandbox, "state": self._state})
-        await self._expect_ok(await self._recv(deadline), "start")
+                                     "memoryBytes": self.limits.memory_bytes,
+                                     "diskBytes": self.limits.disk_bytes}})
+        # a Python agent's host reads one line at a time, so ``start`` can follow ``init`` at once (one
+        # round trip to the sandbox, not two); a command agent's host ``exec``s after answering init, and
+        # a line already sent would sit in the host's read buffer and be lost: it waits for the answer
+        pipelined = self.argv is None
+        if pipelined:
+            start_id = await self._send(start)
+        # the host itself answers init (always with the id), even for a command agent
+        await self._expect_ok(await self._recv(deadline, init_id, kinds=("ok",), strict=True), "init")
+        if not pipelined:
+            start_id = await self._send(start)
+        await self._expect_ok(await self._recv(deadline, start_id, kinds=("ok",)), "start")
+
+    async def _booted(self, deadline: float) -> None:
+        """Consume the start-up line of a host spawned for this activation (a pre-started one has been
+        read by the pool already). Raises ``TurnFailed`` ``agent_start_failed``."""
+        host = self.host
+        assert host is not None
+        try:
+            await host.wait_booted(max(0.0, deadline - time.monotonic()))
+        except (RuntimeError, asyncio.TimeoutError, ValueError, asyncio.LimitOverrunError) as e:
+            await self._kill()
+            raise TurnFailed(f"agent host did not start: {e or 'timed out'}", "agent_start_failed") from e
 
     async def _expect_ok(self, reply: dict[str, Any], what: str) -> None:
+        """Raise ``TurnFailed`` unless ``reply`` is ``{"ok": true}`` (the host is killed first): code
+        ``state_load_failed`` (details ``exception``) only when the host answered exactly that to
+        ``start`` (its positive word that the restored state is unusable), else ``agent_start_failed``."""
         if not reply.get("ok"):
             await self._kill()
+            if what == "start" and reply.get("code") == "state_load_failed":
+                kind = str(reply.get("exception") or "unknown")[:200]
+                raise TurnFailed(f"the session's saved state could not be loaded ({kind}): "
+                                 f"{str(reply.get('error', ''))[:1000]}", "state_load_failed",
+                                 details={"exception": kind})
             raise TurnFailed(f"agent failed to {what}: {reply.get('error', reply)}", "agent_start_failed")
 
     async def _ensure(self) -> None:
+        """Raise ``TurnFailed`` (``agent_crashed``) if the agent's process is gone (it is not restarted)."""
         if self.host is None or not self.host.alive:
             await self._kill()
-            await self._boot()
+            raise AgentGone("the agent process is not running (it died or was killed); the session comes "
+                            "back from its last snapshot")
 
     async def start(self, state: dict[str, Any] | None) -> None:
         self._state = state
@@ -180,9 +295,9 @@ class HostedAgent(Agent):
     async def stream(self, input: Any) -> AsyncIterator[Any]:  # noqa: A002
         await self._ensure()
         deadline = self._deadline()
-        await self._send({"op": "invoke", "input": input, "stream": True})
+        rid = await self._send({"op": "invoke", "input": input, "stream": True})
         while True:
-            msg = await self._recv(deadline)
+            msg = await self._recv(deadline, rid, kinds=("chunk", "output"))
             if "chunk" in msg:
                 yield msg["chunk"]
             elif "output" in msg:
@@ -195,10 +310,10 @@ class HostedAgent(Agent):
     async def invoke(self, input: Any) -> Any:  # noqa: A002
         await self._ensure()
         deadline = self._deadline()
-        await self._send({"op": "invoke", "input": input, "stream": False})
+        rid = await self._send({"op": "invoke", "input": input, "stream": False})
         last = None
         while True:
-            msg = await self._recv(deadline)
+            msg = await self._recv(deadline, rid, kinds=("chunk", "output"))
             if "chunk" in msg:
                 last = msg["chunk"]
             elif "output" in msg:
@@ -216,10 +331,13 @@ class HostedAgent(Agent):
 
     async def snapshot(self) -> dict[str, Any]:
         await self._ensure()
-        await self._send({"op": "snapshot"})
-        msg = await self._recv(self._deadline())
+        rid = await self._send({"op": "snapshot"})
+        msg = await self._recv(self._deadline(), rid, kinds=("state",))
         if "state" not in msg:
-            raise self._error(msg)
+            err = self._error(msg)
+            # a snapshot's callers (suspend, periodic snapshot) handle ``SubstrateError``s only: an agent
+            # that refuses a snapshot is a failed call of 422 ``agent_error``, never an unhandled exception
+            raise TurnFailed(str(err), "agent_error") if isinstance(err, AgentError) else err
         state = msg.get("state") or {}
         if not isinstance(state, dict):
             raise TurnFailed("agent snapshot state is not a JSON object", "agent_crashed")

@@ -27,7 +27,7 @@ class SessionContext:
     workspace: Path
     env: dict[str, str] = field(default_factory=dict)
     #: whether the agent runs inside its per-session sandbox (own PID namespace: every other process
-    #: it sees is its own), and the template's limits (``turnTimeoutS``, ``memoryBytes``)
+    #: it sees is its own), and the template's limits (``turnTimeoutS``, ``memoryBytes``, ``diskBytes``)
     sandboxed: bool = False
     limits: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +59,26 @@ class Agent:
 
 class AgentError(Exception):
     """Raised by an agent for a failed turn; the API answers 422 ``agent_error`` with the message."""
+
+
+class StateLoadFailed(Exception):
+    """Raised by ``start(state)`` when the restored state itself cannot be loaded (the agent's own data is
+    unusable, not a failure of the moment): the wake answers 422 ``state_load_failed`` and the session
+    goes to FAILED keeping its snapshot; it does not count against the tenant's circuit breaker.
+
+    ``exception_type``: the name of what the load raised (or how it ended, e.g. ``exit status 3``), shown
+    to the user. Raise it only on a positive sign that the state is at fault: an error of the moment
+    (a timeout, a kill from outside) must stay an ordinary exception, or a good snapshot is set aside."""
+
+    def __init__(self, message: str, exception_type: str) -> None:
+        super().__init__(message)
+        self.exception_type = exception_type
+
+
+class StateTooLarge(Exception):
+    """Raised by ``snapshot()`` when the state cannot be written within the session's limits; the
+    message names the limit. The suspend (or snapshot) answers 422 ``state_too_large`` and the session
+    stays RUNNING with all its state."""
 
 
 def load_agent_class(entrypoint: str) -> type[Agent]:

@@ -11,8 +11,14 @@ sandbox, never inside the worker process (README "Security model"). Per sandbox:
   **read-only**, the slot's workspace read-write at ``/workspace``, a size-bounded tmpfs ``/tmp``, a fresh
   ``/proc`` (own PID namespace) and a minimal ``/dev``. Never bound: the runtime's ``var/`` folder, the
   snapshot store, other slots' workspaces, the checkout's other files, sockets. ``--clearenv`` plus an
-  allow-listed environment; ``--die-with-parent`` (killed with its worker), ``--new-session`` (no
+  allow-listed environment; ``--die-with-parent`` (killed with its worker: see below), ``--new-session`` (no
   TIOCSTI into the worker's terminal), ``--disable-userns`` (no nested user namespaces).
+* **a seccomp filter** (``bwrap --seccomp FD``, ``workers/syscalls.py``, built once per worker with
+  libseccomp, Debian package ``libseccomp2``): no kernel keyrings, namespaces, mounts, ptrace, bpf,
+  perf, userfaultfd, kexec, ... A worker that cannot build or apply it refuses to start like without bwrap.
+* **descriptors**: the host gets only its stdin/stdout protocol pipes and a stderr pipe the worker drains
+  and logs as bounded, escaped data (``workers/agentlog.py``); never the runtime's own stderr or any
+  other descriptor of the worker (``close_fds``; the seccomp memfd is read and closed by bwrap).
 * **a uid per slot** (when the worker runs as root): each slot owns a distinct unprivileged uid claimed
   machine-wide through ``flock`` on ``<uid_lock_dir>/<uid>`` (so two workers on one host never share
   one), the sandbox starts as that uid, so ``RLIMIT_NPROC`` counts per session and file permissions
@@ -28,6 +34,31 @@ sandbox, never inside the worker process (README "Security model"). Per sandbox:
 * **killing**: the whole sandbox is one PID namespace whose init dies with the outer ``bwrap`` process
   (``--die-with-parent``), so ``SIGKILL`` to that one pid ends every process of the session, however
   it daemonised; with a cgroup, its remaining pids are killed as well.
+* **dying with the worker**, however the worker dies (``SIGKILL`` included):
+
+  1. the outer ``bwrap`` has ``PR_SET_PDEATHSIG`` = SIGKILL (``setpriv --pdeathsig`` before bwrap, and
+     bwrap's own ``--die-with-parent``: measured, without setpriv's the outer bwrap still died with its
+     parent). Measured here (bwrap 0.8, worker as root, bwrap not setuid): it survives bwrap's capability
+     drop (the kernel clears it when the euid/egid/fsuid change or capabilities are gained, not when
+     they are dropped), so a SIGKILLed worker's running sandboxes die at once, an agent that ignores
+     SIGTERM/SIGHUP and ``setsid`` daemons included. The suspected "bwrap's credential change clears it"
+     did not happen here.
+  2. that is not enough when a slot's freezer is ``FROZEN`` at that moment (the worker freezes the agent
+     while it packs the workspace): the SIGKILL stays pending, and the outer bwrap, its init and the agent
+     stayed frozen for good (state D, parent 1; measured). No signal helps: something outside the slot's
+     cgroup must thaw it. So each worker starts a **reaper** (``substrate/sandbox_sweep.py reap``), one
+     small process per worker (not per sandbox: ~13 MB RSS measured, started once with the pool, off the create path),
+     outside every slot cgroup, in its own session. Its stdin is a pipe only the worker writes to, and the
+     kernel closes it however the worker ends; on EOF the reaper kills, thaws and kills again everything
+     in the worker's cgroups and every process of its slot uids, removes its cgroups and exits. It holds
+     the uid locks too, so a uid is free again only once nothing of the dead worker runs as it. A killed
+     reaper is restarted before the next spawn. (Rejected: a supervisor per sandbox costs a process per
+     session; bwrap's ``--sync-fd``/``--block-fd`` only tell the outside when the sandbox ends or let it
+     start, they kill nothing; ``--as-pid-1`` removes bwrap's init, not the frozen-task problem.)
+  3. backstops when the reaper died too: a worker that claims a uid kills (thawing first) whatever still
+     runs as it (its lock was free, so its holder is dead); each reaper at start removes the cgroups of
+     workers known dead (their lock file is free) or whose processes are orphans; the local backend
+     (``substrate/backends/local.py``) sweeps a worker's cgroups when it sees that worker's process gone.
 
 ``SandboxPool`` owns the slots of one worker: it claims the uids, makes the cgroups and slot folders,
 and keeps one **pre-started agent host per free slot** (network ``none``, sandboxed) so a create does not
@@ -47,11 +78,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from substrate import sandbox_sweep
 from substrate.models import ActorTemplateSpec
+from workers import agentlog, syscalls
 
 log = logging.getLogger("substrate.sandbox")
 
@@ -60,13 +94,21 @@ BWRAP_PACKAGE = "bubblewrap"
 WORKSPACE_PATH = "/workspace"
 #: where the agent host's package source (``workers``) appears inside the sandbox
 CODE_PATH = "/opt/substrate"
+#: the first line an agent host writes, once started (``workers.agenthost.main``)
+READY_LINE = b'{"ready": true}'
+#: how long a pre-started host may take to boot before it is given up (a loaded machine: seconds)
+_BOOT_TIMEOUT_S = 30.0
+#: pre-started hosts booting at once: enough to refill a worker's slots in a few boot times (a boot is
+#: partly waiting: exec, mounts, page faults), few enough that a burst of freed slots (a drain, many
+#: suspends) does not start a storm of interpreters competing with the activations that follow
+_BOOT_CONCURRENCY = 4
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: files and folders of /etc an agent needs (loader cache, name service, TLS roots, time zone)
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "hosts", "resolv.conf", "localtime",
         "ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "mime.types", "os-release",
         "protocols", "services", "passwd", "group")
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
-_CGROUP_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+_CGROUP_ROOT = sandbox_sweep.CGROUP_ROOT
+_CGROUP_CONTROLLERS = sandbox_sweep.CONTROLLERS
 _CFS_PERIOD_US = 100_000
 
 
@@ -109,16 +151,22 @@ def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
 
-def probe(bwrap: str | None, uid: int | None) -> str | None:
-    """Start one empty sandbox as ``uid``; None if it works, else why not (with what to install)."""
+def probe(bwrap: str | None, uid: int | None, bpf: bytes | None = None) -> str | None:
+    """Start one empty sandbox as ``uid`` (under the seccomp filter ``bpf`` if given); None if it
+    works, else why not (with what to install)."""
     if not bwrap:
         return f"bwrap not found on PATH: install the Debian package `{BWRAP_PACKAGE}` (apt-get install {BWRAP_PACKAGE})"
-    argv = [bwrap, *_unshare(uid, "none"), "--die-with-parent", "--ro-bind", "/usr", "/usr",
+    fd = syscalls.bpf_fd(bpf) if bpf is not None else None
+    seccomp = ["--seccomp", str(fd)] if fd is not None else []
+    argv = [bwrap, *seccomp, *_unshare(uid, "none"), "--die-with-parent", "--ro-bind", "/usr", "/usr",
             *_root_links(), "--proc", "/proc", "--dev", "/dev", "--", *_setpriv(uid), "/bin/true"]
     try:
-        r = subprocess.run(argv, capture_output=True, timeout=10)
+        r = subprocess.run(argv, capture_output=True, timeout=10, pass_fds=(fd,) if fd is not None else ())
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bwrap failed to run: {e}; install or fix the Debian package `{BWRAP_PACKAGE}`"
+    finally:
+        if fd is not None:
+            os.close(fd)
     if r.returncode != 0:
         return (f"bwrap cannot create a sandbox here ({r.stderr.decode(errors='replace').strip()}); "
                 f"it needs user namespaces (sysctl user.max_user_namespaces > 0) and the package `{BWRAP_PACKAGE}`")
@@ -215,14 +263,24 @@ class SlotCgroup:
     logged: limits that cannot be written are reported once, never silently assumed."""
 
     def __init__(self, name: str) -> None:
-        self.dirs = {c: _CGROUP_ROOT / c / "substrate" / name for c in _CGROUP_CONTROLLERS}
+        self.dirs = {c: _CGROUP_ROOT / c / sandbox_sweep.PARENT / name for c in _CGROUP_CONTROLLERS}
         for d in self.dirs.values():
-            d.mkdir(parents=True, exist_ok=True)
+            for attempt in range(3):  # a reaper's sweep may rmdir the (still childless) worker folder between
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
         self._oom_seen = self.oom_kills()
 
     def _write(self, controller: str, name: str, value: str | int) -> None:
         try:
             (self.dirs[controller] / name).write_text(str(value))
+        except FileNotFoundError as e:
+            if self.dirs[controller].exists():
+                log.warning("cgroup write failed: %s: %s", self.dirs[controller] / name, e)
+            # else the folder is gone (a worker's stop removes them): nothing left to limit
         except OSError as e:
             log.warning("cgroup write failed: %s: %s", self.dirs[controller] / name, e)
 
@@ -275,11 +333,10 @@ class SlotCgroup:
     def freeze(self, frozen: bool) -> None:
         self._write("freezer", "freezer.state", "FROZEN" if frozen else "THAWED")
 
-    def remove(self) -> None:
-        self.kill_all()
-        for d in self.dirs.values():
-            with contextlib.suppress(OSError):
-                d.rmdir()
+    def remove(self, wait_s: float = 2.0) -> None:
+        """Kill, thaw and kill again until the slot's cgroups are empty (at most ``wait_s``), then rmdir them."""
+        sandbox_sweep.thaw_and_kill(self.dirs.values(), wait_s)
+        sandbox_sweep.remove(self.dirs.values())
 
 
 # ----------------------------------------------------------------------------------------- processes
@@ -293,10 +350,31 @@ class HostProcess:
     slot: Slot
     limits: Limits
     sandboxed: bool
+    #: whose session this host serves (set when a session takes it): labels its logged stderr
+    session: str = ""
+    epoch: int = 0
+    #: the task that reads the host's stderr pipe and logs it (``workers.agentlog``)
+    stderr_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    #: the host has said it finished starting (``{"ready": true}``, its first line): it answers ``init`` at once
+    booted: bool = False
 
     @property
     def alive(self) -> bool:
         return self.proc.returncode is None
+
+    async def wait_booted(self, timeout_s: float) -> None:
+        """Read the host's start-up line (``{"ready": true}``, written once its interpreter and modules are
+        loaded). Raises ``RuntimeError`` if it exits or writes anything else, ``asyncio.TimeoutError``
+        after ``timeout_s`` seconds. Only one reader at a time: the pool before handing the host out, or
+        the activation that spawned it."""
+        if self.booted:
+            return
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if line.strip() != READY_LINE:
+            raise RuntimeError(f"agent host did not start (exit status {self.proc.returncode}, "
+                               f"first line {line[:200]!r})")
+        self.booted = True
 
     def kill(self) -> None:
         """SIGKILL the whole sandbox: the outer bwrap (its PID namespace, so every process of the
@@ -315,6 +393,10 @@ class HostProcess:
         self.kill()
         with contextlib.suppress(ProcessLookupError):
             await self.proc.wait()
+        if self.stderr_task is not None and not self.stderr_task.done():
+            # EOF comes once the sandbox is gone; a writer that escaped it (opt-out mode) is not waited for
+            await asyncio.wait({self.stderr_task}, timeout=0.5)
+            self.stderr_task.cancel()
         for stream in (self.proc.stdin,):
             if stream is not None:
                 with contextlib.suppress(Exception):
@@ -345,19 +427,46 @@ class SandboxPool:
     ``acquire(limits)`` gives a free slot with a fresh, empty workspace owned by the slot's uid and,
     for the default network and sandbox, its pre-started host; ``spawn(slot, limits)`` starts a host;
     ``release(slot)`` kills everything of the slot, empties the workspace and pre-starts the next host.
+
+    Pre-started hosts (up to ``prestart``) are sandboxed with network ``none``; in a pool whose every
+    template opts out of the sandbox (``require_sandbox=False``) they are unsandboxed hosts instead,
+    the kind its sessions use. A host counts as pre-started only once it has booted (its
+    ``{"ready": true}`` line), so an activation never waits for a half-started interpreter while a
+    booted one is free. Refills (after the start-up's, which boots every slot at once) boot
+    ``_BOOT_CONCURRENCY`` hosts at a time, and start ``refill_delay_s`` late while two or more booted
+    spares are left: a slot is often freed (suspend, delete) just before an activation needs the CPU
+    (a pressure suspend makes room for a waiting wake), which a refill's start-up would otherwise slow.
     """
 
     def __init__(self, root: Path, slots: int, *, name: str, bwrap: str | None, uid_base: int,
-                 uid_span: int, uid_lock_dir: Path, prestart: int = 16, require_sandbox: bool = True) -> None:
+                 uid_span: int, uid_lock_dir: Path, prestart: int = 16, require_sandbox: bool = True,
+                 read_limit: int = 64 * 1024 * 1024, refill_delay_s: float = 0.25) -> None:
         self.root = root
         self.name = name
         self.bwrap = bwrap
         self.prestart = prestart
+        self.refill_delay_s = refill_delay_s
+        #: what a pre-started host is spawned with (its kind: sandboxed with network none, or not)
+        self.prestart_limits = Limits() if require_sandbox else Limits(sandboxed=False)
         self.as_root = os.geteuid() == 0
+        self.uid_lock_dir = uid_lock_dir
+        self._worker_lock: int | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None
+        self._reaper_restarted = float("-inf")
         self.uids = UidLease(uid_lock_dir, uid_base, uid_span, slots) if self.as_root else None
+        if self.uids:
+            self._claim(self.uids)
         probe_uid = self.uids.uids[0] if self.uids else None
-        self.unavailable = probe(bwrap, probe_uid)
+        #: the sandbox's seccomp filter (BPF), built once; None only when it cannot be built (then no
+        #: sandbox starts: ``unavailable`` says why)
+        self.bpf: bytes | None = None
+        try:
+            self.bpf = syscalls.build_bpf()
+            self.unavailable = probe(bwrap, probe_uid, self.bpf)
+        except syscalls.SeccompUnavailable as e:
+            self.unavailable = str(e)
         if self.unavailable and require_sandbox:
+            self._stop_reaper()
             if self.uids:
                 self.uids.close()
             raise SandboxUnavailable(self.unavailable)
@@ -375,7 +484,11 @@ class SandboxPool:
         self._site = _python_binds()
         self._closed = False
         self._warmup: asyncio.Task[None] | None = None
+        #: the warm-up task is still in its refill delay (a refill needed now may replace it)
+        self._warmup_waiting = False
         self._freed = asyncio.Event()
+        #: the longest line read from a host's stdout (the protocol): a longer answer kills the host
+        self.read_limit = read_limit
 
     # ---------------------------------------------------------------------------------- slot lifecycle
     async def start(self) -> None:
@@ -383,21 +496,51 @@ class SandboxPool:
         worker is ready at once; a create that comes first spawns its own)."""
         for s in self.slots:
             await asyncio.to_thread(self._reset_workspace, s)
-        if self.prestart and not self.unavailable:
-            self._warmup = asyncio.create_task(self._prestart_all())
+        if self._can_prestart():  # all at once: no activation competes yet, and a worker warms sooner
+            self._warmup = asyncio.create_task(self._prestart_all(concurrency=len(self.slots)))
 
     def _warm(self) -> int:
         return sum(1 for s in self.slots if s.ready is not None or (s._prestart is not None and not s._prestart.done()))
 
-    async def _prestart_all(self) -> None:
-        for s in self.slots:
-            if self._closed:
+    def _spares(self) -> int:
+        """Free slots whose pre-started host has booted and is alive."""
+        return sum(1 for s in self.slots if not s.busy and s.ready is not None and s.ready.alive)
+
+    def _can_prestart(self) -> bool:
+        return bool(self.prestart) and not self._closed and not (self.prestart_limits.sandboxed and self.unavailable)
+
+    def _refill(self) -> None:
+        """Start warming free slots up to ``prestart`` in the background: at once if at most one booted
+        spare is left, else after ``refill_delay_s`` (see the class docstring)."""
+        if not self._can_prestart():
+            return
+        spares = self._spares()
+        if self._warmup is not None and not self._warmup.done():
+            if not (self._warmup_waiting and spares <= 1):
+                return  # running, or waiting while spares last
+            self._warmup.cancel()  # waiting, but the spares are (nearly) gone: warm up now
+        delay = 0.0 if spares <= 1 else self.refill_delay_s
+        self._warmup_waiting = delay > 0
+        self._warmup = asyncio.create_task(self._prestart_all(delay))
+
+    async def _prestart_all(self, delay_s: float = 0.0, concurrency: int = _BOOT_CONCURRENCY) -> None:
+        """Pre-start hosts in free slots until ``prestart`` are warm, ``concurrency`` booting at a time,
+        trying each slot once per pass (a failing spawn does not loop)."""
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        self._warmup_waiting = False
+        tried: set[int] = set()
+        while not self._closed and self._warm() < self.prestart:
+            booting = [s._prestart for s in self.slots if s._prestart is not None and not s._prestart.done()]
+            want = next((s for s in self.slots if not s.busy and s.ready is None and s.index not in tried
+                         and (s._prestart is None or s._prestart.done())), None)
+            if want is not None and len(booting) < concurrency:
+                tried.add(want.index)
+                want._prestart = asyncio.create_task(self._prestart(want))
+                continue
+            if not booting:
                 return
-            if self._warm() >= self.prestart:
-                return
-            if not s.busy and s.ready is None and (s._prestart is None or s._prestart.done()):
-                s._prestart = asyncio.create_task(self._prestart(s))
-                await asyncio.wait([s._prestart])
+            await asyncio.wait(booting, return_when=asyncio.FIRST_COMPLETED)
 
     def free(self) -> int:
         return sum(1 for s in self.slots if not s.busy)
@@ -414,24 +557,31 @@ class SandboxPool:
                 raise LookupError("no free slot")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), remaining)
-        s = next((s for s in free if s.ready is not None and s.ready.alive), free[0])
+        # a booted pre-started host first, then one still booting (sooner than a spawn), then any
+        s = next((s for s in free if s.ready is not None and s.ready.alive),
+                 next((s for s in free if s._prestart is not None and not s._prestart.done()), free[0]))
         s.busy = True
         return s
 
+    def _fits(self, host: HostProcess, limits: Limits) -> bool:
+        """Whether a pre-started ``host`` can serve ``limits``: what is fixed at spawn must match (the
+        sandbox, and for a sandbox its network and /tmp size); the rest is applied at ``init``."""
+        if not host.alive or host.sandboxed != limits.sandboxed:
+            return False
+        if not limits.sandboxed:
+            return True
+        return limits.network == "none" and limits.disk_bytes == host.limits.disk_bytes and not self.unavailable
+
     async def host_for(self, slot: Slot, limits: Limits) -> HostProcess:
-        """The slot's pre-started host if it fits ``limits`` (network none, sandboxed), else a new one.
-        Taking one starts warming another free slot in the background."""
-        if self.prestart and not self._closed and not self.unavailable and \
-                (self._warmup is None or self._warmup.done()):
-            self._warmup = asyncio.create_task(self._prestart_all())
+        """The slot's pre-started host if it fits ``limits`` (see ``_fits``), else a new one (not yet
+        booted: the caller reads its ready line). Taking one starts warming another free slot."""
         ready, slot.ready = slot.ready, None
         if slot._prestart is not None and not slot._prestart.done() and ready is None:
             with contextlib.suppress(Exception):
                 await slot._prestart
             ready, slot.ready = slot.ready, None
-        # a pre-started host fits when what is fixed at spawn matches: network, sandbox, /tmp size
-        if ready is not None and ready.alive and limits.network == "none" and limits.sandboxed \
-                and limits.disk_bytes == ready.limits.disk_bytes and not self.unavailable:
+        self._refill()
+        if ready is not None and self._fits(ready, limits):
             ready.limits = limits
             if slot.cgroup is not None:
                 slot.cgroup.set(limits)
@@ -444,19 +594,20 @@ class SandboxPool:
         """Kill the slot's processes, empty its workspace, pre-start its next host, mark it free."""
         if host is not None:
             await host.close()
+        stale, slot.ready = slot.ready, None  # an activation that failed before taking its host
+        if stale is not None:
+            await stale.close()
         if slot.cgroup is not None:
             slot.cgroup.freeze(False)
             slot.cgroup.kill_all()
         await asyncio.to_thread(self._reset_workspace, slot)
         slot.busy = False
         self._freed.set()
-        if self.prestart and not self._closed and not self.unavailable and self._warm() < self.prestart:
-            slot._prestart = asyncio.create_task(self._prestart(slot))
-        elif self.prestart and not self._closed and not self.unavailable and \
-                (self._warmup is None or self._warmup.done()):
-            self._warmup = asyncio.create_task(self._prestart_all())
+        self._refill()
 
     async def close(self) -> None:
+        """Kill every host, remove the cgroups (the worker's own folder too), stop the reaper and free
+        the uids (the reaper holds them until it has checked that nothing runs as them)."""
         self._closed = True
         if self._warmup is not None:
             self._warmup.cancel()
@@ -468,21 +619,114 @@ class SandboxPool:
                 s.ready = None
             if s.cgroup is not None:
                 s.cgroup.remove()
+        if self.use_cgroups:
+            sandbox_sweep.remove(sandbox_sweep.worker_dirs(self.name))
+        await asyncio.to_thread(self._stop_reaper)
         if self.uids:
             self.uids.close()
 
+    # ------------------------------------------------------------------------------ dying with the worker
+    def _claim(self, uids: UidLease) -> None:
+        """After the uids are claimed: take the worker's lock, kill what still runs as those uids (their
+        locks were free, so whoever ran them is dead: a leftover of a worker whose reaper was killed
+        too), and start the reaper that kills this worker's sandboxes when it dies."""
+        try:
+            lock = sandbox_sweep.worker_lock(self.uid_lock_dir, self.name)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: another live worker has this name
+            except OSError:
+                os.close(fd)
+                raise
+            self._worker_lock = fd
+        except (OSError, ValueError):
+            log.warning("no worker lock: stale cgroups of this worker are found by their orphaned processes only",
+                        exc_info=True)
+        killed = sandbox_sweep.kill_uids(uids.uids, wait_s=5.0)
+        if killed:
+            log.warning("killed processes left by a dead worker under this worker's sandbox uids",
+                        extra={"worker": self.name, "processes": killed})
+        self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        """Start ``substrate/sandbox_sweep.py reap`` (module docstring there): its stdin is a pipe only this
+        process writes to, so it sees EOF when this worker ends, however it ends, then thaws and kills
+        what is left of its sandboxes. It inherits the uid and worker locks: they stay held until it is done."""
+        if not self.uids:
+            return
+        fds = [*self.uids._fds, *([self._worker_lock] if self._worker_lock is not None else [])]
+        argv = [sys.executable, "-I", "-S", "-B", sandbox_sweep.__file__, "reap", "--worker", self.name,
+                "--uids", ",".join(map(str, self.uids.uids)), "--lock-dir", str(self.uid_lock_dir),
+                "--cgroup-root", str(_CGROUP_ROOT), *(["--own-lock"] if self._worker_lock is not None else [])]
+        try:
+            # its own session: a signal to the worker's process group or terminal must not stop it
+            self._reaper = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                            close_fds=True, pass_fds=fds, start_new_session=True)
+        except OSError:
+            self._reaper = None
+            log.warning("sandbox reaper did not start: sandboxes of a killed worker rely on PR_SET_PDEATHSIG "
+                        "and the next start-up sweep", exc_info=True)
+
+    def _check_reaper(self) -> None:
+        """Restart the reaper if it died (someone killed it): called before every spawn."""
+        if self._closed or not self.uids:
+            return
+        if self._reaper is None or self._reaper.poll() is not None:
+            now = time.monotonic()
+            if now - self._reaper_restarted < 10.0:
+                return  # one that keeps failing must not cost every create a fork and an exec
+            self._reaper_restarted = now
+            if self._reaper is not None:
+                log.warning("sandbox reaper exited; restarting it", extra={"worker": self.name,
+                                                                          "status": self._reaper.returncode})
+                with contextlib.suppress(OSError):
+                    if self._reaper.stdin is not None:
+                        self._reaper.stdin.close()
+            self._start_reaper()
+
+    def _stop_reaper(self, timeout_s: float = 10.0) -> None:
+        """Close the reaper's pipe (it then sweeps, finding nothing after a clean close) and wait for it."""
+        r, self._reaper = self._reaper, None
+        if r is not None:
+            with contextlib.suppress(OSError):
+                if r.stdin is not None:
+                    r.stdin.close()
+            try:
+                r.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                r.kill()
+                r.wait()
+        if self._worker_lock is not None:
+            with contextlib.suppress(OSError, ValueError):  # its reaper removes it too, unless it was killed
+                sandbox_sweep.worker_lock(self.uid_lock_dir, self.name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.close(self._worker_lock)
+            self._worker_lock = None
+
     async def _prestart(self, slot: Slot) -> None:
         try:
-            host = await self.spawn(slot, Limits())
+            host = await self.spawn(slot, self.prestart_limits)
         except Exception:  # noqa: BLE001 - a create then spawns on demand
             log.warning("pre-starting an agent host failed", extra={"slot": slot.index}, exc_info=True)
             return
-        if slot.busy or self._closed or slot.ready is not None:
+        try:
+            await host.wait_booted(_BOOT_TIMEOUT_S)
+        except (Exception, asyncio.CancelledError) as e:
+            await host.close()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            log.warning("a pre-started agent host did not boot: %s", e, extra={"slot": slot.index})
+            return
+        # a busy slot keeps it too: its activation chose this slot for the host being booted and takes
+        # it in ``host_for`` (or ``release`` closes it if the activation failed first)
+        if self._closed or slot.ready is not None:
             await host.close()
             return
         slot.ready = host
 
     def _reset_workspace(self, slot: Slot) -> None:
+        if slot.uid is not None:  # per-uid kernel state outlives the session's processes (seccomp bans it too)
+            syscalls.clear_uid_keyrings(slot.uid)
         ws = slot.workspace
         if ws.exists() or ws.is_symlink():
             shutil.rmtree(ws, ignore_errors=True)
@@ -491,17 +735,6 @@ class SandboxPool:
         ws.mkdir(mode=0o700)
         if slot.uid is not None:
             os.chown(ws, slot.uid, slot.uid)
-
-    def own_workspace(self, slot: Slot) -> None:
-        """Give the slot's uid every file of its workspace (after a restore wrote them as root)."""
-        if slot.uid is None:
-            return
-        uid = slot.uid
-        os.lchown(slot.workspace, uid, uid)
-        for top, dirs, files in os.walk(slot.workspace):
-            for n in dirs + files:
-                with contextlib.suppress(FileNotFoundError):
-                    os.lchown(os.path.join(top, n), uid, uid)
 
     # ------------------------------------------------------------------------------------------- spawn
     def argv(self, slot: Slot, limits: Limits) -> list[str]:
@@ -550,8 +783,9 @@ class SandboxPool:
     def launcher(self, slot: Slot, limits: Limits) -> list[str]:
         """What runs before bwrap, in the same process (each step ``exec``s the next): join the slot's
         cgroups (``sh``), set ``RLIMIT_CORE`` 0 and ``RLIMIT_NPROC`` for the slot uid (``prlimit``),
-        and die with the worker (``setpriv --pdeathsig KILL``: ``bwrap --die-with-parent`` only covers
-        the sandbox's own processes, not the outer bwrap)."""
+        and die with the worker (``setpriv --pdeathsig KILL``, from the first exec on; bwrap's own
+        ``--die-with-parent`` sets the same once it runs). A frozen sandbox cannot act on that signal:
+        the reaper (module docstring), restarted here if it died, thaws it."""
         out: list[str] = []
         if slot.cgroup is not None:
             out += ["/bin/sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"',
@@ -559,6 +793,7 @@ class SandboxPool:
         out += ["/usr/bin/prlimit", "--core=0:0"]
         if limits.processes and slot.uid is not None and limits.sandboxed:  # counts the slot uid's processes
             out.append(f"--nproc={limits.processes}:{limits.processes}")
+        self._check_reaper()
         return out + ["--", "/usr/bin/setpriv", "--pdeathsig", "KILL", "--"]
 
     def base_env(self, limits: Limits) -> dict[str, str]:
@@ -580,11 +815,28 @@ class SandboxPool:
         cwd = str(slot.workspace) if not limits.sandboxed else None
         # no preexec_fn: a Python callback in the child forces fork() and makes the event loop wait for
         # the child's exec; this argv prefix does the same steps after a vfork (measured: ~1 ms blocked)
-        proc = await asyncio.create_subprocess_exec(
-            *self.launcher(slot, limits), *self.argv(slot, limits), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=None, env=env, cwd=cwd, close_fds=True,
-            start_new_session=not limits.sandboxed, limit=64 * 1024 * 1024)
-        return HostProcess(proc=proc, slot=slot, limits=limits, sandboxed=limits.sandboxed)
+        # stderr is a pipe the worker drains and logs as data (workers/agentlog.py), never the runtime's
+        # own stderr: an agent could reopen that (a log file) through /proc/<pid>/fd/2 and read or forge
+        # log lines. close_fds: nothing else of the worker's reaches the sandbox
+        argv = self.argv(slot, limits)
+        # the seccomp filter (workers/syscalls.py, built once per worker): its own memfd per spawn, which
+        # bwrap reads and closes before the agent starts
+        seccomp_fd = syscalls.bpf_fd(self.bpf) if limits.sandboxed and self.bpf is not None else None
+        if seccomp_fd is not None:
+            argv[1:1] = ["--seccomp", str(seccomp_fd)]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.launcher(slot, limits), *argv, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, close_fds=True,
+                pass_fds=(seccomp_fd,) if seccomp_fd is not None else (),
+                start_new_session=not limits.sandboxed, limit=self.read_limit)
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+        host = HostProcess(proc=proc, slot=slot, limits=limits, sandboxed=limits.sandboxed)
+        assert proc.stderr is not None
+        host.stderr_task = asyncio.create_task(agentlog.drain(proc.stderr, host, slot.index))
+        return host
 
 
 def _python_binds() -> list[str]:

@@ -37,13 +37,17 @@ Failure handling (issue 8):
   within ``shutdown_grace_s`` before it deregisters and exits.
 * **Exactly-once turns**: a turn carries ``Idempotency-Key`` (the router sends the request ID or the
   client's key); the answers of the last ``idempotency_keys`` keys are kept per activation and in its
-  snapshot, so a retried turn is answered again (``X-Substrate-Replayed: 1``), never run twice.
+  snapshot, so a retried turn is answered again (``X-Substrate-Replayed: 1``), never run twice. They are
+  bounded in bytes too (``answer_keep_bytes``, the worker's memory is outside every sandbox): an answer
+  too big to keep leaves a marker, and its retry gets 410 ``answer_not_kept`` instead of a second run.
+  One answer is at most ``max_answer_bytes`` (422 ``output_too_large``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -55,7 +59,8 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +69,8 @@ from aiohttp import web
 from snapshot.commit import SnapshotManager
 from snapshot.store import make_store
 from substrate import metrics
+from substrate.audit import SYSTEM, AuditLog
+from substrate.quotas import Quotas
 from substrate.directory import Directory
 from substrate.errors import (
     BadRequest,
@@ -72,8 +79,10 @@ from substrate.errors import (
     NoCapacity,
     NotFound,
     StaleEpoch,
+    StateLoadFailed,
     SubstrateError,
 )
+from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
 from substrate.loops import run_forever
 from substrate.models import ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
@@ -81,7 +90,9 @@ from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
 from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
 from substrate.envpolicy import check_session_env
-from workers.command import HostedAgent, TurnFailed
+from workers.command import LINE_SLACK_BYTES, AgentGone, HostedAgent, TurnFailed
+from workers.devices import gpu_inventory
+from workers import lifeline
 from workers.handler import AgentError, SessionContext
 from workers.sandbox import Limits, SandboxPool, SandboxUnavailable, Slot, find_bwrap
 
@@ -91,6 +102,37 @@ EPOCH_HEADER = "X-Substrate-Epoch"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: where the worker keeps its own data (the idempotency answers) inside a snapshot's state
 _STATE_KEY = "__substrate__"
+
+
+@dataclass(frozen=True)
+class StoredAnswer:
+    """The answer of one turn, kept by idempotency key (in the activation and in its snapshots).
+
+    ``status``: HTTP status; ``text``: the JSON body; ``digest``: sha256 (hex) of the request body ("" if
+    unknown); ``restored``/``restored_at``: the ``restored`` marker and ``restored_at`` of the activation
+    that *ran* the turn. A replay in a later activation sends those, not its own: the answer shows the
+    state of the activation that ran it (chaos run: a turn run right after a lossy restore and first
+    acknowledged by its replay, after a clean suspend and resume, showed the loss with no restored
+    header, or with the newer snapshot's time).
+    """
+
+    status: int
+    text: str
+    digest: str = ""
+    restored: str | None = None
+    restored_at: float | None = None
+
+    def dump(self) -> list[Any]:
+        """The JSON form kept in a snapshot."""
+        return [self.status, self.text, self.digest, self.restored, self.restored_at]
+
+    @classmethod
+    def load(cls, v: Any) -> "StoredAnswer":
+        """From ``dump``'s form; also the older ``[status, text(, digest)]``. Raises ``TypeError`` /
+        ``ValueError`` / ``IndexError`` on anything else."""
+        return cls(int(v[0]), str(v[1]), str(v[2]) if len(v) > 2 and v[2] is not None else "",
+                   str(v[3]) if len(v) > 3 and v[3] else None,
+                   float(v[4]) if len(v) > 4 and v[4] is not None else None)
 
 
 @dataclass
@@ -114,13 +156,54 @@ class Activation:
     closing: bool = False
     #: why this activation restored older state (``worker_lost`` ...): sent with every answer
     restored: str | None = None
+    #: with ``restored``: createdAt (Unix s) of the snapshot it came back from (None: no snapshot, a fresh
+    #: start); sent as ``X-Substrate-Restored-Snapshot-At``
+    restored_at: float | None = None
+    #: a turn ran in this activation: with ``restored``, its answer told a client of the loss, so the
+    #: next committed snapshot may clear it from the record (``SnapshotManager.commit``)
+    ran_turn: bool = False
     #: the local sandbox slot (uid, cgroup, folder) the agent runs in
     sandbox_slot: Slot | None = None
-    #: idempotency key -> (status, JSON body, sha256 of the request body) of recent turns, oldest first
-    answers: "OrderedDict[str, tuple[int, str, str]]" = field(default_factory=OrderedDict)
+    #: idempotency key -> answer of recent turns, oldest first
+    answers: "OrderedDict[str, StoredAnswer]" = field(default_factory=OrderedDict)
     #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
     #: stale cache sends one (a deleted ID re-created by another tenant at the same epoch)
     tenant: str = ""
+
+
+#: status of the marker kept for a turn whose answer was too big to keep (the turn ran; a retry gets this)
+NOT_KEPT_STATUS = 410
+
+
+def keep_answer(answers: "OrderedDict[str, StoredAnswer]", key: str, answer: "StoredAnswer", *, keys: int,
+                budget: int) -> None:
+    """Keep ``answer`` (its ``text`` is a JSON answer, ASCII: its length is its bytes) for idempotency
+    ``key``, newest last, within ``keys`` answers and ``budget`` bytes of whole answers: an answer over the
+    budget, and then the oldest answers while the sum is over it, become a small marker (status 410
+    ``answer_not_kept``), so a retry of any of the last ``keys`` turns is answered and never runs the turn
+    again. Markers keep the digest and restored marker of the turn."""
+    if len(answer.text) > budget:
+        answer = replace(answer, status=NOT_KEPT_STATUS, text=_not_kept(answer.status, len(answer.text), budget))
+    answers[key] = answer
+    answers.move_to_end(key)
+    while len(answers) > keys:
+        answers.popitem(last=False)
+    # whole answers count against the budget; markers (a few hundred bytes, at most ``keys``) do not
+    total = sum(len(v.text) for v in answers.values() if v.status != NOT_KEPT_STATUS)
+    for k, old in list(answers.items()):
+        if total <= budget:
+            break
+        if old.status == NOT_KEPT_STATUS:
+            continue
+        answers[k] = replace(old, status=NOT_KEPT_STATUS, text=_not_kept(old.status, len(old.text), budget))
+        total -= len(old.text)
+
+
+def _not_kept(status: int, size: int, budget: int) -> str:
+    return json.dumps({"code": "answer_not_kept", "message": (
+        f"the turn with this Idempotency-Key already ran (it answered {status}); its {size}-byte answer was "
+        f"not kept (over the worker's {budget}-byte replay budget, worker.answer_keep_bytes), and the turn "
+        "is not run again")})
 
 
 def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
@@ -128,6 +211,24 @@ def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
     return web.json_response(exc.to_dict(), status=status or exc.status, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def _holding(lock: asyncio.Lock, wait_s: float | None, sid: str) -> AsyncIterator[None]:
+    """Hold an activation's turn ``lock``, waiting at most ``wait_s`` (None: as long as it takes) for a
+    running turn to end; past that ``Conflict`` (``busy``)."""
+    if wait_s is None:
+        await lock.acquire()
+    else:
+        try:
+            await asyncio.wait_for(lock.acquire(), wait_s)
+        except asyncio.TimeoutError:
+            raise Conflict(f"session {sid!r} has been in the middle of a turn for over {wait_s:g} s; suspend "
+                           "it again once the turn has ended", code="busy") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class Worker:
@@ -153,20 +254,30 @@ class Worker:
         self.declared_dead = False
         #: the lease as last renewed (s since epoch): the worker serves only before it
         self.lease_expires_at = 0.0
+        #: held by a heartbeat from reading the activations' unreported turns to marking them reported, and
+        #: by a suspend's commit, which folds an activation's unreported turns into the record: no turn is
+        #: counted twice (or lost with the activation)
+        self._turns_lock = asyncio.Lock()
         self._closed = False
         self.signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s,
                                       pepper=settings.worker.internal_token)
         self.verifier = TokenVerifier(self.signing)
+        #: the worker's own transitions (suspends on SIGTERM, sessions left behind) are audited here;
+        #: those the control plane asks for over HTTP are audited by the caller
+        self.audit = AuditLog(directory.redis, directory.keys, settings.audit)
+        self.quotas = Quotas(directory.redis, directory.keys, settings.quota)
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def register(self, address: str) -> None:
         self.address = address
         self.verifier.audience = address  # tokens for another worker are refused
         await self.signing.load()
+        inventory = await gpu_inventory(self.settings.worker.nvidia_smi)  # None without nvidia-smi
         lease = time.time() + self.settings.worker.lease_s
         await self.directory.register_worker(WorkerRecord(
             id=self.id, pool=self.pool, address=address, slots=self.slots, state=WorkerState.READY,
-            leaseExpiresAt=lease, startedAt=self.started_at, pid=os.getpid()))
+            leaseExpiresAt=lease, startedAt=self.started_at, pid=os.getpid(),
+            gpus=inventory[0] if inventory else None, gpuMemoryBytes=inventory[1] if inventory else None))
         self.lease_expires_at = lease
         self._tasks = [asyncio.create_task(self._heartbeat_loop()),
                        asyncio.create_task(self._periodic_snapshot_loop()),
@@ -191,22 +302,26 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
             try:
-                touched = {a.sid: a.last_active for a in self.activations.values() if a.touched}
-                turns = {a.sid: a.unreported_turns for a in self.activations.values() if a.unreported_turns}
-                now = time.time()
-                window = self.settings.worker.active_window_s
-                active = sum(1 for a in self.activations.values()
-                             if a.lock.locked() or now - a.last_active < window)
-                lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
-                alive = await self.directory.heartbeat(self.id, lease, touched, turns, active)
-                if alive:
-                    self.lease_expires_at = lease
-                for sid in touched:
-                    if sid in self.activations:
-                        self.activations[sid].touched = False
-                for sid, n in turns.items():
-                    if sid in self.activations:
-                        self.activations[sid].unreported_turns -= n
+                async with self._turns_lock:
+                    # a session with turns to report is written too (the directory writes turns only
+                    # for the sessions it touches)
+                    touched = {a.sid: a.last_active for a in self.activations.values()
+                               if a.touched or a.unreported_turns}
+                    turns = {a.sid: a.unreported_turns for a in self.activations.values() if a.unreported_turns}
+                    now = time.time()
+                    window = self.settings.worker.active_window_s
+                    active = sum(1 for a in self.activations.values()
+                                 if a.lock.locked() or now - a.last_active < window)
+                    lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
+                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active)
+                    if alive:
+                        self.lease_expires_at = lease
+                    for sid in touched:
+                        if sid in self.activations:
+                            self.activations[sid].touched = False
+                    for sid, n in turns.items():
+                        if sid in self.activations:
+                            self.activations[sid].unreported_turns -= n
                 if not alive:
                     log.error("worker record gone (declared dead): stopping", extra={"worker": self.id})
                     self.declared_dead = True
@@ -268,6 +383,10 @@ class Worker:
                     continue
                 if now - act.last_snapshot_at < interval:
                     continue
+                # no audit record here, neither for a periodic snapshot nor for one that failed: it changes no
+                # lifecycle state (the session stays RUNNING with all its state; a failed one commits
+                # nothing). The one way it does change state, finding the agent dead, goes through
+                # ``_end_dead``, which records that move
                 try:
                     await self.snapshot(act.sid, act.epoch)
                 except Exception as e:  # noqa: BLE001 - retried one interval later, not every tick
@@ -301,13 +420,15 @@ class Worker:
         if not self.declared_dead:
             for act in left:  # not suspended in time: back from the last snapshot, and the answer says so
                 try:
-                    await self.directory.transition(
+                    cas = await self.directory.transition(
                         act.sid, from_states=[SessionState.STARTING, SessionState.RESUMING, SessionState.RUNNING,
                                               SessionState.SUSPENDING], epoch=act.epoch,
                         worker=self.id, to=SessionState.SUSPENDED, bump=True,
                         set={"reason": "worker_lost", "message": f"worker {self.id} stopped before the "
                              "session could be suspended; state since the last snapshot is gone"},
                         unset=("worker", "slot"))
+                    if cas.ok:
+                        await self._left_live("recover", act, reason="worker_lost")
                 except Exception:  # noqa: BLE001 - the state manager recovers it from the lease
                     log.warning("could not release a session", extra={"session": act.sid}, exc_info=True)
             try:
@@ -320,26 +441,74 @@ class Worker:
 
         async def one(act: Activation) -> None:
             async with sem:
+                failed = ""
                 for attempt in range(3):
                     if self.activations.get(act.sid) is not act:
                         return
                     try:
                         await self.suspend(act.sid, act.epoch, None)
+                        await self._left_live("suspend", act, reason="drain")
                         return
                     except SubstrateError as e:
                         if e.code in ("not_active", "stale_epoch"):
                             return
+                        failed = e.code
                         log.warning("suspend on stop failed", extra={"session": act.sid, "code": e.code,
                                                                      "attempt": attempt})
                         await asyncio.sleep(0.5)
+                if failed and self.activations.get(act.sid) is act:  # one record for the drain that failed
+                    await self._record("suspend", act, reason="drain", result=failed)
 
         await asyncio.gather(*(one(a) for a in list(self.activations.values())))
 
+    async def _left_live(self, action: str, act: Activation, *, reason: str) -> None:
+        """Activation ``act`` was moved out of a live state by this worker on its own (SIGTERM): give back
+        its running quota (a suspended session holds none; the control plane does this for the moves it
+        asks for, and the state manager's repair would otherwise take two passes) and leave one audit
+        record (as ``system:control-plane``, the trust domain that decided it). Never raises."""
+        try:
+            await self.quotas.release(act.tenant or "default", act.template, act.sid, epoch=act.epoch)
+        except Exception:  # noqa: BLE001 - the state manager's repair reconciles quota from the records
+            log.warning("quota release failed", extra={"session": act.sid}, exc_info=True)
+        await self._record(action, act, reason=reason)
+
+    async def _record(self, action: str, act: Activation, *, reason: str, result: str = "ok") -> None:
+        """One audit record of what this worker did on its own to activation ``act`` (``result``: ``ok``
+        or the error code of an attempt that failed). Never raises (``AuditLog.record``)."""
+        await self.audit.record(action, session=act.sid, tenant=act.tenant or "default", template=act.template,
+                                worker=self.id, gpus=act.spec.resources.gpus, epoch=act.epoch, reason=reason,
+                                result=result, who=SYSTEM)
+
     # ---------------------------------------------------------------------------------- operations
+    async def _start_agent(self, ctx: SessionContext, spec: ActorTemplateSpec, box: Slot,
+                           state: dict[str, Any] | None, ref: SnapshotRef | None) -> HostedAgent:
+        """Start the session's agent in ``box`` with its restored ``state``; raises ``SubstrateError``
+        ``agent_start_failed`` if it cannot start, or ``StateLoadFailed`` (422 ``state_load_failed``) only
+        when the agent host answered ``start`` with that code: its positive word that loading ``state``
+        failed (never inferred from a start failure in general). (Treating a restored agent that failed twice as a
+        corrupt snapshot was tried and undone: under faults a good snapshot's agent can fail to start for
+        reasons of the moment, and setting the snapshot aside then lost acknowledged turns; chaos run on
+        main, 2026-12-01.)"""
+        agent = self._agent_for(ctx, spec, box)
+        try:
+            await agent.start(state)
+        except TurnFailed as e:
+            await agent.stop()
+            if e.code == "state_load_failed":  # the host's explicit word: the state is at fault
+                raise StateLoadFailed(e.message, details=e.details) from e
+            msg = str(e) if str(e).startswith("agent failed") else f"agent failed to start: {e}"
+            raise SubstrateError(msg, code="agent_start_failed") from e
+        except Exception as e:
+            await agent.stop()
+            msg = str(e) if str(e).startswith("agent failed") else f"agent failed to start: {e}"
+            raise SubstrateError(msg, code="agent_start_failed") from e
+        return agent
+
     def _agent_for(self, ctx: SessionContext, spec: ActorTemplateSpec, slot: Slot) -> HostedAgent:
         if spec.entrypoint or spec.command:
             return HostedAgent(ctx, pool=self.sandboxes, slot=slot, limits=Limits.of(spec),
-                               entrypoint=spec.entrypoint, argv=list(spec.command) if spec.command else None)
+                               entrypoint=spec.entrypoint, argv=list(spec.command) if spec.command else None,
+                               max_answer_bytes=self.settings.worker.max_answer_bytes)
         raise BadRequest("template has no entrypoint or command this worker can run",
                          code="unsupported_template")
 
@@ -375,7 +544,13 @@ class Worker:
             env = {str(k): str(v) for k, v in (body.get("env") or {}).items()}
             ref = SnapshotRef.model_validate(body["snapshot"]) if body.get("snapshot") else None
             restored = str(body["restored"]) if body.get("restored") else None
-        except (KeyError, TypeError, ValueError) as e:
+            # the time the restored state dates from, when the router knows better than the snapshot's
+            # own (a snapshot committed by an activation that had lost state and ran no turn); 0: none
+            at = body.get("restoredAt")
+            restored_at = None if not restored else (float(at) or None) if at is not None else \
+                (ref.createdAt if ref is not None else None)
+            carried = [(str(k), StoredAnswer.load(v)) for k, v in (body.get("answers") or [])]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise BadRequest(f"bad activation request: {e}") from e
         if claims is not None and (claims.session != sid or claims.epoch != epoch):
             raise TokenNotForThisCall(f"activation token is for {claims.session!r} at epoch {claims.epoch}, "
@@ -404,15 +579,19 @@ class Worker:
         workspace = box.workspace
         try:
             state: dict[str, Any] | None = None
-            answers: OrderedDict[str, tuple[int, str, str]] = OrderedDict()
+            answers: OrderedDict[str, StoredAnswer] = OrderedDict()
             if ref is not None:
-                state = await self.snapshots.restore(sid, ref, workspace, template)
-                await asyncio.to_thread(self.sandboxes.own_workspace, box)
+                # restored files belong to the slot's uid as they are made (no chown walk afterwards)
+                state = await self.snapshots.restore(sid, ref, workspace, template, owner=box.uid)
                 if isinstance(state, dict) and isinstance(state.get(_STATE_KEY), dict):
                     state = dict(state)
                     own = state.pop(_STATE_KEY)
-                    for k, v in (own.get("answers") or []):
-                        answers[str(k)] = (int(v[0]), str(v[1]), str(v[2]) if len(v) > 2 else "")
+                    for k, v in (own.get("answers") or []):  # the same bounds as live answers
+                        keep_answer(answers, str(k), StoredAnswer.load(v), keys=self.settings.worker.idempotency_keys,
+                                    budget=self.settings.worker.answer_keep_bytes)
+            for k, a in carried:  # failed turns of an activation whose agent died (the record kept them)
+                keep_answer(answers, k, a, keys=self.settings.worker.idempotency_keys,
+                            budget=self.settings.worker.answer_keep_bytes)
             # the restore may have outlived the claim (a deadline rolled the session back): activate only
             # what the directory still names, or this slot would be held for nobody
             try:
@@ -426,18 +605,14 @@ class Worker:
             env.update(resolve_env(spec.env, tenant=claims.tenant if claims else "default",
                                    secrets_dir=self.settings.auth.secrets_dir))
             ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
-            agent = self._agent_for(ctx, spec, box)
-            try:
-                await agent.start(state)
-            except Exception as e:
-                await agent.stop()
-                raise SubstrateError(f"agent failed to start: {e}", code="agent_start_failed") from e
+            agent = await self._start_agent(ctx, spec, box, state, ref)
         except BaseException:
             await self.sandboxes.release(box, None)
             raise
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
                                            agent=agent, workspace=workspace, answers=answers,
                                            restored=restored, tenant=claims.tenant if claims else "",
+                                           restored_at=restored_at,
                                            sandbox_slot=box)
         if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
             metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
@@ -461,8 +636,14 @@ class Worker:
             if act.closing:
                 raise NotFound(f"session {sid!r} is not active", code="not_active")
             dirty = act.dirty_turns
-            ref = await self._capture(act, epoch)
-            if not await self.snapshots.commit(sid, epoch, ref):
+            try:
+                ref = await self._capture(act, epoch)
+            except Exception as e:
+                if act.agent.dead:  # nothing to snapshot any more: its state since the last one is gone
+                    await self._end_dead(act, f"found dead by a snapshot: {e}")
+                    raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
+                raise
+            if not await self.snapshots.commit(sid, epoch, ref, unreported_loss=self._unreported_loss(act)):
                 # rejected: the directory decides whether this activation is still the session's
                 asyncio.create_task(self._reconcile_quietly(sid))
                 raise StaleEpoch(f"snapshot of {sid!r} rejected: epoch {epoch} is not current or the "
@@ -471,15 +652,18 @@ class Worker:
             act.last_snapshot_at = time.time()
             return ref
 
-    async def suspend(self, sid: str, epoch: int, idle_s: float | None) -> SnapshotRef:
+    async def suspend(self, sid: str, epoch: int, idle_s: float | None, wait_s: float | None = None) -> SnapshotRef:
         """Snapshot, commit with the move to SUSPENDED in one step, then free the slot (invariant 2).
 
-        If object storage fails the session goes back to RUNNING on this slot and the error is raised.
+        ``idle_s``: only if idle that long, never waiting for a turn; ``wait_s``: wait at most that long
+        for a running turn to end; neither: wait for it (a drain). Raises ``Conflict`` (``busy``) when
+        it would have to wait longer. If object storage fails the session goes back to RUNNING on this
+        slot and the error is raised.
         """
         act = self._get(sid, epoch)
         if idle_s is not None and act.lock.locked():  # mid-turn: an idle/pressure suspend must not wait
             raise Conflict(f"session {sid!r} is in the middle of a turn", code="busy")
-        async with act.lock:
+        async with _holding(act.lock, wait_s, sid):
             if act.closing:
                 raise NotFound(f"session {sid!r} is not active", code="not_active")
             if idle_s is not None and time.time() - act.last_active < idle_s:
@@ -496,11 +680,20 @@ class Worker:
                                code="invalid_state")
             try:
                 ref = await self._capture(act, epoch)
-            except BaseException:
+            except BaseException as e:
+                if act.agent.dead:  # suspended from its last snapshot instead, and the next answer says so
+                    await self._end_dead(act, f"found dead by a suspend: {e}")
+                    raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
                                                 to=SessionState.RUNNING)
                 raise
-            committed = await self.snapshots.commit(sid, epoch, ref, suspend=True)
+            # the turns no heartbeat reported yet go into the same atomic step (none is in flight while the
+            # lock is held): the suspend's answer counts every turn, and none is lost with the activation
+            async with self._turns_lock:
+                committed = await self.snapshots.commit(sid, epoch, ref, suspend=True, turns=act.unreported_turns,
+                                                        unreported_loss=self._unreported_loss(act))
+                if committed:
+                    act.unreported_turns = 0
             if not committed:
                 # e.g. the object store was slow past the deadline and the session was rolled back to
                 # RUNNING here: the activation stays (the directory names it); only the directory's
@@ -523,7 +716,7 @@ class Worker:
 
     def _with_answers(self, state: dict[str, Any], act: Activation) -> dict[str, Any]:
         """The agent's state plus the worker's own part (recent turns' answers by idempotency key)."""
-        return {**state, _STATE_KEY: {"answers": [[k, list(v)] for k, v in act.answers.items()]}}
+        return {**state, _STATE_KEY: {"answers": [[k, v.dump()] for k, v in act.answers.items()]}}
 
     async def deactivate(self, sid: str, epoch: int | None) -> None:
         """End the activation of ``sid`` at once, even mid-turn (a delete or a fenced claim must not wait
@@ -559,7 +752,24 @@ class Worker:
                 return _error(SubstrateError("missing activation token", code="missing_token"), 401)
             return await handler(request)
 
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[internal_auth])
+        @web.middleware
+        async def unexpected_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+            # a bug here must still answer JSON with a stable code (500 ``internal``), logged with its
+            # traceback, never aiohttp's plain-text "Server got itself in trouble" (which the router can
+            # only pass on as an opaque ``worker_error``). aiohttp's own HTTP answers (404/405 of the
+            # routing) are exceptions too and pass through
+            try:
+                return await handler(request)
+            except web.HTTPException:
+                raise
+            except Exception as e:  # noqa: BLE001 - the catch-all
+                log.exception("unhandled error in a worker call", extra={
+                    "worker": self.id, "path": request.path, "method": request.method,
+                    "request_id": request.headers.get("X-Request-ID")})
+                return _error(SubstrateError(f"the worker failed unexpectedly ({e.__class__.__name__}); "
+                                             "it is logged on the worker", code="internal"), 500)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[unexpected_errors, internal_auth])
         app.add_routes([
             web.get("/healthz", self._h_health),
             web.get("/metrics", self._h_metrics),
@@ -626,24 +836,41 @@ class Worker:
                 if act.closing:  # suspended or dropped while this request waited for the turn
                     raise NotFound(f"session {sid!r} is not active", code="not_active")
                 if key is not None and key in act.answers:  # a retried turn: answered, never run twice
-                    status, text, seen = act.answers[key]
-                    if seen and seen != digest:  # the key of another turn: replaying it would mislead
+                    stored = act.answers[key]
+                    if stored.digest and stored.digest != digest:  # another turn's key: replaying would mislead
                         raise InvalidInput(f"Idempotency-Key {key!r} was used for a turn with another body",
                                            code="idempotency_key_reused")
-                    return web.Response(text=text, status=status, content_type="application/json",
-                                        headers={"X-Substrate-Replayed": "1", **self._restored(act)})
+                    # in the form the turn first ran: a streamed turn's answer is its NDJSON lines (a JSON
+                    # answer is one line: json.dumps writes no raw newline)
+                    return web.Response(text=stored.text, status=stored.status,
+                                        content_type="application/x-ndjson" if "\n" in stored.text
+                                        else "application/json",
+                                        headers={"X-Substrate-Replayed": "1", **self._restored(act, stored)})
+                if act.agent.dead:  # died between turns (killed, or since the last call): nothing runs here
+                    await self._end_dead(act, "the agent process was found dead")
+                    raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active")
                 self._check_serving()
                 act.last_active = time.time()
                 act.touched = True
+                act.ran_turn = True
                 try:
                     if stream:
-                        return await self._stream_turn(request, act, body["input"])
+                        return await self._stream_turn(request, act, body["input"], key, digest)
                     try:
                         output = await act.agent.invoke(body["input"])
                     except AgentError as e:
                         raise self._remember(act, key, digest, SubstrateError(str(e), code="agent_error")) from e
+                    except AgentGone as e:  # died before this turn reached it: it runs in the next activation
+                        await self._end_dead(act, f"{e.code}: {e}")
+                        raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
                     except TurnFailed as e:  # timeout, memory limit, crash of the agent's process
-                        raise self._remember(act, key, digest, e) from e
+                        self._remember(act, key, digest, e)
+                        if act.agent.dead:
+                            # its state since the last snapshot is gone: end the activation (the next turn
+                            # brings the session back from that snapshot under a new epoch and says so); this
+                            # answer travels with the record, so a retry is answered, not run again
+                            await self._end_dead(act, f"{e.code}: {e}")
+                        raise
                     except NotImplementedError as e:
                         raise SubstrateError("agent does not implement invoke", code="agent_error") from e
                     except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
@@ -663,25 +890,82 @@ class Worker:
                     return web.Response(text=text, status=200, content_type="application/json",
                                         headers=self._restored(act))
                 finally:
+                    # reported by the next heartbeat: a turn longer than a heartbeat period had its
+                    # flag cleared mid-turn, so its end (and its count) went unreported
                     act.last_active = time.time()
+                    act.touched = True
         except SubstrateError as e:
             if e.code in ("agent_error",):
                 e.status = 422
             return _error(e)
 
     @staticmethod
-    def _restored(act: Activation) -> dict[str, str]:
-        if not act.restored and getattr(act.agent, "restarted", False):
-            # the agent process restarted inside this activation from the state of its last snapshot:
-            # turns acknowledged since are gone, and the answer must say so (chaos run, violation 2)
-            act.restored = "agent_restarted"
-        return {"X-Substrate-Restored": act.restored} if act.restored else {}
+    def _unreported_loss(act: Activation) -> float | None:
+        """For a commit: the time ``act``'s state dates from if it restored older state and ran no turn
+        yet (no answer has told a client of the loss: the record keeps it), 0 if no state came back;
+        None when there is no such loss to keep."""
+        if not act.restored or act.ran_turn:
+            return None
+        return act.restored_at if act.restored_at is not None else 0.0
+
+    @staticmethod
+    def _restored(act: Activation, stored: StoredAnswer | None = None) -> dict[str, str]:
+        """``X-Substrate-Restored`` (and ``-Snapshot-At``) of an answer: the activation that ran the turn
+        (``stored``, for a replay) says what its state had lost; else this activation."""
+        restored, at = (stored.restored, stored.restored_at) if stored is not None and stored.restored \
+            else (act.restored, act.restored_at)
+        if not restored:
+            return {}
+        return {"X-Substrate-Restored": restored,
+                **({"X-Substrate-Restored-Snapshot-At": f"{at:.6f}"} if at is not None else {})}
+
+    async def _end_dead(self, act: Activation, what: str) -> None:
+        """End an activation whose agent died (crash, memory limit, turn timeout): the record goes (guarded
+        by epoch and worker) to SUSPENDED with a new epoch, marked ``agent_restarted``, so the next turn
+        restores its last committed snapshot elsewhere or here, and every answer of that activation says
+        so; then the sandbox goes and the slot is freed. Never raises: if the directory cannot be reached
+        the record still names this activation, and the next call's ``not_active`` makes the router
+        repair it (``activation_lost``, lossy too).
+
+        The activation's failed answers (the turn that killed the agent among them) go with the record
+        (``carriedAnswers``, the newest 16) to the next activation: a retry of that turn is answered with
+        its error, never run again (an SDK retrying a 504 would otherwise rerun a turn that times out)."""
+        act.closing = True
+        moved = False
+        carried = [[k, a.dump()] for k, a in act.answers.items() if a.status >= 400][-16:]
+        for attempt in range(3):  # a short Redis pause must not leave the repair to a later request
+            try:
+                cas = await self.directory.transition(
+                    act.sid, from_states=[SessionState.RUNNING, SessionState.SUSPENDING], epoch=act.epoch,
+                    worker=self.id, to=SessionState.SUSPENDED, bump=True,
+                    set={"reason": "agent_restarted",
+                         "message": f"the agent of activation {act.epoch} on worker {self.id} died ({what[:300]}); "
+                                    "state since the last snapshot is gone",
+                         **({"carriedAnswers": carried} if carried else {})},
+                    unset=("worker", "slot"))
+                moved = cas.ok
+                break
+            except Exception:  # noqa: BLE001 - retried, then left to the router's repair
+                log.warning("could not end the activation of a dead agent", extra={
+                    "session": act.sid, "epoch": act.epoch, "attempt": attempt}, exc_info=True)
+                await asyncio.sleep(0.3)
+        log.warning("agent died: activation ended", extra={"session": act.sid, "epoch": act.epoch,
+                                                          "worker": self.id, "moved": moved, "why": what[:300]})
+        await self._drop(act)
+        if moved:
+            try:
+                await self.directory.release_slot(self.id, act.slot, act.sid)
+            except Exception:  # noqa: BLE001 - the state manager's repair pass frees a slot nobody holds
+                log.warning("slot release failed", extra={"session": act.sid}, exc_info=True)
+            # this worker made the move on its own: it leaves the one record of it (epoch: the activation
+            # that died, as the router's ``recover`` records do) and gives back the running quota. A move
+            # that lost its CAS was made by someone else, who records it; one the directory never saw is
+            # repaired (and recorded) by the router as ``activation_lost``
+            await self._left_live("recover", act, reason="agent_restarted")
 
     def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str) -> None:
-        act.answers[key] = (status, text, digest)
-        act.answers.move_to_end(key)
-        while len(act.answers) > self.settings.worker.idempotency_keys:
-            act.answers.popitem(last=False)
+        keep_answer(act.answers, key, StoredAnswer(status, text, digest, act.restored, act.restored_at),
+                    keys=self.settings.worker.idempotency_keys, budget=self.settings.worker.answer_keep_bytes)
 
     def _remember(self, act: Activation, key: str | None, digest: str, e: SubstrateError) -> SubstrateError:
         """Record an agent's failed turn as the answer of ``key`` (it ran: a retry must not run it again)."""
@@ -690,19 +974,49 @@ class Worker:
             self._store_answer(act, key, status, json.dumps(e.to_dict()), digest)
         return e
 
-    async def _stream_turn(self, request: web.Request, act: Activation, input: Any) -> web.StreamResponse:  # noqa: A002
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    async def _stream_turn(self, request: web.Request, act: Activation, input: Any, key: str | None,  # noqa: A002
+                           digest: str) -> web.StreamResponse:
+        """Run one turn as NDJSON lines (``{"chunk": ...}``..., then ``{"done": true}`` or ``{"error": ...}``)
+        and keep those lines as the answer of ``key``, as a plain turn's answer is kept: a retry with the
+        same key is answered with them (``X-Substrate-Replayed``), never run again (a fresh-user run: a
+        streamed increment retried with its key ran twice). Lines beyond the replay budget
+        (``worker.answer_keep_bytes``) are not buffered; the turn then leaves the 410 marker."""
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", **self._restored(act)})
         await resp.prepare(request)
+        budget = self.settings.worker.answer_keep_bytes
+        kept: list[bytes] = []
+        size = 0
+
+        async def emit(line: bytes) -> None:
+            nonlocal size
+            size += len(line)
+            if size <= budget:
+                kept.append(line)
+            else:
+                kept.clear()  # over the budget: only its size is remembered
+            await resp.write(line)
+
         try:
-            async for chunk in act.agent.stream(input):
-                await resp.write(json.dumps({"chunk": chunk}).encode() + b"\n")
-            act.dirty_turns += 1
-            act.unreported_turns += 1
-            await resp.write(b'{"done": true}\n')
-        except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-            code = "agent_error" if isinstance(e, AgentError) else e.code if isinstance(e, TurnFailed) \
-                else "agent_crashed"
-            await resp.write(json.dumps({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
+            try:
+                async for chunk in act.agent.stream(input):
+                    await emit(json.dumps({"chunk": chunk}).encode() + b"\n")
+                act.dirty_turns += 1
+                act.unreported_turns += 1
+                await emit(b'{"done": true}\n')
+            except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+                code = "agent_error" if isinstance(e, AgentError) else e.code if isinstance(e, TurnFailed) \
+                    else "agent_crashed"
+                await emit(json.dumps({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
+                if act.agent.dead:
+                    await self._end_dead(act, f"{code}: {e}")
+        finally:
+            # the turn ran (whole, failed, or cut off by a client gone mid-stream): its retry is answered
+            if key is not None and size <= budget:
+                self._store_answer(act, key, 200, b"".join(kept).decode(), digest)
+            elif key is not None:
+                keep_answer(act.answers, key, StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, size, budget), digest,
+                                                           act.restored, act.restored_at),
+                            keys=self.settings.worker.idempotency_keys, budget=budget)
         await resp.write_eof()
         return resp
 
@@ -716,10 +1030,10 @@ class Worker:
 
     async def _h_suspend(self, request: web.Request) -> web.Response:
         try:
-            idle = request.query.get("idle_s")
+            idle, wait = request.query.get("idle_s"), request.query.get("wait_s")
             sid = request.match_info["sid"]
             ref = await self.suspend(sid, (await self.authorize(request, sid)).epoch or 0,
-                                     float(idle) if idle else None)
+                                     float(idle) if idle else None, float(wait) if wait else None)
             return web.json_response({"snapshot": ref.model_dump()})
         except SubstrateError as e:
             return _error(e)
@@ -762,6 +1076,8 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
                                 uid_base=settings.worker.sandbox_uid_base, uid_span=settings.worker.sandbox_uid_span,
                                 uid_lock_dir=settings.worker.sandbox_uid_lock_dir,
                                 prestart=settings.worker.prestart_hosts,
+                                read_limit=settings.worker.max_answer_bytes + LINE_SLACK_BYTES,
+                                refill_delay_s=settings.worker.prestart_refill_delay_s,
                                 require_sandbox=not pool_opts_out_of_sandbox(settings, pool))
     except SandboxUnavailable as e:
         log.error("worker refuses to start: agents must run sandboxed", extra={"worker": worker_id, "error": str(e)})
@@ -779,6 +1095,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     sock.bind((host, port))
     site = web.SockSite(runner, sock)
     await site.start()
+    tune_after_startup()  # the worker's request path: see substrate/gctune.py
     address = f"http://{advertise_host or host}:{sock.getsockname()[1]}"
     await worker.register(address)
     log.info("worker ready", extra={"worker": worker_id, "pool": pool, "address": address, "slots": slots})
@@ -808,6 +1125,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     settings = get_settings()
     configure_logging(settings.log_level, settings.log_json)
+    # a local worker stops with the runtime that started it, even one killed by SIGKILL (no-op elsewhere);
+    # it escalates after the same grace the runtime's backend would have given it
+    lifeline.watch_from_env(settings.worker.shutdown_grace_s + 5.0)
     wid = args.worker_id or f"{args.pool}-{uuid.uuid4().hex[:8]}"
     try:
         import uvloop

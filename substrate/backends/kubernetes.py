@@ -3,7 +3,8 @@
 
 * ``create`` builds the Pod (``substrate.k8s.pods``: hardened defaults, ownerReferences, DRA claims) and
   creates it; the Pod counts as running at once (before the watch sees it), so the pool controller's
-  expectations never over-create.
+  expectations never over-create. The controller runs up to ``kubernetes.create_concurrency`` creates at
+  once (threads of their own).
 * A watch of the namespace's worker Pods (label ``app.kubernetes.io/component=worker``) feeds
   ``running()``/``reap()``: a Pod that is gone, ``Failed``/``Succeeded`` (a crash, an eviction by the
   kubelet) or being deleted by someone else (an API eviction, a node drain) stops counting as running, so
@@ -20,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -84,6 +86,11 @@ class KubernetesBackend:
         #: pool name -> the ActorTemplates it hosts (their isolation bounds the Pods); set by the controller
         self.templates_for: Any = lambda _pool: []
         self.creates = 0
+        #: creates the pool controller may run at once; they get threads of their own (the default
+        #: executor has cores + 4 threads, shared with every other blocking call of the process)
+        self.create_concurrency = settings.kubernetes.create_concurrency
+        self._create_threads = concurrent.futures.ThreadPoolExecutor(self.create_concurrency,
+                                                                     thread_name_prefix="pod-create")
 
     async def start(self, sync_timeout_s: float = 30.0) -> None:
         """Start the Pod watch and wait for its first listing (called by ``PoolController.start``)."""
@@ -102,7 +109,8 @@ class KubernetesBackend:
                                 gang=pool.name in self.gang_pools, templates=self.templates_for(pool.name))
         self._created[worker_id] = _Created(pool.name)
         try:
-            await asyncio.to_thread(self.kube.create_pod, self.namespace, body)
+            await asyncio.get_running_loop().run_in_executor(self._create_threads, self.kube.create_pod,
+                                                             self.namespace, body)
         except Exception:
             self._created.pop(worker_id, None)
             raise
@@ -176,10 +184,27 @@ class KubernetesBackend:
 
     async def close(self) -> None:
         self.pods.stop()
+        self._create_threads.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------------------------- extras
     def pods_of(self, pool: str) -> dict[str, dict[str, Any]]:
         return {n: p for n, p in self.pods.items.items() if self._pool_of(p) == pool}
+
+    def unplaceable(self, pool: str) -> tuple[set[str], str]:
+        """Pods of ``pool`` the scheduler refuses right now (no grace period: a router deciding whether
+        to wait for capacity must not wait for them) and why no new worker can come (the scheduler's
+        message, or the failure back-off), for the capacity note routers read (``substrate.demand``)."""
+        stuck: set[str] = set()
+        why = ""
+        for name, pod in self.pods_of(pool).items():
+            c = unschedulable(pod)
+            if c is not None:
+                stuck.add(name)
+                why = why or f"worker Pod {name} is Unschedulable: {c.get('message') or 'no node fits'}"
+        b = self._backoff.get(pool)
+        if b is not None and time.monotonic() < b.until:
+            why = why or f"{b.failures} worker Pod(s) failed; re-creating after a back-off"
+        return stuck, why
 
     def problems(self, pool: str) -> list[PodProblem]:
         """Pods of ``pool`` that do not serve and why (Unschedulable for longer than the grace period)."""

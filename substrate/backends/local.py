@@ -6,12 +6,20 @@ tens of milliseconds instead of the ~0.5-1.5 s of a cold interpreter: scale-up a
 worker are fast enough to happen on the request path. If the zygote cannot be used, workers start as
 ``python -m workers.server --pool P --slots N --worker-id ID``. Settings reach workers as JSON
 environment variables, so they use the same Redis and object store. A worker that exits is reported by
-``reap()``; the pool controller recovers its sessions and starts another.
+``reap()``; the pool controller recovers its sessions and starts another. What is left of a dead worker's
+agent sandboxes is thawed and killed there too (``substrate/sandbox_sweep.py``; the worker's own reaper
+normally did it already): a worker killed while a slot was frozen would otherwise leave it frozen.
+
+Every worker is tied to the runtime by a *lifeline* pipe: the backend holds the only write end, workers
+(through the zygote too) get the read end (``SUBSTRATE_LIFELINE_FD``, see ``workers/lifeline.py``). When
+the runtime ends in any way, SIGKILL included, the kernel closes the write end and each worker stops
+gracefully on its own instead of living on, holding its port, slot uids and sandboxes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -24,10 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
+from substrate import sandbox_sweep
 from substrate.models import WorkerPool
 from substrate.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: the environment variable that names the lifeline's read end in a worker (``workers/lifeline.py``; the
+#: substrate package imports nothing of workers, so the name is repeated here)
+LIFELINE_ENV = "SUBSTRATE_LIFELINE_FD"
 
 
 @dataclass
@@ -65,11 +78,29 @@ class LocalBackend:
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_ready = False
         self._zlock = asyncio.Lock()
+        #: dead workers whose cgroups still held processes at the last ``reap`` (worker id -> attempts left)
+        self._sweeps: dict[str, int] = {}
+        #: (read end, write end) of the lifeline pipe, made at the first process started, closed by ``close``
+        self._lifeline: tuple[int, int] | None = None
+
+    def _lifeline_fd(self) -> int:
+        """The lifeline's read end, for a child to inherit (``pass_fds``). The write end stays in this
+        process only: it is non-inheritable, and every child is started with ``close_fds``, so no other
+        process can keep the pipe open after the runtime is gone."""
+        if self._lifeline is None:
+            r, w = os.pipe()  # both non-inheritable (PEP 446)
+            if r < 3:  # a runtime started with stdio closed: the zygote's children reuse fds 0-2
+                moved = fcntl.fcntl(r, fcntl.F_DUPFD_CLOEXEC, 3)
+                os.close(r)
+                r = moved
+            self._lifeline = (r, w)
+        return self._lifeline[0]
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         for k in [k for k in env if k.startswith("SUBSTRATE_")]:
             del env[k]
+        env[LIFELINE_ENV] = str(self._lifeline_fd())
         s = self.settings
         env["SUBSTRATE_REDIS"] = s.redis.model_dump_json()
         env["SUBSTRATE_WORKER"] = s.worker.model_dump_json()
@@ -88,7 +119,7 @@ class LocalBackend:
             self._zygote_ready = False
             self._zygote = subprocess.Popen(
                 [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, start_new_session=True)
+                stdout=subprocess.PIPE, start_new_session=True, pass_fds=(self._lifeline_fd(),))
         return self._zygote
 
     async def _read_reply(self, z: subprocess.Popen[bytes], key: str, timeout_s: float) -> dict[str, Any]:
@@ -147,7 +178,8 @@ class LocalBackend:
         else:
             proc = subprocess.Popen(
                 [self.python, "-m", "workers.server", "--pool", pool.name, "--slots", str(pool.spec.slots),
-                 "--worker-id", worker_id], env=self._env(), stdin=subprocess.DEVNULL, start_new_session=True)
+                 "--worker-id", worker_id], env=self._env(), stdin=subprocess.DEVNULL, start_new_session=True,
+                pass_fds=(self._lifeline_fd(),))
             self.workers[worker_id] = _Worker(pool.name, proc.pid, proc)
         log.info("worker process started", extra={"worker": worker_id, "pool": pool.name,
                                                    "pid": self.workers[worker_id].pid})
@@ -170,19 +202,42 @@ class LocalBackend:
                 w.signal(signal.SIGKILL)
                 if w.popen is not None:
                     w.popen.wait()
+                self._sweeps[worker_id] = 50  # killed: its sandboxes' leftovers are ours to sweep
+                self._sweep_dead()
         self.workers.pop(worker_id, None)
 
     def running(self) -> dict[str, str]:
         return {wid: w.pool for wid, w in self.workers.items() if w.alive()}
 
     def reap(self) -> list[str]:
+        """Workers whose process exited since the last call. Their sandboxes' leftovers are thawed and
+        killed, and their folder removed."""
         dead = [wid for wid, w in self.workers.items() if not w.alive()]
         for wid in dead:
             self.workers.pop(wid)
             log.warning("worker process exited", extra={"worker": wid})
+            self._sweeps[wid] = 50
             # a killed worker could not clean its folder (workspaces, archives in flight)
             shutil.rmtree(Path(self.settings.worker.root_dir) / wid, ignore_errors=True)
+        self._sweep_dead()
         return dead
+
+    def _sweep_dead(self) -> None:
+        """Thaw and kill what is left in dead workers' cgroups without blocking the control loop: one pass
+        per call (killed processes take a moment to go); retried on later calls until the cgroups are
+        gone, at most 50 times."""
+        for wid, left in list(self._sweeps.items()):
+            try:
+                done = sandbox_sweep.sweep_worker(wid, wait_s=0)
+            except (OSError, ValueError):
+                log.warning("sweeping a dead worker's sandboxes failed", extra={"worker": wid}, exc_info=True)
+                done = False
+            if done or left <= 1:
+                del self._sweeps[wid]
+                if not done:
+                    log.warning("a dead worker's sandbox cgroups are still busy; giving up", extra={"worker": wid})
+            else:
+                self._sweeps[wid] = left - 1
 
     def helper_processes(self) -> int:
         """Processes kept for sessions besides the workers: the zygote, while it runs (counted in the
@@ -204,3 +259,7 @@ class LocalBackend:
             except subprocess.TimeoutExpired:
                 self._zygote.kill()
             self._zygote = None
+        if self._lifeline is not None:  # every worker was stopped above; nothing is left to tie
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None

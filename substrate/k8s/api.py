@@ -114,6 +114,12 @@ class Kube:
                 return body
             raise
 
+    def patch_object(self, api_version: str, plural: str, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch a namespaced object of a named API group (e.g. a PodGroup's ``minCount``).
+        Raises ``KubeError`` (404 when it does not exist)."""
+        group, _, version = api_version.rpartition("/")
+        return self.call(self.custom.patch_namespaced_custom_object, group, version, ns, plural, name, body)
+
     # leases
     def get_lease(self, ns: str, name: str) -> dict[str, Any] | None:
         try:

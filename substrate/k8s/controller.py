@@ -12,7 +12,8 @@
     the pool has its desired number of serving workers, so capacity dips by at most ``max_surge`` workers;
     replacements come from the normal scale-up (a drained worker no longer counts as serving);
   - per-pool objects: the ResourceClaimTemplate compiled from ``spec.accelerators`` and the gang PodGroup
-    (``substrate.k8s.dra``), and a HorizontalPodAutoscaler when ``spec.autoscaling.metrics`` is set;
+    (``substrate.k8s.dra``; its ``minCount`` follows the pool's desired worker count as it scales), and a
+    HorizontalPodAutoscaler when ``spec.autoscaling.metrics`` is set;
   - status through the status subresource (``substrate.k8s.status``), written only when it changed.
 * Replica count: without ``spec.autoscaling`` (or with HPA ``metrics``) the count is ``spec.replicas``, which
   ``/scale`` writes (``kubectl scale``, HPA, KEDA); with the built-in autoscaling the slot autoscaler decides
@@ -26,11 +27,11 @@ import asyncio
 import logging
 from typing import Any
 
-from substrate.backends.kubernetes import KubernetesBackend
+from substrate.backends.kubernetes import KubernetesBackend, unschedulable
 from substrate.directory import Directory
 from substrate import metrics
 from substrate.k8s import dra, gpu, status as kstatus
-from substrate.k8s.api import GROUP, VERSION, Informer, Kube
+from substrate.k8s.api import GROUP, VERSION, Informer, Kube, KubeError
 from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
 from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
 from substrate.pool import PoolController, desired_replicas
@@ -125,6 +126,8 @@ class KubePoolController(PoolController):
         self._finalizing: set[str] = set()
         self._last_status: dict[str, dict[str, Any]] = {}
         self._rolling: set[str] = set()
+        #: gang pools: the PodGroup minCount last written, per pool
+        self._gang_min: dict[str, int] = {}
         backend.templates_for = self._templates_for
         # DRA allocations and the drivers' device inventory, for the GPU memory gauges (substrate.k8s.gpu)
         res = self.kube.resource
@@ -142,6 +145,8 @@ class KubePoolController(PoolController):
         # leave worker Pods running: a controller restart or failover must not touch serving workers
         if self._task:
             self._task.cancel()
+        if self._follow:
+            self._follow.cancel()
         self.claims.stop()
         self.slices.stop()
         await self.backend.close()
@@ -191,11 +196,13 @@ class KubePoolController(PoolController):
                     log.warning("status of an invalid pool failed", extra={"pool": name}, exc_info=True)
         await super().tick()
         for pool in list(self.catalog.pools.values()):
-            try:
-                await self._rollout(pool)
-                await self._write_status(pool)
-            except Exception:  # noqa: BLE001
-                log.warning("rollout/status failed", extra={"pool": pool.name}, exc_info=True)
+            # each step on its own: a failing PodGroup patch must not hold back the rollout or the status
+            for step in (self._sync_gang, self._trim_unregistered, self._rollout, self._write_status):
+                try:
+                    await step(pool)
+                except Exception:  # noqa: BLE001 - a control loop never dies
+                    log.warning("pool step failed", extra={"pool": pool.name, "step": step.__name__},
+                                exc_info=True)
 
     async def _ensure_pool_objects(self, name: str, raw: dict[str, Any]) -> None:
         meta = raw.get("metadata") or {}
@@ -225,6 +232,54 @@ class KubePoolController(PoolController):
                             "horizontalpodautoscalers")
         self._ensured[name] = key
 
+    async def _sync_gang(self, pool: WorkerPool) -> None:
+        """Keep a gang pool's PodGroup ``minCount`` at the pool's desired worker count (surge included
+        while it rolls) as the pool scales: ``minCount`` is mutable in ``scheduling.k8s.io/v1beta1`` and
+        the scheduler applies a change in its next cycles. Written only when the count changes (a
+        PodGroup found missing then is created with it)."""
+        if pool.name not in self.kbackend.gang_pools or not (pool.spec.accelerators or {}).get("gang"):
+            self._gang_min.pop(pool.name, None)
+            return
+        st = self._state.get(pool.name)
+        want = max(1, st.desired if st else desired_replicas(self.effective_spec(pool), 0))
+        if self._gang_min.get(pool.name) == want:
+            return
+        try:
+            await self._api(self.kube.patch_object, "scheduling.k8s.io/v1beta1", "podgroups", self.namespace,
+                            pool.name, {"spec": {"schedulingPolicy": {"gang": {"minCount": want}}}})
+        except KubeError as e:
+            if e.status != 404:
+                raise
+            await self._api(self.kube.create_object, dra.pod_group(pool.name, self.namespace, want,
+                                                                   owner_reference(pool)), "podgroups")
+        self._gang_min[pool.name] = want
+        log.info("gang minCount", extra={"pool": pool.name, "minCount": want})
+
+    async def _trim_unregistered(self, pool: WorkerPool) -> None:
+        """A pool scaled below the Pods it has, some of which never registered (Pending, Unschedulable,
+        still starting): delete the excess among those, Unschedulable first, then the newest. They hold
+        no session (a worker that registers meanwhile gets SIGTERM and suspends its own sessions), and
+        the reconciler cannot remove them: it drains only READY workers, and counts these as capacity on
+        its way, which would keep the pool above its desired size for good."""
+        st = self._state.get(pool.name)
+        if st is None:
+            return
+        mine = [wid for wid, p in self.kbackend.running().items() if p == pool.name]
+        excess = len(mine) - st.desired
+        if excess <= 0:
+            return
+        registered = {w.id for w in await self.directory.list_workers() if w.pool == pool.name}
+        pods = self.kbackend.pods_of(pool.name)
+        spare = [wid for wid in mine if wid not in registered and wid not in self._draining]
+        spare.sort(key=lambda w: ((pods.get(w) or {}).get("metadata") or {}).get("creationTimestamp") or "~",
+                   reverse=True)
+        spare.sort(key=lambda w: unschedulable(pods.get(w) or {}) is None)  # stable: newest first within
+        for wid in spare[:excess]:
+            st.expectations.pop(wid, None)
+            log.info("deleting an unregistered worker Pod beyond the pool's size",
+                     extra={"pool": pool.name, "worker": wid, "desired": st.desired})
+            await self.kbackend.delete(wid)
+
     async def _finalize(self, name: str, raw: dict[str, Any]) -> None:
         """Drain every worker of a pool being deleted, delete its Pods, then drop the finalizer."""
         try:
@@ -249,6 +304,7 @@ class KubePoolController(PoolController):
             await self._api(self.kube.patch_pool, self.namespace, name, {"metadata": {"finalizers": fins}})
             self._state.pop(name, None)
             self._ensured.pop(name, None)
+            self._gang_min.pop(name, None)
             log.warning("pool deleted after its sessions were suspended", extra={"pool": name})
         except Exception:  # noqa: BLE001 - retried on the next tick
             log.warning("pool finalizer failed", extra={"pool": name}, exc_info=True)
@@ -298,12 +354,13 @@ class KubePoolController(PoolController):
 
     def _gpu_metrics(self, pool: WorkerPool, workers: list[Any]) -> None:
         pods = self.kbackend.pods_of(pool.name)
-        if not self.claims.items or not self.slices.items:
+        reported = {w.id: w.gpuMemoryBytes for w in workers if w.gpuMemoryBytes}
+        if not reported and (not self.claims.items or not self.slices.items):
             total = fragmented = 0
         else:
             serving = {w.id for w in workers if w.state == WorkerState.READY and w.id not in self._draining}
             total, fragmented = gpu.pool_gpu_memory(pods, serving, self.claims.items,
-                                                    gpu.device_memory(self.slices.items.values()))
+                                                    gpu.device_memory(self.slices.items.values()), reported)
         metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
         metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
 

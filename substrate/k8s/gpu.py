@@ -1,6 +1,8 @@
 """GPU memory of a pool's workers, from DRA objects: which devices each worker Pod's ResourceClaims were
 allocated (``status.allocation.devices.results[]``: driver, pool, device) and what the drivers publish
-about them in ResourceSlices (``spec.devices[].capacity.memory``). Pure functions over the API's JSON.
+about them in ResourceSlices (``spec.devices[].capacity.memory``); a worker that read its devices with
+``nvidia-smi`` (``workers.devices``) reports them in its registry record, and that figure wins for its Pod.
+Pure functions over the API's JSON.
 
 ``total`` is the memory of every device allocated to the pool's Pods; ``fragmented`` the part that no
 session slot can use right now: devices held by Pods whose worker is not serving (Pending after
@@ -46,11 +48,15 @@ def pod_gpu_memory(pod: dict[str, Any], claims: dict[str, dict[str, Any]],
 
 
 def pool_gpu_memory(pods: dict[str, dict[str, Any]], serving: set[str], claims: dict[str, dict[str, Any]],
-                    memory: dict[tuple[str, str, str], int]) -> tuple[int, int]:
-    """(total, fragmented) bytes for one pool's ``pods``; ``serving`` = worker ids READY in the registry."""
+                    memory: dict[tuple[str, str, str], int],
+                    reported: dict[str, int] | None = None) -> tuple[int, int]:
+    """(total, fragmented) bytes for one pool's ``pods``; ``serving`` = worker ids READY in the registry;
+    ``reported`` = bytes a worker read from ``nvidia-smi`` (by worker id = Pod name), which win over the
+    claims' figure for that Pod (they are what the container actually sees)."""
     total = fragmented = 0
+    reported = reported or {}
     for name, pod in pods.items():
-        m = pod_gpu_memory(pod, claims, memory)
+        m = reported.get(name) or pod_gpu_memory(pod, claims, memory)
         total += m
         if name not in serving:
             fragmented += m

@@ -83,6 +83,65 @@ def test_streaming_invoke(shared_runtime):
     c.delete_session(s["id"])
 
 
+def _ndjson(r: httpx.Response) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in r.text.splitlines() if line]
+
+
+def test_a_streamed_turn_retried_with_its_key_is_answered_never_run_twice(shared_runtime):
+    """Fresh-user run: a streamed increment sent again with the same Idempotency-Key ran again (count
+    11 -> 12 -> 13): streamed answers were never kept. Now a retry, streamed or not, is answered with
+    the turn's NDJSON lines (``X-Substrate-Replayed: 1``), another body under that key is 422, and a
+    plain turn's answer replayed to a streaming call comes back as the JSON it was."""
+    rt = shared_runtime
+    sid = rt.client.create_session("counter")["id"]
+    url = f"{rt.url}/v1/sessions/{sid}/invoke"
+    inc = {"input": "increment"}
+    with httpx.Client(timeout=30) as h:
+        first = h.post(url + "?stream=1", json=inc, headers={"Idempotency-Key": "s1"})
+        assert first.status_code == 200 and _ndjson(first) == [{"chunk": {"count": 1}}, {"done": True}]
+        for query in ("?stream=1", ""):
+            again = h.post(url + query, json=inc, headers={"Idempotency-Key": "s1"})
+            assert again.headers.get("x-substrate-replayed") == "1", again.text
+            assert again.headers["content-type"].startswith("application/x-ndjson")
+            assert _ndjson(again) == _ndjson(first)
+        other = h.post(url + "?stream=1", json={"input": "get"}, headers={"Idempotency-Key": "s1"})
+        assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused", other.text
+        plain = h.post(url, json=inc, headers={"Idempotency-Key": "p1"})
+        assert plain.json() == {"output": {"count": 2}}
+        replay = h.post(url + "?stream=1", json=inc, headers={"Idempotency-Key": "p1"})
+        assert replay.headers.get("x-substrate-replayed") == "1"
+        assert replay.headers["content-type"].startswith("application/json") and replay.json() == plain.json()
+    sdk = rt.client  # the SDK's streamed call takes the key, and a replay of either form
+    assert list(sdk.invoke_stream(sid, "increment", idempotency_key="p1")) == [{"count": 2}]
+    assert list(sdk.invoke_stream(sid, "increment", idempotency_key="s1")) == [{"count": 1}]
+    assert rt.client.invoke(sid, "get") == {"count": 2}, "each turn ran once"
+    rt.client.delete_session(sid)
+
+
+def test_a_streamed_turn_stopped_by_a_delete_says_session_deleted(shared_runtime):
+    """Fresh-user run: DELETE during a streamed turn ended the stream with ``agent_crashed`` ("it restarts
+    from its last snapshot") for a session that was gone; a plain turn answers 410 ``session_deleted``."""
+    import time as _time
+    from pathlib import Path
+
+    rt = shared_runtime
+    sid = rt.client.create_session("shell")["id"]
+    mark = f"started-{uuid.uuid4().hex[:8]}"
+    with cf.ThreadPoolExecutor(1) as ex, httpx.Client(timeout=60) as h:
+        turn = ex.submit(h.post, f"{rt.url}/v1/sessions/{sid}/invoke?stream=1",
+                         json={"input": f"touch {mark}; sleep 10"})
+        for _ in range(400):
+            if any(Path(rt.var).rglob(mark)) or turn.done():
+                break
+            _time.sleep(0.025)
+        assert not turn.done()
+        assert h.delete(f"{rt.url}/v1/sessions/{sid}").status_code == 204
+        lines = _ndjson(turn.result())
+    assert lines[-1]["error"]["code"] == "session_deleted", lines
+
+
 def test_list_filters_and_pagination(shared_runtime):
     c = shared_runtime.client
     label = uuid.uuid4().hex[:6]
@@ -162,7 +221,7 @@ def test_malformed_json_on_create_is_400(shared_runtime):
 def test_bad_invoke_bodies(shared_runtime):
     c = shared_runtime.client
     s = c.create_session("counter")
-    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", content=b"not json")
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", content=b"not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["code"] == "bad_json"
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"no": "input"})
     assert r.status_code == 400 and r.json()["code"] == "missing_input"
@@ -337,4 +396,10 @@ spec:
     # no demand: the last worker is drained (its idle session suspended first) and removed
     rt.wait_for(lambda: rt.workers() == {}, timeout_s=30, what="scale to zero")
     assert c.get_session(s["id"])["state"] == "SUSPENDED"
+    # the drain leaves exactly one audit record (issue 10), by the system, on that worker and epoch; the
+    # worker's own SIGTERM drain that follows finds nothing left to suspend
+    ev = [(e["action"], e["reason"], e["result"], e["who"], e["worker"], e["epoch"])
+          for e in c.session_events(s["id"])["items"]]
+    assert ev == [("create", "", "ok", "anonymous", s["worker"], s["epoch"]),
+                  ("suspend", "drain", "ok", "system:control-plane", s["worker"], s["epoch"])], ev
     assert c.invoke(s["id"], "increment") == {"count": 2}, "woken on a new worker, state intact"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
+import signal
 import threading
 import time
 import uuid
@@ -148,7 +149,10 @@ def test_corrupt_snapshot_fails_clearly_and_the_previous_good_one_is_used(runtim
     assert failed["snapshot"]["key"] == good["key"]
     assert rt.slots(rt.workers().popitem()[0]) == {}, "the failed resume freed its slot"
     # FAILED is not a dead end: the next request resumes from the previous good snapshot
-    assert c.invoke(s["id"], "get") == {"count": 1}
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.json()["output"] == {"count": 1}
+    # the newest snapshot was set aside: the answer says the state is older than acknowledged
+    assert r.headers.get("x-substrate-restored") == "snapshot_corrupt", r.headers
     assert c.get_session(s["id"])["restoredFrom"]["snapshotKey"] == good["key"]
 
 
@@ -294,3 +298,171 @@ def test_parked_requests_are_bounded(runtime_factory, env, code):
     else:  # the resume itself went on in the background; the next request finds it running
         rt.wait_for(lambda: c.get_session(s["id"])["state"] == "RUNNING", what="background resume")
         assert c.invoke(s["id"], "get") == {"count": 1}
+
+
+def _post(url: str, body: dict | None = None) -> tuple[int, str]:
+    import httpx
+
+    r = httpx.post(url, json=body, timeout=60)
+    return r.status_code, (r.json().get("code", "") if r.status_code >= 400 else "")
+
+
+def test_suspends_racing_suspends_resumes_and_turns_get_public_answers(runtime_factory):
+    """Fresh-user run: 30 invokes + 5 suspends + 5 resumes at once to one counter session answered some
+    suspends 404 ``not_active`` (a worker-internal code) for a session that exists. A suspend that meets
+    a concurrent suspend answers 202 (the session is suspended); one that meets a resume 409 ``conflict``;
+    every turn answered 200 ran exactly once."""
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    sid = c.create_session("counter")["id"]
+    base = f"{rt.url}/v1/sessions/{sid}"
+    calls = ["invoke"] * 30 + ["suspend"] * 5 + ["resume"] * 5
+    random.Random(7).shuffle(calls)
+
+    def one(action: str) -> tuple[str, int, str]:
+        body = {"input": "increment"} if action == "invoke" else ({} if action == "resume" else None)
+        return (action, *_post(f"{base}/{action}", body))
+
+    answers: list[tuple[str, int, str]] = []
+    with cf.ThreadPoolExecutor(40) as ex:
+        for _ in range(3):  # bounded rounds: the race needs a suspend to meet another one at the worker
+            answers += ex.map(one, calls)
+    internal = {"not_active", "stale_epoch", "busy", "worker_error"}
+    assert not [a for a in answers if a[2] in internal], answers
+    assert not [a for a in answers if a[1] == 404], answers
+    assert {(st, code) for act, st, code in answers if act == "suspend"} <= {
+        (202, ""), (409, "conflict"), (409, "invalid_state")}, answers
+    assert {st for act, st, _ in answers if act == "resume"} <= {200, 409}, answers
+    ok = sum(1 for act, st, _ in answers if act == "invoke" and st == 200)
+    assert ok == 90, answers
+    assert c.invoke(sid, "increment") == {"count": ok + 1}, "every acknowledged turn kept, none run twice"
+
+
+def _wait_started(rt, mark: str, turn: cf.Future) -> None:
+    """Wait (at most 10 s) until the turn's mark file is in a workspace of ``rt``, or ``turn`` ended."""
+    for _ in range(400):
+        if any(Path(rt.var).rglob(mark)) or turn.done():
+            return
+        time.sleep(0.025)
+
+
+def _running_turn(ex: cf.ThreadPoolExecutor, rt, sid: str, sleep_s: float) -> cf.Future:
+    """Start a shell turn of ``sleep_s`` seconds on ``sid`` and return once it runs in the worker (its
+    mark file is in the workspace); the future answers ``(status, code)``."""
+    mark = f"started-{uuid.uuid4().hex[:8]}"
+    turn = ex.submit(_post, f"{rt.url}/v1/sessions/{sid}/invoke", {"input": f"touch {mark}; sleep {sleep_s:g}"})
+    _wait_started(rt, mark, turn)
+    assert not turn.done(), turn.result()
+    return turn
+
+
+def test_a_turn_in_flight_when_its_session_is_deleted_answers_session_deleted(runtime_factory):
+    """Fresh-user run: DELETE during a running turn gave the turn 500 ``agent_crashed`` ("it restarts from
+    its last snapshot") for a session that was gone. The turn now answers 410 ``session_deleted``."""
+    import httpx
+
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    sid = c.create_session("shell")["id"]
+    with cf.ThreadPoolExecutor(1) as ex:
+        turn = _running_turn(ex, rt, sid, 3)
+        assert httpx.delete(f"{rt.url}/v1/sessions/{sid}", timeout=30).status_code == 204
+        assert turn.result() == (410, "session_deleted")
+    with pytest.raises(ApiError) as e:
+        c.get_session(sid)
+    assert e.value.status == 404
+
+
+def test_an_explicit_suspend_waits_for_a_running_turn_only_so_long(runtime_factory):
+    """Fresh-user run: ``POST .../suspend`` during a cell that runs for minutes answered only when the
+    cell's timeout fired (4 min 57 s). It waits at most ``api.suspend_wait_s``, then 409 ``conflict``; the
+    turn goes on, and a suspend after it works."""
+    rt = runtime_factory(replicas=1, slots=4, env={"SUBSTRATE_API__SUSPEND_WAIT_S": "0.5"})
+    c = rt.client
+    sid = c.create_session("shell")["id"]
+    with cf.ThreadPoolExecutor(1) as ex:
+        turn = _running_turn(ex, rt, sid, 4)
+        assert _post(f"{rt.url}/v1/sessions/{sid}/suspend") == (409, "conflict")
+        assert c.get_session(sid)["state"] == "RUNNING"
+        assert turn.result() == (200, ""), "the turn was not disturbed"
+    assert _post(f"{rt.url}/v1/sessions/{sid}/suspend") == (202, "")
+    assert c.get_session(sid)["state"] == "SUSPENDED"
+
+
+def test_a_turn_longer_than_a_heartbeat_is_counted(runtime_factory):
+    """Second fresh-user run: a notebook turn allocating 450 MiB then a suspend showed ``turns: 0``. A turn
+    that outlived a heartbeat period had its "touched" flag cleared mid-turn; its count was then taken
+    off the worker's books by the next heartbeat without being written (only touched sessions are)."""
+    rt = runtime_factory(replicas=1, slots=2)  # heartbeat 0.2 s (tests/conftest.py)
+    c = rt.client
+    sid = c.create_session("shell")["id"]
+    assert _post(f"{rt.url}/v1/sessions/{sid}/invoke", {"input": "sleep 1.5"}) == (200, "")
+    rt.wait_for(lambda: c.get_session(sid)["turns"] == 1, timeout_s=15, what="the long turn counted")
+    assert _post(f"{rt.url}/v1/sessions/{sid}/suspend") == (202, "")
+    assert c.get_session(sid)["turns"] == 1
+
+
+def test_a_turn_cut_off_by_a_stopping_router_gets_a_json_503_and_its_retry_is_answered(runtime_factory):
+    """Fresh-user run: SIGTERM of ``substrate up`` during a 25 s shell turn answered the turn a plain-text
+    500 after the 10 s graceful shutdown (uvicorn's own answer to a cancelled request), although the
+    worker's drain then kept the turn's effects. Now: 503 ``router_stopping`` in JSON with Retry-After,
+    and the retry with the same Idempotency-Key after the restart is answered from the kept answer."""
+    import httpx
+
+    rt = runtime_factory(replicas=1, slots=4)
+    sid = rt.client.create_session("shell")["id"]
+    assert rt.client.invoke(sid, "echo acked >> f")["exitCode"] == 0
+    mark = f"started-{uuid.uuid4().hex[:8]}"
+    body = {"input": f"touch {mark}; echo inflight >> f; sleep 14; echo end"}
+    key = {"Idempotency-Key": f"k-{uuid.uuid4().hex[:8]}"}
+
+    def send() -> httpx.Response:
+        return httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke", json=body, headers=key, timeout=60)
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        turn = ex.submit(send)
+        _wait_started(rt, mark, turn)
+        assert not turn.done(), turn.result().text
+        rt.restart(sig=signal.SIGTERM)  # returns once the new process is ready
+        cut = turn.result()
+    assert cut.status_code == 503 and cut.headers["content-type"] == "application/json", cut.text
+    assert cut.json()["code"] == "router_stopping" and cut.headers.get("retry-after") == "1"
+    again = httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke", json=body, headers=key, timeout=60)
+    assert again.status_code == 200 and again.headers.get("x-substrate-replayed") == "1", again.text
+    assert again.json()["output"]["stdout"].strip() == "end", "the turn ran once, to its end"
+    assert rt.client.invoke(sid, "cat f")["stdout"].split() == ["acked", "inflight"]
+
+
+def test_a_doubled_ctrl_c_still_answers_the_turn_in_flight(runtime_factory):
+    """Fresh-user run: Ctrl-C on ``uv run substrate up`` delivers SIGINT twice within milliseconds (the
+    terminal's to the process group, and the one ``uv run`` forwards); uvicorn took the second as "force
+    quit" and a 4 s turn was cut with 503 ``router_stopping`` at once. A repeat that close to the first is
+    now the same stop request: the turn in flight is answered during the graceful shutdown."""
+    import httpx
+
+    rt = runtime_factory(replicas=1, slots=4)
+    sid = rt.client.create_session("shell")["id"]
+    mark = f"started-{uuid.uuid4().hex[:8]}"
+    body = {"input": f"touch {mark}; sleep 4; echo x >> f; echo end"}
+
+    def send() -> httpx.Response:
+        return httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke", json=body, timeout=60)
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        turn = ex.submit(send)
+        _wait_started(rt, mark, turn)
+        assert not turn.done(), turn.result().text
+        rt.proc.send_signal(signal.SIGINT)
+        # two signals sent back to back may reach Python's handler as one: send the second once the
+        # first was handled (the listening socket closes first thing in uvicorn's shutdown)
+        for _ in range(400):
+            try:
+                httpx.get(rt.url + "/healthz", timeout=1)
+            except httpx.TransportError:
+                break
+            time.sleep(0.01)
+        rt.proc.send_signal(signal.SIGINT)
+        answered = turn.result()
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["output"]["stdout"].strip() == "end"
+    rt.proc.wait(60)  # and the doubled signal still stops the runtime

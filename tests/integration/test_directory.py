@@ -62,6 +62,20 @@ async def test_zombie_commit_is_rejected(directory):
     assert (await directory.get_session("z")).snapshot.key == _ref("z", 3).key
 
 
+async def test_a_commit_adds_the_turns_it_carries_only_if_it_commits(directory):
+    """A suspend folds the turns no heartbeat reported into its commit (fresh-user review L12)."""
+    await directory.create_session(_rec("t", state=SessionState.SUSPENDING, epoch=2))
+    ok, _ = await directory.commit_snapshot("t", epoch=1, ref=_ref("t", 1), states=(SessionState.SUSPENDING,),
+                                            to=SessionState.SUSPENDED, add_turns=3)
+    assert not ok and (await directory.get_session("t")).turns == 0  # a stale epoch adds nothing
+    ok, _ = await directory.commit_snapshot("t", epoch=2, ref=_ref("t", 2), states=(SessionState.SUSPENDING,),
+                                            to=SessionState.SUSPENDED, add_turns=3)
+    rec = await directory.get_session("t")
+    assert ok and rec.turns == 3 and rec.state == SessionState.SUSPENDED
+    ok, _ = await directory.commit_snapshot("t", epoch=2, ref=_ref("t", 2, 1), states=(SessionState.SUSPENDED,))
+    assert ok and (await directory.get_session("t")).turns == 3  # none carried: unchanged
+
+
 async def test_commit_keeps_the_previous_snapshot_and_returns_the_dropped_one(directory):
     await directory.create_session(_rec("k", state=SessionState.RUNNING, epoch=1))
     dropped = []
@@ -92,7 +106,7 @@ class _FakeWorkers:
     def __init__(self) -> None:
         self.activations: list[tuple[str, int]] = []
 
-    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="default"):
+    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="default", answers=None, **_):
         await asyncio.sleep(0.001)
         self.activations.append((session, epoch))
         return {}
@@ -210,3 +224,57 @@ async def test_commit_keeps_exactly_retention_snapshots(directory, retention):
     assert refs[-1].key not in await directory.committed_snapshots("r")
     await directory.delete_session("r")
     assert await directory.committed_snapshots("r") == []
+
+
+class _FailingActivate(_FakeWorkers):
+    """A worker whose activate fails after ``before_fail`` ran (e.g. the deadline's roll-back)."""
+
+    def __init__(self, before_fail) -> None:  # noqa: ANN001
+        super().__init__()
+        self.before_fail = before_fail
+        self.deactivated: list[tuple[str, int]] = []
+
+    async def activate(self, address, *, session, epoch, **_):  # noqa: ANN001, ANN003
+        await self.before_fail(session, epoch)
+        from substrate.errors import WorkerUnavailable
+        raise WorkerUnavailable("activate timed out")
+
+    async def deactivate(self, address, session, epoch):  # noqa: ANN001
+        self.deactivated.append((session, epoch))
+
+
+@pytest.mark.parametrize("rolled", [False, True])
+async def test_a_failed_create_is_undone_unless_its_deadline_already_kept_it(directory, rolled):
+    """Chaos run 2026-12-01: the deadline rolled a slow create STARTING -> SUSPENDED, a retried create was
+    told 409 session_exists, then the first create's undo deleted the session (the retry's session vanished).
+    The undo now deletes only a record still STARTING; a kept one stays SUSPENDED, its slot given back."""
+    cat = load_documents([
+        {"kind": "WorkerPool", "metadata": {"name": "default"}, "spec": {"replicas": 1, "slots": 2}},
+        {"kind": "ActorTemplate", "metadata": {"name": "counter"},
+         "spec": {"entrypoint": "workers.agents.counter:Counter"}}])
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=2,
+                                                 leaseExpiresAt=now + 600, startedAt=now))
+
+    async def roll(sid: str, epoch: int) -> None:
+        if rolled:  # what the state manager does to a STARTING session past its deadline
+            await directory.transition(sid, from_states=[SessionState.STARTING], epoch=epoch,
+                                       to=SessionState.SUSPENDED, unset=("worker", "slot"))
+
+    fake = _FailingActivate(roll)
+    view = WorkerView(directory, 60)
+    await view.refresh()
+    act = Activator(Settings(), directory, cat, fake, view)  # type: ignore[arg-type]
+    sid = f"undo-{rolled}"
+    rec = _rec(sid, state=SessionState.PENDING, epoch=0)
+    with pytest.raises(Exception):
+        await act.create(rec, cat.template("counter"))
+    assert fake.deactivated == [(sid, 1)]
+    assert await directory.worker_slots("w1") == {}, "the attempt's slot is given back either way"
+    if rolled:
+        kept = await directory.get_session(sid)
+        assert kept.state == SessionState.SUSPENDED and kept.worker is None
+    else:
+        from substrate.errors import NotFound
+        with pytest.raises(NotFound):
+            await directory.get_session(sid)

@@ -34,7 +34,7 @@ class FakeWorkers:
         self.activated: list[tuple[str, int]] = []
         self.is_healthy = True
 
-    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None):
+    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="default", answers=None, **_):
         self.activated.append((session, epoch))
         return {}
 
@@ -44,7 +44,7 @@ class FakeWorkers:
     async def healthy(self, address, timeout_s=0.5):
         return self.is_healthy
 
-    async def suspend(self, address, session, epoch, *, idle_s=None):
+    async def suspend(self, address, session, epoch, *, idle_s=None, wait_s=None):
         raise AssertionError("not expected")
 
 
@@ -105,6 +105,35 @@ async def test_every_transitional_state_past_its_deadline_is_rolled(env):
     assert await d.expired_deadlines() == []
 
 
+async def test_a_hanging_orphan_sweep_holds_up_no_deadline(env):
+    """Full-suite run: the first scan's orphan sweep listed a frozen object store and hung, and no deadline
+    was enforced while it did (the scan awaited it). The sweep now runs beside the scan, one at a time."""
+    d, act, fake, sm, store, _ = env
+    listed = asyncio.Event()
+    release = asyncio.Event()
+
+    async def list_keys_hanging(prefix: str) -> list[str]:
+        listed.set()
+        await release.wait()
+        return []
+
+    store.list_keys = list_keys_hanging  # type: ignore[method-assign]
+    await _worker(d, "live")
+    await sm.scan_once()  # starts the sweep, which hangs in the store
+    await asyncio.wait_for(listed.wait(), 5)
+    await _session(d, "re", SessionState.RESUMING, worker="live", deadline_in_s=-1)
+    await asyncio.wait_for(sm.scan_once(), 5)  # not held up by the sweep in flight
+    rec = await d.get_session("re")
+    assert rec.state == SessionState.SUSPENDED and rec.reason == "deadline"
+    sweep = sm._sweep
+    sm._swept_at = 0.0
+    await sm.scan_once()
+    assert sm._sweep is sweep, "one sweep at a time"
+    release.set()
+    await asyncio.wait_for(sweep, 5)
+    await sm.stop()
+
+
 async def test_repair_recovers_sessions_of_vanished_workers_and_frees_orphan_slots_in_two_passes(env):
     d, act, fake, sm, _, _ = env
     await _worker(d, "w1")
@@ -141,6 +170,36 @@ async def test_a_failed_probe_does_not_declare_a_worker_within_its_lease_dead(en
     rec = await d.get_session("s")
     assert rec.state == SessionState.SUSPENDED and rec.reason == "worker_lost" and rec.epoch == 4
     assert await d.get_worker("w1") is None
+
+
+async def test_a_lease_that_lapsed_in_a_directory_outage_is_not_death(env):
+    """Regression (CI, issue 8): Redis paused 3 s (past a 2 s lease); right after, the router took the
+    lapsed lease for death and recovered a live worker's session from its last snapshot (a turn lost).
+    A worker cannot renew while Redis is out: it gets one full lease after the outage first."""
+    d, act, fake, sm, _, settings = env
+    await _worker(d, "w1", lease_s=30)
+    await _session(d, "s", SessionState.RUNNING, worker="w1")
+    await d.redis.hset(d.keys.worker("w1"), "leaseExpiresAt", repr(time.time() - settings.worker.lease_grace_s - 1))
+    d.unavailable_at_m = time.monotonic()  # as _translate records it when a call fails
+    await sm.recover_dead_workers()
+    assert not await act.check_worker("w1")
+    rec = await d.get_session("s")
+    assert rec.state == SessionState.RUNNING and rec.worker == "w1" and await d.get_worker("w1") is not None
+    # a whole lease (and the grace) after the outage without renewal: now it is dead
+    d.unavailable_at_m -= settings.worker.lease_s + settings.worker.lease_grace_s
+    await sm.recover_dead_workers()
+    rec = await d.get_session("s")
+    assert rec.state == SessionState.SUSPENDED and rec.reason == "worker_lost"
+
+
+async def test_a_failed_directory_call_is_noted_as_an_outage(redis_url):
+    d = Directory("redis://127.0.0.1:1/0", prefix=f"t-{uuid.uuid4().hex}", socket_timeout_s=0.2)
+    assert not d.unavailable_within(60)
+    with pytest.raises(Exception) as e:
+        await d.get_worker("w1")
+    assert getattr(e.value, "code", None) == "directory_unavailable"
+    assert d.unavailable_within(60) and not d.unavailable_within(0)
+    await d.close()
 
 
 async def test_a_lost_activation_is_repaired_only_for_the_current_worker_and_epoch(env):

@@ -66,6 +66,9 @@ class Cluster:
                     "SUBSTRATE_WORKER__INTERNAL_TOKEN": self.token, "SUBSTRATE_KUBERNETES__API_URL": self.api.url,
                     "SUBSTRATE_KUBERNETES__NAMESPACE": ns, "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(tmp / "snapshots"),
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
+                    # dozens of runtimes share 2 cores here: 16 booting agent hosts per worker (the default)
+                    # starved heartbeats past the 2 s test lease; tests that need more pre-started set it
+                    "SUBSTRATE_WORKER__PRESTART_HOSTS": "4",
                     "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2", "SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "2",
                     "SUBSTRATE_POOL__RECONCILE_INTERVAL_S": "0.3",
                     "SUBSTRATE_KUBERNETES__LEASE_DURATION_S": "3", "SUBSTRATE_KUBERNETES__LEASE_RENEW_S": "0.5",

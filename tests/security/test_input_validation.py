@@ -109,3 +109,69 @@ def test_bad_invoke_json_gets_400_from_the_router(rt, raw):
     assert "x-substrate-worker" not in r.headers, "the request never reached a worker"
     assert rt.client.invoke(s["id"], "increment") == {"count": 1}
     rt.client.delete_session(s["id"])
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b'\xff\xfe{"actorTemplate": "counter"}', "not valid JSON"),                       # fresh-user: was 400 http_error
+    (b'{"actorTemplate": "counter", "actorTemplate": "shell"}', "duplicate key"),  # was: a shell session
+    (b'{"actorTemplate": "counter", "labels": {"a": "1", "a": "2"}}', "duplicate key"),
+    (b'{"actorTemplate": "counter", "labels": {"n": ' + b"9" * 5000 + b"}}", "4300 digits"),
+])
+def test_bad_create_json_gets_400_bad_json_and_creates_nothing(rt, raw, says):
+    before = sessions(rt)
+    r = rt.client.http.post("/v1/sessions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "bad_json", r.text
+    assert says in r.json()["message"] and "sys.set_int_max_str_digits" not in r.json()["message"]
+    assert sessions(rt) == before
+
+
+def test_a_number_of_over_4300_digits_in_an_invoke_is_told_plainly(rt):
+    s = rt.client.create_session("counter")
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=b'{"input": ' + b"9" * 5000 + b"}",
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "more than 4300 digits" in r.json()["message"], r.text
+    rt.client.delete_session(s["id"])
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"input": "echo \\ud800"}', b'{"input": {"\\udfff": "k"}}', b'{"input": ["ok", "\\udc00x"]}',
+    b'{"input": "\xed\xa0\x80"}',  # the raw bytes of a surrogate (json.loads lets them through)
+])
+def test_lone_surrogate_in_invoke_input_is_refused_before_any_worker(rt, raw):
+    s = rt.client.create_session("shell")
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=raw,
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_input", r.text
+    assert "x-substrate-worker" not in r.headers, "the request never reached a worker"
+    # a valid surrogate pair is ordinary text
+    ok = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=b'{"input": "echo \\ud83d\\ude00"}',
+                             headers={"Content-Type": "application/json"})
+    assert ok.status_code == 200 and ok.json()["output"]["stdout"] == "\U0001f600\n", ok.text
+    rt.client.delete_session(s["id"])
+
+
+def test_lone_surrogate_in_a_resume_body_is_422(rt):
+    s = rt.client.create_session("counter")
+    rt.client.suspend(s["id"])
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/resume", content=b'{"worker": "w\\ud800"}',
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_input", r.text
+    rt.client.delete_session(s["id"])
+
+
+def test_errors_echo_at_most_a_clipped_copy_of_the_input(rt):
+    huge = "a" * 20_000
+    answers = [
+        rt.client.http.get(f"/v1/sessions/{huge.upper()}"),
+        rt.client.http.post(f"/v1/sessions/{huge.upper()}/invoke", json={"input": 1}),
+        rt.client.http.delete(f"/v1/sessions/{huge.upper()}"),
+        rt.client.http.post("/v1/sessions", json={"actorTemplate": huge}),
+        rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": huge}),
+        rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "labels": {huge: "x"}}),
+        rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "env": {huge: "x"}}),
+        rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "env": {"A" * 300: "x"}}),
+    ]
+    for r in answers:
+        assert r.status_code in (404, 422), r.text[:300]
+        assert len(r.content) < 2000, f"{r.json()['code']}: {len(r.content)} bytes echoed"
+        assert "..." in r.text or "A" * 300 not in r.text

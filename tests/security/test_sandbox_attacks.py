@@ -234,13 +234,17 @@ def test_memory_limit_hits_only_the_session_that_went_over(rt):
     assert out["exitCode"] != 0 and "allocated" not in out["stdout"]
     nb = c.create_session("notebook-lim")["id"]
     c.invoke(nb, "keep = 41")
+    epoch = c.get_session(nb)["epoch"]
     with pytest.raises(ApiError) as e:
         c.invoke(nb, "b = bytearray(400 * 2**20)")
     assert e.value.code == "memory_limit_exceeded" and e.value.status == 422
-    # its agent restarted from its last snapshot (none: `keep` is gone), and the next answer says so
+    # its activation ended with its agent; the session comes back from its last snapshot (none: `keep`
+    # is gone) under a new epoch, and the next answer says so
+    assert c.get_session(nb)["reason"] == "agent_restarted"
     r = c.http.post(f"/v1/sessions/{nb}/invoke", json={"input": "'keep' in dir()"})
     assert r.json()["output"]["repr"] == "False"
-    assert r.headers.get("x-substrate-restored") == "agent_restarted", r.headers
+    assert r.headers.get("x-substrate-restored") == "agent_restarted;snapshot=none", r.headers
+    assert int(r.headers["x-substrate-epoch"]) > epoch, "a new activation, not a restart inside the old one"
     assert c.invoke(neighbour, "increment") == {"count": 2}, "the neighbour kept its count"
     assert c.invoke(hog_sh, "echo alive")["stdout"] == "alive\n", "the session itself goes on"
     for sid in (neighbour, hog_sh, nb):

@@ -474,3 +474,39 @@ def test_pack_bounds_members_and_name_lengths(tmp_path):
     with pytest.raises(WorkspaceNotArchivable) as e:
         pack(deep, {}, session="s", epoch=1, template="t", out_path=tmp_path / "c.tar.zst")
     assert e.value.code == "workspace_name_too_long"
+
+
+# --------------------------------------------------------------------------------- read paths, ownership
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_both_read_paths_round_trip_and_refuse_a_flipped_byte(tmp_path: Path, existing: Path, monkeypatch,
+                                                             in_memory: bool) -> None:
+    from snapshot import archive as archive_mod
+
+    # small archives are read once into memory and decompressed from the bytes whose hash was checked;
+    # larger ones are hashed in a first pass over the file and again while streamed: both must hold
+    monkeypatch.setattr(archive_mod, "IN_MEMORY_ARCHIVE_BYTES", 16 << 20 if in_memory else 0)
+    ws = make_workspace(tmp_path)
+    _, _, sha = pack_ws(ws, tmp_path / "a")
+    _, state = unpack(tmp_path / "a", tmp_path / "r", expect_session="sess-1", expect_sha256=sha.upper())
+    assert state == STATE and tree(tmp_path / "r") == tree(ws)
+    data = bytearray((tmp_path / "a").read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (tmp_path / "a").write_bytes(bytes(data))
+    before = tree(existing)
+    refused(tmp_path / "a", existing, "checksum_mismatch", sha=sha)
+    assert_untouched(existing, before)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another uid needs root")
+def test_restored_entries_belong_to_the_owner_as_they_are_made(tmp_path: Path) -> None:
+    ws = make_workspace(tmp_path)
+    _, _, sha = pack_ws(ws, tmp_path / "a")
+    dest = tmp_path / "r"
+    unpack(tmp_path / "a", dest, expect_session="sess-1", expect_sha256=sha, owner=29999)
+    entries = [dest, *dest.rglob("*")]
+    assert len(entries) > 5 and any(p.is_symlink() for p in entries)
+    assert {(p.lstat().st_uid, p.lstat().st_gid) for p in entries} == {(29999, 29999)}
+    unpack(tmp_path / "a", tmp_path / "r2", expect_session="sess-1", expect_sha256=sha)  # no owner: ours
+    assert {p.lstat().st_uid for p in [tmp_path / "r2", *(tmp_path / "r2").rglob("*")]} == {os.geteuid()}

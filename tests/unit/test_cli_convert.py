@@ -31,3 +31,17 @@ def test_a_seed_style_document_converts(tmp_path: Path) -> None:
     f.write_text("apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p}\nspec: {slots: 4}\n")
     r = CliRunner().invoke(app, ["convert", str(f)])
     assert r.exit_code == 0 and "kind: WorkerPool" in r.output
+
+
+def test_a_kind_nothing_here_acts_on_is_passed_through_with_a_warning(tmp_path: Path) -> None:
+    """Fresh-user review: an agent-sandbox ``Sandbox`` went through without a word."""
+    f = tmp_path / "mixed.yaml"
+    f.write_text("apiVersion: agents.x-k8s.io/v1alpha1\nkind: Sandbox\nmetadata: {name: sb}\nspec: {}\n---\n"
+                 "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: cm}\n---\n"
+                 "apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: t}\n"
+                 "spec: {entrypoint: 'workers.agents.counter:Counter'}\n")
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "kind: Sandbox" in r.output and "kind: ConfigMap" in r.output  # both still passed through
+    assert "Sandbox sb: agents.x-k8s.io/v1alpha1 Sandbox is not a kind of this runtime" in r.output
+    assert "ConfigMap cm:" not in r.output, "no warning for a Kubernetes kind"

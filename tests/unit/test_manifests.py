@@ -239,9 +239,9 @@ def test_rbac_is_least_privilege() -> None:
     slices = _one("ClusterRole", "substrate-resourceslice-reader")
     assert slices["rules"] == [{"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
                                 "verbs": ["list", "watch"]}]
-    for g, r in (("resource.k8s.io", "resourceclaimtemplates"), ("scheduling.k8s.io", "podgroups"),
-                 ("autoscaling", "horizontalpodautoscalers")):
+    for g, r in (("resource.k8s.io", "resourceclaimtemplates"), ("autoscaling", "horizontalpodautoscalers")):
         assert verbs[(g, r)] == {"create"}
+    assert verbs[("scheduling.k8s.io", "podgroups")] == {"create", "patch"}, "patch: the gang's minCount"
     worker_sa = _one("ServiceAccount", "substrate-worker")
     assert worker_sa.get("automountServiceAccountToken") is False
     for binding in _find("RoleBinding"):

@@ -44,11 +44,33 @@ def test_expectations_prevent_over_creation():
 
 def test_scale_down_drains_the_least_used_ready_worker_and_removes_only_empty_draining_ones():
     obs = PoolObservation(workers=(WorkerObs("a", R, 10, 3, active=0), WorkerObs("b", R, 10, 1, active=0),
-                                   WorkerObs("c", D, 10, 2, active=0), WorkerObs("d", D, 10, 0)))
+                                   WorkerObs("d", D, 10, 0)))
     plan = reconcile(spec(), obs, allow_scale_down=True)
     assert plan.drain == ("b",)
     assert plan.remove == ("d",)
     assert reconcile(spec(), obs, allow_scale_down=False).drain == ()
+
+
+def test_one_drain_at_a_time():
+    # "c" is still being drained (it holds sessions): no second drain until it is done; the fresh-user
+    # burst drained five workers within five seconds, one per reconcile round
+    obs = PoolObservation(workers=(WorkerObs("a", R, 10, 3, active=0), WorkerObs("b", R, 10, 1, active=0),
+                                   WorkerObs("c", D, 10, 2, active=0), WorkerObs("d", D, 10, 0)))
+    plan = reconcile(spec(), obs)
+    assert plan.drain == () and plan.remove == ("d",)
+
+
+def test_never_drains_a_worker_whose_active_sessions_do_not_fit_elsewhere():
+    # below the held size, but the least active worker still has 4 active sessions and the other has
+    # only 2 free slots: draining it would suspend sessions current demand needs (churn)
+    ws = (WorkerObs("a", R, 10, 8, active=1), WorkerObs("b", R, 10, 5, active=4))
+    assert reconcile(dense(), PoolObservation(workers=ws, recent_desired=1)).drain == ("a",)
+    # every slot taken (mostly by idle sessions): the active one of the least active worker would have
+    # nowhere to go but another worker's lazy suspension
+    full = (WorkerObs("a", R, 6, 6, active=1), WorkerObs("b", R, 6, 6, active=1), WorkerObs("c", R, 6, 6, active=2))
+    assert reconcile(dense(), PoolObservation(workers=full, recent_desired=1)).drain == ()
+    idle = (WorkerObs("a", R, 6, 6, active=0), WorkerObs("b", R, 6, 6, active=1), WorkerObs("c", R, 6, 6, active=2))
+    assert reconcile(dense(), PoolObservation(workers=idle, recent_desired=1)).drain == ("a",)
 
 
 def test_dead_workers_are_not_capacity():
@@ -83,9 +105,20 @@ def test_demand_counts_active_waiting_in_flight_and_the_forecast():
                           arrival_rate_per_s=10.0, lead_time_s=0.25)
     # 2 active + 3 waiting + 1 in flight + round(10/s x 0.25 s) = 3 expected while a worker starts
     assert demand(obs) == 2 + 3 + 1 + 3
-    # an in-flight activation whose claimed slot shows as used but not yet active is not counted twice
+    # an activation in flight is demand although its claimed slot shows as used but not active yet
     claimed = PoolObservation(workers=(WorkerObs("a", R, 6, 3, active=2),), in_flight=1)
-    assert demand(claimed) == 2
+    assert demand(claimed) == 3
+
+
+def test_a_burst_of_creates_in_flight_holds_the_pool():
+    # the fresh-user run (issue 11): 8 workers x 16 slots, 110 slots claimed by creates still starting
+    # (105 in flight), 5 active; the old count (in flight only beyond used-but-not-active slots) read
+    # need=20 and drained a worker every round mid-burst
+    ws = tuple(WorkerObs(f"w{i}", R, 16, 14 if i < 6 else 13, active=1 if i < 5 else 0) for i in range(8))
+    s = WorkerPoolSpec(slots=16, autoscaling=Autoscaling(minReplicas=1, maxReplicas=8, targetUtilization=70),
+                       warmPool=WarmPool(readyReplicas=1))
+    plan = reconcile(s, PoolObservation(workers=ws, in_flight=105, waiting=1, recent_desired=6))
+    assert plan.need >= 110 and plan.drain == () and plan.desired == 8
 
 
 def test_forecast_alone_starts_a_worker_before_anyone_waits():
@@ -160,6 +193,13 @@ def test_plan_invariants(workers, waiting, in_flight, rate, lead, recent, starti
         assert starting == 0
         assert (serving - 1) * 6 >= need
         assert serving - 1 >= (recent or 0)
+        # one drain at a time, and the drained worker's active sessions and the waiters fit elsewhere
+        assert not any(w.state == D and w.used for w in ws)
+        (victim,) = [w for w in ws if w.id in plan.drain]
+        others_free = sum(w.slots - w.used for w in ws if w.state != D and w.id != victim.id)
+        assert victim.active + waiting <= others_free
+    # every activation in flight and every active slot is demand
+    assert need >= in_flight + sum(w.active for w in ws)
     # removes only empty draining workers
     assert all(w.state == D and w.used == 0 for w in ws if w.id in plan.remove)
     assert plan.desired <= 64

@@ -204,7 +204,7 @@ def canned_result(with_baseline: bool = False) -> dict:
         _turn("s0", 1, added=6.0, sent=12.0),
         _turn("s0", 2, kind="wake", added=80.0, sent=25.0),
         _turn("s1", 0, added=5.0, sent=3.0, trace_ok=False),
-        _turn("s1", 1, kind="wake", added=120.0, sent=30.0, status="lost_state"),
+        {**_turn("s1", 1, kind="wake", added=120.0, sent=30.0, status="lost_state"), "restored": "agent_restarted"},
         _turn("s1", 2, status="error", http=500, sent=31.0),
         _turn("s2", 0, status="timeout", http=None, sent=2.0),
         _turn("s2", 1, status="not_run", http=None, sent=None),
@@ -248,6 +248,7 @@ def canned_result(with_baseline: bool = False) -> dict:
 
 def test_summarize_target_counts_and_latencies():
     s = canned_result()["targets"]["ours"]["summary"]
+    assert s["lost_state_reported"] == 1, "the lost turn's answer said its state came back older"
     assert (s["turns_planned"], s["turns_run"], s["ok"], s["errors"], s["lost_state"], s["not_run"]) == (
         8, 7, 4, 2, 1, 1)
     assert s["errors_by_kind"] == {"error:500": 1, "timeout:-": 1}
@@ -300,7 +301,7 @@ def test_compare_measured_baseline_ratios():
 
 def test_render_markdown_reports_the_figures():
     md = rpt.render_markdown(canned_result())
-    assert "| lost_state | 1 |" in md
+    assert "| lost_state | 1 (1 reported by X-Substrate-Restored) |" in md
     assert "| errors | 2 (error:500 x1, timeout:- x1) |" in md
     assert "| warm-hit rate | 60.0 % |" in md
     assert "| added ms all (failures = inf) p50 / p99 | 80.0 / inf (failures) |" in md

@@ -4,6 +4,7 @@ command line (what is bound, what never is), and restore bounds."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import tarfile
 from pathlib import Path
@@ -15,7 +16,18 @@ from substrate.envpolicy import check_session_env
 from substrate.errors import InvalidInput, SnapshotCorrupt
 from substrate.models import ActorTemplateSpec, Isolation
 from substrate.specs import SpecError, load_documents
+from substrate.settings import WorkerSettings
 from workers.sandbox import Limits, SandboxPool, find_bwrap
+
+#: the machine-wide uid locks (a pool kills what still runs as a uid it claims: a private lock folder
+#: would let two test runs on one machine claim, and so kill, the same uid)
+LOCK_DIR = WorkerSettings().sandbox_uid_lock_dir
+
+
+def _unit_name() -> str:
+    import uuid
+
+    return f"unit-{uuid.uuid4().hex[:8]}"  # its cgroups are its own: closing a pool removes them
 
 
 @pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONWARNINGS", "PATH",
@@ -31,6 +43,10 @@ def test_template_names_are_not_overridable_and_sizes_are_bounded():
     with pytest.raises(InvalidInput) as e:
         check_session_env({"MODEL": "x"}, ["MODEL"])
     assert e.value.details["name"] == "MODEL"
+    # a template setting under a denied prefix is refused for being the template's (fresh-user review:
+    # SHELL_TIMEOUT_S was said to be a variable "loaders, interpreters or the runtime act on")
+    with pytest.raises(InvalidInput, match="the ActorTemplate sets this variable"):
+        check_session_env({"SHELL_TIMEOUT_S": "1"}, ["SHELL_TIMEOUT_S"])
     with pytest.raises(InvalidInput):
         check_session_env({"BIG": "x" * 5000})
     with pytest.raises(InvalidInput):
@@ -70,8 +86,8 @@ def test_limits_from_a_template():
 @pytest.mark.skipif(find_bwrap() is None, reason="bubblewrap not installed")
 def test_sandbox_command_line_binds_no_runtime_state(tmp_path):
     async def argv() -> list[str]:
-        pool = SandboxPool(tmp_path / "w", 1, name="unit", bwrap=find_bwrap(), uid_base=29000, uid_span=500,
-                           uid_lock_dir=tmp_path / "locks", prestart=False)
+        pool = SandboxPool(tmp_path / "w", 1, name=_unit_name(), bwrap=find_bwrap(), uid_base=29000, uid_span=500,
+                           uid_lock_dir=LOCK_DIR, prestart=False)
         try:
             return pool.argv(pool.slots[0], Limits())
         finally:
@@ -107,8 +123,8 @@ def test_an_agent_starts_when_the_interpreter_lives_under_tmp(tmp_path):
         python = sys.executable
 
     async def run() -> subprocess.CompletedProcess[bytes]:
-        pool = SandboxPool(tmp_path / "w", 1, name="unit", bwrap=find_bwrap(), uid_base=29000, uid_span=500,
-                           uid_lock_dir=tmp_path / "locks", prestart=False)
+        pool = SandboxPool(tmp_path / "w", 1, name=_unit_name(), bwrap=find_bwrap(), uid_base=29000, uid_span=500,
+                           uid_lock_dir=LOCK_DIR, prestart=False)
         try:
             pool._site.append(str(Path(python).parent.parent))
             (pool.slots[0].dir / "workspace").mkdir(parents=True, exist_ok=True)
@@ -159,3 +175,56 @@ def test_hash_is_checked_before_decompressing(tmp_path, monkeypatch):
     with pytest.raises(SnapshotCorrupt) as e:
         archive.unpack(arch, tmp_path / "ws", expect_session="s", expect_sha256="0" * 64)
     assert e.value.details["reason"] == "checksum_mismatch"
+
+
+@pytest.mark.skipif(find_bwrap() is None, reason="bubblewrap not installed")
+def test_without_libseccomp_the_worker_refuses_sandboxes_unless_the_pool_opts_out(tmp_path, monkeypatch):
+    from workers import syscalls
+    from workers.sandbox import SandboxUnavailable
+
+    def missing() -> bytes:
+        raise syscalls.SeccompUnavailable("libseccomp is not usable (test): install the Debian package "
+                                          f"`{syscalls.LIBSECCOMP_PACKAGE}`")
+
+    monkeypatch.setattr(syscalls, "build_bpf", missing)
+    kw = dict(name="unit", bwrap=find_bwrap(), uid_base=29000, uid_span=500, uid_lock_dir=tmp_path / "locks",
+              prestart=False)
+    with pytest.raises(SandboxUnavailable, match="libseccomp2"):
+        SandboxPool(tmp_path / "w", 1, **kw)
+
+    async def opted_out() -> str | None:
+        pool = SandboxPool(tmp_path / "w2", 1, require_sandbox=False, **kw)
+        try:
+            with pytest.raises(SandboxUnavailable, match="libseccomp2"):
+                await pool.spawn(pool.slots[0], Limits())  # a sandboxed template still cannot start
+            return pool.unavailable
+        finally:
+            await pool.close()
+
+    assert "libseccomp2" in (asyncio.run(opted_out()) or "")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (per-slot uids)")
+def test_a_released_slot_uid_keeps_no_kernel_keys():
+    import ctypes
+
+    from workers.syscalls import clear_uid_keyrings
+
+    uid = 29_777
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def as_uid(nr: int, *args: object) -> int:
+        pid = os.fork()
+        if pid == 0:
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os._exit(0 if libc.syscall(ctypes.c_long(nr), *args) > 0 else 3)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert as_uid(248, b"user", b"leak", b"v", ctypes.c_size_t(1), ctypes.c_long(-4)) == 0  # add_key to @u
+    # keyctl(KEYCTL_SEARCH, @u, ...): the uid's own user keyring (request_key would search the session
+    # keyring, which a forked child shares with this root process)
+    search = (250, ctypes.c_long(10), ctypes.c_long(-4), b"user", b"leak", ctypes.c_long(0))
+    assert as_uid(*search) == 0, "found before"
+    assert clear_uid_keyrings(uid)
+    assert as_uid(*search) == 3, "gone after the slot is released"

@@ -111,3 +111,50 @@ async def test_room_for_many_waiters_is_made_at_once_not_one_per_round():
     got = await asyncio.gather(*(q.wait(f"s{i}", None, 1.0) for i in range(5)))
     assert len(got) == 5 and pool.room == 0
     assert pool.room_asks[0] == 5, "one round asked for a slot per waiter"
+
+
+async def test_a_waiter_held_for_capacity_on_its_way_outlives_its_timeout():
+    # the pool is growing for the waiters (``hold``): the waiter is not refused after ``timeout_s``
+    # (capacity never refuses what it is creating) and keeps its place; the slot of the new worker is its
+    pool = FakePool(free=0)
+    q = pool.queue()
+    growing = True
+    task = asyncio.create_task(q.wait("s0", None, 0.05, hold=lambda: growing, max_s=30.0))
+    await asyncio.sleep(0.3)  # six of its timeouts
+    assert not task.done() and len(q) == 1
+    pool.free += 1  # the new worker registered
+    growing = False
+    q.notify()
+    assert await task == ("w1", 1)
+
+
+async def test_a_held_waiter_is_still_bounded_by_max_s_and_then_by_timeout_s():
+    pool = FakePool(free=0)
+    q = pool.queue()
+    with pytest.raises(asyncio.TimeoutError):
+        await q.wait("s0", None, 0.01, hold=lambda: True, max_s=0.1)
+    assert len(q) == 0 and pool.claimed == []
+    stopped = iter([True, True, False])  # growth stops: timeout_s counts from then
+    with pytest.raises(asyncio.TimeoutError):
+        await q.wait("s1", None, 0.05, hold=lambda: next(stopped, False), max_s=30.0)
+
+
+async def test_capacity_that_came_between_two_looks_gets_a_whole_timeout_to_reach_the_waiter():
+    # the waiter looked at ``hold`` while a worker was starting (true); at its next look the worker is up
+    # (false) and its slots are free but not yet handed out: the waiter must not give up at that moment
+    # (the fresh-user burst refused 15 creates with 23 slots free), it waits one more timeout_s
+    pool = FakePool(free=0)
+    q = pool.queue()
+    looks: list[bool] = []
+
+    def hold() -> bool:
+        if not looks:
+            looks.append(True)
+            return True
+        pool.free += 1  # the worker registered just now; the pump has not served anyone yet
+        q.notify()
+        looks.append(False)
+        return False
+
+    assert await q.wait("s0", None, 0.5, hold=hold, max_s=30.0) == ("w1", 1)
+    assert looks == [True, False]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,9 +82,8 @@ def test_resolve_env_tenant_first_then_shared(tmp_path):
 #: a worker's refusal into a retry through the directory or into worker_unavailable)
 INTERNAL = {"not_active", "busy", "stale_epoch", "missing_token", "token_not_for_this_call", "epoch_mismatch",
             "no_signing_key", "unsupported_template", "api_key_not_found", "invalid_api_key_spec",
-            "invalid_tenant", "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
-            "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch",
-            "worker_fenced"}
+            "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
+            "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch"}
 
 
 def test_every_error_code_is_documented():
@@ -97,3 +97,97 @@ def test_every_error_code_is_documented():
     missing = found - set(ERROR_CODES) - INTERNAL
     assert not missing, f"error codes without documentation in api/errors_doc.py: {sorted(missing)}"
     assert set(openapi_error_schema()["properties"]["code"]["enum"]) == set(ERROR_CODES)
+
+
+def test_request_id_rule():
+    """X-Request-ID: 1-128 visible ASCII characters kept as sent; absent or empty -> a fresh ID; any
+    other value -> 422 invalid_request_id (never stored or echoed)."""
+    from api.proxy import MAX_REQUEST_ID_CHARS, request_id
+    from substrate.errors import InvalidInput
+
+    assert request_id({"x-request-id": "a" * MAX_REQUEST_ID_CHARS}) == "a" * MAX_REQUEST_ID_CHARS
+    assert request_id({"x-request-id": "00-4bf92f3577b34da6-01:trace/x=y"}) == "00-4bf92f3577b34da6-01:trace/x=y"
+    for absent in ({}, {"x-request-id": ""}):
+        rid = request_id(absent)
+        assert re.fullmatch(r"[0-9a-f]{32}", rid)
+    for bad in ("a" * (MAX_REQUEST_ID_CHARS + 1), "has space", "line\nbreak", "tab\t", "caf\u00e9", "\x7f"):
+        with pytest.raises(InvalidInput) as e:
+            request_id({"x-request-id": bad})
+        assert e.value.code == "invalid_request_id" and e.value.status == 422
+
+
+async def test_guard_and_route_authenticate_once_per_request():
+    """The front door authenticates every /v1 call (an invoke too: it reads the body, and only a known
+    caller's) and the route's check reuses that principal (a JWT was verified twice per call)."""
+    from types import SimpleNamespace
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from api import proxy
+    from api.auth import Principal
+    from api.guard import Guard
+    from substrate.errors import SubstrateError
+    from substrate.settings import Settings
+
+    class CountingAuth:
+        calls = 0
+
+        async def authenticate(self, headers):
+            CountingAuth.calls += 1
+            if headers.get("authorization") != "Bearer good":
+                from substrate.errors import Unauthorized
+                raise Unauthorized("no")
+            return Principal(tenant="team-a", subject="jwt:alice", via="jwt")
+
+    auth = CountingAuth()
+    runtime = SimpleNamespace(auth=auth)
+
+    async def endpoint(request: Request) -> Any:
+        try:
+            p = await proxy.authenticate(runtime, request)  # type: ignore[arg-type]
+        except SubstrateError as e:
+            return proxy.error_response(e)
+        return JSONResponse({"tenant": p.tenant, "rid": request.state.request_id})
+
+    async def chunked() -> Any:
+        yield b'{"input"'
+        yield b": 1}"
+
+    app = Starlette(routes=[Route("/v1/sessions", endpoint, methods=["GET", "POST"]),
+                            Route("/v1/sessions/{sid}/invoke", endpoint, methods=["POST"])])
+    guarded = Guard(app, get_settings=lambda scope: (Settings(), auth))
+    ok = {"Authorization": "Bearer good"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://t") as c:
+        for method, path, kw in [("GET", "/v1/sessions", {}), ("POST", "/v1/sessions", {"json": {}}),
+                                 ("POST", "/v1/sessions/s1/invoke", {"json": {"input": 1}}),
+                                 ("POST", "/v1/sessions/s1/invoke", {"content": chunked()})]:
+            CountingAuth.calls = 0
+            r = await c.request(method, path, headers={**ok, "X-Request-ID": "r-1"}, **kw)
+            assert r.status_code == 200 and r.json() == {"tenant": "team-a", "rid": "r-1"}, (path, r.text)
+            assert CountingAuth.calls == 1, (method, path, kw.keys(), CountingAuth.calls)
+        CountingAuth.calls = 0
+        r = await c.get("/v1/sessions", headers={"Authorization": "Bearer bad"})
+        assert r.status_code == 401 and CountingAuth.calls == 1
+        r = await c.get("/v1/sessions", headers={**ok, "X-Request-ID": "x" * 129})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request_id"
+
+
+def test_quota_limits_from_the_nested_environment_form(monkeypatch) -> None:
+    """``SUBSTRATE_QUOTA__TENANTS__ACME__MAXTOTAL=4`` failed to load: the environment form reaches the
+    model lower-cased (``maxtotal``), which it refused as an unknown field. Any case is accepted now; an
+    unknown name is still refused."""
+    import pydantic
+
+    from substrate.models import QuotaLimits
+    from substrate.settings import Settings
+
+    monkeypatch.setenv("SUBSTRATE_QUOTA__TENANTS__ACME__MAXTOTAL", "4")
+    monkeypatch.setenv("SUBSTRATE_QUOTA__DEFAULT__MAXRUNNING", "2")
+    s = Settings()
+    assert s.quota.tenants["acme"].maxTotal == 4 and s.quota.default.maxRunning == 2
+    with pytest.raises(pydantic.ValidationError):
+        QuotaLimits.model_validate({"maxtotals": 1})

@@ -24,6 +24,8 @@ def main() -> None:
             return
         else:
             reply = {"error": f"unknown op {op!r}"}
+        if "id" in msg:  # echoed, so the worker can tell this answer from any stray line (workers/command.py)
+            reply["id"] = msg["id"]
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

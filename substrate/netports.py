@@ -1,0 +1,67 @@
+"""Free loopback ports that the kernel will not hand to someone else before we bind them.
+
+The usual trick (bind port 0, read the port, close, pass the number on) picks from the kernel's
+*ephemeral* range (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 on Linux). Between the close
+and the real bind, that same port can be given to any outgoing connection or any other ``bind(0)``, such
+as a worker starting in the meantime: CI saw ``[Errno 98] address already in use`` from exactly this.
+Ports below the ephemeral range are only ever taken by an explicit bind, so picking there (at random,
+never the same one twice in a process) leaves only a collision with another explicit picker.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+from pathlib import Path
+
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10000  # below this live well-known services (Redis 6379, moto 5000, dev servers 8000-9000)
+_handed_out: set[int] = set()
+_lock = threading.Lock()
+_rng = random.Random()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """``(low, high)`` of the kernel's ephemeral port range, inclusive; ``(32768, 60999)`` if unreadable."""
+    try:
+        lo, hi = (int(x) for x in _RANGE_FILE.read_text().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", *, high: int | None = None, attempts: int = 500) -> int:
+    """A TCP port on ``host`` that nothing is bound to now, outside the kernel's ephemeral range.
+
+    ``high`` (inclusive) caps the pick further, e.g. ``ephemeral_range()[0] - 10001`` for a Redis
+    Cluster node whose bus port is ``port + 10000``. Each port is returned at most once per process.
+    When no such port can be found (a machine whose ephemeral range starts low), falls back to the
+    kernel's pick (``bind(0)``), which is racy in the way this module's docstring says.
+
+    Raises ``OSError`` only if ``host`` cannot be bound at all.
+    """
+    lo_eph, hi_eph = ephemeral_range()
+    spans = [(_LOWEST, lo_eph - 1), (hi_eph + 1, 65535)]
+    if high is not None:
+        spans = [(lo, min(hi, high)) for lo, hi in spans]
+    spans = [(lo, hi) for lo, hi in spans if hi - lo >= 100]
+    with _lock:
+        for _ in range(attempts if spans else 0):
+            lo, hi = _rng.choice(spans)
+            port = _rng.randint(lo, hi)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

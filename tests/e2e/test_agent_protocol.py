@@ -1,0 +1,100 @@
+"""An agent that writes to its own agent host's protocol pipe, and the audit record of a dead agent's
+automatic restart, on a real runtime (``substrate up``, real workers, real sandboxes).
+
+* A notebook cell can reach the host's ``Host`` object (same process) and write a forged answer line.
+  It used to become the turn's answer, every later answer was the previous turn's, a suspend crashed
+  the worker's handler (aiohttp's plain-text 500) and the session never got a snapshot. Now the line is
+  a protocol violation: the agent is killed, the turn answers 500 ``agent_protocol_violation`` and the
+  session comes back from its last snapshot, answering correctly, and suspends normally.
+* A turn timeout (the worker kills the agent and moves the session to SUSPENDED, ``agent_restarted``,
+  on its own) leaves exactly one audit record of that move, by the system, with the dead activation's
+  worker and epoch.
+
+No timing is asserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from substrate.audit import SYSTEM
+from substrate.client import ApiError
+from tests.conftest import RuntimeProc
+
+EXTRA = """
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: shell-turn2s}
+spec:
+  entrypoint: workers.agents.shell:Shell
+  env: [{name: SHELL_TIMEOUT_S, value: "60"}]
+  isolation: {turnTimeout: 2s}
+"""
+
+FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
+         'h.out.write(b\'{"output": "FORGED"}\\n\'); h.out.flush()\n"real"')
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[RuntimeProc]:
+    r = RuntimeProc(tmp_path_factory.mktemp("proto"), redis_url, replicas=1, slots=4, extra_yaml=EXTRA)
+    yield r
+    r.stop()
+
+
+def _events(rt: RuntimeProc, sid: str) -> list[dict[str, Any]]:
+    return list(rt.client.session_events(sid, limit=1000)["items"])
+
+
+def test_a_forged_protocol_line_is_never_an_answer_and_the_session_recovers(rt: RuntimeProc) -> None:
+    c = rt.client
+    sid = c.create_session("notebook")["id"]
+    try:
+        assert c.invoke(sid, "x = 5\nx")["repr"] == "5"
+        assert c.suspend(sid) is not None  # a snapshot holding x
+        assert c.invoke(sid, "y = 7\ny")["repr"] == "7"
+        with pytest.raises(ApiError) as e:
+            c.invoke(sid, FORGE)
+        assert (e.value.status, e.value.code) == (500, "agent_protocol_violation"), e.value
+        assert "FORGED" not in e.value.message
+        # back from its last snapshot (x, not y), and every answer is its own turn's
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
+        assert r.status_code == 200 and r.json()["output"]["repr"] == "5", r.text
+        assert r.headers.get("X-Substrate-Restored") == "agent_restarted"
+        assert c.invoke(sid, "'y' in globals()")["repr"] == "False"
+        assert c.invoke(sid, "1 + 1")["repr"] == "2"
+        assert c.invoke(sid, "x * 3")["repr"] == "15"
+        r = c.http.post(f"/v1/sessions/{sid}/suspend")
+        assert r.status_code == 202, r.text
+        assert c.invoke(sid, "x")["repr"] == "5"
+        restarts = [ev for ev in _events(rt, sid) if ev["action"] == "recover"]
+        assert [ev["reason"] for ev in restarts] == ["agent_restarted"], _events(rt, sid)
+    finally:
+        c.delete_session(sid)
+
+
+def test_a_turn_timeout_leaves_one_record_of_the_agent_restarted_move(rt: RuntimeProc) -> None:
+    c = rt.client
+    s = c.create_session("shell-turn2s")
+    sid = s["id"]
+    try:
+        epochs = []
+        for _ in range(2):  # the tester's sequence: two timeouts, each on a fresh activation
+            assert c.invoke(sid, "echo hi")["stdout"] == "hi\n"
+            cur = c.get_session(sid)
+            epochs.append((cur["worker"], cur["epoch"]))
+            with pytest.raises(ApiError) as e:
+                c.invoke(sid, "sleep 30")
+            assert (e.value.status, e.value.code) == (504, "turn_timeout")
+        evs = _events(rt, sid)
+        moved = [ev for ev in evs if ev["reason"] == "agent_restarted" and ev["action"] != "wake"]
+        assert len(moved) == 2, [(ev["action"], ev["reason"], ev["epoch"]) for ev in evs]
+        for ev, (worker, epoch) in zip(moved, epochs):
+            assert (ev["action"], ev["who"], ev["tenant"], ev["worker"], ev["epoch"], ev["result"],
+                    ev["template"]) == ("recover", SYSTEM.who, "default", worker, epoch, "ok", "shell-turn2s"), ev
+    finally:
+        c.delete_session(sid)

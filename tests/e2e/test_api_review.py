@@ -1,0 +1,448 @@
+"""Findings of a fresh-user review of the public API, end to end (a real runtime with API keys for two
+tenants and an admin, real workers, real HTTP and raw sockets):
+
+* L5: a JSON body sent without ``Content-Type: application/json`` (``curl -d`` labels it
+  ``application/x-www-form-urlencoded``) got a 422 naming "missing" fields; now 415
+  ``unsupported_media_type`` naming the header, on every JSON-body route; no ``Content-Type`` = JSON;
+* L6: ``/v1/stats`` showed a tenant the fleet's capacity; now only its own figures (admins: all);
+* L10: a body that never finishes held a connection and a handler for ever; now 408 ``request_timeout``
+  after ``api.body_read_timeout_s`` and the connection is closed;
+* L12: the suspend answer showed ``turns`` from before the worker's last heartbeat (and the turns the
+  heartbeat had not reported were lost with the activation); now the suspend's commit counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import RuntimeProc
+from tests.e2e.test_tenancy import KEY_A, KEY_ADMIN, KEY_B, _keys_env
+
+#: the test runtime's heartbeat period (s): long enough that three quick turns are surely not reported
+#: yet when the suspend comes (L12), with a lease well above it on a loaded machine
+HEARTBEAT_S = 2.0
+BODY_READ_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[RuntimeProc]:
+    r = RuntimeProc(tmp_path_factory.mktemp("api-review"), redis_url, replicas=1, slots=6,
+                    env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(),
+                         "SUBSTRATE_API__BODY_READ_TIMEOUT_S": str(BODY_READ_TIMEOUT_S),
+                         "SUBSTRATE_WORKER__HEARTBEAT_S": str(HEARTBEAT_S), "SUBSTRATE_WORKER__LEASE_S": "8"})
+    yield r
+    r.stop()
+
+
+def _http(rt: RuntimeProc, key: str) -> httpx.Client:
+    return httpx.Client(base_url=rt.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def _create(c: httpx.Client, template: str = "counter") -> dict[str, Any]:
+    r = c.post("/v1/sessions", json={"actorTemplate": template})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _count(c: httpx.Client) -> int:
+    return len(c.get("/v1/sessions", params={"limit": 1000}).json()["items"])
+
+
+# ------------------------------------------------------------------------------------ L5 content type
+FORM = "application/x-www-form-urlencoded"  # what `curl -d` sends without -H
+
+
+@pytest.mark.parametrize("ctype", [FORM, "text/plain", "text/plain;charset=UTF-8", "multipart/form-data; b=x",
+                                   "application/jsonx", None])
+def test_create_without_a_json_content_type_is_415_and_creates_nothing(rt: RuntimeProc, ctype: str | None) -> None:
+    with _http(rt, KEY_A) as a:
+        before = _count(a)
+        r = a.post("/v1/sessions", content=b'{"actorTemplate":"counter"}',
+                   headers={"Content-Type": ctype} if ctype else {})
+        if ctype is None:  # httpx sends raw content without one: the case under test
+            assert "content-type" not in r.request.headers
+        assert r.status_code == 415, r.text
+        err = r.json()
+        assert err["code"] == "unsupported_media_type"
+        assert "'Content-Type: application/json'" in err["message"]
+        assert (ctype or "no Content-Type").split(";")[0] in err["message"]
+        assert _count(a) == before
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "Application/JSON; charset=utf-8",
+                                   "application/vnd.substrate+json"])
+def test_create_with_a_json_content_type_works(rt: RuntimeProc, ctype: str) -> None:
+    with _http(rt, KEY_A) as a:
+        r = a.post("/v1/sessions", content=b'{"actorTemplate":"counter"}', headers={"Content-Type": ctype})
+        assert r.status_code == 201, r.text
+        a.delete(f"/v1/sessions/{r.json()['id']}")
+
+
+@pytest.mark.parametrize("ctype", [FORM, None])
+def test_invoke_and_resume_without_a_json_content_type_are_415_and_change_nothing(rt: RuntimeProc,
+                                                                                  ctype: str | None) -> None:
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        for path, body in [(f"/v1/sessions/{sid}/invoke", b'{"input":"increment"}'),
+                           (f"/v1/sessions/{sid}/invoke?stream=true", b'{"input":"increment"}'),
+                           (f"/v1/sessions/{sid}/resume", b"{}")]:
+            r = a.post(path, content=body, headers={"Content-Type": ctype} if ctype else {})
+            assert r.status_code == 415, (path, r.text)
+            assert r.json()["code"] == "unsupported_media_type" and "application/json" in r.json()["message"]
+        assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+        # no body (curl -X POST, or -d ''): nothing to refuse, whatever the header says
+        r = a.post(f"/v1/sessions/{sid}/resume", content=b"", headers={"Content-Type": ctype} if ctype else {})
+        assert r.status_code == 200, r.text
+        a.delete(f"/v1/sessions/{sid}")
+
+
+def test_curl_d_without_a_header_is_told_what_to_send(rt: RuntimeProc) -> None:
+    """The finding as a user met it: ``curl -d '{...}'`` with no ``-H``."""
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None:
+        pytest.skip("no curl on this machine")
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "-H", f"Authorization: Bearer {KEY_A}",
+                          "-d", '{"actorTemplate":"counter"}', rt.url + "/v1/sessions"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    body, _, status = out.rpartition("\n")
+    assert status == "415" and json.loads(body)["code"] == "unsupported_media_type"
+    assert "application/x-www-form-urlencoded" in json.loads(body)["message"]
+
+
+def test_openapi_lists_the_new_codes(rt: RuntimeProc) -> None:
+    spec = httpx.get(rt.url + "/openapi.json", timeout=30).json()
+    create = spec["paths"]["/v1/sessions"]["post"]["responses"]
+    assert "unsupported_media_type" in create["415"]["description"]
+    assert "request_timeout" in create["408"]["description"]
+    assert {"unsupported_media_type", "request_timeout"} <= set(spec["components"]["schemas"]["Error"]
+                                                               ["properties"]["code"]["enum"])
+
+
+# --------------------------------------------------------------------------------------- L6 stats
+FLEET = {"workers", "slots", "slotsUsed", "workerSeconds", "slotSeconds", "processSeconds", "parked",
+         "routeCacheEntries"}
+
+
+def test_stats_show_a_tenant_only_its_own_figures_and_an_admin_the_fleet(rt: RuntimeProc) -> None:
+    with _http(rt, KEY_A) as a, _http(rt, KEY_B) as b, _http(rt, KEY_ADMIN) as admin:
+        mine = [_create(a)["id"]]
+        theirs = [_create(b)["id"] for _ in range(2)]
+        try:
+            sa = a.get("/v1/stats").json()
+            assert set(sa) == {"sessions", "tenant", "quota"}, sa  # nothing fleet-wide
+            assert sa["tenant"] == "team-a" and sa["quota"]["tenant"] == "team-a"
+            assert sa["sessions"]["RUNNING"] == 1 and sa["quota"]["running"] == 1  # not B's two
+            sb = b.get("/v1/stats").json()
+            assert not FLEET & set(sb) and sb["sessions"]["RUNNING"] == 2
+            r = a.get("/v1/stats", params={"tenant": "team-b"})
+            assert (r.status_code, r.json()["code"]) == (403, "forbidden")
+            # the admin sees the fleet and every tenant's sessions, or one tenant's
+            sx = admin.get("/v1/stats").json()
+            assert FLEET <= set(sx) and sx["workers"] == 1 and sx["slots"] == 6 and sx["slotsUsed"] >= 3
+            assert sx["tenant"] is None and sx["sessions"]["RUNNING"] >= 3
+            sxb = admin.get("/v1/stats", params={"tenant": "team-b"}).json()
+            assert FLEET <= set(sxb) and sxb["tenant"] == "team-b" and sxb["sessions"]["RUNNING"] == 2
+        finally:
+            for sid in mine:
+                a.delete(f"/v1/sessions/{sid}")
+            for sid in theirs:
+                b.delete(f"/v1/sessions/{sid}")
+
+
+def test_workerpools_show_live_capacity_to_admins_only(rt: RuntimeProc) -> None:
+    """Same leak as the stats' (fresh-user review): the pools' live status is fleet-wide capacity."""
+    with _http(rt, KEY_A) as a, _http(rt, KEY_ADMIN) as admin:
+        pa = a.get("/v1/workerpools")
+        assert pa.status_code == 200
+        items = pa.json()["items"]
+        assert items and all(set(p["status"]) == {"observedGeneration"} for p in items), items
+        assert all(p["spec"]["slots"] == 6 for p in items)  # the spec (configuration) stays readable
+        assert all("replicas" not in p["spec"] for p in items), "the autoscaler's live size is not shown"
+        px = admin.get("/v1/workerpools").json()["items"]
+        assert px[0]["status"]["readyReplicas"] == 1 and px[0]["status"]["slots"] == 6
+
+
+# ------------------------------------------------------------------------------ L10 body read timeout
+def _read_answer(s: socket.socket, *, expect_close: bool) -> tuple[int, dict[str, Any], bool]:
+    """Read one whole HTTP/1.1 answer from ``s`` (its head and ``Content-Length`` bytes of body, however
+    many segments they come in). With ``expect_close``, also read on to learn whether the server closed
+    the connection after it. Returns the status, the JSON body, and whether the connection was closed."""
+    data = b""
+    closed = False
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            closed = True
+            break
+        data += chunk
+        top, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":", 1)[1]) for line in top.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if length is not None and len(rest) >= length:
+                if expect_close:  # the answer is whole: the server must close now, not wait for more
+                    closed = s.recv(1) == b""
+                break
+    top, _, rest = data.partition(b"\r\n\r\n")
+    return int(top.split(b" ", 2)[1]), json.loads(rest), closed
+
+
+def _raw(rt: RuntimeProc, head: str, partial: bytes) -> tuple[int, dict[str, Any], bool]:
+    """Send ``head`` (request line and headers) and ``partial`` of the body, then nothing more. Returns
+    the answer's status, its JSON body, and whether the server closed the connection after it."""
+    with socket.create_connection(("127.0.0.1", rt.port), timeout=30) as s:
+        s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + partial)
+        return _read_answer(s, expect_close=True)
+
+
+@pytest.mark.parametrize("route", ["create", "invoke"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_that_never_finishes_gets_408_and_the_connection_is_closed(rt: RuntimeProc, route: str,
+                                                                           framing: str) -> None:
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        before = _count(a)
+        path, body = ((f"/v1/sessions/{sid}/invoke", b'{"input":"increment"}') if route == "invoke"
+                      else ("/v1/sessions", b'{"actorTemplate":"counter"}'))
+        if framing == "chunked":
+            frame, partial = "Transfer-Encoding: chunked", b"%x\r\n%s\r\n" % (8, body[:8])
+        else:
+            frame, partial = f"Content-Length: {len(body)}", body[:8]
+        head = (f"POST {path} HTTP/1.1\nHost: t\nAuthorization: Bearer {KEY_A}\n"
+                f"Content-Type: application/json\n{frame}\n")
+        status, err, closed = _raw(rt, head, partial)
+        assert (status, err["code"]) == (408, "request_timeout"), err
+        assert "did not arrive" in err["message"]
+        assert closed, "the connection is closed after a 408"
+        # nothing changed, and the API serves as before
+        assert _count(a) == before
+        assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+        a.delete(f"/v1/sessions/{sid}")
+
+
+def test_a_stalled_body_of_an_unauthenticated_caller_is_401_at_once(rt: RuntimeProc) -> None:
+    """The front door authenticates before it waits for a body (the invoke route too)."""
+    head = "POST /v1/sessions/x/invoke HTTP/1.1\nHost: t\nContent-Type: application/json\nContent-Length: 50\n"
+    status, err, _ = _raw(rt, head, b'{"in')
+    assert (status, err["code"]) == (401, "unauthorized")
+
+
+def test_a_body_sent_in_pieces_within_the_timeout_is_read(rt: RuntimeProc) -> None:
+    with _http(rt, KEY_A) as a:
+        before = _count(a)
+        body = b'{"actorTemplate":"counter"}'
+        with socket.create_connection(("127.0.0.1", rt.port), timeout=30) as s:
+            s.sendall(f"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY_A}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+            time.sleep(BODY_READ_TIMEOUT_S / 4)
+            s.sendall(body[5:])
+            # the head and the body may come in separate segments (the CI run that read only the head)
+            status, created, _ = _read_answer(s, expect_close=False)
+        assert status == 201, created
+        assert _count(a) == before + 1
+        sid = created["id"]
+        a.delete(f"/v1/sessions/{sid}")
+
+
+# ------------------------------------------------------------------------------------ L12 suspend turns
+def test_suspend_answer_counts_the_turns_not_reported_yet(rt: RuntimeProc) -> None:
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        for _ in range(3):
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}).status_code == 200
+        r = a.post(f"/v1/sessions/{sid}/suspend")
+        assert r.status_code == 202, r.text
+        assert r.json()["state"] == "SUSPENDED" and r.json()["turns"] == 3
+        time.sleep(HEARTBEAT_S * 1.5)  # a heartbeat in flight at the suspend must not count them again
+        assert a.get(f"/v1/sessions/{sid}").json()["turns"] == 3
+        # the count goes on from there after a wake
+        assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}).json()["output"] == {"count": 4}
+        assert a.post(f"/v1/sessions/{sid}/suspend").json()["turns"] == 4
+        a.delete(f"/v1/sessions/{sid}")
+
+
+# ----------------------------------------------------------------- second fresh-user review (fix-api2)
+def _b64(raw: str) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _refused(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["code"] == code and err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("raw", ["99999999999999999999-0", "18446744073709551615-18446744073709551616"])
+def test_an_out_of_range_events_token_is_422_not_a_redis_error(rt: RuntimeProc, raw: str) -> None:
+    """A forged stream ID Redis refuses answered 503 ``directory_unavailable`` with Redis's text."""
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            for path in ("/v1/events", f"/v1/sessions/{sid}/events"):
+                err = _refused(a.get(path, params={"continue": _b64(raw)}), 422, "invalid_continue")
+                assert "stream" not in err["message"].lower(), err  # nothing of Redis's own words
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+
+
+def test_the_largest_events_token_is_an_empty_last_page(rt: RuntimeProc) -> None:
+    """The largest valid stream ID: nothing after it (Redis refuses it as an exclusive start)."""
+    with _http(rt, KEY_A) as a:
+        r = a.get("/v1/events", params={"continue": _b64(f"{2**64 - 1}-{2**64 - 1}")})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"items": [], "metadata": {"continue": None}}
+
+
+@pytest.mark.parametrize("raw", ["1|a|b", " 1|a", "1_000|a", "1|BAD ID", "1.0|BAD ID", "1.0|a|b", "nan|a"])
+def test_a_forged_session_list_token_is_422(rt: RuntimeProc, raw: str) -> None:
+    with _http(rt, KEY_A) as a:
+        _refused(a.get("/v1/sessions", params={"continue": _b64(raw)}), 422, "invalid_continue")
+
+
+def test_session_list_tokens_the_api_made_still_page(rt: RuntimeProc) -> None:
+    with _http(rt, KEY_A) as a:
+        ids = [_create(a)["id"] for _ in range(3)]
+        try:
+            seen, token = [], None
+            while True:
+                page = a.get("/v1/sessions", params={"limit": 1, **({"continue": token} if token else {})})
+                assert page.status_code == 200, page.text
+                seen += [s["id"] for s in page.json()["items"]]
+                token = page.json()["metadata"]["continue"]
+                if token is None:
+                    break
+            assert set(ids) <= set(seen) and len(seen) == len(set(seen))
+        finally:
+            for sid in ids:
+                a.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("value", ["maybe", "yes", "", "TRUE2", "2"])
+def test_an_unknown_stream_value_is_422_and_runs_no_turn(rt: RuntimeProc, value: str) -> None:
+    """``?stream=maybe`` answered plain JSON, silently, after running the turn."""
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            r = a.post(f"/v1/sessions/{sid}/invoke", params={"stream": value}, json={"input": "increment"})
+            err = _refused(r, 422, "invalid_input")
+            assert "stream" in err["message"] and err["details"]["errors"][0]["loc"] == ["query", "stream"]
+            got = a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()
+            assert got["output"] == {"count": 0}, "the refused call ran no turn"
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("value,streams", [("1", True), ("true", True), ("0", False), ("false", False),
+                                           (None, False)])
+def test_the_stream_values_that_are_accepted(rt: RuntimeProc, value: str | None, streams: bool) -> None:
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            r = a.post(f"/v1/sessions/{sid}/invoke", params={"stream": value} if value is not None else {},
+                       json={"input": "increment"})
+            assert r.status_code == 200, r.text
+            if streams:
+                assert r.headers["content-type"].startswith("application/x-ndjson")
+                assert [json.loads(line) for line in r.text.splitlines()][0] == {"chunk": {"count": 1}}
+            else:
+                assert r.json()["output"] == {"count": 1}
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("path", ["/v1/sessions", "/v1/events", "/v1/stats"])
+@pytest.mark.parametrize("tenant", ["BAD X", "", "a" * 300, "team-a\n", "-team"])
+def test_an_admin_tenant_filter_that_is_no_tenant_name_is_422(rt: RuntimeProc, path: str, tenant: str) -> None:
+    """It answered 200 with nothing in it (and an empty ``tenant=`` meant no filter at all)."""
+    with _http(rt, KEY_ADMIN) as admin:
+        err = _refused(admin.get(path, params={"tenant": tenant}), 422, "invalid_tenant")
+        assert "tenant" in err["message"]
+        assert admin.get(path, params={"tenant": "team-a"}).status_code == 200
+
+
+def test_a_reused_request_id_is_named_as_the_key_that_was_reused(rt: RuntimeProc) -> None:
+    """Without ``Idempotency-Key`` the request ID is the key: the message named an Idempotency-Key the
+    client never sent."""
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            rid = {"X-Request-ID": f"rid-{sid}"}
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}, headers=rid).status_code == 200
+            r = a.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}, headers=rid)
+            err = _refused(r, 422, "idempotency_key_reused")
+            assert f"X-Request-ID 'rid-{sid}'" in err["message"] and "no Idempotency-Key was sent" in err["message"]
+            # with the header, the message names it as before
+            key = {"Idempotency-Key": f"k-{sid}"}
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}, headers=key).status_code == 200
+            r = a.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}, headers={**key, **rid})
+            err = _refused(r, 422, "idempotency_key_reused")
+            assert f"Idempotency-Key 'k-{sid}'" in err["message"] and "X-Request-ID" not in err["message"]
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+
+
+#: statuses each route must document (the fresh-user run found these missing)
+_DOCUMENTED = {("/v1/sessions", "post"): {400, 409, 422},
+               ("/v1/sessions/{sid}/invoke", "post"): {400, 404, 409, 410, 422, 500, 502, 504},
+               ("/v1/sessions/{sid}/suspend", "post"): {404, 409, 422},
+               ("/v1/sessions/{sid}/resume", "post"): {400, 404, 409, 422},
+               ("/v1/sessions", "get"): {422}, ("/v1/events", "get"): {422}, ("/v1/stats", "get"): {422}}
+
+
+def test_openapi_lists_every_status_of_each_route_with_the_error_schema(rt: RuntimeProc) -> None:
+    spec = httpx.get(rt.url + "/openapi.json", timeout=30).json()
+    for (path, method), statuses in _DOCUMENTED.items():
+        responses = spec["paths"][path][method]["responses"]
+        assert {str(s) for s in statuses} <= set(responses), (path, method, sorted(responses))
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for status, resp in op["responses"].items():
+                if status.startswith(("4", "5")):  # every error answer is an Error, 422 too
+                    ref = resp["content"]["application/json"]["schema"]["$ref"]
+                    assert ref == "#/components/schemas/Error", (path, method, status)
+    assert "HTTPValidationError" not in json.dumps(spec)
+    create = spec["paths"]["/v1/sessions"]["post"]["responses"]
+    assert "bad_json" in create["400"]["description"] and "session_exists" in create["409"]["description"]
+    assert "invalid_tenant" in spec["components"]["schemas"]["Error"]["properties"]["code"]["enum"]
+    # fresh-user run: invoke's request and answer headers were in the README only
+    invoke = spec["paths"]["/v1/sessions/{sid}/invoke"]["post"]
+    headers = {p["name"]: p for p in invoke["parameters"] if p["in"] == "header"}
+    assert set(headers) == {"Idempotency-Key", "X-Request-ID"}
+    assert "never run twice" in headers["Idempotency-Key"]["description"]
+    assert "invalid_request_id" in headers["X-Request-ID"]["description"]
+    assert {"X-Substrate-Worker", "X-Substrate-Epoch", "X-Substrate-Woke", "X-Substrate-Wake-Ms",
+            "X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At",
+            "X-Substrate-Replayed"} <= set(invoke["responses"]["200"]["headers"])
+    for path, ops in spec["paths"].items():  # the request ID: every /v1 route reads and checks it
+        for method, op in ops.items():
+            if path.startswith("/v1"):
+                names = [p["name"] for p in op.get("parameters", []) if p["in"] == "header"]
+                assert names.count("X-Request-ID") == 1, (path, method, names)
+
+
+def test_suspend_and_resume_answers_have_the_session_view_of_get(rt: RuntimeProc) -> None:
+    with _http(rt, KEY_A) as a:
+        created = _create(a)
+        sid = created["id"]
+        try:
+            suspended = a.post(f"/v1/sessions/{sid}/suspend")
+            assert suspended.status_code == 202, suspended.text
+            assert set(suspended.json()) == set(a.get(f"/v1/sessions/{sid}").json()) == set(created)
+            assert suspended.json()["sandboxed"] is True
+            resumed = a.post(f"/v1/sessions/{sid}/resume")
+            assert resumed.status_code == 200, resumed.text
+            assert set(resumed.json()) == set(created) and resumed.json()["sandboxed"] is True
+        finally:
+            a.delete(f"/v1/sessions/{sid}")

@@ -1,0 +1,69 @@
+"""A burst on a pool that can still grow (issue 11, fresh-user run): every request succeeds and nobody is
+suspended to make room for it.
+
+The fresh-user run of ``substrate up`` (8 workers x 16 slots) sent 120 concurrent creates and then a turn to
+each: 61 x 503 ``resume_timeout``, 15 x ``no_capacity``, 1 x ``worker_fenced``, although 128 slots would
+have held them. Sessions were pressure-suspended within a second of their creation while the pool was
+still growing, and the pool drained workers mid-burst (the creates in flight were not counted as demand).
+This is the same burst, smaller: a pool of at most 4 x 10 slots that starts with one worker, 10 sessions
+that are idle by the time 30 more creates arrive, then a turn to each of the 40. The 40 sessions fit the
+pool's maximum, so any pressure or drain suspension is a session suspended while the demand exceeded only
+capacity the pool could still grow to.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import re
+import time
+
+import httpx
+
+POOL = """
+apiVersion: substrate.agent.dev/v1
+kind: WorkerPool
+metadata: {name: default}
+spec:
+  slots: 10
+  autoscaling: {minReplicas: 1, maxReplicas: 4, targetUtilization: 100}
+  warmPool: {readyReplicas: 0}
+"""
+
+
+def _suspensions(url: str) -> dict[str, float]:
+    """``agent_substrate_suspensions_total`` of the runtime by reason (0 if never counted)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = collections.defaultdict(float)
+    for m in re.finditer(r'^agent_substrate_suspensions_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        reason = re.search(r'reason="([^"]+)"', m.group(1))
+        out[reason.group(1) if reason else ""] += float(m.group(2))
+    return out
+
+
+def _post(http: httpx.Client, path: str, body: dict) -> tuple[str, dict]:
+    r = http.post(path, json=body)
+    data = r.json()
+    return (str(r.status_code) if r.status_code < 400 else f"{r.status_code} {data.get('code')}"), data
+
+
+def test_a_burst_on_a_growing_pool_succeeds_without_suspending_anyone(runtime_factory):
+    rt = runtime_factory(replicas=1, pool_yaml=POOL)
+    with httpx.Client(base_url=rt.url, timeout=120) as http, cf.ThreadPoolExecutor(40) as ex:
+        first = list(ex.map(lambda _: _post(http, "/v1/sessions", {"actorTemplate": "counter"}), range(10)))
+        assert [c for c, _ in first] == ["201"] * 10, first
+        # the first worker is full of sessions idle past the pressure threshold (1 s) when the rest come:
+        # the old placement suspended them at once to make room instead of waiting for the pool to grow
+        time.sleep(1.5)
+        rest = list(ex.map(lambda _: _post(http, "/v1/sessions", {"actorTemplate": "counter"}), range(30)))
+        created = collections.Counter(c for c, _ in rest)
+        assert created == {"201": 30}, created
+        sids = [d["id"] for _, d in first + rest]
+        turns = list(ex.map(lambda sid: _post(http, f"/v1/sessions/{sid}/invoke", {"input": "increment"}), sids))
+        answered = collections.Counter(c for c, _ in turns)
+        assert answered == {"200": 40}, answered
+        # each session's first turn ran on its own state (nobody restored or lost anything)
+        assert [d["output"] for _, d in turns] == [{"count": 1}] * 40
+    suspended = _suspensions(rt.url)
+    assert suspended.get("pressure", 0) == 0 and suspended.get("drain", 0) == 0, dict(suspended)
+    assert 1 < len(rt.workers()) <= 4, "the pool grew for the burst"

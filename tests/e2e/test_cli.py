@@ -1,0 +1,196 @@
+"""The ``substrate`` command end to end: what ``up`` leaves behind when it is killed, what ``demo`` leaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import redis
+
+from tests.conftest import ROOT
+from substrate.keys import Keys
+
+#: generous: a worker's graceful stop is bounded by shutdown_grace_s (20 s) + 5 s before it kills itself
+GONE_BOUND_S = 60.0
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's zombie is init's to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live process below ``root`` (from /proc, as it is now)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, pp in parent.items():
+            if pp in found and pid not in found:
+                found.add(pid)
+                grew = True
+    out = {}
+    for pid in found - {root}:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    return out
+
+
+def test_a_sigkilled_up_takes_every_process_it_started_with_it(runtime_factory) -> None:
+    """Regression (fresh-user review L9): workers of a ``substrate up`` killed by SIGKILL lived on, holding
+    their ports, slot uids and sandboxes. The zygote's stdin EOF stopped only the workers of a zygote that
+    was still alive; now every worker watches a lifeline pipe whose only writer is the runtime. The zygote
+    is killed first here, as an OOM kill would: its workers must not depend on it. They stop gracefully,
+    so the session acknowledged before the kill is suspended, not lost."""
+    rt = runtime_factory(replicas=2, slots=2)
+    s = rt.client.create_session("counter")
+    assert rt.client.invoke(s["id"], "increment") == {"count": 1}
+    workers = {int(w["pid"]) for w in rt.workers().values()}
+    before = _descendants(rt.proc.pid)
+    assert workers <= set(before), (workers, before)
+    zygote = [pid for pid, cmd in before.items() if "workers.zygote" in cmd and pid not in workers]
+    assert len(zygote) == 1, before
+    os.kill(zygote[0], signal.SIGKILL)
+    _wait(lambda: not _alive(zygote[0]), 10, "the zygote gone")
+    assert all(_alive(pid) for pid in workers), "a zygote's death does not take its workers down"
+
+    rt.proc.send_signal(signal.SIGKILL)
+    rt.proc.wait(10)
+    _wait(lambda: not any(_alive(pid) for pid in before), GONE_BOUND_S,
+          "every process `up` started gone: " + repr({p: c[:80] for p, c in before.items() if _alive(p)}))
+    raw = rt.session_raw(s["id"])
+    assert raw["state"] == "SUSPENDED" and not raw.get("reason"), raw
+
+
+def test_a_cold_started_worker_stops_when_its_runtime_is_sigkilled(tmp_path: Path, redis_url: str) -> None:
+    """The other way the local backend starts workers (``python -m workers.server`` when the zygote is not
+    usable) is tied to the runtime the same way; it used to live on in its own session forever."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": prefix,
+           "SUBSTRATE_DATA_DIR": str(tmp_path / "var"), "SUBSTRATE_LOG_LEVEL": "WARNING",
+           "SUBSTRATE_WORKER__PRESTART_HOSTS": "0"}
+    runtime = textwrap.dedent("""
+        import asyncio, sys, time
+        from substrate.backends.local import LocalBackend
+        from substrate.models import ObjectMeta, WorkerPool, WorkerPoolSpec
+        from substrate.settings import Settings
+
+        b = LocalBackend(Settings(), fork_server=False)
+        asyncio.run(b.create(WorkerPool(metadata=ObjectMeta(name="default"), spec=WorkerPoolSpec(slots=1)), "w-cold"))
+        print(b.pid("w-cold"), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", runtime], env=env, cwd=ROOT, stdout=subprocess.PIPE)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys(prefix)
+    try:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        _wait(lambda: bool(r.hgetall(keys.worker("w-cold"))), 60, "the worker registered")
+        below = set(_descendants(pid)) | {pid}
+        proc.kill()
+        proc.wait(10)
+        _wait(lambda: not any(_alive(p) for p in below), GONE_BOUND_S, "the cold worker and its children gone")
+        assert not r.hgetall(keys.worker("w-cold")), "it deregistered: a graceful stop, not a lease expiry"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for k in r.scan_iter(f"{prefix}:*", count=1000):
+            r.delete(k)
+
+
+def test_the_embedded_redis_dies_with_a_sigkilled_runtime(tmp_path: Path) -> None:
+    """The embedded Redis is tied to the runtime by a parent-death signal (and started only after checking
+    that the runtime is still its parent)."""
+    runtime = "import time; from substrate.embedded import EmbeddedRedis; e = EmbeddedRedis(None); e.start(); " \
+              "print(e.proc.pid, flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", runtime], cwd=ROOT, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(10)
+        _wait(lambda: not _alive(pid), 30, "the embedded Redis gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    from substrate.netports import free_port
+
+    return free_port()
+
+
+def _run_demo(cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "substrate.cli", "demo", "--port", str(_free_port())], cwd=cwd,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "notebook after suspend/resume: x -> {'repr': '42'" in out.stdout, out.stdout
+    return out
+
+
+def test_the_demo_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Regression (fresh-user review L14): ``substrate demo`` left its sessions, snapshots and Redis
+    append-only file in ./var. Now its runtime uses a temporary folder, says which, and removes it."""
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}  # the embedded default
+    # what a demo killed with SIGKILL left (its folder, its owner gone), and one of a demo still running
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    killed, running, unknown = tmp / "substrate-demo-killed", tmp / "substrate-demo-running", tmp / "substrate-demo-x"
+    for folder, pid in ((killed, int(dead.stdout)), (running, os.getpid()), (unknown, None)):
+        (folder / "redis").mkdir(parents=True)
+        if pid is not None:
+            (folder / "demo-owner.json").write_text(json.dumps({"pid": pid, "prefix": "p", "redis": None}))
+    out = _run_demo(cwd, {**env, "TMPDIR": str(tmp)})
+    assert f"demo data in {tmp}/substrate-demo-" in out.stderr, out.stderr
+    assert list(cwd.iterdir()) == [], "nothing in the current folder (there was ./var)"
+    assert f"removed the data of a demo that was killed ({killed})" in out.stderr, out.stderr
+    assert sorted(tmp.iterdir()) == [running, unknown], "the demo's own folder and the killed one's are gone"
+
+
+def test_the_demo_leaves_no_keys_in_a_shared_redis(tmp_path: Path, redis_url: str) -> None:
+    """With SUBSTRATE_REDIS_URL the demo runs under a key prefix of its own (never the user's
+    deployment's) and deletes every key under it at the end."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
+    out = _run_demo(tmp_path, {**env, "TMPDIR": str(tmp_path), "SUBSTRATE_REDIS_URL": redis_url})
+    prefix = out.stderr.split("under Redis key prefix ", 1)[1].split(";", 1)[0]
+    assert prefix.startswith("substrate-demo-"), out.stderr
+    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,165 @@
+"""Placement while the pool grows, and placement on a fenced worker (issue 11's fresh-user burst), against
+a real Redis with in-memory fakes for the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from substrate.activator import Activator, WorkerView
+from substrate.directory import Directory
+from substrate.errors import SubstrateError
+from substrate.models import SessionRecord, SessionState, WorkerRecord
+from substrate.settings import Settings
+from substrate.specs import load_documents
+
+CATALOG = load_documents([
+    {"kind": "WorkerPool", "metadata": {"name": "default"},
+     "spec": {"slots": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetUtilization": 100}}},
+    {"kind": "ActorTemplate", "metadata": {"name": "counter"},
+     "spec": {"entrypoint": "workers.agents.counter:Counter"}}])
+
+
+class Workers:
+    """The workers' internal API as the control plane sees it; ``fence`` addresses answer 503
+    ``worker_fenced`` (past their own lease) to activations; suspends are recorded and succeed."""
+
+    def __init__(self, d: Directory) -> None:
+        self.d = d
+        self.fence: set[str] = set()
+        self.activated: list[tuple[str, str]] = []  # (address, session)
+        self.suspended: list[str] = []
+
+    async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="", **_):
+        if address in self.fence:
+            err = SubstrateError(f"worker at {address} is past its lease", code="worker_fenced", retry_after_s=1)
+            err.status = 503
+            raise err
+        self.activated.append((address, session))
+        return {}
+
+    async def deactivate(self, address, session, epoch=None):
+        pass
+
+    async def suspend(self, address, session, epoch, *, idle_s=None, wait_s=None, tenant=""):
+        # what a worker does: snapshot (skipped), SUSPENDED, slot freed
+        self.suspended.append(session)
+        rec = await self.d.get_session(session)
+        await self.d.transition(session, from_states=[SessionState.RUNNING], epoch=epoch, to=SessionState.SUSPENDED,
+                                unset=("worker", "slot"))
+        if rec.worker is not None and rec.slot is not None:
+            await self.d.release_slot(rec.worker, rec.slot, session)
+
+
+@pytest.fixture
+async def env(redis_url):
+    d = Directory(redis_url, f"pg{uuid.uuid4().hex[:8]}")
+    settings = Settings()
+    settings.api.slot_wait_s = 0.2
+    settings.api.start_wait_s = 20
+    workers = Workers(d)
+    act = Activator(settings, d, CATALOG, workers, WorkerView(d, 60))  # type: ignore[arg-type]
+    yield d, act, workers
+    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
+        await d.redis.delete(key)
+    await d.close()
+
+
+async def _worker(d: Directory, wid: str, slots: int = 2) -> None:
+    now = time.time()
+    await d.register_worker(WorkerRecord(id=wid, pool="default", address=f"http://{wid}", slots=slots,
+                                         leaseExpiresAt=now + 60, startedAt=now))
+
+
+async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None:
+    now = time.time()
+    slot = await d.claim_slot(wid, sid)
+    await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate="counter", pool="default",
+                                         epoch=1, worker=wid, slot=slot, createdAt=now - idle_s,
+                                         updatedAt=now - idle_s, lastActiveAt=now - idle_s))
+
+
+def _new(sid: str) -> SessionRecord:
+    now = time.time()
+    return SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate="counter", pool="default",
+                         createdAt=now, updatedAt=now, lastActiveAt=now)
+
+
+async def test_a_create_on_a_fenced_worker_is_placed_on_another_and_never_answers_worker_fenced(env):
+    d, act, workers = env
+    await _worker(d, "a", slots=4)
+    await _worker(d, "b", slots=4)
+    await act.view.refresh()
+    workers.fence = {"http://a"}
+    for i in range(3):  # whichever worker placement picks first, every create ends on b
+        rec = await act.create(_new(f"s{i}"), CATALOG.template("counter"))
+        assert rec.state == SessionState.RUNNING and rec.worker == "b"
+        await act.view.refresh()  # the fenced worker comes back into the view: it must be skipped again
+    assert await d.worker_slots("a") == {}, "the fenced worker holds no slot of a retried create"
+    assert all(addr == "http://b" for addr, _ in workers.activated)
+
+
+async def test_a_create_on_fenced_workers_only_still_answers_after_bounded_retries(env):
+    d, act, workers = env
+    await _worker(d, "a")
+    await act.view.refresh()
+    workers.fence = {"http://a"}
+    act.settings.api.start_wait_s = 0.3
+    with pytest.raises(SubstrateError) as e:
+        await act.create(_new("s"), CATALOG.template("counter"))
+    assert e.value.code in ("worker_fenced", "no_capacity")
+    assert await d.worker_slots("a") == {}
+
+
+async def test_nobody_is_suspended_for_waiters_while_a_worker_starts_for_them(env):
+    # one worker full of sessions idle well past pressure_min_idle_s; the pool controller of this process
+    # is starting a worker for the waiters: they wait for it, and no idle session is suspended for them
+    # (the fresh-user burst suspended its own just-created sessions while the pool grew)
+    d, act, workers = env
+    await _worker(d, "full")
+    await _idle_running(d, "idle-1", "full", idle_s=30)
+    await _idle_running(d, "idle-2", "full", idle_s=30)
+    await act.view.refresh()
+    act.starting["default"] = 1
+
+    async def worker_comes_up() -> None:
+        while act.waiting_for_slots < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # several of the waiters' slot_wait_s
+        await _worker(d, "late")
+        act.starting["default"] = 0
+        act.slot_freed("default")
+
+    up = asyncio.create_task(worker_comes_up())
+    placed = await asyncio.gather(*(act.place(f"new-{i}", CATALOG.template("counter")) for i in range(2)))
+    await up
+    assert sorted(w.id for w, _ in placed) == ["late", "late"]
+    assert workers.suspended == []
+    assert {r.state for r in await d.get_sessions(["idle-1", "idle-2"])} == {SessionState.RUNNING}
+
+
+async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
+    # the same full worker, no worker starting, and the controller has run its rounds since the waiter
+    # asked (the pool is at its size): the least recently used idle session makes room
+    d, act, workers = env
+    await _worker(d, "full")
+    await _idle_running(d, "idle-1", "full", idle_s=30)
+    await _idle_running(d, "idle-2", "full", idle_s=20)
+    await act.view.refresh()
+    act.starting["default"] = 0
+
+    async def controller() -> None:  # what PoolController.tick does for the activator, round after round
+        while True:
+            await act.capacity_wanted.wait()
+            act.capacity_wanted.clear()
+            act.capacity_ticks += 1
+
+    ticking = asyncio.create_task(controller())
+    try:
+        w, _ = await act.place("new", CATALOG.template("counter"))
+    finally:
+        ticking.cancel()
+    assert w.id == "full" and workers.suspended[:1] == ["idle-1"]

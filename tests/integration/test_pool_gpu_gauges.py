@@ -1,0 +1,64 @@
+"""Without DRA objects (local backend, or any backend with no ``gpu_memory``), the GPU gauges carry what
+the workers read from ``nvidia-smi`` (``WorkerRecord.gpuMemoryBytes``); memory of workers not READY is
+fragmented (issue 9 item 4)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from substrate import metrics
+from substrate.directory import Directory
+from substrate.models import WorkerRecord, WorkerState
+from substrate.pool import PoolController
+from substrate.settings import Settings
+from substrate.specs import load_documents
+
+GIB = 1 << 30
+
+
+class Backend:
+    def __init__(self, wids: list[str]) -> None:
+        self.wids = wids
+
+    async def create(self, pool, worker_id):
+        pass  # a replacement for the draining worker: not started here (not what this test is about)
+
+    async def delete(self, worker_id):
+        pass
+
+    def running(self):
+        return {w: "gpus" for w in self.wids}
+
+    def reap(self):
+        return []
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture
+async def d(redis_url):
+    d = Directory(redis_url, f"gg{uuid.uuid4().hex[:8]}")
+    yield d
+    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
+        await d.redis.delete(key)
+    await d.close()
+
+
+async def test_gauges_from_worker_reported_gpu_memory(d) -> None:
+    now = time.time()
+    for wid, state, mem in (("w1", WorkerState.READY, 80 * GIB), ("w2", WorkerState.DRAINING, 40 * GIB),
+                            ("w3", WorkerState.READY, None)):
+        await d.register_worker(WorkerRecord(id=wid, pool="gpus", address=f"http://{wid}", slots=1, state=state,
+                                             leaseExpiresAt=now + 60, startedAt=now, gpus=1 if mem else None,
+                                             gpuMemoryBytes=mem))
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "gpus"}, "spec": {"replicas": 3, "slots": 1}}]
+    pc = PoolController(Settings(), d, load_documents(docs), Backend(["w1", "w2", "w3"]), None,
+                        scale_down_delay_s=600)
+    await pc.tick()
+    assert metrics.GPU_MEMORY_TOTAL.labels(pool="gpus")._value.get() == 120 * GIB
+    assert metrics.GPU_MEMORY_FRAGMENTED.labels(pool="gpus")._value.get() == 40 * GIB
+    assert (await d.get_worker("w1")).gpuMemoryBytes == 80 * GIB  # the record round-trips through Redis

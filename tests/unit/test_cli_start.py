@@ -1,0 +1,89 @@
+"""`substrate` start-up and client credentials (fresh-user run findings):
+
+* the client's token is ``SUBSTRATE_TOKEN``; ``SUBSTRATE_API__AUTH_TOKEN`` (the server's admin token) holding a
+  tenant's API key is refused at start, because `substrate up` from a shell where the README once told CLI users
+  to export their key made that key an admin;
+* ``--token`` works before the subcommand, like ``--server``;
+* a taken port is refused before Redis or any worker starts, in one line.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from substrate.cli import app
+
+
+def _mock_client(monkeypatch: pytest.MonkeyPatch, handler) -> None:  # noqa: ANN001
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+
+
+def test_an_api_key_as_the_admin_token_is_refused_before_anything_starts(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", "sk_abc123_secretsecret")
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["up", "--port", "1"])
+    assert r.exit_code == 2, r.output
+    assert "SUBSTRATE_API__AUTH_TOKEN" in r.output and "SUBSTRATE_TOKEN" in r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "redis").exists()  # nothing was started
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(port)])
+    assert r.exit_code == 2, r.output
+    assert f"127.0.0.1:{port}" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "redis").exists()
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["--token", "sk_top_level", "stats"], {}),
+    (["stats", "--token", "sk_top_level"], {}),
+    (["stats"], {"SUBSTRATE_TOKEN": "sk_top_level"}),
+])
+def test_the_client_token_reaches_the_server(argv: list[str], env: dict[str, str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"sessions": 0})
+
+    _mock_client(monkeypatch, handler)
+    monkeypatch.delenv("SUBSTRATE_TOKEN", raising=False)
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    assert seen == ["Bearer sk_top_level"]
+
+
+def test_the_admin_token_variable_is_not_the_client_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"sessions": 0})
+
+    _mock_client(monkeypatch, handler)
+    monkeypatch.delenv("SUBSTRATE_TOKEN", raising=False)
+    monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", "admin-secret")
+    r = CliRunner().invoke(app, ["stats"])
+    assert r.exit_code == 0, r.output
+    assert seen == [None]

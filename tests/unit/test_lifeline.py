@@ -1,0 +1,66 @@
+"""``workers/lifeline.py``: a local worker's tie to the runtime that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT
+
+#: the child: a "worker" whose graceful stop hangs (SIGTERM only noted), watching the lifeline
+CHILD = textwrap.dedent("""
+    import signal, sys, time
+    from workers import lifeline
+    signal.signal(signal.SIGTERM, lambda *_: print("sigterm", flush=True))
+    print(lifeline.watch_from_env(float(sys.argv[1])), flush=True)
+    time.sleep(600)
+""")
+
+
+def _child(fd: int | None, escalate_after_s: float) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "SUBSTRATE_LIFELINE_FD"}
+    if fd is not None:
+        env["SUBSTRATE_LIFELINE_FD"] = str(fd)
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(escalate_after_s)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, pass_fds=() if fd is None else (fd,))
+
+
+def test_the_runtime_gone_means_sigterm_then_sigkill_after_the_grace() -> None:
+    r, w = os.pipe()
+    p = _child(r, 1.0)
+    os.close(r)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "True"
+        os.close(w)  # what the kernel does when the runtime dies, SIGKILL included
+        assert p.stdout.readline().strip() == "sigterm", "the graceful stop is asked for first"
+        assert p.wait(60) == -signal.SIGKILL, "a graceful stop that hangs is cut short"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_a_runtime_that_died_before_the_watch_started_is_seen_at_once() -> None:
+    r, w = os.pipe()
+    os.close(w)  # the runtime died between starting the worker and the worker's first read
+    p = _child(r, 0.0)
+    os.close(r)
+    try:
+        assert p.wait(60) == -signal.SIGKILL
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_without_a_lifeline_nothing_is_watched() -> None:
+    """Kubernetes workers (``substrate worker``) get no descriptor: their life is the Pod's."""
+    p = _child(None, 0.0)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "False"
+    finally:
+        p.kill()
+        p.wait()

@@ -1,0 +1,153 @@
+"""Pre-started agent hosts (``workers.sandbox.SandboxPool``, issue 7's "pre-start a host per free slot").
+
+These start real agent host processes, unsandboxed (a pool whose templates all opt out of the sandbox),
+so they run without bubblewrap; the sandboxed kind is covered end to end by ``tests/e2e`` and
+``tests/security``. No timing is asserted: every wait is bounded only so a broken pool fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from workers.sandbox import READY_LINE, HostProcess, Limits, SandboxPool
+
+UNSANDBOXED = Limits(sandboxed=False)
+
+
+def _pool(tmp_path: Path, slots: int, **kw: object) -> SandboxPool:
+    # bwrap=None and require_sandbox=False: the pool of an opted-out template (works without bubblewrap)
+    return SandboxPool(tmp_path / "w", slots, name=f"unit-{uuid.uuid4().hex[:8]}", bwrap=None, uid_base=29000,
+                       uid_span=500, uid_lock_dir=tmp_path / "locks", require_sandbox=False, **kw)  # type: ignore[arg-type]
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, f"timed out waiting for: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def _init_counter(host: HostProcess) -> dict:
+    """Send ``init`` for the counter agent and return the host's next line (its answer)."""
+    assert host.proc.stdin is not None and host.proc.stdout is not None
+    host.proc.stdin.write(json.dumps({"op": "init", "entrypoint": "workers.agents.counter:Counter", "env": {},
+                                      "session": "s1", "epoch": 1, "template": "t", "workspace": None,
+                                      "rlimits": {}, "sandboxed": False}).encode() + b"\n")
+    await host.proc.stdin.drain()
+    return json.loads(await asyncio.wait_for(host.proc.stdout.readline(), 30))
+
+
+async def test_a_pre_started_host_is_handed_out_only_once_it_has_booted(tmp_path):
+    pool = _pool(tmp_path, 2, prestart=2)
+    seen_unbooted = []
+    try:
+        await pool.start()
+
+        def both_ready() -> bool:
+            seen_unbooted.extend(s.index for s in pool.slots if s.ready is not None and not s.ready.booted)
+            return all(s.ready is not None for s in pool.slots)
+
+        await _until(both_ready, "both slots pre-started")
+        assert seen_unbooted == []
+        slot = await pool.acquire()
+        pre = slot.ready
+        host = await pool.host_for(slot, UNSANDBOXED)
+        # the opted-out pool's own kind of host serves its session; its ready line was consumed by the
+        # pool, so the next line the worker reads is the answer to init
+        assert host is pre and not host.sandboxed
+        assert await _init_counter(host) == {"ok": True}
+        await pool.release(slot, host)
+    finally:
+        await pool.close()
+
+
+async def test_a_spawned_host_writes_its_ready_line_first(tmp_path):
+    pool = _pool(tmp_path, 1, prestart=0)
+    try:
+        await pool.start()
+        host = await pool.spawn(pool.slots[0], UNSANDBOXED)
+        assert host.proc.stdout is not None
+        assert (await asyncio.wait_for(host.proc.stdout.readline(), 30)).strip() == READY_LINE
+        host.booted = True
+        assert await _init_counter(host) == {"ok": True}
+        await host.close()
+    finally:
+        await pool.close()
+
+
+async def test_acquire_prefers_a_booted_host_then_one_still_booting(tmp_path):
+    pool = _pool(tmp_path, 3, prestart=0)
+    never = asyncio.get_running_loop().create_future()
+    try:
+        await pool.start()
+        booted = await pool.spawn(pool.slots[1], UNSANDBOXED)
+        await booted.wait_booted(30)
+        pool.slots[1].ready = booted
+        pool.slots[0]._prestart = asyncio.ensure_future(never)  # a host still booting in slot 0
+        assert (await pool.acquire()).index == 1
+        assert (await pool.acquire()).index == 0  # sooner than a spawn in slot 2
+        assert (await pool.acquire()).index == 2
+    finally:
+        never.cancel()
+        pool.slots[0]._prestart = None
+        await pool.close()
+
+
+async def test_refill_waits_while_spares_last_and_starts_at_once_when_they_run_out(tmp_path):
+    pool = _pool(tmp_path, 4, prestart=4, refill_delay_s=3600.0)  # a delayed refill would never come
+    try:
+        await pool.start()
+        await _until(lambda: all(s.ready is not None for s in pool.slots), "all slots pre-started")
+        a = await pool.acquire()
+        host_a = await pool.host_for(a, UNSANDBOXED)  # 3 spares left: the refill waits
+        assert pool._warmup_waiting
+        b = await pool.acquire()
+        host_b = await pool.host_for(b, UNSANDBOXED)  # 2 left: still waiting
+        assert pool._warmup_waiting and all(s._prestart is None or s._prestart.done() for s in (a, b))
+        await pool.release(a, host_a)  # a free slot to refill, yet the refill waits while 2 spares last
+        assert a.ready is None and pool._warmup_waiting
+        c = await pool.acquire()
+        host_c = await pool.host_for(c, UNSANDBOXED)  # 1 spare left: warm up now
+        await _until(lambda: a.ready is not None, "the freed slot refilled once the spares ran low")
+        assert a.ready is not None and a.ready.booted
+        for s, h in ((b, host_b), (c, host_c)):
+            await pool.release(s, h)
+    finally:
+        await pool.close()
+
+
+async def test_a_failing_spawn_is_tried_once_per_slot_not_in_a_loop(tmp_path):
+    pool = _pool(tmp_path, 3, prestart=3)
+    calls = []
+
+    async def broken(slot, limits):  # noqa: ANN001, ANN202
+        calls.append(slot.index)
+        raise OSError("no more processes")
+
+    try:
+        pool.spawn = broken  # type: ignore[method-assign]
+        await asyncio.wait_for(pool._prestart_all(), 30)
+        assert sorted(calls) == [0, 1, 2]
+        assert all(s.ready is None for s in pool.slots)
+    finally:
+        await pool.close()
+
+
+async def test_release_closes_a_pre_started_host_its_activation_never_took(tmp_path):
+    pool = _pool(tmp_path, 1, prestart=1)
+    try:
+        await pool.start()
+        await _until(lambda: pool.slots[0].ready is not None, "slot pre-started")
+        slot = await pool.acquire()
+        left = slot.ready
+        assert left is not None
+        await pool.release(slot, None)  # e.g. the restore failed before the agent started
+        await asyncio.wait_for(left.proc.wait(), 30)
+        assert not left.alive and slot.ready is not left
+    finally:
+        await pool.close()

@@ -1,0 +1,178 @@
+"""The worker/agent-host protocol's request ids (``workers/command.py``, ``workers/agenthost.py``).
+
+Agent code runs in its agent host's process and can write to the protocol pipe itself (a notebook cell
+finds the ``Host`` object with ``gc``). A line that does not answer the worker's current request must
+never be taken as its answer: the agent is killed (500 ``agent_protocol_violation``, the activation
+ends as a crashed agent's), and no later call is answered with another request's line.
+
+Real agent host processes, unsandboxed (like ``test_prestart``), no timing asserted: every wait is
+bounded only so a broken host fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from workers.command import HostedAgent, TurnFailed
+from workers.handler import SessionContext
+from workers.sandbox import Limits, SandboxPool
+
+UNSANDBOXED = Limits(sandboxed=False, turn_timeout_s=60.0)
+
+#: a cell that writes a forged answer (no id) straight to the host's protocol pipe, then ends normally
+FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
+         'h.out.write(b\'{"output": "FORGED"}\\n\'); h.out.flush()\n"real"')
+#: the same, with the id of the request being answered, read from the host's memory (it is no secret)
+FORGE_WITH_ID = ('import gc, json\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
+                 'h.out.write(json.dumps({"output": "FORGED", "id": h.rid}).encode() + b"\\n"); h.out.flush()\n'
+                 '"real"')
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[SandboxPool]:
+    p = SandboxPool(tmp_path / "w", 1, name=f"unit-{uuid.uuid4().hex[:8]}", bwrap=None, uid_base=29600,
+                    uid_span=200, uid_lock_dir=tmp_path / "locks", require_sandbox=False, prestart=0)
+    await p.start()
+    yield p
+    await p.close()
+
+
+async def _agent(pool: SandboxPool, entrypoint: str | None, argv: list[str] | None = None) -> HostedAgent:
+    slot = await pool.acquire()
+    ctx = SessionContext(session_id="s1", epoch=1, template="t", workspace=slot.workspace)
+    agent = HostedAgent(ctx, pool=pool, slot=slot, limits=UNSANDBOXED, entrypoint=entrypoint, argv=argv)
+    await agent.start(None)
+    return agent
+
+
+async def _done(pool: SandboxPool, agent: HostedAgent) -> None:
+    await agent.stop()
+    await pool.release(agent.slot, None)
+
+
+async def test_a_line_forged_by_the_agent_is_a_protocol_violation_not_the_answer(pool: SandboxPool) -> None:
+    agent = await _agent(pool, "workers.agents.notebook:Notebook")
+    try:
+        assert (await agent.invoke("x = 41\nx + 1"))["repr"] == "42"
+        with pytest.raises(TurnFailed) as e:
+            await agent.invoke(FORGE)
+        assert e.value.code == "agent_protocol_violation" and e.value.status == 500
+        assert "FORGED" not in e.value.message
+        # killed, like a crashed agent: the worker ends the activation (``agent.dead``), and nothing
+        # more is read from the pipe (the host's real answer "real" is never taken for a later call)
+        assert agent.dead
+        with pytest.raises(TurnFailed) as again:
+            await agent.invoke("1")
+        assert again.value.code == "agent_crashed"
+    finally:
+        await _done(pool, agent)
+
+
+async def test_a_forged_line_with_the_current_id_never_shifts_the_protocol(pool: SandboxPool) -> None:
+    """The agent can read the current id; then its line is its own answer to its own turn (as any answer
+    of the agent is), and the host's real answer left behind is the out-of-order line: the next call
+    fails as a violation instead of being answered with the previous turn's answer."""
+    agent = await _agent(pool, "workers.agents.notebook:Notebook")
+    try:
+        assert await agent.invoke(FORGE_WITH_ID) == "FORGED"
+        with pytest.raises(TurnFailed) as e:
+            await agent.invoke("1 + 1")
+        assert e.value.code == "agent_protocol_violation"
+        assert agent.dead
+    finally:
+        await _done(pool, agent)
+
+
+async def test_a_snapshot_answered_with_a_turns_answer_is_a_violation(pool: SandboxPool) -> None:
+    """A line of the wrong kind (``output`` for ``snapshot``, even with the right id) is a violation: a
+    ``SubstrateError`` the worker's suspend handles, never an ``AgentError`` carrying the agent's line."""
+    script = textwrap.dedent("""
+        import json, sys
+        for line in sys.stdin:
+            msg = json.loads(line)
+            if msg.get("op") == "stop":
+                break
+            reply = {"output": {"state": "x"}} if msg.get("op") == "snapshot" else {"ok": True}
+            sys.stdout.write(json.dumps({**reply, "id": msg.get("id")}) + "\\n")
+            sys.stdout.flush()
+    """)
+    agent = await _agent(pool, None, [sys.executable, "-c", script])
+    try:
+        with pytest.raises(TurnFailed) as e:
+            await agent.snapshot()
+        assert e.value.code == "agent_protocol_violation" and agent.dead
+    finally:
+        await _done(pool, agent)
+
+
+async def test_a_command_agent_that_does_not_echo_ids_still_works(pool: SandboxPool) -> None:
+    """Command agents written before ids existed answer without one: taken at their word (they share their
+    pipe with no other code); the shipped example echoes ids, and then every line must carry the right one."""
+    script = textwrap.dedent("""
+        import json, sys
+        n = 0
+        for line in sys.stdin:
+            msg = json.loads(line)
+            op = msg.get("op")
+            if op == "stop":
+                break
+            n += op == "invoke"
+            reply = {"output": n} if op == "invoke" else {"state": {}} if op == "snapshot" else {"ok": True}
+            sys.stdout.write(json.dumps(reply) + "\\n")
+            sys.stdout.flush()
+    """)
+    agent = await _agent(pool, None, [sys.executable, "-c", script])
+    try:
+        assert [await agent.invoke(None) for _ in range(3)] == [1, 2, 3]
+        assert await agent.snapshot() == {}
+    finally:
+        await _done(pool, agent)
+    echo = await _agent(pool, None, [sys.executable, "-m", "workers.agents.echo_jsonl"])
+    try:
+        assert (await echo.invoke("hi"))["turns"] == 1
+        assert echo._ids_required  # it echoed: from now on a line without the right id is a violation
+    finally:
+        await _done(pool, echo)
+
+
+async def test_an_unexpected_error_in_a_worker_call_answers_json_internal(tmp_path: Path) -> None:
+    """A bug in a worker's handler answers 500 ``internal`` as JSON (logged), never aiohttp's plain-text
+    "Server got itself in trouble", which the router could only pass on as an opaque ``worker_error``."""
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from snapshot.commit import SnapshotManager
+    from snapshot.store import make_store
+    from substrate.directory import Directory
+    from substrate.settings import Settings
+    from workers.server import Worker
+
+    settings = Settings()
+    directory = Directory("redis://127.0.0.1:1/0", f"u{uuid.uuid4().hex[:8]}")  # never reached here
+    snaps = SnapshotManager(make_store(settings.snapshot), directory, settings.snapshot, tmp_path / "tmp")
+    worker = Worker(settings, directory, snaps, worker_id="w1", pool="default", slots=1, root=tmp_path,
+                    sandboxes=None)  # type: ignore[arg-type]
+
+    async def claims(request: object, sid: str, **_: object) -> SimpleNamespace:
+        return SimpleNamespace(session=sid, epoch=1, tenant="")
+
+    async def broken(*_: object) -> None:
+        raise KeyError("a bug")
+
+    worker.authorize = claims  # type: ignore[method-assign]
+    worker.suspend = broken  # type: ignore[method-assign]
+    async with TestClient(TestServer(worker.app())) as client:
+        r = await client.post("/v1/activations/s1/suspend", headers={"Authorization": "Bearer x"})
+        assert r.status == 500
+        body = await r.json()
+        assert body["code"] == "internal" and "KeyError" in body["message"]
+        r = await client.get("/no/such/route", headers={"Authorization": "Bearer x"})
+        assert r.status == 404  # aiohttp's own HTTP answers pass through
+    await directory.close()

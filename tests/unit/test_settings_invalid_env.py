@@ -1,0 +1,163 @@
+"""An invalid ``SUBSTRATE_`` variable: `substrate up` exits 2 with one line naming it, before anything starts
+(fresh-user run: a value meant as JSON that was not JSON, a bad tenant in the API keys, a Redis URL without a
+scheme, a missing key file and a data folder that is a file each gave a traceback, some only after the API had
+started; negative or zero sizes and grace periods were accepted). Also: an empty path variable means its
+default, an address this machine does not have is not called a taken port, and the key commands say in one
+line that Redis is unreachable."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import uvicorn
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from substrate.cli import app
+from substrate.embedded import EmbeddedRedis
+from substrate.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def _nothing_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A clean environment, and a loud failure instead of a runtime if a check lets a bad value through."""
+    for k in list(os.environ):
+        if k.upper().startswith("SUBSTRATE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "data"))
+
+    def started(*_: object) -> None:
+        raise AssertionError("the runtime started with an invalid setting")
+
+    monkeypatch.setattr(EmbeddedRedis, "start", started)
+    monkeypatch.setattr(uvicorn.Server, "run", started)
+
+
+def _port() -> int:
+    from substrate.netports import free_port
+
+    return free_port()
+
+
+def _up(*extra: str) -> object:
+    return CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(_port()), *extra])
+
+
+def _one_error_line(output: str) -> str:
+    lines = [x for x in output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    assert "Traceback" not in output
+    return lines[0]
+
+
+@pytest.mark.parametrize("var, value, says", [
+    ("SUBSTRATE_QUOTA__DEFAULT", "{bad", "not valid JSON"),
+    ("SUBSTRATE_AUTH__API_KEYS", "garbage", "not valid JSON"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"Bad Name","key":"sk_x"}]', "invalid tenant name 'Bad Name'"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a"}]', "needs `sha256`"),
+    ("SUBSTRATE_REDIS_URL", "notaurl", "not a Redis URL"),
+    ("SUBSTRATE_REDIS__URL", "http://127.0.0.1:6379", "not a Redis URL"),
+    ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:notaport/0", "not a Redis URL"),
+    ("SUBSTRATE_AUTH__API_KEYS_FILE", "/nonexistent.yaml", "cannot read API key file /nonexistent.yaml"),
+    ("SUBSTRATE_WORKER__SHUTDOWN_GRACE_S", "-5", "greater than or equal to 0"),
+    ("SUBSTRATE_API__MAX_BODY_BYTES", "0", "greater than 0"),
+])
+def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
+                                                    monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(var, value)
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith(f"error: {var}") and says in line, line
+    assert not (tmp_path / "data").exists()  # nothing was started or created
+
+
+@pytest.mark.parametrize("var", ["SUBSTRATE_DATA_DIR", "SUBSTRATE_WORKER__ROOT_DIR", "SUBSTRATE_SNAPSHOT__LOCAL_DIR"])
+def test_a_folder_that_is_a_file_is_one_line_and_exit_2(var: str, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv(var, str(tmp_path / "a-file"))
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith(f"error: {var}: {tmp_path / 'a-file'} is not a folder"), line
+
+
+def test_a_valid_api_key_file_and_keys_pass_the_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "keys.yaml").write_text("- {tenant: team-a, sha256: " + "ab" * 32 + "}\n")
+    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS_FILE", str(tmp_path / "keys.yaml"))
+    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-b","key":"sk_x_y"}]')
+    r = _up()
+    assert isinstance(r.exception, AssertionError)  # got as far as starting the embedded Redis
+
+
+def test_the_router_checks_the_key_file_before_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("SUBSTRATE_WORKER__INTERNAL_TOKEN", "a-secret-of-its-own-0123")
+    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS_FILE", "/nonexistent.yaml")
+    r = CliRunner().invoke(app, ["router", "--files", "--port", str(_port())])
+    assert r.exit_code == 2, r.output
+    assert _one_error_line(r.output).startswith("error: SUBSTRATE_AUTH__API_KEYS_FILE")
+
+
+@pytest.mark.parametrize("argv", [["controller"], ["worker", "--pool", "default", "--slots", "1"]])
+def test_the_other_runtime_commands_refuse_an_invalid_variable(argv: list[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_QUOTA__DEFAULT", "{bad")
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2, r.output
+    assert _one_error_line(r.output).startswith("error: SUBSTRATE_QUOTA__DEFAULT: not valid JSON")
+
+
+def test_obviously_bounded_settings_have_bounds() -> None:
+    for section, field, value in [("worker", "shutdown_grace_s", -5), ("api", "max_body_bytes", 0),
+                                  ("api", "port", 0), ("worker", "heartbeat_s", 0), ("snapshot", "retention", 0),
+                                  ("state", "scan_interval_s", -1), ("audit", "max_per_session", 0)]:
+        with pytest.raises(ValidationError, match=field):
+            Settings(**{section: {field: value}})
+    # zero stays allowed where it means "none" or "at once"
+    s = Settings(api={"slot_wait_s": 0, "max_parked": 0}, worker={"prestart_hosts": 0, "shutdown_grace_s": 0})
+    assert s.api.slot_wait_s == 0 and s.worker.prestart_hosts == 0
+
+
+@pytest.mark.parametrize("var", ["SUBSTRATE_DATA_DIR", "SUBSTRATE_REDIS__DATA_DIR", "SUBSTRATE_WORKER__ROOT_DIR",
+                                 "SUBSTRATE_SNAPSHOT__LOCAL_DIR", "SUBSTRATE_AUTH__API_KEYS_FILE"])
+def test_an_empty_path_variable_means_its_default(var: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SUBSTRATE_DATA_DIR=`` was the current folder: redis/, workers/ and snapshots/ were created in it."""
+    monkeypatch.delenv("SUBSTRATE_DATA_DIR")
+    monkeypatch.setenv(var, "")
+    s = Settings()
+    assert s.data_dir == Path("var")
+    assert (s.redis.data_dir, s.worker.root_dir, s.snapshot.local_dir) == \
+        (Path("var/redis"), Path("var/workers"), Path("var/snapshots"))
+    assert s.auth.api_keys_file is None
+
+
+def test_an_address_of_another_machine_is_not_called_a_taken_port() -> None:
+    r = CliRunner().invoke(app, ["up", "--host", "192.0.2.1", "--port", str(_port())])  # TEST-NET-1: never ours
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert "192.0.2.1 is not an address of this machine" in line and "--host" in line
+    assert "another `substrate up`" not in line
+
+
+def test_a_taken_port_still_says_so() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1])])
+    assert r.exit_code == 2, r.output
+    assert "another `substrate up`? choose one with --port" in _one_error_line(r.output)
+
+
+@pytest.mark.parametrize("argv", [["keys", "list"], ["keys", "create", "team-a"], ["keys", "revoke", "k1"],
+                                  ["keys", "rotate-signing"]])
+def test_the_key_commands_say_in_one_line_that_redis_is_unreachable(argv: list[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_REDIS_URL", f"redis://127.0.0.1:{_port()}/0")  # nothing listens there
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 1, r.output
+    assert _one_error_line(r.output).startswith("error: Redis unreachable")
