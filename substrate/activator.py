@@ -553,9 +553,8 @@ class Activator:
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
         # the quota place is taken before placing, so a create over its tenant's quota never holds a slot
         # others need (a full-suite run: with the place taken after the record, 100 concurrent creates
-        # over maxRunning 5 took every slot and 11 got 503 no_capacity instead of 429). Two creates of
-        # one ID at once can still give back each other's place when the loser fails to place; the
-        # quota repair pass adds it back (README, open)
+        # over maxRunning 5 took every slot and 11 got 503 no_capacity instead of 429). A second create
+        # of an ID whose create is under way is refused here (409), so it holds no place to give back
         if self.quotas is not None:
             await self.quotas.acquire(rec.tenant, template, rec.id, create=True)
         try:

@@ -44,7 +44,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from substrate.errors import DirectoryUnavailable, TooManyRequests
+from substrate.errors import Conflict, DirectoryUnavailable, TooManyRequests
 from substrate.keys import Keys
 from substrate.models import ActorTemplate, QuotaLimits, SessionRecord, SessionState
 from substrate.settings import QuotaSettings
@@ -66,9 +66,12 @@ _LIMIT_CODES = {"maxRunning": "quota_max_running", "maxTotal": "quota_max_total"
 # ARGV[1] JSON {sid, now, gpus, create, run, epoch, dry, limits: [tenant limits, template limits]}
 # ``dry``: check only, take nothing. The owner of the running place becomes max(owner, epoch).
 # -> {0} taken (or would be) | {1, limit name, scope index (1 tenant, 2 template), retry-after seconds}
+#    | {2} a create of an ID that already holds a total place (another create of it is under way, or
+#    the session exists): nothing taken
 _ACQUIRE = """
 local a = cjson.decode(ARGV[1])
 local sid, now, gpus = a['sid'], tonumber(a['now']), tonumber(a['gpus'])
+if a['create'] and redis.call('SISMEMBER', KEYS[2], sid) == 1 then return {2} end
 for scope = 1, 2 do
   local lim = a['limits'][scope]
   local base = (scope - 1) * 4
@@ -231,7 +234,10 @@ class Quotas:
         limit allows; else raise ``TooManyRequests`` (429, code ``quota_*``) and take nothing.
 
         A place already held by ``sid`` is not counted again; its owner becomes ``epoch`` if that is newer
-        (see the module docstring). ``dry``: only check (raises the same way, takes nothing): a wake asks
+        (see the module docstring). A ``create`` of an ``sid`` that already holds a total place (a
+        concurrent create of the same ID, or an existing session) raises ``Conflict`` (409
+        ``session_exists``) and takes nothing: two creates of one ID used to share one set of places,
+        and the loser's failure gave back the winner's. ``dry``: only check (raises the same way, takes nothing): a wake asks
         before it claims a slot, so a refused one makes nobody room, and takes after it won the claim."""
         t_lim = self.limits_of(tenant).model_dump(exclude_none=True)
         c_lim = template.spec.quota.model_dump(exclude_none=True) if template.spec.quota else {}
@@ -243,6 +249,11 @@ class Quotas:
         res = await self._acquire(keys=self._keys(tenant, template.name), args=[json.dumps(args)])
         if int(res[0]) == 0:
             return
+        if int(res[0]) == 2:
+            # the places belong to the other create (or the session): taking nothing here means this
+            # create's failure cannot give them back
+            raise Conflict(f"session {sid!r} already exists (or is being created)", code="session_exists",
+                           details={"session": sid})
         name, scope, retry = str(res[1]), int(res[2]), float(res[3] or 0)
         lim = (t_lim if scope == 1 else c_lim).get(name)
         where = f"tenant {tenant!r}" if scope == 1 else f"tenant {tenant!r} for ActorTemplate {template.name!r}"

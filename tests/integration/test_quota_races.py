@@ -228,3 +228,36 @@ async def test_only_the_tenants_own_failures_count_toward_its_breaker(directory,
     with pytest.raises(SubstrateError):
         await act.create(_new("s2"), TEMPLATE)
     assert failures == (["a", "a"] if counted else [])
+
+
+async def test_a_second_create_of_an_id_being_created_is_refused_and_gives_back_nothing(directory):
+    """Two creates of one ID at once: the second used to find the places already held (taking is
+    idempotent), fail to place or to write its record, and give back the places of the first. Now it
+    is refused with 409 before it takes anything, and the first create's places stay."""
+    d = directory
+    act, workers, quotas = await _activator(d, max_running=2)
+    place = act.place
+    placed, go = asyncio.Event(), asyncio.Event()
+
+    async def first_place_waits(*a: Any, **kw: Any) -> Any:
+        placed.set()
+        await go.wait()
+        return await place(*a, **kw)
+
+    act.place = first_place_waits  # type: ignore[method-assign]
+    first = asyncio.create_task(act.create(_new("dup"), TEMPLATE))
+    await placed.wait()  # the first create holds its places and is placing
+    act.place = place  # type: ignore[method-assign]
+    with pytest.raises(Conflict) as e:
+        await act.create(_new("dup"), TEMPLATE)
+    assert e.value.code == "session_exists"
+    assert await _running_set(d) == {"dup"}, "the first create's place stays"
+    assert set(await d.redis.smembers(d.keys.quota("a", "total"))) == {"dup"}
+    go.set()
+    rec = await first
+    assert rec.state == SessionState.RUNNING
+    assert await _running_set(d) == {"dup"}
+    # and the limit still holds: one more fits, a third does not
+    await act.create(_new("s2"), TEMPLATE)
+    with pytest.raises(TooManyRequests):
+        await act.create(_new("s3"), TEMPLATE)
