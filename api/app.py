@@ -313,16 +313,22 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.post("/v1/sessions", status_code=201, dependencies=[*v1, Depends(_body_limit), Depends(_json_body)],
               tags=["sessions"])
-    async def create_session(body: CreateSession, request: Request) -> Response:
-        """Create a session of an ActorTemplate on a free slot of a warm worker and start it."""
+    async def create_session(body: CreateSession, request: Request,
+                             tenant: str | None = Query(None, description="admins: create the session for this "
+                                                        "tenant (its quotas apply); others: only their own")
+                             ) -> Response:
+        """Create a session of an ActorTemplate on a free slot of a warm worker and start it. An admin's
+        ``tenant=`` makes the session that tenant's (403 ``forbidden`` for anyone else naming another
+        tenant, 422 ``invalid_tenant`` for no tenant name), checked before anything is taken."""
         rt = _rt(request)
+        owner = _tenant_scope(request, tenant) or _principal(request).tenant
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
         env = check_session_env(body.env, [e.name for e in template.spec.env])
         pool = rt.catalog.pool_for(template)
         now = time.time()
         rec = SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate=template.name, pool=pool.name,
-                            tenant=_principal(request).tenant, labels=body.labels, env=env,
+                            tenant=owner, labels=body.labels, env=env,
                             createdAt=now, updatedAt=now, lastActiveAt=now)
         gpus = template.spec.resources.gpus
         try:

@@ -82,7 +82,9 @@ class SubstrateClient:
         return None if resp.status_code == 204 or not resp.content else resp.json()
 
     def create_session(self, template: str, *, id: str | None = None, labels: dict[str, str] | None = None,
-                       env: dict[str, str] | None = None) -> dict[str, Any]:
+                       env: dict[str, str] | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """Create and start a session of ActorTemplate ``template`` -> the session (its ``id``,
+        ``state`` RUNNING, ``worker``...). ``tenant``: admins only, create it for that tenant."""
         body: dict[str, Any] = {"actorTemplate": template}
         if id is not None:
             body["id"] = id
@@ -90,7 +92,7 @@ class SubstrateClient:
             body["labels"] = labels
         if env:
             body["env"] = env
-        return self._req("POST", "/v1/sessions", json=body)
+        return self._req("POST", "/v1/sessions", json=body, params={"tenant": tenant} if tenant else None)
 
     def get_session(self, sid: str) -> dict[str, Any]:
         return self._req("GET", _session_path(sid))

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import RuntimeProc
-from tests.e2e.test_tenancy import KEY_A, KEY_ADMIN, KEY_B, _keys_env
+from tests.e2e.test_tenancy import KEY_A, KEY_ADMIN, KEY_B, _client, _keys_env
 
 #: the test runtime's heartbeat period (s): long enough that three quick turns are surely not reported
 #: yet when the suspend comes (L12), with a lease well above it on a loaded machine
@@ -444,5 +444,38 @@ def test_suspend_and_resume_answers_have_the_session_view_of_get(rt: RuntimeProc
             resumed = a.post(f"/v1/sessions/{sid}/resume")
             assert resumed.status_code == 200, resumed.text
             assert set(resumed.json()) == set(created) and resumed.json()["sandboxed"] is True
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+
+
+def test_an_admin_creates_a_session_for_a_tenant_and_nobody_else_may(rt: RuntimeProc) -> None:
+    """``POST /v1/sessions?tenant=`` was ignored: an admin's session for team-a became the admin's own.
+    Now it is team-a's (team-a sees and owns it, the admin's tenant does not); a tenant naming another is
+    403, a bad name 422, and neither creates anything."""
+    with _http(rt, KEY_A) as a, _http(rt, KEY_B) as b, _http(rt, KEY_ADMIN) as admin:
+        before_a, before_b = _count(a), _count(b)
+        r = admin.post("/v1/sessions", params={"tenant": "team-a"}, json={"actorTemplate": "counter"})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        try:
+            assert r.json()["tenant"] == "team-a"
+            assert a.get(f"/v1/sessions/{sid}").status_code == 200
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}).json()["output"] == {"count": 1}
+            assert _count(a) == before_a + 1
+            assert sid not in {s["id"] for s in admin.get("/v1/sessions", params={"tenant": "ops"}).json()["items"]}
+            assert a.get("/v1/stats").json()["quota"]["running"] >= 1
+            _refused(b.post("/v1/sessions", params={"tenant": "team-a"}, json={"actorTemplate": "counter"}),
+                     403, "forbidden")
+            _refused(admin.post("/v1/sessions", params={"tenant": "BAD X"}, json={"actorTemplate": "counter"}),
+                     422, "invalid_tenant")
+            # naming one's own tenant is the same as naming none
+            own = b.post("/v1/sessions", params={"tenant": "team-b"}, json={"actorTemplate": "counter"})
+            assert own.status_code == 201 and own.json()["tenant"] == "team-b"
+            b.delete(f"/v1/sessions/{own.json()['id']}")
+            # the SDK says the same
+            sdk = _client(rt.url, KEY_ADMIN).create_session("counter", tenant="team-b")
+            assert sdk["tenant"] == "team-b" and b.get(f"/v1/sessions/{sdk['id']}").status_code == 200
+            b.delete(f"/v1/sessions/{sdk['id']}")
+            assert (_count(a), _count(b)) == (before_a + 1, before_b)
         finally:
             a.delete(f"/v1/sessions/{sid}")
