@@ -14,7 +14,8 @@ Starts a whole runtime the way a user does (``substrate up`` in a child process,
 * suspend latency, and the wake latency a parked request sees (suspended -> answered);
 * wake from the object store end to end through the runtime (moto S3 on loopback; shell sessions with
   a workspace of 1, 16, 64 MiB of random bytes, a distinct session per wake): the client's latency and
-  the router's ``X-Substrate-Wake-Ms``;
+  the router's ``X-Substrate-Wake-Ms``, for wakes back to back (each competes with the previous
+  session's teardown and host pre-start) and paced ``PACE_S`` apart (a settled warm worker);
 * resume from object storage by workspace size at the store level (moto S3 server and the local store);
 * optionally a short trace replay (``--replay``).
 
@@ -304,6 +305,10 @@ async def bench_creation(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+#: seconds between two paced wakes of the S3 wake benchmark (past the slot's host pre-start delay and boot)
+PACE_S = 1.0
+
+
 async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     """Wake from S3 (moto) end to end through the runtime, one distinct session per wake (module doc)."""
     from moto.server import ThreadedMotoServer
@@ -336,21 +341,28 @@ async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[st
                 for sid in sids:
                     st, b, _ = await _post(http, f"{srv.url}/v1/sessions/{sid}/suspend")
                     assert st == 202, b
-                client, server = [], []
-                for sid in sids:  # a distinct session each time: no cache helps
-                    t0 = time.perf_counter()
-                    async with http.post(f"{srv.url}/v1/sessions/{sid}/invoke", json={"input": "true"}) as r:
-                        text = await r.text()
-                        assert r.status == 200 and r.headers.get("X-Substrate-Woke") == "1", (r.status, text[:300])
-                        client.append(time.perf_counter() - t0)
-                        server.append(float(r.headers["X-Substrate-Wake-Ms"]) / 1000)
-                    async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
-                        pass
                 mib = size / 2**20
-                rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), through the runtime, "
-                                 "client (incl. a shell turn)", client))
-                rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), router X-Substrate-Wake-Ms",
-                                 server, **({"target": "p95 <= 30"} if size == 1 << 20 else {})))
+                # half the sessions woken one right after the other (each wake then competes with the
+                # previous session's teardown and its slot's host pre-start on the same cores), half paced
+                # PACE_S apart (a wake on a settled warm worker, what one user's wake sees)
+                for how, part in (("back to back", sids[: len(sids) // 2]), (f"paced {PACE_S} s apart",
+                                                                           sids[len(sids) // 2:])):
+                    client, server = [], []
+                    for sid in part:  # a distinct session each time: no cache helps
+                        if how != "back to back":
+                            await asyncio.sleep(PACE_S)
+                        t0 = time.perf_counter()
+                        async with http.post(f"{srv.url}/v1/sessions/{sid}/invoke", json={"input": "true"}) as r:
+                            text = await r.text()
+                            assert r.status == 200 and r.headers.get("X-Substrate-Woke") == "1", (r.status, text[:300])
+                            client.append(time.perf_counter() - t0)
+                            server.append(float(r.headers["X-Substrate-Wake-Ms"]) / 1000)
+                        async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
+                            pass
+                    rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), {how}, through the runtime, "
+                                     "client (incl. a shell turn)", client))
+                    rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), {how}, router "
+                                     "X-Substrate-Wake-Ms", server, **({"target": "p95 <= 30"} if size == 1 << 20 else {})))
         finally:
             srv.stop()
             moto.stop()
@@ -437,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-runtime", action="store_true")
     ap.add_argument("--skip-creation", action="store_true")
     ap.add_argument("--skip-wake", action="store_true")
-    ap.add_argument("--wake-repeats", type=int, default=20, help="distinct sessions woken per workspace size")
+    ap.add_argument("--wake-repeats", type=int, default=40,
+                    help="distinct sessions woken per workspace size (half back to back, half paced)")
     ap.add_argument("--skip-snapshots", action="store_true")
     ap.add_argument("--skip-sandbox", action="store_true")
     ap.add_argument("--skip-auth", action="store_true", help="skip the auth on/off router-overhead rows")
