@@ -20,7 +20,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "no such route"),
     "session_not_found": (404, "no such session, or it belongs to another tenant (same answer on purpose)"),
     "method_not_allowed": (405, "wrong HTTP method"),
-    "request_timeout": (408, "the body did not arrive within `api.body_read_timeout_s` of the request's headers; "
+    "request_timeout": (408, "the body did not arrive within `api.body_read_timeout_s` of the request's headers, "
+                             "or the headers within `api.header_read_timeout_s` of its first byte; "
                              "the connection is closed"),
     "session_exists": (409, "the client-chosen session ID is taken"),
     "invalid_state": (409, "the session is not in a state that allows the call"),

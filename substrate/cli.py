@@ -215,7 +215,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     from substrate.embedded import EmbeddedRedis
     from substrate.logs import configure_logging
-    from substrate.serving import Server
+    from substrate.serving import Server, header_timeout_protocol
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
@@ -253,7 +253,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     signal.signal(signal.SIGTERM, _term)
     try:
-        cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
+        cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
+                             http=header_timeout_protocol(settings.api.header_read_timeout_s),
                              log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
         server = Server(cfg)  # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully
 
@@ -339,7 +340,7 @@ def _serve_api(host: str, port: int) -> None:
     import uvicorn
 
     from substrate.logs import configure_logging
-    from substrate.serving import Server
+    from substrate.serving import Server, header_timeout_protocol
 
     settings = _settings(warn=False)  # the router warned before its own checks
     if problems := _prestart_problems(settings, local=False):
@@ -347,7 +348,8 @@ def _serve_api(host: str, port: int) -> None:
             err.print(f"[red]error[/red]: {escape(why)}")
         raise typer.Exit(2)
     configure_logging(settings.log_level, settings.log_json)
-    cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", http="httptools",
+    cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
+                         http=header_timeout_protocol(settings.api.header_read_timeout_s),
                          log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
     server = Server(cfg)
     server.run()

@@ -83,6 +83,11 @@ class ApiSettings(BaseModel):
     #: or never finishes its body gets 408 ``request_timeout`` and its connection is closed, instead of
     #: holding a connection and a handler for ever. 30 s carries ``max_body_bytes`` at ~35 KB/s.
     body_read_timeout_s: float = Field(30.0, gt=0)
+    #: how long a request's head (request line and headers) may take to arrive, counted from its first
+    #: byte or, on a new connection, from the connect (s): a client that connects and sends nothing, or
+    #: trickles its headers, gets 408 ``request_timeout`` and its connection is closed (uvicorn has no
+    #: such limit: one such client per file descriptor could hold the router's connections for ever)
+    header_read_timeout_s: float = Field(10.0, gt=0, le=3600)
     #: how long a request for a SUSPENDED session may wait for its resume
     park_timeout_s: float = Field(5.0, ge=0)
     #: cap on requests parked at once in one router process

@@ -28,6 +28,7 @@ from tests.e2e.test_tenancy import KEY_A, KEY_ADMIN, KEY_B, _client, _keys_env
 #: yet when the suspend comes (L12), with a lease well above it on a loaded machine
 HEARTBEAT_S = 2.0
 BODY_READ_TIMEOUT_S = 1.0
+HEADER_READ_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def rt(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Run
     r = RuntimeProc(tmp_path_factory.mktemp("api-review"), redis_url, replicas=1, slots=6,
                     env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(),
                          "SUBSTRATE_API__BODY_READ_TIMEOUT_S": str(BODY_READ_TIMEOUT_S),
+                         "SUBSTRATE_API__HEADER_READ_TIMEOUT_S": str(HEADER_READ_TIMEOUT_S),
                          "SUBSTRATE_WORKER__HEARTBEAT_S": str(HEARTBEAT_S), "SUBSTRATE_WORKER__LEASE_S": "8"})
     yield r
     r.stop()
@@ -479,3 +481,17 @@ def test_an_admin_creates_a_session_for_a_tenant_and_nobody_else_may(rt: Runtime
             assert (_count(a), _count(b)) == (before_a + 1, before_b)
         finally:
             a.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nAuthoriz"])
+def test_a_head_that_never_finishes_gets_408_and_the_connection_is_closed(rt: RuntimeProc, sent: bytes) -> None:
+    """uvicorn waited for ever for a request's headers (a connection that sent nothing, or half its
+    headers, held a file descriptor of the router); ``substrate up`` now serves with a deadline on them."""
+    with _http(rt, KEY_A) as a:
+        before = _count(a)
+        with socket.create_connection(("127.0.0.1", rt.port), timeout=30) as s:
+            s.sendall(sent)
+            status, err, closed = _read_answer(s, expect_close=True)
+        assert (status, err["code"]) == (408, "request_timeout"), err
+        assert "header_read_timeout_s" in err["message"] and closed
+        assert _count(a) == before and a.get("/healthz").status_code == 200
