@@ -110,6 +110,17 @@ def _folder_problem(path: Path) -> str | None:
         return f"{p} is not a folder" if p == path.absolute() else f"{p} (in {path}) is not a folder"
     if not os.access(p, os.W_OK | os.X_OK):
         return f"{p} is not writable" + ("" if p == path.absolute() else f" (to create {path})")
+    if p != path.absolute():
+        # os.access says yes for root on file systems that refuse folders (/proc, /sys): try making the
+        # first missing one, and take it away again (a check changes nothing)
+        first = path.absolute()
+        while first.parent != p:
+            first = first.parent
+        try:
+            first.mkdir(0o700)
+            first.rmdir()
+        except OSError as e:
+            return f"cannot create {path}: {e.strerror or e}"
     return None
 
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from substrate.models import QuotaLimits
@@ -55,7 +55,15 @@ def redis_url_problem(url: str) -> str | None:
     return None
 
 
-class RedisSettings(BaseModel):
+class _Section(BaseModel):
+    """A settings group. Numbers must be finite: ``inf`` passed every ``gt=0`` bound, and the local
+    backend hands settings to workers as JSON, which writes ``inf`` as ``null``: every worker then
+    died at start-up, restarted once a second for ever (fresh-user run)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class RedisSettings(_Section):
     """Where the directory lives. ``url=None`` means: start an embedded Redis server (persistent: AOF
     in ``data_dir``). A Redis Cluster: ``redis+cluster://host:port/0``."""
 
@@ -75,7 +83,7 @@ class RedisSettings(BaseModel):
     socket_timeout_s: float = Field(2.0, gt=0)
 
 
-class ApiSettings(BaseModel):
+class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     max_body_bytes: int = Field(1 * 1024 * 1024, gt=0)
@@ -125,7 +133,7 @@ class ApiSettings(BaseModel):
         return v
 
 
-class WorkerSettings(BaseModel):
+class WorkerSettings(_Section):
     host: str = "127.0.0.1"
     #: optional secret mixed (HMAC-SHA256) into the activation-token signing keys kept in Redis, so that
     #: read access to Redis alone cannot mint tokens workers accept (see ``substrate.tokens``). Set the
@@ -179,7 +187,7 @@ class WorkerSettings(BaseModel):
     prestart_refill_delay_s: float = Field(0.25, ge=0)
 
 
-class ApiKeySpec(BaseModel):
+class ApiKeySpec(_Section):
     """One API key given by file or env: its ``sha256`` (hex; preferred) or the ``key`` itself."""
 
     tenant: str
@@ -204,7 +212,7 @@ class ApiKeySpec(BaseModel):
         return self
 
 
-class AuthSettings(BaseModel):
+class AuthSettings(_Section):
     """Who may call the API (see README "Security model"). With no key anywhere, no OIDC issuer and no
     ``api.auth_token``, the API is open and every caller is the tenant ``default``."""
 
@@ -234,7 +242,7 @@ class AuthSettings(BaseModel):
     secrets_dir: Path | None = None
 
 
-class QuotaSettings(BaseModel):
+class QuotaSettings(_Section):
     """Limits per tenant (ActorTemplates add per-class limits in ``spec.quota``) and fairness knobs."""
 
     #: limits of a tenant not named in ``tenants``
@@ -250,7 +258,7 @@ class QuotaSettings(BaseModel):
     breaker_open_s: float = Field(30.0, ge=0)
 
 
-class AuditSettings(BaseModel):
+class AuditSettings(_Section):
     #: records kept per tenant stream and per session stream (approximate trimming, MAXLEN ~)
     max_per_tenant: int = Field(100_000, ge=1)
     max_per_session: int = Field(1_000, ge=1)
@@ -258,7 +266,7 @@ class AuditSettings(BaseModel):
     deleted_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
 
 
-class SnapshotSettings(BaseModel):
+class SnapshotSettings(_Section):
     store: Literal["local", "s3"] = "local"
     local_dir: Path = Path("var/snapshots")
     bucket: str = "agent-snapshots"
@@ -280,7 +288,7 @@ class SnapshotSettings(BaseModel):
     orphan_min_age_s: float = Field(900.0, ge=0)
 
 
-class StateSettings(BaseModel):
+class StateSettings(_Section):
     scan_interval_s: float = Field(1.0, gt=0)
     #: deadline for each transitional state; past it the session is recovered
     transition_deadline_s: float = Field(60.0, gt=0)
@@ -290,7 +298,7 @@ class StateSettings(BaseModel):
     suspend_retry_max_s: float = Field(30.0, gt=0)
 
 
-class PoolSettings(BaseModel):
+class PoolSettings(_Section):
     reconcile_interval_s: float = Field(1.0, gt=0)
     #: the pool shrinks only below the largest size wanted over this window (hysteresis): demand must
     #: have stayed lower this long. 10 s drained a burst's workers between its creates and its first
@@ -310,7 +318,7 @@ class PoolSettings(BaseModel):
     demand_ttl_s: float = Field(5.0, gt=0)
 
 
-class KubernetesSettings(BaseModel):
+class KubernetesSettings(_Section):
     """The Kubernetes mode (``substrate router|controller`` on a cluster; see docs/kubernetes.md).
 
     ``api_url`` unset: in-cluster service-account config, else ``~/.kube/config``. Workers get the
@@ -344,7 +352,8 @@ class KubernetesSettings(BaseModel):
 class Settings(BaseSettings):
     """The whole configuration tree. Construct with keyword overrides in tests."""
 
-    model_config = SettingsConfigDict(env_prefix="SUBSTRATE_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SUBSTRATE_", env_nested_delimiter="__", extra="ignore",
+                                      allow_inf_nan=False)
 
     redis: RedisSettings = Field(default_factory=RedisSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)

@@ -64,6 +64,12 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS_FILE", "/nonexistent.yaml", "cannot read API key file /nonexistent.yaml"),
     ("SUBSTRATE_WORKER__SHUTDOWN_GRACE_S", "-5", "greater than or equal to 0"),
     ("SUBSTRATE_API__MAX_BODY_BYTES", "0", "greater than 0"),
+    # inf passed every gt=0 bound, then every worker died on it (the settings reach workers as JSON, where
+    # inf is null) and was restarted once a second for ever
+    ("SUBSTRATE_WORKER__LEASE_S", "inf", "finite number"),
+    ("SUBSTRATE_API__PARK_TIMEOUT_S", "1e400", "finite number"),
+    ("SUBSTRATE_POOL__SCALE_DOWN_DELAY_S", "nan", "finite number"),
+    ("SUBSTRATE_API__HEADER_READ_TIMEOUT_S", "0", "greater than 0"),
 ])
 def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -161,3 +167,14 @@ def test_the_key_commands_say_in_one_line_that_redis_is_unreachable(argv: list[s
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 1, r.output
     assert _one_error_line(r.output).startswith("error: Redis unreachable")
+
+
+def test_a_data_folder_that_cannot_be_created_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc is "writable" to root by os.access, but refuses folders: that was a FileNotFoundError traceback."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", "/proc/substrate-test/data")
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith("error: SUBSTRATE_DATA_DIR: ") and "/proc" in line, line
+    if os.geteuid() == 0:  # as anyone else, /proc is "not writable" before any mkdir is tried
+        assert "cannot create /proc/substrate-test/data" in line, line
