@@ -321,7 +321,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         ``tenant=`` makes the session that tenant's (403 ``forbidden`` for anyone else naming another
         tenant, 422 ``invalid_tenant`` for no tenant name), checked before anything is taken."""
         rt = _rt(request)
-        owner = _tenant_scope(request, tenant) or _principal(request).tenant
+        owner = _tenant_scope(request, tenant, verb="create") or _principal(request).tenant
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
         env = check_session_env(body.env, [e.name for e in template.spec.env])
@@ -345,7 +345,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             rt.routes.put(sid, route)
         return JSONResponse(session_view(rec, rt), status_code=201)  # skips FastAPI's generic encoder
 
-    def _tenant_scope(request: Request, tenant: str | None) -> str | None:
+    def _tenant_scope(request: Request, tenant: str | None, *, verb: str = "read") -> str | None:
         """The tenant whose data a call reads: the caller's own; an admin's choice (None = all). A
         ``tenant`` that is no valid tenant name (also an empty ``tenant=``) is 422 ``invalid_tenant``, by the
         rule API keys are made with: it could only ever match nothing."""
@@ -353,7 +353,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             check_tenant(tenant)
         p = _principal(request)
         if tenant is not None and not p.admin and tenant != p.tenant:
-            raise Forbidden("only an admin may read another tenant's data", code="forbidden")
+            raise Forbidden(f"only an admin may {verb} another tenant's "
+                            + ("data" if verb == "read" else "sessions"), code="forbidden")
         return tenant if p.admin else p.tenant
 
     @app.get("/v1/sessions", dependencies=v1, tags=["sessions"])

@@ -139,8 +139,17 @@ def request_id(headers: Any) -> str:
     if not rid:
         return uuid.uuid4().hex
     if not _REQUEST_ID_RE.fullmatch(rid):
+        # say what is wrong: the length, or the first byte that is not visible ASCII (headers arrive as
+        # latin-1, one character per byte, so a UTF-8 letter shows as its first byte)
+        if len(rid) > MAX_REQUEST_ID_CHARS:
+            why = f"it has {len(rid)} bytes"
+        else:
+            i, c = next((i, c) for i, c in enumerate(rid) if not "\x21" <= c <= "\x7e")
+            what = "a space" if c == " " else f"byte 0x{ord(c):02x}" + (" (non-ASCII)" if ord(c) > 0x7f else "")
+            why = f"{what} at position {i}"
         raise InvalidInput(f"X-Request-ID must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters "
-                           f"(got {len(rid)} characters)", code="invalid_request_id")
+                           f"('!' to '~'; no spaces, control characters or non-ASCII): {why}",
+                           code="invalid_request_id")
     return str(rid)
 
 

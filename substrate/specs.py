@@ -211,9 +211,13 @@ def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: 
                 warns += _use_v1alpha2_claims(doc, v1alpha2)
             if kind == "ActorTemplate":
                 t = ActorTemplate.model_validate(doc)
+                if t.name in cat.templates:
+                    raise SpecError(f"{source} document {i}: ActorTemplate {t.name!r} is defined twice")
                 cat.templates[t.name] = t
             else:
                 p = WorkerPool.model_validate(doc)
+                if p.name in cat.pools:
+                    raise SpecError(f"{source} document {i}: WorkerPool {p.name!r} is defined twice")
                 cat.pools[p.name] = p
         except ValidationError as e:
             errs = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
@@ -289,16 +293,27 @@ def load_catalog(path: Path | str) -> Catalog:
         raise SpecError(f"spec path {str(path)!r} does not exist")
     files = [path] if path.is_file() else sorted([*path.glob("*.yaml"), *path.glob("*.yml")])
     cat = Catalog()
+    where: dict[tuple[str, str], Path] = {}
     for f in files:
         try:
             docs = list(yaml.safe_load_all(f.read_text()))
         except yaml.YAMLError as e:
             raise SpecError(f"{f}: not valid YAML: {e}") from e
         part = load_documents(docs, str(f))
+        # one name, one definition: the last file used to win without a word (fresh-user run)
+        for what, mine, theirs in (("ActorTemplate", part.templates, cat.templates), ("WorkerPool", part.pools, cat.pools)):
+            for name in mine.keys() & theirs.keys():
+                raise SpecError(f"{what} {name!r} is defined in {where[(what, name)]} and again in {f}")
+            where.update({(what, name): f for name in mine})
         cat.templates.update(part.templates)
         cat.pools.update(part.pools)
         cat.warnings += part.warnings
     if not cat.templates:
         raise SpecError(f"no ActorTemplate found in {path}")
-    cat.validate()
+    try:
+        cat.validate()
+    except SpecError:
+        raise
+    except InvalidInput as e:  # an unknown workerPool: one line at start-up, like every other spec error
+        raise SpecError(f"{path}: {e.message}", code=e.code) from None
     return cat

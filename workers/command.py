@@ -266,7 +266,9 @@ class HostedAgent(Agent):
             await host.wait_booted(max(0.0, deadline - time.monotonic()))
         except (RuntimeError, asyncio.TimeoutError, ValueError, asyncio.LimitOverrunError) as e:
             await self._kill()
-            raise TurnFailed(f"agent host did not start: {e or 'timed out'}", "agent_start_failed") from e
+            # str(e): an exception object is always true, and a timeout's message is empty
+            why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
+            raise TurnFailed(f"agent host did not start: {why}", "agent_start_failed") from e
 
     async def _expect_ok(self, reply: dict[str, Any], what: str) -> None:
         """Raise ``TurnFailed`` unless ``reply`` is ``{"ok": true}`` (the host is killed first): code

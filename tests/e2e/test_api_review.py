@@ -466,8 +466,9 @@ def test_an_admin_creates_a_session_for_a_tenant_and_nobody_else_may(rt: Runtime
             assert _count(a) == before_a + 1
             assert sid not in {s["id"] for s in admin.get("/v1/sessions", params={"tenant": "ops"}).json()["items"]}
             assert a.get("/v1/stats").json()["quota"]["running"] >= 1
-            _refused(b.post("/v1/sessions", params={"tenant": "team-a"}, json={"actorTemplate": "counter"}),
-                     403, "forbidden")
+            err = _refused(b.post("/v1/sessions", params={"tenant": "team-a"}, json={"actorTemplate": "counter"}),
+                           403, "forbidden")
+            assert err["message"] == "only an admin may create another tenant's sessions", err
             _refused(admin.post("/v1/sessions", params={"tenant": "BAD X"}, json={"actorTemplate": "counter"}),
                      422, "invalid_tenant")
             # naming one's own tenant is the same as naming none

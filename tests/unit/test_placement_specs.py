@@ -81,3 +81,37 @@ def test_template_naming_an_unknown_pool(tmp_path):
     with pytest.raises(InvalidInput) as e:
         load_catalog(tmp_path)
     assert e.value.code == "unknown_pool"
+
+
+def test_an_unknown_pool_is_one_line_at_start_up(tmp_path, monkeypatch):
+    """It was a traceback and exit 1 (fresh-user run); every other spec error is one line and exit 2."""
+    from typer.testing import CliRunner
+
+    from substrate.cli import app
+
+    (tmp_path / "t.yaml").write_text("kind: ActorTemplate\nmetadata: {name: t}\n"
+                                     "spec: {entrypoint: 'a:B', workerPool: nopool}\n"
+                                     "---\nkind: WorkerPool\nmetadata: {name: p}\n")
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "data"))
+    r = CliRunner().invoke(app, ["up", "--config", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and "names unknown workerPool 'nopool'" in r.output
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("layout", ["two files", "one file"])
+def test_a_name_defined_twice_is_refused_with_both_places(tmp_path, layout):
+    """Two ActorTemplates named ``dup`` loaded silently and the last one won (fresh-user run)."""
+    one = "kind: ActorTemplate\nmetadata: {name: dup}\nspec: {entrypoint: 'a:B'}\n"
+    two = "kind: ActorTemplate\nmetadata: {name: dup}\nspec: {entrypoint: 'c:D'}\n"
+    pool = "kind: WorkerPool\nmetadata: {name: p}\n"
+    if layout == "two files":
+        (tmp_path / "a.yaml").write_text(one + "---\n" + pool)
+        (tmp_path / "b.yaml").write_text(two)
+    else:
+        (tmp_path / "a.yaml").write_text(one + "---\n" + two + "---\n" + pool)
+    with pytest.raises(SpecError) as e:
+        load_catalog(tmp_path)
+    assert "'dup'" in e.value.message and ("twice" in e.value.message or "again in" in e.value.message)
+    if layout == "two files":
+        assert "a.yaml" in e.value.message and "b.yaml" in e.value.message

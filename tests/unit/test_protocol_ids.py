@@ -176,3 +176,16 @@ async def test_an_unexpected_error_in_a_worker_call_answers_json_internal(tmp_pa
         r = await client.get("/no/such/route", headers={"Authorization": "Bearer x"})
         assert r.status == 404  # aiohttp's own HTTP answers pass through
     await directory.close()
+
+
+async def test_a_host_that_does_not_boot_in_time_says_it_timed_out(pool: SandboxPool) -> None:
+    """The message was "agent host did not start: " (fresh-user run): an empty TimeoutError was formatted."""
+    slot = await pool.acquire()
+    ctx = SessionContext(session_id="s1", epoch=1, template="t", workspace=slot.workspace)
+    agent = HostedAgent(ctx, pool=pool, slot=slot, limits=Limits(sandboxed=False, turn_timeout_s=1e-6),
+                        entrypoint="workers.agents.counter:Counter", argv=None)
+    with pytest.raises(TurnFailed) as e:
+        await agent.start(None)
+    assert e.value.code == "agent_start_failed"
+    assert str(e.value) == "agent host did not start: timed out", str(e.value)
+    await pool.release(slot, None)

@@ -110,10 +110,14 @@ def test_request_id_rule():
     for absent in ({}, {"x-request-id": ""}):
         rid = request_id(absent)
         assert re.fullmatch(r"[0-9a-f]{32}", rid)
-    for bad in ("a" * (MAX_REQUEST_ID_CHARS + 1), "has space", "line\nbreak", "tab\t", "caf\u00e9", "\x7f"):
+    # the message names what is wrong (fresh-user run: "bad id" was told "got 6 characters")
+    for bad, says in (("a" * (MAX_REQUEST_ID_CHARS + 1), "it has 129 bytes"), ("has space", "a space at position 3"),
+                      ("line\nbreak", "byte 0x0a at position 4"), ("tab\t", "byte 0x09 at position 3"),
+                      ("caf\u00c3\u00a9", "byte 0xc3 (non-ASCII) at position 3"), ("\x7f", "byte 0x7f at position 0")):
         with pytest.raises(InvalidInput) as e:
             request_id({"x-request-id": bad})
         assert e.value.code == "invalid_request_id" and e.value.status == 422
+        assert e.value.message.endswith(says), e.value.message
 
 
 async def test_guard_and_route_authenticate_once_per_request():
