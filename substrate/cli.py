@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -715,12 +715,41 @@ def _async(coro_fn: Any) -> Any:
 
 
 def _file_keys(path: Path) -> list[dict[str, Any]]:
+    """The entries of key file ``path`` ([] if it does not exist yet); a file that cannot be read or is
+    no list of key entries is one line and exit 2 (they were tracebacks)."""
     import yaml
 
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
+        if not path.parent.is_dir():
+            _file_error(path, f"its folder {path.parent} does not exist")
         return []
-    data = yaml.safe_load(path.read_text()) or []
-    return list(data["keys"] if isinstance(data, dict) else data)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        _file_error(path, f"cannot read it: {getattr(e, 'strerror', None) or e}")
+    except yaml.YAMLError as e:
+        _file_error(path, f"not valid YAML: {str(e).splitlines()[0]}")
+    if data is None:
+        return []
+    if isinstance(data, dict) and isinstance(data.get("keys"), list):
+        data = data["keys"]
+    if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+        _file_error(path, "it must hold a list of keys ({tenant, sha256, admin?, name?} each)")
+    return list(data)
+
+
+def _file_error(path: Path, why: str) -> NoReturn:
+    err.print(f"[red]error[/red]: key file {escape(str(path))}: {escape(why)}")
+    raise typer.Exit(2)
+
+
+def _write_file_keys(path: Path, entries: list[dict[str, Any]]) -> None:
+    import yaml
+
+    try:
+        path.write_text(yaml.safe_dump(entries, sort_keys=False))
+    except OSError as e:
+        _file_error(path, f"cannot write it: {e.strerror or e}")
 
 
 @keys_app.command("create")
@@ -737,8 +766,6 @@ def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for 
     if file is not None:
         import secrets as _secrets
 
-        import yaml
-
         try:
             check_tenant(tenant)
         except SubstrateError as e:
@@ -748,7 +775,7 @@ def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for 
         key = f"sk_{kid}_{_secrets.token_urlsafe(32)}"
         entries = _file_keys(file)
         entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
-        file.write_text(yaml.safe_dump(entries, sort_keys=False))
+        _write_file_keys(file, entries)
         err.print(f"added to {file} (read by `substrate up` with SUBSTRATE_AUTH__API_KEYS_FILE={file})")
         print(key)
         return
@@ -769,15 +796,13 @@ def keys_revoke(key_id: str = typer.Argument(..., help="Key ID (from `keys list`
     from substrate.keys import Keys
 
     if file is not None:
-        import yaml
-
         entries = _file_keys(file)
         keep = [e for e in entries if key_id not in (e.get("name"), e.get("sha256"), e.get("key"))
                 and e.get("sha256") != hash_key(key_id)]
         if len(keep) == len(entries):
             err.print(f"[red]error api_key_not_found[/red]: no key {escape(key_id)} in {file}")
             raise typer.Exit(1)
-        file.write_text(yaml.safe_dump(keep, sort_keys=False))
+        _write_file_keys(file, keep)
         console.print(f"removed from {file}; restart the runtime, or also run without --file to revoke at once")
         return
 

@@ -1,0 +1,55 @@
+"""``substrate keys create/revoke --file F``: a key file that cannot be read, parsed or written is one
+line and exit 2, and is left as it was (fresh-user run: FileNotFoundError, IsADirectoryError, a YAML
+ParserError and KeyError 'keys' were tracebacks). A good file still gets the key appended."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from substrate.cli import app
+
+
+def _one_line(r) -> str:  # type: ignore[no-untyped-def]
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.output, r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("case, says", [
+    ("no folder", "does not exist"),
+    ("a folder", "cannot"),
+    ("bad yaml", "not valid YAML"),
+    ("an object", "must hold a list of keys"),
+    ("a list of strings", "must hold a list of keys"),
+])
+@pytest.mark.parametrize("command", ["create", "revoke"])
+def test_a_bad_key_file_is_one_line_and_exit_2(tmp_path: Path, case: str, says: str, command: str) -> None:
+    f = {"no folder": tmp_path / "missing" / "keys.yaml", "a folder": tmp_path}.get(case, tmp_path / "keys.yaml")
+    body = {"bad yaml": "keys: [unclosed\n", "an object": "tenants: {a: 1}\n", "a list of strings": "- a\n- b\n"}
+    if case in body:
+        f.write_text(body[case])
+    before = f.read_text() if f.is_file() else None
+    argv = ["keys", "create", "team-a", "--file", str(f)] if command == "create" else \
+        ["keys", "revoke", "some-key", "--file", str(f)]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2, r.output
+    line = _one_line(r)
+    assert line.startswith(f"error: key file {f}") and says in line, line
+    assert (f.read_text() if f.is_file() else None) == before
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_good_key_file_gets_the_key_and_a_revoke_takes_it_out(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    r = CliRunner().invoke(app, ["keys", "create", "team-a", "--name", "ci", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    entries = yaml.safe_load(f.read_text())
+    assert [(e["tenant"], e["name"]) for e in entries] == [("team-a", "ci")]
+    f.write_text(yaml.safe_dump({"keys": entries}))  # the {keys: [...]} form is read too
+    r = CliRunner().invoke(app, ["keys", "revoke", "ci", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(f.read_text()) == []
