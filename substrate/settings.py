@@ -247,8 +247,24 @@ class QuotaSettings(_Section):
 
     #: limits of a tenant not named in ``tenants``
     default: QuotaLimits = Field(default_factory=QuotaLimits)
-    #: limits per tenant name (JSON in ``SUBSTRATE_QUOTA__TENANTS``)
+    #: limits per tenant name (JSON in ``SUBSTRATE_QUOTA__TENANTS``; in the nested form
+    #: ``SUBSTRATE_QUOTA__TENANTS__TEAM_A__MAXRUNNING`` an ``_`` stands for the ``-`` no variable name can hold)
     tenants: dict[str, QuotaLimits] = Field(default_factory=dict)
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, QuotaLimits]) -> dict[str, QuotaLimits]:
+        """Every key a tenant name (a limit under any other key can never apply: it was accepted
+        silently). ``team_a`` means ``team-a``: tenant names have no ``_``, variable names no ``-``."""
+        out: dict[str, QuotaLimits] = {}
+        for name, limits in v.items():
+            tenant = name.replace("_", "-")
+            if not TENANT_RE.match(tenant):
+                raise ValueError(f"{name!r} is not a tenant name (1-63 lower-case letters, digits and '-')")
+            if tenant in out:
+                raise ValueError(f"tenant {tenant!r} has two quota entries")
+            out[tenant] = limits
+        return out
     #: share of ``api.max_parked`` one tenant's parked requests may take (fairness under a full pool)
     tenant_parked_share: float = Field(0.5, gt=0, le=1)
     #: circuit breaker: this many failed activations of one tenant within the window open it ...

@@ -70,6 +70,7 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_API__PARK_TIMEOUT_S", "1e400", "finite number"),
     ("SUBSTRATE_POOL__SCALE_DOWN_DELAY_S", "nan", "finite number"),
     ("SUBSTRATE_API__HEADER_READ_TIMEOUT_S", "0", "greater than 0"),
+    ("SUBSTRATE_QUOTA__TENANTS", '{"Bad Name": {"maxRunning": 1}}', "'Bad Name' is not a tenant name"),
 ])
 def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -195,3 +195,20 @@ def test_quota_limits_from_the_nested_environment_form(monkeypatch) -> None:
     assert s.quota.tenants["acme"].maxTotal == 4 and s.quota.default.maxRunning == 2
     with pytest.raises(pydantic.ValidationError):
         QuotaLimits.model_validate({"maxtotals": 1})
+
+
+def test_quota_tenant_names_are_checked_and_underscore_stands_for_dash(monkeypatch) -> None:
+    """The README's ``..._TEAM_A__MAXRUNNING`` made tenant ``team_a``, which no tenant can be named, and
+    ``{"Bad Name": ...}`` was accepted: limits that could never apply. Now ``_`` reads as ``-`` and any
+    other key that is no tenant name is refused."""
+    import pydantic
+
+    from substrate.settings import Settings
+
+    monkeypatch.setenv("SUBSTRATE_QUOTA__TENANTS__TEAM_A__MAXRUNNING", "3")
+    assert set(Settings().quota.tenants) == {"team-a"}
+    monkeypatch.delenv("SUBSTRATE_QUOTA__TENANTS__TEAM_A__MAXRUNNING")
+    for bad in ('{"Bad Name": {"maxRunning": 1}}', '{"team-a": {}, "team_a": {}}', '{"-x": {}}'):
+        monkeypatch.setenv("SUBSTRATE_QUOTA__TENANTS", bad)
+        with pytest.raises(pydantic.ValidationError):
+            Settings()
