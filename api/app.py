@@ -182,7 +182,9 @@ def _check_id(sid: str) -> str:
 class RequestCounter:
     """Pure ASGI middleware: ``agent_substrate_requests_total{route, code}`` for every HTTP answer, with
     the matched route's template as ``route`` (never the raw path: bounded label values) and
-    ``unmatched`` for paths no route serves."""
+    ``unmatched`` for paths no route serves. Also puts the request's ID (``X-Request-ID``, the client's or
+    the one the router made, see ``api.proxy.request_id``) on every answer of a call that got one, not only
+    on invoke's, so a client can match any call to its audit record."""
 
     def __init__(self, app: Any, routes: list[Any] | None = None) -> None:
         self.app = app
@@ -199,6 +201,11 @@ class RequestCounter:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                rid = (scope.get("state") or {}).get("request_id")
+                if rid:
+                    headers = message.get("headers") or []
+                    if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                        message = {**message, "headers": [*headers, (b"x-request-id", rid.encode("latin-1"))]}
             await send(message)
 
         try:

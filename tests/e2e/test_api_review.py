@@ -496,3 +496,23 @@ def test_a_head_that_never_finishes_gets_408_and_the_connection_is_closed(rt: Ru
         assert (status, err["code"]) == (408, "request_timeout"), err
         assert "header_read_timeout_s" in err["message"] and closed
         assert _count(a) == before and a.get("/healthz").status_code == 200
+
+
+def test_every_authenticated_answer_carries_its_request_id(rt: RuntimeProc) -> None:
+    """Only invoke answered ``X-Request-ID``: a create, get, suspend or stats made by the router could not be
+    matched to its audit record. The client's own ID comes back as sent, once."""
+    with _http(rt, KEY_A) as a:
+        r = a.post("/v1/sessions", json={"actorTemplate": "counter"})
+        assert r.status_code == 201 and len(r.headers["X-Request-ID"]) == 32  # made by the router
+        sid = r.json()["id"]
+        try:
+            for method, path in (("GET", f"/v1/sessions/{sid}"), ("POST", f"/v1/sessions/{sid}/suspend"),
+                                 ("GET", "/v1/stats"), ("GET", "/v1/sessions"), ("GET", "/v1/sessions/nope"),
+                                 ("POST", f"/v1/sessions/{sid}/invoke")):
+                kw = {"json": {"input": "get"}} if path.endswith("invoke") else {}
+                r = a.request(method, path, headers={"X-Request-ID": f"mine-{method}-{len(path)}"}, **kw)
+                assert r.headers.get_list("X-Request-ID") == [f"mine-{method}-{len(path)}"], (path, r.headers)
+            events = a.get("/v1/events", params={"limit": 1000}).json()["items"]
+            assert any(e.get("requestId") == f"mine-POST-{len(f'/v1/sessions/{sid}/suspend')}" for e in events), events[-3:]
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
