@@ -35,7 +35,7 @@ from api.guard import Guard
 from substrate.envpolicy import check_session_env
 from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
-from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
+from substrate.models import NAME_RE, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
 
@@ -376,6 +376,14 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         (a keyset cursor: deleting sessions between pages skips or repeats none)."""
         rt = _rt(request)
         scope = _tenant_scope(request, tenant)
+        if template is not None and not NAME_RE.fullmatch(template):
+            # no template can have such a name: say so instead of an empty list (a removed template's
+            # sessions stay listable by its name, so unknown names are not refused)
+            raise InvalidInput(f"template={clip(template)} is no ActorTemplate name (lower-case letters, digits, "
+                               "'-' and '.', at most 253)", code="invalid_input")
+        if state == SessionState.DELETED:
+            raise InvalidInput("state=DELETED lists nothing: a deleted session is gone (its audit records stay "
+                               "in /v1/events)", code="invalid_input")
         keys = rt.directory.keys
         index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
         items, nxt = await list_page(rt.directory.redis, keys, index, limit=limit, cursor=continue_,

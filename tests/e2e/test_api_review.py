@@ -516,3 +516,17 @@ def test_every_authenticated_answer_carries_its_request_id(rt: RuntimeProc) -> N
             assert any(e.get("requestId") == f"mine-POST-{len(f'/v1/sessions/{sid}/suspend')}" for e in events), events[-3:]
         finally:
             a.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("params, says", [
+    ({"template": "x" * 5000}, "is no ActorTemplate name"),
+    ({"template": "a\x00b"}, "is no ActorTemplate name"),
+    ({"template": "Counter"}, "is no ActorTemplate name"),
+    ({"state": "DELETED"}, "a deleted session is gone"),
+])
+def test_list_filters_that_can_match_nothing_are_422(rt: RuntimeProc, params: dict[str, str], says: str) -> None:
+    """They answered 200 with an empty list (fresh-user run); a template no longer configured still lists."""
+    with _http(rt, KEY_A) as a:
+        err = _refused(a.get("/v1/sessions", params=params), 422, "invalid_input")
+        assert says in err["message"], err
+        assert a.get("/v1/sessions", params={"template": "gone-from-config"}).json()["items"] == []
