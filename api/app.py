@@ -161,15 +161,20 @@ async def _body_limit(request: Request) -> None:
         raise PayloadTooLarge(f"body is over the {limit}-byte limit")
 
 
+def _check_body(request: Request, body: bytes) -> None:
+    """The body checks in order (the label, then the JSON): also run when FastAPI's own parse of a body
+    failed first, so a compressed body is told 415 about its encoding, not 400 "not UTF-8"."""
+    proxy.check_json_content_type(request.headers.get("content-type"), body, request.headers.get("content-encoding"))
+    if body:
+        proxy.check_json_keys(body)
+
+
 async def _json_body(request: Request) -> None:
     """415 ``unsupported_media_type`` for a body not labelled JSON (see ``proxy.check_json_content_type``):
     FastAPI would not parse it as JSON and answer a 422 saying the body is not an object. Then 400
     ``bad_json`` for a body that is not UTF-8 JSON or repeats a key (``{"actorTemplate": "a",
     "actorTemplate": "b"}``: JSON parsers disagree on which one wins, so the request is ambiguous)."""
-    body = await request.body()
-    proxy.check_json_content_type(request.headers.get("content-type"), body)
-    if body:
-        proxy.check_json_keys(body)
+    _check_body(request, await request.body())
 
 
 def _check_id(sid: str) -> str:
@@ -292,7 +297,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
         if any(er.get("type") == "json_invalid" for er in e.errors()):
             try:  # say what is wrong (json.loads's message), as on invoke
-                proxy.check_json_keys(await request.body())
+                _check_body(request, await request.body())
             except SubstrateError as bad:
                 return proxy.error_response(bad)
             return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
@@ -309,7 +314,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             # FastAPI's answer to a body json.loads refused for other reasons than syntax (not UTF-8, a
             # number of over 4300 digits): say which, with the code every other bad body gets
             try:
-                proxy.check_json_keys(await request.body())
+                _check_body(request, await request.body())
             except SubstrateError as bad:
                 return proxy.error_response(bad)
             return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)

@@ -169,7 +169,7 @@ async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
     return principal
 
 
-def check_json_content_type(content_type: str | None, body: bytes) -> None:
+def check_json_content_type(content_type: str | None, body: bytes, content_encoding: str | None = None) -> None:
     """Refuse a non-empty ``body`` that is not labelled JSON: ``UnsupportedMediaType`` (415
     ``unsupported_media_type``, naming the header to send). JSON is ``application/json`` or any
     ``application/*+json``, parameters (``; charset=utf-8``) ignored. An empty body passes (a resume
@@ -182,9 +182,18 @@ def check_json_content_type(content_type: str | None, body: bytes) -> None:
     shell session under an ID it chose and run commands in it), while ``application/json`` is not."""
     if not body:
         return
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    main, _, sub = media.partition("/")
+    if content_encoding and content_encoding.strip().lower() != "identity":
+        # a gzip body was "not UTF-8 text" (400 bad_json): say what is wrong
+        raise UnsupportedMediaType(f"Content-Encoding {clip(content_encoding)} is not supported: send the body "
+                                   "uncompressed", code="unsupported_media_type")
+    media, _, params = (content_type or "").partition(";")
+    main, _, sub = media.strip().lower().partition("/")
     if main == "application" and (sub == "json" or sub.endswith("+json")):
+        charset = next((v.strip().strip('"').lower() for k, _, v in (x.partition("=") for x in params.split(";"))
+                        if k.strip().lower() == "charset"), None)
+        if charset not in (None, "utf-8", "utf8"):  # it was read as UTF-8 whatever it said
+            raise UnsupportedMediaType(f"charset {clip(charset)} is not supported: JSON bodies are UTF-8",
+                                       code="unsupported_media_type")
         return
     got = f"Content-Type {clip(content_type)} is not JSON" if content_type else "the body has no Content-Type"
     raise UnsupportedMediaType(f"{got}: send the body as JSON with the header 'Content-Type: application/json' "
@@ -325,7 +334,7 @@ async def invoke(request: Request) -> Response:
         body = await request.body()
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
-        check_json_content_type(request.headers.get("content-type"), body)
+        check_json_content_type(request.headers.get("content-type"), body, request.headers.get("content-encoding"))
         check_invoke_body(body)
         stream = stream_param(request.query_params.getlist("stream"))
         rid = request.state.request_id

@@ -530,3 +530,33 @@ def test_list_filters_that_can_match_nothing_are_422(rt: RuntimeProc, params: di
         err = _refused(a.get("/v1/sessions", params=params), 422, "invalid_input")
         assert says in err["message"], err
         assert a.get("/v1/sessions", params={"template": "gone-from-config"}).json()["items"] == []
+
+
+@pytest.mark.parametrize("route", ["create", "invoke"])
+@pytest.mark.parametrize("headers, says", [
+    ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, "Content-Encoding 'gzip' is not supported"),
+    ({"Content-Type": "application/json; charset=latin-1"}, "charset 'latin-1' is not supported"),
+])
+def test_a_compressed_or_non_utf8_body_is_415_and_changes_nothing(rt: RuntimeProc, route: str,
+                                                                  headers: dict[str, str], says: str) -> None:
+    """A gzip body was 400 "not UTF-8 text", and a latin-1 label was read as UTF-8 (fresh-user run)."""
+    import gzip
+
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            before = _count(a)
+            raw = b'{"input":"increment"}' if route == "invoke" else b'{"actorTemplate":"counter"}'
+            body = gzip.compress(raw) if "Content-Encoding" in headers else raw
+            path = f"/v1/sessions/{sid}/invoke" if route == "invoke" else "/v1/sessions"
+            err = _refused(a.post(path, content=body, headers=headers), 415, "unsupported_media_type")
+            assert says in err["message"], err
+            assert _count(a) == before
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+            ok = a.post(path, content=raw, headers={"Content-Type": "application/json; charset=UTF-8",
+                                                     "Content-Encoding": "identity"})
+            assert ok.status_code in (200, 201), ok.text
+            if route == "create":
+                a.delete(f"/v1/sessions/{ok.json()['id']}")
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
