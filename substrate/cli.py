@@ -553,6 +553,7 @@ def demo(port: int = typer.Option(18080, help="Port for the demo server."),
 def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. counter"),
              id: Optional[str] = typer.Option(None, "--id", help="Client-chosen session ID."),
              label: list[str] = typer.Option([], "--label", "-l", help="key=value, repeatable"),
+             tenant: Optional[str] = typer.Option(None, help="Admins: create it for this tenant."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create and start a session."""
     bad = [x for x in label if "=" not in x or x.startswith("=")]
@@ -561,7 +562,7 @@ def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. 
         raise typer.Exit(2)
     labels = dict(x.split("=", 1) for x in label)
     with _client(server, token) as c:
-        _print(_run(lambda: c.create_session(template, id=id, labels=labels)))
+        _print(_run(lambda: c.create_session(template, id=id, labels=labels, tenant=tenant)))
 
 
 @sessions.command("get")
@@ -575,18 +576,20 @@ def s_get(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) ->
 def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ..."),
            template: Optional[str] = None, limit: int = typer.Option(50, help="Page size."),
            all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+           tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
            server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """List sessions as a table."""
+    """List sessions as a table (an admin sees every tenant's, with a TENANT column)."""
     with _client(server, token) as c:
         if all_pages:
-            items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit)))
+            items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit, tenant=tenant)))
             nxt = None
         else:
-            page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit))
+            page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit, tenant=tenant))
             items, nxt = page["items"], page["metadata"]["continue"]
-    t = Table("ID", "STATE", "TEMPLATE", "WORKER", "EPOCH")
+    t = Table("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH")
     for s in items:
-        t.add_row(s["id"], s["state"], s["actorTemplate"], s.get("worker") or "-", str(s["epoch"]))
+        t.add_row(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
+                  str(s["epoch"]))
     console.print(t)
     if nxt:
         console.print(f"more: --all, or the API's ?continue={nxt}")
