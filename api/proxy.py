@@ -172,8 +172,8 @@ async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
 def check_json_content_type(content_type: str | None, body: bytes, content_encoding: str | None = None) -> None:
     """Refuse a non-empty ``body`` that is not labelled JSON: ``UnsupportedMediaType`` (415
     ``unsupported_media_type``, naming the header to send). JSON is ``application/json`` or any
-    ``application/*+json``, parameters (``; charset=utf-8``) ignored. An empty body passes (a resume
-    without one).
+    ``application/*+json``; a ``charset`` parameter must be UTF-8, and a ``Content-Encoding`` other than
+    ``identity`` (a compressed body) is refused the same way. An empty body passes (a resume without one).
 
     Deliberately strict, also for a body without ``Content-Type``: ``curl -d`` labels a JSON body
     ``application/x-www-form-urlencoded`` and the answer tells how to fix that; guessing instead would let a
