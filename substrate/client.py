@@ -92,7 +92,8 @@ class SubstrateClient:
             body["labels"] = labels
         if env:
             body["env"] = env
-        return self._req("POST", "/v1/sessions", json=body, params={"tenant": tenant} if tenant else None)
+        # `is not None`: an empty tenant is sent, and refused (422 invalid_tenant), not read as "mine"
+        return self._req("POST", "/v1/sessions", json=body, params={"tenant": tenant} if tenant is not None else None)
 
     def get_session(self, sid: str) -> dict[str, Any]:
         return self._req("GET", _session_path(sid))
@@ -192,7 +193,7 @@ class SubstrateClient:
     def events(self, *, tenant: str | None = None, limit: int = 100, continue_: str | None = None) -> dict[str, Any]:
         """One page of the caller's tenant's audit records (admins: ``tenant``'s)."""
         params: dict[str, Any] = {"limit": limit}
-        if tenant:
+        if tenant is not None:  # an empty one is sent (and refused), not dropped
             params["tenant"] = tenant
         if continue_:
             params["continue"] = continue_

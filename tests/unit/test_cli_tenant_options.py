@@ -54,3 +54,10 @@ def test_list_and_create_pass_the_tenant(seen: list[httpx.Request]) -> None:
     assert r.exit_code == 0, r.output
     assert seen[-1].method == "POST" and seen[-1].url.params["tenant"] == "team-a"
     assert json.loads(seen[-1].content) == {"actorTemplate": "counter"}
+
+
+def test_an_empty_tenant_is_sent_not_dropped(seen: list[httpx.Request]) -> None:
+    """``--tenant ''`` created the session for the admin's own tenant (the SDK dropped the empty string);
+    the API refuses an empty ``tenant=`` (422 invalid_tenant), so it must reach the API."""
+    CliRunner().invoke(app, ["sessions", "create", "counter", "--tenant", ""])
+    assert seen[-1].method == "POST" and seen[-1].url.params.get("tenant") == ""
