@@ -272,6 +272,13 @@ class Autoscaling(BaseModel):
     #: HPA metrics (autoscaling/v2 MetricSpec): when set, a HorizontalPodAutoscaler drives /scale instead
     metrics: list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "Autoscaling":
+        # maxReplicas is the safety bound: a floor above it started minReplicas workers anyway
+        if self.minReplicas > self.maxReplicas:
+            raise ValueError(f"autoscaling.minReplicas ({self.minReplicas}) is above maxReplicas ({self.maxReplicas})")
+        return self
+
 
 class WarmPool(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -115,3 +115,13 @@ def test_a_name_defined_twice_is_refused_with_both_places(tmp_path, layout):
     assert "'dup'" in e.value.message and ("twice" in e.value.message or "again in" in e.value.message)
     if layout == "two files":
         assert "a.yaml" in e.value.message and "b.yaml" in e.value.message
+
+
+def test_min_replicas_above_max_is_refused(tmp_path):
+    """``minReplicas: 5, maxReplicas: 1`` was accepted and started 5 workers (fresh-user run 2)."""
+    (tmp_path / "p.yaml").write_text("kind: WorkerPool\nmetadata: {name: p}\n"
+                                     "spec: {autoscaling: {minReplicas: 5, maxReplicas: 1}}\n---\n"
+                                     "kind: ActorTemplate\nmetadata: {name: t}\nspec: {entrypoint: 'a:B'}\n")
+    with pytest.raises(SpecError) as e:
+        load_catalog(tmp_path)
+    assert "minReplicas (5) is above maxReplicas (1)" in e.value.message
