@@ -62,6 +62,25 @@ class _Section(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False)
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _plausible(cls, v: object) -> object:
+        """Numbers no setting can mean: a float above ``MAX_FLOAT_SETTING`` (seconds: 31 years) or an int
+        above ``MAX_INT_SETTING`` (bytes: a petabyte). ``1e300`` passed every bound, then Redis refused the
+        EXPIRE made from it on every delete (fresh-user run 2)."""
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, float) and abs(v) > MAX_FLOAT_SETTING:
+            raise ValueError(f"{v:g} is implausibly large (at most {MAX_FLOAT_SETTING:g})")
+        if isinstance(v, int) and abs(v) > MAX_INT_SETTING:
+            raise ValueError(f"{v} is implausibly large (at most {MAX_INT_SETTING})")
+        return v
+
+
+#: the largest float and int any setting accepts (see ``_Section._plausible``)
+MAX_FLOAT_SETTING = 1e9
+MAX_INT_SETTING = 10**15
+
 
 class RedisSettings(_Section):
     """Where the directory lives. ``url=None`` means: start an embedded Redis server (persistent: AOF

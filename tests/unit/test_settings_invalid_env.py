@@ -71,6 +71,9 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_POOL__SCALE_DOWN_DELAY_S", "nan", "finite number"),
     ("SUBSTRATE_API__HEADER_READ_TIMEOUT_S", "0", "greater than 0"),
     ("SUBSTRATE_QUOTA__TENANTS", '{"Bad Name": {"maxRunning": 1}}', "'Bad Name' is not a tenant name"),
+    # 1e300 passed every bound, then Redis refused the EXPIRE made from it on every delete
+    ("SUBSTRATE_AUDIT__DELETED_RETENTION_S", "1e300", "implausibly large"),
+    ("SUBSTRATE_API__RETRY_AFTER_S", "99999999999999999999999", "implausibly large"),
 ])
 def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
