@@ -31,7 +31,7 @@ from api.errors_doc import DEFAULT_STATUSES, ROUTE_STATUSES, openapi_error_schem
 from api.runtime import Runtime
 from substrate import metrics
 from substrate.apikeys import check_tenant
-from api.guard import Guard
+from api.guard import Guard, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
@@ -206,7 +206,7 @@ class RequestCounter:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                rid = (scope.get("state") or {}).get("request_id")
+                rid = request_id_of(scope)
                 if rid:
                     headers = message.get("headers") or []
                     if not any(k.lower() == b"x-request-id" for k, _ in headers):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 from typing import Any, Awaitable, Callable
 
@@ -42,12 +43,35 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+#: a client's ``X-Request-ID`` must be 1-128 visible ASCII characters (``!`` to ``~``: no spaces, control
+#: characters or non-ASCII): it goes into audit records, logs, the worker call and the answer's headers
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
+
+
+def request_id_of(scope: Scope) -> str | None:
+    """The ID to echo as ``X-Request-ID`` on an answer to ``scope``: the one the call was given (the
+    client's or a fresh one, set by ``api.proxy.authenticate``), else the client's own if it is valid (an
+    answer given before the call was authenticated: a body over the limit, a stalled body, one FastAPI
+    could not parse). None if there is neither (an invalid one is answered 422 where it is checked)."""
+    rid = (scope.get("state") or {}).get("request_id")
+    if rid:
+        return str(rid)
+    for k, v in scope.get("headers") or ():
+        if k == b"x-request-id":
+            raw = v.decode("latin-1")
+            return raw if _REQUEST_ID_RE.fullmatch(raw) else None
+    return None
+
+
 async def _answer(send: Send, status: int, code: str, message: str,
-                  extra: list[tuple[bytes, bytes]] | None = None) -> None:
+                  extra: list[tuple[bytes, bytes]] | None = None, *, scope: Scope | None = None) -> None:
     body = json.dumps({"code": code, "message": message}).encode()
+    rid = request_id_of(scope) if scope is not None else None
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *(extra or [])]})
+                            (b"connection", b"close"), *(extra or []),
+                            *([(b"x-request-id", rid.encode("latin-1"))] if rid else [])]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -71,7 +95,7 @@ async def _until_stopped(app: ASGIApp, scope: Scope, receive: Receive, send: Sen
         await _answer(send, 503, "router_stopping",
                       "the router stopped before this call's answer came; the turn may have run: retry with "
                       "the same Idempotency-Key (a turn that ran is answered again, never run twice)",
-                      [(b"retry-after", b"1")])
+                      [(b"retry-after", b"1")], scope=scope)
 
 
 def _Headers(scope: Scope) -> Headers:  # noqa: N802 - a constructor
@@ -109,19 +133,20 @@ class Guard:
                 # route is authenticated here too: its body is read below, and only for a known caller
                 scope.setdefault("state", {})["principal"] = await auth.authenticate(_Headers(scope))
             except SubstrateError as e:
-                await _answer(send, e.status, e.code, e.message)
+                await _answer(send, e.status, e.code, e.message, scope=scope)
                 return
         elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
-            await _answer(send, 401, "unauthorized", "missing or wrong bearer token")
+            await _answer(send, 401, "unauthorized", "missing or wrong bearer token", scope=scope)
             return
         limit = int(api.max_body_bytes)
         cl = headers.get(b"content-length")
         if cl is not None:
             if not (cl.isdigit() and len(cl) <= 19):  # bytes.isdigit: ASCII digits only
-                await _answer(send, 400, "bad_request", "malformed Content-Length")
+                await _answer(send, 400, "bad_request", "malformed Content-Length", scope=scope)
                 return
             if int(cl) > limit:
-                await _answer(send, 413, "payload_too_large", f"body of {int(cl)} bytes is over the {limit}-byte limit")
+                await _answer(send, 413, "payload_too_large", f"body of {int(cl)} bytes is over the {limit}-byte limit",
+                              scope=scope)
                 return
             if int(cl) == 0:
                 await _until_stopped(self.app, scope, receive, send)
@@ -142,7 +167,8 @@ class Guard:
                     body = msg.get("body", b"")
                     size += len(body)
                     if size > limit:
-                        await _answer(send, 413, "payload_too_large", f"body is over the {limit}-byte limit")
+                        await _answer(send, 413, "payload_too_large", f"body is over the {limit}-byte limit",
+                                      scope=scope)
                         return
                     chunks.append(body)
                     if not msg.get("more_body", False):
@@ -150,7 +176,7 @@ class Guard:
         except TimeoutError:
             await _answer(send, 408, "request_timeout",
                           f"the request body did not arrive within {api.body_read_timeout_s:g} s; "
-                          "send it whole right after the headers")
+                          "send it whole right after the headers", scope=scope)
             return
         replay = [{"type": "http.request", "body": chunks[0] if len(chunks) == 1 else b"".join(chunks),
                    "more_body": False}]

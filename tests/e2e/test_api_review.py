@@ -560,3 +560,22 @@ def test_a_compressed_or_non_utf8_body_is_415_and_changes_nothing(rt: RuntimePro
                 a.delete(f"/v1/sessions/{ok.json()['id']}")
         finally:
             a.delete(f"/v1/sessions/{sid}")
+
+
+def test_answers_given_before_authentication_echo_a_valid_request_id(rt: RuntimeProc) -> None:
+    """413, 400 bad_json on create and the front door's 401 dropped the client's X-Request-ID (fresh-user
+    run 2): they are given before the call is authenticated, so it had no ID yet. An invalid ID is not
+    echoed there (it is answered 422 where it is checked)."""
+    with _http(rt, KEY_A) as a:
+        rid = {"X-Request-ID": "early-1"}
+        big = a.post("/v1/sessions", content=b"x" * (2 << 20), headers={**rid, "Content-Type": "application/json"})
+        assert big.status_code == 413 and big.headers.get_list("X-Request-ID") == ["early-1"], big.headers
+        bad = a.post("/v1/sessions", content=b'{"actorTemplate":"counter"', headers={**rid, "Content-Type": "application/json"})
+        assert bad.status_code == 400 and bad.headers.get_list("X-Request-ID") == ["early-1"], bad.text
+        gz = a.post("/v1/sessions", content=b"\x1f\x8b", headers={**rid, "Content-Type": "application/json",
+                                                                  "Content-Encoding": "gzip"})
+        assert gz.status_code == 415 and gz.headers.get_list("X-Request-ID") == ["early-1"], gz.text
+    anon = httpx.post(f"{rt.url}/v1/sessions", json={"actorTemplate": "counter"}, headers={"X-Request-ID": "anon-1"})
+    assert anon.status_code == 401 and anon.headers.get_list("X-Request-ID") == ["anon-1"]
+    junk = httpx.post(f"{rt.url}/v1/sessions", json={"actorTemplate": "counter"}, headers={"X-Request-ID": "a b"})
+    assert junk.status_code == 401 and "X-Request-ID" not in junk.headers
