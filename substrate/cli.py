@@ -738,6 +738,16 @@ def _file_keys(path: Path) -> list[dict[str, Any]]:
         data = data["keys"]
     if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
         _file_error(path, "it must hold a list of keys ({tenant, sha256, admin?, name?} each)")
+    from pydantic import ValidationError
+
+    from substrate.settings import ApiKeySpec
+
+    for i, entry in enumerate(data):  # what `substrate up` would refuse is refused here, before a write
+        try:
+            ApiKeySpec.model_validate(entry)
+        except ValidationError as e:
+            first = e.errors()[0]
+            _file_error(path, f"entry {i}: {'.'.join(map(str, first.get('loc', ()))) or 'entry'}: {first.get('msg')}")
     return list(data)
 
 
@@ -760,7 +770,8 @@ def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for 
                 admin: bool = typer.Option(False, help="The key may see and touch every tenant's sessions."),
                 name: str = typer.Option("", help="A label for the key (shown by `keys list`)."),
                 file: Optional[Path] = typer.Option(None, "--file", help="Append the key's hash to this key file "
-                                                    "instead of writing to Redis.")) -> None:
+                                                    "instead of writing to Redis (the file is rewritten: YAML "
+                                                    "comments are not kept).")) -> None:
     """Create an API key and print it once (only its SHA-256 is stored)."""
     from substrate.apikeys import ApiKeyStore, check_tenant, hash_key
     from substrate.errors import SubstrateError

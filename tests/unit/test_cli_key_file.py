@@ -25,11 +25,13 @@ def _one_line(r) -> str:  # type: ignore[no-untyped-def]
     ("bad yaml", "not valid YAML"),
     ("an object", "must hold a list of keys"),
     ("a list of strings", "must hold a list of keys"),
+    ("a bad entry", "entry 0"),
 ])
 @pytest.mark.parametrize("command", ["create", "revoke"])
 def test_a_bad_key_file_is_one_line_and_exit_2(tmp_path: Path, case: str, says: str, command: str) -> None:
     f = {"no folder": tmp_path / "missing" / "keys.yaml", "a folder": tmp_path}.get(case, tmp_path / "keys.yaml")
-    body = {"bad yaml": "keys: [unclosed\n", "an object": "tenants: {a: 1}\n", "a list of strings": "- a\n- b\n"}
+    body = {"bad yaml": "keys: [unclosed\n", "an object": "tenants: {a: 1}\n", "a list of strings": "- a\n- b\n",
+            "a bad entry": "- {tenant: BAD, sha256: abc}\n"}
     if case in body:
         f.write_text(body[case])
     before = f.read_text() if f.is_file() else None
