@@ -235,8 +235,9 @@ class Authenticator:
             return ANONYMOUS
         h = headers.get("authorization") or ""
         if not h[:7].lower() == "bearer ":
-            raise Unauthorized("this API needs a bearer token (Authorization: Bearer <API key or JWT>)",
-                               code="unauthorized")
+            raise Unauthorized("this API needs a bearer token (Authorization: Bearer <API key or JWT>); once API "
+                               "keys have been used with its Redis it never falls back open, even with every "
+                               "key revoked: `substrate keys create TENANT` makes one", code="unauthorized")
         token = h[7:].strip()
         if self.shared_token and hmac.compare_digest(token, self.shared_token):
             return Principal(tenant="default", subject="shared-token", admin=True, via="shared_token")
