@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import yaml
+from pydantic import ValidationError
 
 from substrate.errors import InvalidInput, NotFound, clip
 from substrate.keys import Keys
@@ -176,16 +177,28 @@ def load_key_file(path: Path) -> list[ApiKeySpec]:
     """Read a YAML or JSON list of ``{tenant, sha256|key, admin?, name?}``. Raises ``InvalidInput``."""
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise InvalidInput(f"cannot read API key file {path}: {e}", code="invalid_api_key_spec") from e
+    except OSError as e:
+        raise InvalidInput(f"cannot read API key file {path}: {e.strerror or e}", code="invalid_api_key_spec") from e
+    except yaml.YAMLError as e:  # one line: the parser's problem and where (its message spans several)
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise InvalidInput(f"API key file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}",
+                           code="invalid_api_key_spec") from e
     if isinstance(data, dict) and "keys" in data:
         data = data["keys"]
     if not isinstance(data, list):
         raise InvalidInput(f"API key file {path} must hold a list of keys", code="invalid_api_key_spec")
-    try:
-        return [ApiKeySpec.model_validate(x) for x in data]
-    except ValueError as e:
-        raise InvalidInput(f"API key file {path}: {e}", code="invalid_api_key_spec") from e
+    out: list[ApiKeySpec] = []
+    for i, x in enumerate(data):
+        try:
+            out.append(ApiKeySpec.model_validate(x))
+        except ValidationError as e:  # one line, the first problem (pydantic's text spans lines, with a link)
+            first = e.errors()[0]
+            at = ".".join(map(str, first.get("loc", ())))
+            msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+            raise InvalidInput(f"API key file {path}: entry {i}{' ' + at if at else ''}: {msg}",
+                               code="invalid_api_key_spec") from e
+    return out
 
 
 __all__ = ["ApiKey", "ApiKeyStore", "hash_key", "check_tenant", "load_key_file", "TENANT_RE", "NotFound"]

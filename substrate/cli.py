@@ -236,7 +236,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     try:
         load_catalog(settings.config_dir)  # fail before starting anything, with the file and field
     except SpecError as e:
-        err.print(f"[red]error[/red]: {escape(e.message)} (use --config DIR)")
+        err.print(f"[red]error[/red]: {escape(e.message)}" + ("" if config is not None else " (use --config DIR)"))
         raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_json)
     host = host or settings.api.host

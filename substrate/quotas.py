@@ -257,9 +257,13 @@ class Quotas:
         name, scope, retry = str(res[1]), int(res[2]), float(res[3] or 0)
         lim = (t_lim if scope == 1 else c_lim).get(name)
         where = f"tenant {tenant!r}" if scope == 1 else f"tenant {tenant!r} for ActorTemplate {template.name!r}"
+        # what makes room: a retry alone cannot while the limit is 0, or while sessions hold every place
+        hint = {"maxRunning": "suspended sessions hold none", "maxTotal": "delete sessions to make room",
+                "maxGpus": "suspended sessions hold none"}.get(name, "retry later")
+        if lim == 0:
+            hint = "this limit admits none"
         raise TooManyRequests(
-            f"{name} quota of {where} is {lim}; " + (
-                "suspended sessions hold none" if name == "maxRunning" else "retry later"),
+            f"{name} quota of {where} is {lim}; {hint}",
             code=_LIMIT_CODES[name], retry_after_s=max(self.retry_after_s, math.ceil(retry)),
             details={"limit": name, "scope": "tenant" if scope == 1 else "template", "tenant": tenant,
                      "template": template.name, "max": lim})

@@ -182,3 +182,17 @@ def test_a_data_folder_that_cannot_be_created_is_one_line_and_exit_2(monkeypatch
     assert line.startswith("error: SUBSTRATE_DATA_DIR: ") and "/proc" in line, line
     if os.geteuid() == 0:  # as anyone else, /proc is "not writable" before any mkdir is tried
         assert "cannot create /proc/substrate-test/data" in line, line
+
+
+@pytest.mark.parametrize("content, says", [
+    ("- {tenant: BAD, sha256: abc}\n", "entry 0"),
+    ("keys: [unclosed\n", "is not valid YAML at line"),
+])
+def test_a_bad_key_file_is_one_line(content: str, says: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Pydantic's and PyYAML's messages span lines (with a link): `up` said them over three lines."""
+    (tmp_path / "keys.yaml").write_text(content)
+    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS_FILE", str(tmp_path / "keys.yaml"))
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith("error: SUBSTRATE_AUTH__API_KEYS_FILE: ") and says in line, line
