@@ -204,6 +204,13 @@ def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: 
             continue
         kind = doc.get("kind")
         if kind not in ("ActorTemplate", "WorkerPool"):
+            group = str(doc.get("apiVersion") or "").rpartition("/")[0]
+            if group == API_GROUP or group in SEED_GROUPS:  # ours, but no kind of ours: a typo, skipped
+                msg = (f"{source} document {i}: kind {kind!r} of {doc.get('apiVersion')} is not ActorTemplate or "
+                       "WorkerPool; skipped")
+                cat.warnings.append(msg)
+                if log_warnings:
+                    log.warning(msg)
             continue
         try:
             doc, warns = normalize(doc)
@@ -214,11 +221,13 @@ def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: 
                 if t.name in cat.templates:
                     raise SpecError(f"{source} document {i}: ActorTemplate {t.name!r} is defined twice")
                 cat.templates[t.name] = t
+                warns += [f"unknown field {f} is not used by this runtime (a typo?)" for f in _unknown_fields(t.spec, "spec")]
             else:
                 p = WorkerPool.model_validate(doc)
                 if p.name in cat.pools:
                     raise SpecError(f"{source} document {i}: WorkerPool {p.name!r} is defined twice")
                 cat.pools[p.name] = p
+                warns += [f"unknown field {f} is not used by this runtime (a typo?)" for f in _unknown_fields(p.spec, "spec")]
         except ValidationError as e:
             errs = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
             raise SpecError(f"{source} document {i} ({kind}): {errs}") from e
@@ -231,6 +240,22 @@ def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: 
             if log_warnings:
                 log.warning(msg)
     return cat
+
+
+def _unknown_fields(model: Any, path: str) -> list[str]:
+    """Dotted paths of the fields in ``model`` (and the models inside it) that no schema field names:
+    the spec models keep unknown fields (seed documents carry fields of their own), so a typo such as
+    ``stateManagment`` was ignored without a word (fresh-user run 2). Free-form parts (a Pod template, HPA
+    metrics) are plain dicts and are not walked."""
+    from pydantic import BaseModel
+
+    out = [f"{path}.{k}" for k in sorted(getattr(model, "model_extra", None) or {})]
+    for name in type(model).model_fields:
+        v = getattr(model, name, None)
+        for j, item in enumerate(v if isinstance(v, list) else [v]):
+            if isinstance(item, BaseModel):
+                out += _unknown_fields(item, f"{path}.{name}" + (f"[{j}]" if isinstance(v, list) else ""))
+    return out
 
 
 def _clean(doc: dict[str, Any]) -> dict[str, Any]:
