@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import report as rpt
+from loadtest.bounds import plan_bounds, render_bounds
 from loadtest.traces import (
     FORMATS,
     TIMESTAMPED_FORMATS,
@@ -744,7 +745,13 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
     }
     if args.baseline:
         result.update(rpt.compare(result))
+    result["bounds"] = plan_bounds(plan_turn_records(plan))
     return result
+
+
+def plan_turn_records(plan: Plan) -> list[dict[str, Any]]:
+    """The plan's turns as ``{"session", "at_s", "work_s"}`` records (what :func:`plan_bounds` reads)."""
+    return [{"session": s.id, "at_s": t.at_s, "work_s": t.work_s} for s in plan.sessions for t in s.turns]
 
 
 async def idle_timeout_s(host: str, template: str, token: str | None) -> float | None:
@@ -812,6 +819,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _print_plan(plan, cfg)
     if args.dry_run:
+        lines = render_bounds(plan_bounds(plan_turn_records(plan)))
+        if lines:
+            print("\n" + "\n".join(lines))
         return 0
     if not plan.sessions:
         print("substrate-replay: the window holds no sessions", file=sys.stderr)

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_report import markdown_table
+from loadtest.bounds import plan_bounds, render_bounds
 from substrate.quantiles import percentile
 
 __all__ = ["DEFINITIONS", "percentile", "latency_stats", "summarize_target", "compare", "render_markdown",
@@ -85,7 +86,9 @@ for L = 0, ours' idle timeout, 5 min, 30 min; no warm spare unless ours has one
 - latency: scheduled arrival -> answer (includes create, queueing behind the previous turn, retries); \
 added = latency - work; errors and timeouts count as +inf in the tail
 - router overhead: percentiles of per-request paired differences (routed - direct, interleaved)
-- percentiles: one function (linear interpolation between closest ranks, numpy's default)"""
+- percentiles: one function (linear interpolation between closest ranks, numpy's default)
+- bounds: the plan on an ideal runtime (zero overhead, a session's turns one at a time): the inherent \
+wait behind a session's previous turn, and the utilization of fixed and reactive capacity (loadtest/bounds.py)"""
 
 
 def latency_stats(values: Iterable[float | None]) -> dict[str, float | int | None]:
@@ -419,6 +422,11 @@ def render_markdown(result: Mapping[str, Any]) -> str:
                      "utilization": _pct(ours_cost.get("utilization")),
                      "baseline / ours (slots)": "1x", "baseline / ours (processes)": "1x"})
         lines += ["", f"Always-on baseline: {base['note']}.", "", markdown_table(rows)]
+    bounds = result.get("bounds")
+    if bounds is None and targets["ours"].get("turns"):
+        bounds = plan_bounds(targets["ours"]["turns"])
+    if bounds:
+        lines += ["", *render_bounds(bounds)]
     lines += ["", "Definitions:", "", DEFINITIONS]
     return "\n".join(lines)
 
