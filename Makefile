@@ -9,7 +9,7 @@ endif
 install:
 	@./scripts/system-deps.sh
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
-	$(UV) sync --frozen --all-extras
+	$(UV) sync --frozen --all-extras --compile-bytecode
 
 demo: install          ## start the embedded default, create + invoke + suspend + wake a session, stop
 	$(UV) run substrate demo

@@ -353,21 +353,38 @@ class _LeaseLost(Exception):
 async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers: dict[str, str]
                 ) -> aiohttp.ClientResponse:
     """POST to the worker; raises ``_LeaseLost`` if the worker's lease runs out while we wait (a frozen
-    worker would otherwise hold the request for the whole invoke timeout)."""
-    task = asyncio.ensure_future(runtime.http.post(url, data=body, headers=headers))
+    worker would otherwise hold the request for the whole invoke timeout).
+
+    The watch is a timer on the loop, re-armed every ``check_s`` while the call waits, that cancels this
+    task when the lease is gone: on the hot path (an answer within ``check_s``) it costs one
+    ``call_later`` and one ``cancel``, where a watcher task and ``asyncio.wait`` cost a task, a future
+    and their callbacks per request."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
     grace = runtime.settings.worker.lease_grace_s
     check_s = max(0.25, runtime.settings.api.worker_refresh_s)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=check_s)
-            if done:
-                return task.result()
-            w = runtime.view.workers.get(route.worker)
-            if w is None or w.leaseExpiresAt + grace < time.time():
-                raise _LeaseLost(route.worker)
-    finally:
-        if not task.done():
+    lost = False
+
+    def check() -> None:
+        nonlocal lost, handle
+        w = runtime.view.workers.get(route.worker)
+        if w is None or w.leaseExpiresAt + grace < time.time():
+            lost = True
             task.cancel()
+        else:
+            handle = loop.call_later(check_s, check)
+
+    handle = loop.call_later(check_s, check)
+    try:
+        return await runtime.http.post(url, data=body, headers=headers)
+    except asyncio.CancelledError:
+        # ours (the lease ran out) unless something else cancelled the request too (a server stop)
+        if lost and task.uncancel() == 0:
+            raise _LeaseLost(route.worker) from None
+        raise
+    finally:
+        handle.cancel()
 
 
 async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,

@@ -780,13 +780,19 @@ async def idle_timeout_s(host: str, template: str, token: str | None) -> float |
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, window_s: float | None = None) -> dict[str, Path]:
-    """Write result.json, report.md, report.png into ``out_dir``; -> their paths."""
+    """Write result.json, report.md, report.png into ``out_dir``; -> their paths (no ``"png"`` when
+    matplotlib is not installed: the run's results are kept and the missing package named on stderr)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "result.json", "md": out / "report.md", "png": out / "report.png"}
     paths["json"].write_text(json.dumps(result, indent=1, default=_json_default) + "\n", encoding="utf-8")
     paths["md"].write_text(rpt.render_markdown(result) + "\n", encoding="utf-8")
-    rpt.plot_report(result, paths["png"], window_s=window_s)
+    try:
+        rpt.plot_report(result, paths["png"], window_s=window_s)
+    except ImportError as e:  # a plain `uv sync` has no loadtest extra: keep the run's results anyway
+        print(f"substrate-replay: report.png not drawn ({e.name or e} is not installed: uv sync --extra loadtest)",
+              file=sys.stderr)
+        del paths["png"]
     return paths
 
 
@@ -834,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_outputs(result, args.out, args.window_s)
     print()
     print(rpt.render_markdown(result))
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}")
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     ours = result["targets"]["ours"]["summary"]
     if args.strict and (ours["errors"] or ours["lost_state"]):
         return 1

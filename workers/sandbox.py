@@ -151,6 +151,10 @@ def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
 
+#: how long the start-up probe's trial sandbox may take (it takes ~10 ms on an idle machine)
+PROBE_TIMEOUT_S = 60.0
+
+
 def probe(bwrap: str | None, uid: int | None, bpf: bytes | None = None) -> str | None:
     """Start one empty sandbox as ``uid`` (under the seccomp filter ``bpf`` if given); None if it
     works, else why not (with what to install)."""
@@ -161,8 +165,14 @@ def probe(bwrap: str | None, uid: int | None, bpf: bytes | None = None) -> str |
     argv = [bwrap, *seccomp, *_unshare(uid, "none"), "--die-with-parent", "--ro-bind", "/usr", "/usr",
             *_root_links(), "--proc", "/proc", "--dev", "/dev", "--", *_setpriv(uid), "/bin/true"]
     try:
-        r = subprocess.run(argv, capture_output=True, timeout=10, pass_fds=(fd,) if fd is not None else ())
-    except (OSError, subprocess.TimeoutExpired) as e:
+        r = subprocess.run(argv, capture_output=True, timeout=PROBE_TIMEOUT_S,
+                           pass_fds=(fd,) if fd is not None else ())
+    except subprocess.TimeoutExpired:
+        # not a broken install: a replay that started 13 workers at once on 2 busy cores timed out a
+        # 10 s probe and the workers refused to start
+        return (f"bwrap did not finish a trial sandbox (/bin/true) within {PROBE_TIMEOUT_S:g} s: the machine is "
+                "overloaded, or bwrap hangs")
+    except OSError as e:
         return f"bwrap failed to run: {e}; install or fix the Debian package `{BWRAP_PACKAGE}`"
     finally:
         if fd is not None:
@@ -715,7 +725,8 @@ class SandboxPool:
             await host.close()
             if isinstance(e, asyncio.CancelledError):
                 raise
-            log.warning("a pre-started agent host did not boot: %s", e, extra={"slot": slot.index})
+            why = f"not ready within {_BOOT_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else (str(e) or repr(e))
+            log.warning("a pre-started agent host did not boot: %s", why, extra={"slot": slot.index})
             return
         # a busy slot keeps it too: its activation chose this slot for the host being booted and takes
         # it in ``host_for`` (or ``release`` closes it if the activation failed first)

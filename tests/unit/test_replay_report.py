@@ -403,3 +403,21 @@ def test_send_to_answer_latency_is_reported_beside_the_latency_from_arrival():
     assert s["added_ms"]["warm"]["p50"] == pytest.approx(50.0)
     assert s["service_added_ms"]["warm"]["p50"] == pytest.approx(12.0)
     assert s["service_added_ms"]["wake"]["n"] == 0
+
+
+def test_write_outputs_keeps_the_results_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """A plain ``uv sync`` has no matplotlib: a whole replay's results must not be lost to the plot."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'", name="matplotlib")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    paths = write_outputs(canned_result(), tmp_path / "out")
+    assert set(paths) == {"json", "md"}
+    assert paths["json"].exists() and paths["md"].exists() and not (tmp_path / "out" / "report.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
