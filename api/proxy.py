@@ -3,8 +3,9 @@
 Per request for a RUNNING session: zero Redis round trips when the process-local route cache holds the
 session (DESIGN invariant 5: the cache entry carries the activation epoch and the worker rejects a stale
 one with 409 / an unknown one with 404, which drops the entry and retries through the directory), plus
-one proxied HTTP call over a pooled aiohttp ``ClientSession`` (measured 2-3x cheaper than httpx here).
-Bodies stream back unchanged; the router never parses the worker's answer.
+one proxied HTTP call: a plain turn over the lean kept-alive client of ``api.workerhttp`` (aiohttp's
+client was a third of a saturated router's CPU), a streamed one over a pooled aiohttp ``ClientSession``.
+Bodies go back unchanged; the router never parses the worker's answer.
 
 Retries (issue 8): every turn carries an idempotency key (the client's ``Idempotency-Key``, else the
 request ID) and the worker keeps the answers of recent keys, so after any connection error (a stale
@@ -52,6 +53,8 @@ from substrate.errors import (
 )
 from substrate.models import SESSION_ID_RE
 from substrate.workerclient import IDEMPOTENCY_HEADER
+
+from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 
 if TYPE_CHECKING:
     from api.auth import Principal
@@ -350,10 +353,13 @@ class _LeaseLost(Exception):
     """The worker of a call in flight is past its lease (plus grace): it stopped serving."""
 
 
-async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers: dict[str, str]
-                ) -> aiohttp.ClientResponse:
-    """POST to the worker; raises ``_LeaseLost`` if the worker's lease runs out while we wait (a frozen
-    worker would otherwise hold the request for the whole invoke timeout).
+async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, headers: dict[str, str], stream: bool
+                ) -> aiohttp.ClientResponse | Answer:
+    """POST the turn to the worker at ``route.address + path``: a plain turn over the lean client
+    (``api.workerhttp``: the whole answer), a streamed one (or an ``https://`` worker) over aiohttp (the
+    answer's headers; its body is relayed as it comes). Raises aiohttp's or ``api.workerhttp``'s
+    connection errors, ``TimeoutError``, and ``_LeaseLost`` if the worker's lease runs out while we wait
+    (a frozen worker would otherwise hold the request for the whole invoke timeout).
 
     The watch is a timer on the loop, re-armed every ``check_s`` while the call waits, that cancels this
     task when the lease is gone: on the hot path (an answer within ``check_s``) it costs one
@@ -377,7 +383,10 @@ async def _post(runtime: "Runtime", route: Route, url: str, body: bytes, headers
 
     handle = loop.call_later(check_s, check)
     try:
-        return await runtime.http.post(url, data=body, headers=headers)
+        if not stream and WorkerHTTP.supports(route.address):
+            return await runtime.worker_http.post(route.address, path, body, headers,
+                                                  runtime.settings.api.invoke_timeout_s)
+        return await runtime.http.post(route.address + path, data=body, headers=headers)
     except asyncio.CancelledError:
         # ours (the lease ran out) unless something else cancelled the request too (a server stop)
         if lost and task.uncancel() == 0:
@@ -431,19 +440,19 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 # since then can have told the record the loss was reported)
                 restored = route.restored
             cache.put(sid, route)
-        url = f"{route.address}/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
+        path = f"/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
                    "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
         try:
-            resp = await _post(runtime, route, url, body, headers)
+            resp = await _post(runtime, route, path, body, headers, stream)
             sent = True
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _LeaseLost) as e:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, WorkerHTTPError, _LeaseLost) as e:
             # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
             # and resend with the same key; the worker answers a turn it already ran from its cache.
             # Bounded: a turn that keeps losing its worker may be what kills it (fresh-user run: one
             # turn took down 11 workers in a row), so once more than max_lost_worker_retries distinct
             # workers dropped it after it was sent, it is answered 502.
-            if not isinstance(e, aiohttp.ClientConnectorError):  # refused before sending: not this turn's doing
+            if not isinstance(e, (aiohttp.ClientConnectorError, ConnectError)):  # refused before sending: not this turn's doing
                 lost_workers.add(route.worker)
                 sent = True
             cache.drop(sid)

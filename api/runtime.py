@@ -18,6 +18,7 @@ import aiohttp
 
 from api.auth import Authenticator
 from api.proxy import RouteCache
+from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
 from snapshot.store import ObjectStore, make_store
 from substrate.activator import Activator, WorkerView
@@ -52,6 +53,8 @@ class Runtime:
     quotas: Quotas
     audit: AuditLog
     routes: RouteCache = field(default_factory=RouteCache)
+    #: the invoke hot path's client for plain-JSON turns (``api.workerhttp``); ``http`` serves the rest
+    worker_http: WorkerHTTP = field(default_factory=WorkerHTTP)
     state_manager: StateManager | None = None
     pools: PoolController | None = None
     kube_catalog: Any = None
@@ -147,6 +150,7 @@ class Runtime:
         if self.kube_catalog is not None:
             self.kube_catalog.stop()
         await self.http.close()
+        await self.worker_http.close()
         await self.client.close()
         await self.directory.close()
 

@@ -424,6 +424,8 @@ class Slot:
     #: the pre-started host waiting for a session (network none, sandboxed), if any
     ready: HostProcess | None = None
     busy: bool = False
+    #: counts acquisitions: a release names the lease it ends, so a late one cannot free a later holder
+    lease: int = 0
     _prestart: asyncio.Task[Any] | None = field(default=None, repr=False)
 
     @property
@@ -571,6 +573,7 @@ class SandboxPool:
         s = next((s for s in free if s.ready is not None and s.ready.alive),
                  next((s for s in free if s._prestart is not None and not s._prestart.done()), free[0]))
         s.busy = True
+        s.lease += 1
         return s
 
     def _fits(self, host: HostProcess, limits: Limits) -> bool:
@@ -600,10 +603,18 @@ class SandboxPool:
             await ready.close()
         return await self.spawn(slot, limits)
 
-    async def release(self, slot: Slot, host: HostProcess | None) -> None:
-        """Kill the slot's processes, empty its workspace, pre-start its next host, mark it free."""
+    async def release(self, slot: Slot, host: HostProcess | None, lease: int | None = None) -> None:
+        """Kill the slot's processes, empty its workspace, pre-start its next host, mark it free.
+
+        With ``lease`` (``slot.lease`` as ``acquire`` left it): only if the slot is still held under that
+        lease; a release of an older lease (the slot was freed and taken again since) only closes
+        ``host`` and is logged: sweeping the slot would kill its new holder's agent."""
         if host is not None:
             await host.close()
+        if lease is not None and (lease != slot.lease or not slot.busy):
+            log.warning("stale release of a sandbox slot ignored", extra={
+                "slot": slot.index, "lease": lease, "current_lease": slot.lease, "busy": slot.busy})
+            return
         stale, slot.ready = slot.ready, None  # an activation that failed before taking its host
         if stale is not None:
             await stale.close()

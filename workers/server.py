@@ -162,8 +162,11 @@ class Activation:
     #: a turn ran in this activation: with ``restored``, its answer told a client of the loss, so the
     #: next committed snapshot may clear it from the record (``SnapshotManager.commit``)
     ran_turn: bool = False
-    #: the local sandbox slot (uid, cgroup, folder) the agent runs in
+    #: the local sandbox slot (uid, cgroup, folder) the agent runs in, and the lease it holds on it
     sandbox_slot: Slot | None = None
+    sandbox_lease: int | None = None
+    #: ``_drop`` ran (or runs): the sandbox is released once, whoever ends the activation first
+    dropped: bool = False
     #: idempotency key -> answer of recent turns, oldest first
     answers: "OrderedDict[str, StoredAnswer]" = field(default_factory=OrderedDict)
     #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
@@ -576,6 +579,7 @@ class Worker:
             box = await self.sandboxes.acquire()
         except LookupError:
             raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
+        box_lease = box.lease
         workspace = box.workspace
         try:
             state: dict[str, Any] | None = None
@@ -607,13 +611,13 @@ class Worker:
             ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
             agent = await self._start_agent(ctx, spec, box, state, ref)
         except BaseException:
-            await self.sandboxes.release(box, None)
+            await self.sandboxes.release(box, None, lease=box_lease)
             raise
         self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
                                            agent=agent, workspace=workspace, answers=answers,
                                            restored=restored, tenant=claims.tenant if claims else "",
                                            restored_at=restored_at,
-                                           sandbox_slot=box)
+                                           sandbox_slot=box, sandbox_lease=box_lease)
         if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
             metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
@@ -731,16 +735,23 @@ class Worker:
         await self._drop(act)
 
     async def _drop(self, act: Activation) -> None:
+        """Stop the agent and release its sandbox slot, once per activation: a suspend that committed
+        and the reconciler that saw the committed record both end the same activation, and a second
+        release of the slot, after another session had taken it, killed that session's agent (its
+        cgroup swept) and freed the slot under it (a 2x replay: five agents killed in a row)."""
         act.closing = True
         if self.activations.get(act.sid) is act:
             del self.activations[act.sid]
+        if act.dropped:
+            return
+        act.dropped = True
         try:
             await act.agent.stop()
         except Exception:  # noqa: BLE001
             log.warning("agent stop failed", extra={"session": act.sid}, exc_info=True)
         # kills whatever is left of the session's processes, empties the workspace, pre-starts the next host
         if act.sandbox_slot is not None:
-            await self.sandboxes.release(act.sandbox_slot, None)
+            await self.sandboxes.release(act.sandbox_slot, None, lease=act.sandbox_lease)
 
     # ------------------------------------------------------------------------------------ HTTP layer
     def app(self) -> web.Application:

@@ -151,3 +151,28 @@ async def test_release_closes_a_pre_started_host_its_activation_never_took(tmp_p
         assert not left.alive and slot.ready is not left
     finally:
         await pool.close()
+
+
+async def test_a_stale_release_does_not_free_or_sweep_the_slots_next_holder(tmp_path):
+    """A 2x replay killed five agents in a row: a suspend and the reconciler both ended one activation,
+    and the second release, after another session had taken the slot, killed that session's host and
+    freed the slot under it. A release names its lease now; an older one changes nothing."""
+    pool = _pool(tmp_path, 1, prestart=0)
+    try:
+        await pool.start()
+        slot = await pool.acquire()
+        first = slot.lease
+        await pool.release(slot, None, lease=first)
+        assert not slot.busy
+        again = await pool.acquire()
+        assert again is slot and slot.lease == first + 1
+        host = await pool.spawn(slot, UNSANDBOXED)
+        await host.wait_booted(30)
+        await pool.release(slot, None, lease=first)  # the late second release of the first holder
+        assert slot.busy and host.alive  # the new holder keeps its slot and its agent
+        await pool.release(slot, host, lease=first + 1)
+        assert not slot.busy and not host.alive
+        await pool.release(slot, None, lease=first + 1)  # a double release of a free slot: nothing happens
+        assert not slot.busy and slot.lease == first + 1
+    finally:
+        await pool.close()
