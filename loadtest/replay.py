@@ -824,14 +824,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"substrate-replay: {e}", file=sys.stderr)
         return 2
     _print_plan(plan, cfg)
+    if not plan.sessions:  # a dry run too: a window that misses the trace is a mistake, not an empty plan
+        print(f"substrate-replay: the window holds none of the trace's {cfg['trace_turns_total']} turns: check "
+              "--start and --duration against the trace's dates", file=sys.stderr)
+        return 2
     if args.dry_run:
         lines = render_bounds(plan_bounds(plan_turn_records(plan)))
         if lines:
             print("\n" + "\n".join(lines))
         return 0
-    if not plan.sessions:
-        print("substrate-replay: the window holds no sessions", file=sys.stderr)
-        return 2
     try:
         result = asyncio.run(replay(plan, cfg, args))
     except ReplayError as e:

@@ -421,3 +421,9 @@ def test_write_outputs_keeps_the_results_without_matplotlib(tmp_path, monkeypatc
     assert set(paths) == {"json", "md"}
     assert paths["json"].exists() and paths["md"].exists() and not (tmp_path / "out" / "report.png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_a_window_that_misses_the_trace_is_an_error_also_in_a_dry_run(capsys):
+    """Fresh-user run: an Azure trace with a GenTD26 date printed "-> 0 turns" and exited 0."""
+    assert main([str(FIXTURE), "--dry-run", "--start", "999999", "--duration", "60"]) == 2
+    assert "the window holds none of the trace's 10 turns" in capsys.readouterr().err
