@@ -557,9 +557,13 @@ class SandboxPool:
     def free(self) -> int:
         return sum(1 for s in self.slots if not s.busy)
 
-    async def acquire(self, wait_s: float = 5.0) -> Slot:
+    async def acquire(self, wait_s: float = 5.0, prefer: int | None = None) -> Slot:
         """A free slot (prefer one whose host is pre-started), waiting up to ``wait_s`` for one being
-        torn down (the directory frees a slot before its sandbox is gone). ``LookupError`` if none."""
+        torn down (the directory frees a slot before its sandbox is gone). ``LookupError`` if none.
+
+        ``prefer``: the slot index the directory placed the session in; taken when it is free and its
+        host is as warm as any other free slot's, so that the API's ``slot`` is usually the sandbox's
+        (its cgroup ``slot-N`` and uid: an operator who acts on a session's slot finds that session)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while not (free := [s for s in self.slots if not s.busy]):
@@ -570,8 +574,15 @@ class SandboxPool:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), remaining)
         # a booted pre-started host first, then one still booting (sooner than a spawn), then any
-        s = next((s for s in free if s.ready is not None and s.ready.alive),
-                 next((s for s in free if s._prestart is not None and not s._prestart.done()), free[0]))
+        def warmth(x: Slot) -> int:
+            if x.ready is not None and x.ready.alive:
+                return 2
+            return 1 if x._prestart is not None and not x._prestart.done() else 0
+
+        best = max(warmth(x) for x in free)
+        s = next((x for x in free if x.index == prefer and warmth(x) == best), None) if prefer is not None else None
+        if s is None:
+            s = next(x for x in free if warmth(x) == best)
         s.busy = True
         s.lease += 1
         return s

@@ -576,7 +576,7 @@ class Worker:
         template_env = {e.name: e.value for e in spec.env if e.value is not None}
         env = {**check_session_env(env, [e.name for e in spec.env]), **template_env}  # defence in depth
         try:
-            box = await self.sandboxes.acquire()
+            box = await self.sandboxes.acquire(prefer=slot if slot >= 0 else None)
         except LookupError:
             raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
         box_lease = box.lease

@@ -176,3 +176,28 @@ async def test_a_stale_release_does_not_free_or_sweep_the_slots_next_holder(tmp_
         assert not slot.busy and slot.lease == first + 1
     finally:
         await pool.close()
+
+
+async def test_acquire_takes_the_directorys_slot_when_it_is_as_warm_as_any(tmp_path):
+    """Fresh-user run: the API's ``slot`` named another sandbox than the session's (cgroup slot-3 for
+    slot 2); an operator acting on a session's slot would have hit another session."""
+    pool = _pool(tmp_path, 3, prestart=0)
+    try:
+        await pool.start()
+        assert (await pool.acquire(prefer=2)).index == 2
+        assert (await pool.acquire(prefer=2)).index != 2  # taken: any free one
+        assert (await pool.acquire()).busy
+    finally:
+        await pool.close()
+
+
+async def test_a_pre_started_host_wins_over_the_preferred_slot(tmp_path):
+    pool = _pool(tmp_path, 2, prestart=1)
+    try:
+        await pool.start()
+        await _until(lambda: any(s.ready is not None for s in pool.slots), "one slot pre-started")
+        warm = next(s for s in pool.slots if s.ready is not None)
+        cold = next(s for s in pool.slots if s is not warm)
+        assert await pool.acquire(prefer=cold.index) is warm  # a warm host beats the index
+    finally:
+        await pool.close()
