@@ -36,6 +36,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 from substrate import audit, metrics
 from substrate.activator import Route
 from substrate.errors import (
@@ -53,8 +54,6 @@ from substrate.errors import (
 )
 from substrate.models import SESSION_ID_RE
 from substrate.workerclient import IDEMPOTENCY_HEADER
-
-from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 
 if TYPE_CHECKING:
     from api.auth import Principal
@@ -452,7 +451,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             # Bounded: a turn that keeps losing its worker may be what kills it (fresh-user run: one
             # turn took down 11 workers in a row), so once more than max_lost_worker_retries distinct
             # workers dropped it after it was sent, it is answered 502.
-            if not isinstance(e, (aiohttp.ClientConnectorError, ConnectError)):  # refused before sending: not this turn's doing
+            # refused before sending: not this turn's doing
+            if not isinstance(e, (aiohttp.ClientConnectorError, ConnectError)):
                 lost_workers.add(route.worker)
                 sent = True
             cache.drop(sid)

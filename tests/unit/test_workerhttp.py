@@ -59,22 +59,26 @@ async def server():
     await runner.cleanup()
 
 
-async def test_a_post_is_answered_whole_and_the_connection_kept(server):
+@pytest.fixture
+async def http():
+    """A client with default settings, closed after the test."""
+    client = WorkerHTTP()
+    yield client
+    await client.close()
+
+
+async def test_a_post_is_answered_whole_and_the_connection_kept(server, http):
     base, seen = server
-    http = WorkerHTTP()
-    try:
-        a = await http.post(base, "/echo?x=1", b'{"input": 1}', {"X-Request-ID": "r1", "Content-Type": "application/json"}, 5)
-        b = await http.post(base, "/echo", b"{}", {}, 5)
-        assert a.status == 201 and a.body == b'{"input": 1}' and await a.read() == a.body
-        assert a.headers["x-substrate-restored"] == "agent_restarted" and "X-Substrate-Restored" in a.headers
-        assert a.headers.get("Content-Type", "").startswith("application/json") and a.headers.get("nope") is None
-        assert b.body == b"{}"
-        assert seen[0]["path"] == "/echo?x=1" and seen[0]["headers"]["X-Request-ID"] == "r1"
-        assert seen[0]["headers"]["Content-Length"] == "12"
-        assert seen[0]["peer"] == seen[1]["peer"]  # the same kept-alive connection
-        assert http.connections() == 1
-    finally:
-        await http.close()
+    a = await http.post(base, "/echo?x=1", b'{"input": 1}', {"X-Request-ID": "r1", "Content-Type": "application/json"}, 5)
+    b = await http.post(base, "/echo", b"{}", {}, 5)
+    assert a.status == 201 and a.body == b'{"input": 1}' and await a.read() == a.body
+    assert a.headers["x-substrate-restored"] == "agent_restarted" and "X-Substrate-Restored" in a.headers
+    assert a.headers.get("Content-Type", "").startswith("application/json") and a.headers.get("nope") is None
+    assert b.body == b"{}"
+    assert seen[0]["path"] == "/echo?x=1" and seen[0]["headers"]["X-Request-ID"] == "r1"
+    assert seen[0]["headers"]["Content-Length"] == "12"
+    assert seen[0]["peer"] == seen[1]["peer"]  # the same kept-alive connection
+    assert http.connections() == 1
 
 
 async def test_concurrent_posts_use_a_connection_each(server):
@@ -89,37 +93,25 @@ async def test_concurrent_posts_use_a_connection_each(server):
     assert http.connections() == 0
 
 
-async def test_a_chunked_answer_is_decoded(server):
+async def test_a_chunked_answer_is_decoded(server, http):
     base, _ = server
-    http = WorkerHTTP()
-    try:
-        a = await http.post(base, "/chunked", b"", {}, 5)
-        assert a.status == 200 and a.body == b'{"n": 0}\n{"n": 1}\n{"n": 2}\n'
-        assert a.headers["content-type"] == "application/x-ndjson"
-    finally:
-        await http.close()
+    a = await http.post(base, "/chunked", b"", {}, 5)
+    assert a.status == 200 and a.body == b'{"n": 0}\n{"n": 1}\n{"n": 2}\n'
+    assert a.headers["content-type"] == "application/x-ndjson"
 
 
-async def test_connection_close_is_honoured(server):
+async def test_connection_close_is_honoured(server, http):
     base, seen = server
-    http = WorkerHTTP()
-    try:
-        assert (await http.post(base, "/close", b"", {}, 5)).body == b'{"bye": 1}'
-        assert http.connections() == 0  # not returned to the pool
-        assert (await http.post(base, "/echo", b"again", {}, 5)).body == b"again"
-    finally:
-        await http.close()
+    assert (await http.post(base, "/close", b"", {}, 5)).body == b'{"bye": 1}'
+    assert http.connections() == 0  # not returned to the pool
+    assert (await http.post(base, "/echo", b"again", {}, 5)).body == b"again"
 
 
-async def test_a_worker_that_dies_mid_turn_is_disconnected(server):
+async def test_a_worker_that_dies_mid_turn_is_disconnected(server, http):
     base, _ = server
-    http = WorkerHTTP()
-    try:
-        with pytest.raises(Disconnected, match="closed the connection"):
-            await http.post(base, "/crash", b"x", {}, 5)
-        assert http.connections() == 0
-    finally:
-        await http.close()
+    with pytest.raises(Disconnected, match="closed the connection"):
+        await http.post(base, "/crash", b"x", {}, 5)
+    assert http.connections() == 0
 
 
 async def test_a_refused_connection_is_a_connect_error():
@@ -131,31 +123,23 @@ async def test_a_refused_connection_is_a_connect_error():
         await http.post(f"http://127.0.0.1:{port}", "/echo", b"", {}, 5)
 
 
-async def test_no_answer_in_time_is_a_timeout_and_the_connection_is_dropped(server):
+async def test_no_answer_in_time_is_a_timeout_and_the_connection_is_dropped(server, http):
     base, _ = server
-    http = WorkerHTTP()
-    try:
-        with pytest.raises(TimeoutError):
-            await http.post(base, "/slow", b"", {}, 0.2)
-        assert http.connections() == 0  # half an answer could still arrive on it: never reused
-        assert (await http.post(base, "/echo", b"ok", {}, 5)).body == b"ok"
-    finally:
-        await http.close()
+    with pytest.raises(TimeoutError):
+        await http.post(base, "/slow", b"", {}, 0.2)
+    assert http.connections() == 0  # half an answer could still arrive on it: never reused
+    assert (await http.post(base, "/echo", b"ok", {}, 5)).body == b"ok"
 
 
-async def test_a_stale_keep_alive_closed_by_the_worker_is_not_reused(server):
+async def test_a_stale_keep_alive_closed_by_the_worker_is_not_reused(server, http):
     base, seen = server
-    http = WorkerHTTP()
-    try:
-        await http.post(base, "/echo", b"1", {}, 5)
-        (conn,) = list(http._all)
-        conn.transport.close()  # as a worker's keep-alive timeout does
-        await asyncio.sleep(0.05)
-        assert http.connections() == 0
-        assert (await http.post(base, "/echo", b"2", {}, 5)).body == b"2"
-        assert seen[0]["peer"] != seen[1]["peer"]
-    finally:
-        await http.close()
+    await http.post(base, "/echo", b"1", {}, 5)
+    (conn,) = list(http._all)
+    conn.transport.close()  # as a worker's keep-alive timeout does
+    await asyncio.sleep(0.05)
+    assert http.connections() == 0
+    assert (await http.post(base, "/echo", b"2", {}, 5)).body == b"2"
+    assert seen[0]["peer"] != seen[1]["peer"]
 
 
 async def test_idle_connections_past_the_idle_timeout_are_dropped(server):
