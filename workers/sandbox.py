@@ -367,20 +367,33 @@ class HostProcess:
     stderr_task: asyncio.Task[None] | None = field(default=None, repr=False)
     #: the host has said it finished starting (``{"ready": true}``, its first line): it answers ``init`` at once
     booted: bool = False
+    #: the task reading the start-up line (``wait_booted``)
+    _boot: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
     def alive(self) -> bool:
         return self.proc.returncode is None
 
     async def wait_booted(self, timeout_s: float) -> None:
-        """Read the host's start-up line (``{"ready": true}``, written once its interpreter and modules are
-        loaded). Raises ``RuntimeError`` if it exits or writes anything else, ``asyncio.TimeoutError``
-        after ``timeout_s`` seconds. Only one reader at a time: the pool before handing the host out, or
-        the activation that spawned it."""
+        """Wait up to ``timeout_s`` seconds for the host's start-up line (``{"ready": true}``, written once
+        its interpreter and modules are loaded). Raises ``RuntimeError`` if it exits or writes anything
+        else, ``asyncio.TimeoutError`` after ``timeout_s``.
+
+        One task reads the line (``_read_ready``), started by the first call; a timeout or a cancelled
+        waiter leaves it reading, so the pool can stop waiting for a pre-started host and hand it, still
+        booting, to an activation that waits for the same line within its own deadline: a read cut off
+        by a cancel could have consumed the line and left the host unusable."""
         if self.booted:
             return
+        if self._boot is None:
+            self._boot = asyncio.ensure_future(self._read_ready())
+            # its failure is every waiter's; one that nobody awaits any more must not log "never retrieved"
+            self._boot.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.wait_for(asyncio.shield(self._boot), timeout_s)
+
+    async def _read_ready(self) -> None:
         assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        line = await self.proc.stdout.readline()
         if line.strip() != READY_LINE:
             raise RuntimeError(f"agent host did not start (exit status {self.proc.returncode}, "
                                f"first line {line[:200]!r})")
@@ -403,6 +416,8 @@ class HostProcess:
         self.kill()
         with contextlib.suppress(ProcessLookupError):
             await self.proc.wait()
+        if self._boot is not None and not self._boot.done():
+            self._boot.cancel()
         if self.stderr_task is not None and not self.stderr_task.done():
             # EOF comes once the sandbox is gone; a writer that escaped it (opt-out mode) is not waited for
             await asyncio.wait({self.stderr_task}, timeout=0.5)
@@ -427,6 +442,10 @@ class Slot:
     #: counts acquisitions: a release names the lease it ends, so a late one cannot free a later holder
     lease: int = 0
     _prestart: asyncio.Task[Any] | None = field(default=None, repr=False)
+    #: the host ``_prestart`` spawned and waits for while it boots (an activation may take it over)
+    booting: HostProcess | None = field(default=None, repr=False)
+    #: set once ``_prestart``'s spawn has returned (or failed): ``booting`` is then known
+    _spawned: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
     def workspace(self) -> Path:
@@ -600,10 +619,18 @@ class SandboxPool:
         """The slot's pre-started host if it fits ``limits`` (see ``_fits``), else a new one (not yet
         booted: the caller reads its ready line). Taking one starts warming another free slot."""
         ready, slot.ready = slot.ready, None
-        if slot._prestart is not None and not slot._prestart.done() and ready is None:
-            with contextlib.suppress(Exception):
-                await slot._prestart
+        task = slot._prestart
+        if ready is None and task is not None and not task.done():
+            if slot.booting is None and slot._spawned is not None:  # its spawn (fork + exec) is under way
+                await asyncio.wait({task, slot._spawned}, return_when=asyncio.FIRST_COMPLETED)
             ready, slot.ready = slot.ready, None
+            if ready is None and slot.booting is not None:
+                # take the booting host over instead of waiting for the pool's boot timeout: it started
+                # before any host spawned now would, and ``_booted`` waits for its ready line within the
+                # turn's deadline (on a loaded machine a boot takes seconds; waiting out the pool's
+                # timeout and then spawning again cost a restore up to 30 s more)
+                ready, slot.booting = slot.booting, None
+                task.cancel()
         self._refill()
         if ready is not None and self._fits(ready, limits):
             ready.limits = limits
@@ -736,20 +763,32 @@ class SandboxPool:
             self._worker_lock = None
 
     async def _prestart(self, slot: Slot) -> None:
+        spawned = slot._spawned = asyncio.get_running_loop().create_future()
         try:
             host = await self.spawn(slot, self.prestart_limits)
         except Exception:  # noqa: BLE001 - a create then spawns on demand
             log.warning("pre-starting an agent host failed", extra={"slot": slot.index}, exc_info=True)
             return
+        finally:
+            if not spawned.done():
+                spawned.set_result(None)
+        slot.booting = host
         try:
             await host.wait_booted(_BOOT_TIMEOUT_S)
         except (Exception, asyncio.CancelledError) as e:
-            await host.close()
+            adopted = slot.booting is not host  # an activation took it over (``host_for``): it is theirs
+            if not adopted:
+                slot.booting = None
+                await host.close()
             if isinstance(e, asyncio.CancelledError):
                 raise
-            why = f"not ready within {_BOOT_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else (str(e) or repr(e))
-            log.warning("a pre-started agent host did not boot: %s", why, extra={"slot": slot.index})
+            if not adopted:
+                why = f"not ready within {_BOOT_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else (str(e) or repr(e))
+                log.warning("a pre-started agent host did not boot: %s", why, extra={"slot": slot.index})
             return
+        if slot.booting is not host:
+            return  # taken over while booting
+        slot.booting = None
         # a busy slot keeps it too: its activation chose this slot for the host being booted and takes
         # it in ``host_for`` (or ``release`` closes it if the activation failed first)
         if self._closed or slot.ready is not None:

@@ -201,3 +201,88 @@ async def test_a_pre_started_host_wins_over_the_preferred_slot(tmp_path):
         assert await pool.acquire(prefer=cold.index) is warm  # a warm host beats the index
     finally:
         await pool.close()
+
+
+def _gated(pool: SandboxPool, gate: Path) -> None:
+    """Make the pool's hosts wait for ``gate`` to exist before they start: a boot as slow as we like."""
+    argv = pool.argv
+
+    def slow(slot, limits):  # noqa: ANN001, ANN202
+        wait = f'while [ ! -e "{gate}" ]; do sleep 0.02; done; exec "$@"'
+        return ["/bin/sh", "-c", wait, "sh", *argv(slot, limits)]
+
+    pool.argv = slow  # type: ignore[method-assign]
+
+
+async def test_an_activation_takes_over_a_host_still_booting_instead_of_waiting_out_the_boot_timeout(
+        tmp_path, monkeypatch):
+    """Under overload (a replay at load ~27) a restore waited up to the pool's 30 s boot timeout for the
+    slot's pre-started host, then spawned another. Now ``host_for`` hands the booting host over at once
+    and the activation waits for its ready line itself; the pool's timeout does not close it."""
+    import workers.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_BOOT_TIMEOUT_S", 1e6)  # the old code would wait here for ever
+    gate = tmp_path / "gate"
+    pool = _pool(tmp_path, 1, prestart=1)
+    _gated(pool, gate)
+    try:
+        await pool.start()
+        slot = pool.slots[0]
+        await _until(lambda: slot.booting is not None, "the pre-started host spawned")
+        booting = slot.booting
+        task = slot._prestart
+        taken = await pool.acquire()
+        assert taken is slot
+        host = await asyncio.wait_for(pool.host_for(slot, UNSANDBOXED), 30)
+        assert host is booting and not host.booted and host.alive
+        await asyncio.wait({task}, timeout=30)
+        assert task.done() and slot.booting is None and slot.ready is None
+        assert host.alive  # the pre-start's end did not close the host it gave away
+        gate.touch()
+        await host.wait_booted(30)
+        assert await _init_counter(host) == {"ok": True}
+        await pool.release(slot, host, lease=taken.lease)
+    finally:
+        gate.touch()
+        await pool.close()
+
+
+async def test_a_wait_for_the_ready_line_that_times_out_does_not_lose_the_line(tmp_path):
+    gate = tmp_path / "gate"
+    pool = _pool(tmp_path, 1, prestart=0)
+    _gated(pool, gate)
+    try:
+        await pool.start()
+        host = await pool.spawn(pool.slots[0], UNSANDBOXED)
+        for _ in range(3):  # the pool gives up; so does an impatient activation
+            try:
+                await host.wait_booted(0.05)
+            except asyncio.TimeoutError:
+                pass
+        assert not host.booted
+        gate.touch()
+        await host.wait_booted(30)  # the line comes to the next waiter
+        assert host.booted and await _init_counter(host) == {"ok": True}
+        await host.close()
+    finally:
+        gate.touch()
+        await pool.close()
+
+
+async def test_a_pre_started_host_that_never_boots_is_closed_by_the_pool(tmp_path, monkeypatch):
+    import workers.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_BOOT_TIMEOUT_S", 0.2)
+    gate = tmp_path / "gate"  # never made
+    pool = _pool(tmp_path, 1, prestart=1)
+    _gated(pool, gate)
+    try:
+        await pool.start()
+        slot = pool.slots[0]
+        await _until(lambda: slot.booting is not None, "the pre-started host spawned")
+        host = slot.booting
+        await asyncio.wait_for(host.proc.wait(), 30)
+        await _until(lambda: slot.booting is not host, "the pool let go of it")
+        assert slot.ready is None or slot.ready is not host
+    finally:
+        await pool.close()
