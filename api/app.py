@@ -251,6 +251,11 @@ INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
     "X-Substrate-Epoch": _header("The session's activation epoch (an integer) that ran the turn."),
     "X-Substrate-Woke": _header("`1` when this call woke the session."),
     "X-Substrate-Wake-Ms": _header("With `X-Substrate-Woke`: how long the wake took, in milliseconds."),
+    "Server-Timing": _header(
+        "With `X-Substrate-Woke`: the wake's phases in W3C Server Timing form, e.g. "
+        "`place;dur=1.2, activate;dur=21.7, wake;dur=24.0` (ms): `place` waited for and claimed a slot (a worker "
+        "starting or a session suspended for room included), `activate` restored and started the agent, "
+        "`wake` is the whole wake (`X-Substrate-Wake-Ms`)."),
     "X-Substrate-Restored": _header(
         "The answer's state came back from a snapshot after a loss: `worker_lost` (an older snapshot after a "
         "crash; the session's `restoredFrom` says which), `worker_lost;snapshot=none` (the worker died before "

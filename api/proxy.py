@@ -101,6 +101,18 @@ _INTERNAL_CODES: dict[str, tuple[int, str, str]] = {
 }
 
 
+def server_timing(woke_ms: float, route: Route) -> str:
+    """The ``Server-Timing`` value (W3C Server Timing, https://www.w3.org/TR/server-timing/) of an answer
+    whose call woke its session: ``place`` (ms waiting for and claiming a slot, including any wait for a
+    worker to start or a session to be suspended for room), ``activate`` (ms the worker took to restore
+    and start the agent, and the RUNNING write) and ``wake`` (the whole wake as this call saw it, the
+    same figure as ``X-Substrate-Wake-Ms``). The phases are left out when another router's wake was
+    followed (then only ``wake``)."""
+    parts = [f"{name};dur={ms:.1f}" for name, ms in (("place", route.place_ms), ("activate", route.activate_ms))
+             if ms is not None]
+    return ", ".join([*parts, f"wake;dur={woke_ms:.1f}"])
+
+
 def public_error(e: SubstrateError) -> SubstrateError:
     """``e`` as a client may see it: a worker-internal code (``_INTERNAL_CODES``) becomes its public
     counterpart, with the worker's message kept after the explanation; any other error as it is."""
@@ -506,6 +518,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
+            extra["Server-Timing"] = server_timing(woke_ms, route)
             # state since the last snapshot was lost: say so on the answer itself (the worker's own marker
             # wins: a replayed answer says what the activation that ran the turn had lost)
             if restored and "X-Substrate-Restored" not in extra:

@@ -234,6 +234,21 @@ def classify(payload: Any, headers: dict[str, str] | Any) -> tuple[str, bool | N
     return ("wake" if is_wake else "warm"), woke, wake_ms, state_before
 
 
+def wake_phases(headers: dict[str, str] | Any) -> tuple[float | None, float | None]:
+    """-> (place_ms, activate_ms) from a woken answer's ``Server-Timing`` header (``api.proxy.server_timing``:
+    ``place;dur=1.2, activate;dur=21.7, wake;dur=24.0``); None for a phase the header does not carry."""
+    value = headers.get("Server-Timing") if headers is not None else None
+    found: dict[str, float] = {}
+    for part in (value or "").split(","):
+        name, _, params = part.strip().partition(";")
+        for param in params.split(";"):
+            key, _, dur = param.strip().partition("=")
+            if key == "dur":
+                with contextlib.suppress(ValueError):
+                    found[name.strip()] = float(dur)
+    return found.get("place"), found.get("activate")
+
+
 def check_count(count: int | None, prev: int, uncertain: int) -> tuple[str, tuple[int, int]]:
     """Is ``count`` a legal answer after ``prev`` with ``uncertain`` unanswered increments before it?
 
@@ -309,7 +324,7 @@ class TargetRunner:
                     {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "done_s": None, "queue_s": None,
                      "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
                      "latency_ms": None, "service_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
-                     "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
+                     "place_ms": None, "activate_ms": None, "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
                      "retries": 0, "error": None}
                 )
 
@@ -416,6 +431,7 @@ class TargetRunner:
             return
         rec["added_ms"] = latency_ms - pt.work_s * 1000.0
         rec["kind"], rec["woke"], rec["wake_ms"], rec["state_before"] = classify(payload, headers)
+        rec["place_ms"], rec["activate_ms"] = wake_phases(headers)
         rec["worker"] = headers.get("X-Substrate-Worker")
         # the runtime's own word that this answer's state came back older (a crash, a killed agent)
         rec["restored"] = headers.get("X-Substrate-Restored")

@@ -259,6 +259,9 @@ def summarize_target(
         "latency_ms": latency_stats([t["latency_ms"] for t in served] + [math.inf] * len(failed)),
         "service_ms": latency_stats(t.get("service_ms") for t in served),
         "server_wake_ms": latency_stats(t["wake_ms"] for t in served if t.get("wake_ms") is not None),
+        # the runtime's own split of a wake (``Server-Timing``): waiting for a slot vs the worker's restore
+        "wake_place_ms": latency_stats(t.get("place_ms") for t in served if t.get("place_ms") is not None),
+        "wake_activate_ms": latency_stats(t.get("activate_ms") for t in served if t.get("activate_ms") is not None),
         "queue_s": latency_stats(t["queue_s"] for t in turns if t.get("queue_s") is not None),
         "sessions": {
             "planned": len(sessions),
@@ -372,6 +375,10 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("service_added_ms") or {}).get("warm", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("  send -> answer added ms wake p50 / p95 / p99", " / ".join(
             _ms((summary.get("service_added_ms") or {}).get("wake", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("  wake phases (Server-Timing) ms: slot wait p50 / p95 / p99", " / ".join(
+            _ms((summary.get("wake_place_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("  wake phases (Server-Timing) ms: restore p50 / p95 / p99", " / ".join(
+            _ms((summary.get("wake_activate_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
          f"{_ms(summary['sessions']['create_ms']['p99'])}"),

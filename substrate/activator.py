@@ -133,6 +133,11 @@ class Route:
     restored: str | None = None
     #: the tenant owning the session (the hot path checks it against the caller's)
     tenant: str = "default"
+    #: for the activation that made this route: ms waiting for a slot (placement, with any wait for
+    #: capacity) and ms the worker took to activate (restore, agent start); the woken answer's
+    #: ``Server-Timing`` (W3C Server Timing) reports them
+    place_ms: float | None = None
+    activate_ms: float | None = None
 
 
 class WorkerView:
@@ -810,6 +815,7 @@ class Activator:
                              ) -> tuple[Route, bool]:
         t0 = time.perf_counter()
         worker, slot = await self.place(rec.id, template, worker=pin, tenant=rec.tenant)
+        placed = time.perf_counter()
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
             set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
@@ -838,7 +844,7 @@ class Activator:
                 await self.release_quota(rec, epoch=epoch)  # in case Redis failed after taking it
                 raise
         try:
-            return await self._activate_claimed(rec, template, worker, slot, epoch, t0)
+            return await self._activate_claimed(rec, template, worker, slot, epoch, t0, placed)
         except BaseException:
             # whatever way this activation failed, its place goes (only this epoch's: a wake that claimed
             # the session since owns a newer one)
@@ -846,9 +852,11 @@ class Activator:
             raise
 
     async def _activate_claimed(self, rec: SessionRecord, template: ActorTemplate, worker: WorkerRecord,
-                                slot: int, epoch: int, t0: float) -> tuple[Route, bool]:
+                                slot: int, epoch: int, t0: float, placed: float) -> tuple[Route, bool]:
         """Activate claimed activation ``epoch`` of ``rec`` on ``worker``'s ``slot`` and move the record
-        RESUMING -> RUNNING (see ``_resume_placed``); every failure rolls the record back first."""
+        RESUMING -> RUNNING (see ``_resume_placed``); every failure rolls the record back first.
+        ``t0``/``placed``: ``time.perf_counter()`` before and after placement (the route's phase times)."""
+        activating = time.perf_counter()
         restored_what = None
         lost_after = loss_base(rec)
         if rec.reason in _LOSSY:
@@ -900,7 +908,8 @@ class Activator:
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
-        return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant), True
+        return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant,
+                     place_ms=(placed - t0) * 1000, activate_ms=(time.perf_counter() - activating) * 1000), True
 
     async def _abandon(self, sid: str, worker: WorkerRecord, slot: int, epoch: int) -> None:
         """Drop activation ``epoch`` of ``sid`` on ``worker`` (only that epoch or older) and free its

@@ -48,6 +48,8 @@ class _Worker:
     pool: str
     pid: int
     popen: subprocess.Popen[bytes] | None = None  # None: a child of the zygote
+    #: ``delete`` is stopping it: its exit is expected (``reap`` leaves it to ``delete``)
+    stopping: bool = False
 
     def alive(self) -> bool:
         if self.popen is not None:
@@ -192,18 +194,23 @@ class LocalBackend:
             return
         if grace_s is None:
             grace_s = self.settings.worker.shutdown_grace_s + 5.0
-        if w.alive():
-            w.signal(signal.SIGTERM)
-            for _ in range(int(grace_s / 0.05)):
-                if not w.alive():
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                w.signal(signal.SIGKILL)
-                if w.popen is not None:
-                    w.popen.wait()
-                self._sweeps[worker_id] = 50  # killed: its sandboxes' leftovers are ours to sweep
-                self._sweep_dead()
+        w.stopping = True
+        try:
+            if w.alive():
+                w.signal(signal.SIGTERM)
+                for _ in range(int(grace_s / 0.05)):
+                    if not w.alive():
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    w.signal(signal.SIGKILL)
+                    if w.popen is not None:
+                        w.popen.wait()
+                    self._sweeps[worker_id] = 50  # killed: its sandboxes' leftovers are ours to sweep
+                    self._sweep_dead()
+        except BaseException:
+            w.stopping = False  # cut short (the runtime stopping): ``reap`` reports it once it is gone
+            raise
         self.workers.pop(worker_id, None)
 
     def running(self) -> dict[str, str]:
@@ -212,7 +219,9 @@ class LocalBackend:
     def reap(self) -> list[str]:
         """Workers whose process exited since the last call. Their sandboxes' leftovers are thawed and
         killed, and their folder removed."""
-        dead = [wid for wid, w in self.workers.items() if not w.alive()]
+        # a worker being stopped (a drain's end) is not lost: reported here, the pool controller would
+        # "recover" a worker that had just suspended all its sessions, and log its exit as a warning
+        dead = [wid for wid, w in self.workers.items() if not w.stopping and not w.alive()]
         for wid in dead:
             self.workers.pop(wid)
             log.warning("worker process exited", extra={"worker": wid})

@@ -426,7 +426,7 @@ def test_openapi_lists_every_status_of_each_route_with_the_error_schema(rt: Runt
     assert "invalid_request_id" in headers["X-Request-ID"]["description"]
     assert {"X-Substrate-Worker", "X-Substrate-Epoch", "X-Substrate-Woke", "X-Substrate-Wake-Ms",
             "X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At",
-            "X-Substrate-Replayed"} <= set(invoke["responses"]["200"]["headers"])
+            "X-Substrate-Replayed", "Server-Timing"} <= set(invoke["responses"]["200"]["headers"])
     for path, ops in spec["paths"].items():  # the request ID: every /v1 route reads and checks it
         for method, op in ops.items():
             if path.startswith("/v1"):

@@ -55,8 +55,15 @@ def test_wake_on_request_after_suspend(runtime_factory, store_env):
         r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"})
         assert r.status_code == 200 and r.json() == {"output": {"count": n}}
         assert r.headers["x-substrate-woke"] == "1"
+        # the wake's phases (W3C Server Timing): each a finite number of ms, the parts within the whole
+        timing = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+        assert set(timing) == {"place", "activate", "wake"}
+        ms = {k: float(v) for k, v in timing.items()}
+        assert all(0 <= v < 1e6 for v in ms.values())
+        assert ms["place"] + ms["activate"] <= ms["wake"] + 0.2  # printed to 0.1 ms each
+        assert ms["wake"] == float(r.headers["x-substrate-wake-ms"])
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
-    assert "x-substrate-woke" not in r.headers
+    assert "x-substrate-woke" not in r.headers and "server-timing" not in r.headers
     # workers serve their own metrics (snapshots are taken there), open to the scraper without the token
     import httpx
     addr = next(iter(rt.workers().values()))["address"]

@@ -19,6 +19,7 @@ from loadtest.replay import (
     label_value,
     main,
     retry_after_s,
+    wake_phases,
     write_outputs,
 )
 from loadtest.traces import TraceError, Turn
@@ -175,6 +176,15 @@ def test_classify_wake_vs_warm():
     assert classify({"output": {}, "session": {"woke": False, "state_before": "STARTING"}}, {})[0] == "wake"
 
 
+def test_wake_phases_come_from_server_timing():
+    h = {"Server-Timing": "place;dur=1.5, activate;dur=21.25, wake;dur=24.0"}
+    assert wake_phases(h) == (1.5, 21.25)
+    assert wake_phases({"Server-Timing": "wake;dur=9"}) == (None, None)  # another router's wake followed
+    assert wake_phases({}) == (None, None) and wake_phases(None) == (None, None)
+    # other servers' entries, descriptions and a broken figure are skipped, not fatal
+    assert wake_phases({"Server-Timing": 'cdn;desc="edge", place;desc="x";dur=2, activate;dur=abc'}) == (2.0, None)
+
+
 def test_small_helpers():
     assert retry_after_s("2") == 2.0
     assert retry_after_s("60") == 5.0  # capped
@@ -194,6 +204,8 @@ def _turn(session, i, *, kind="warm", added=5.0, status="ok", http=200, sent=1.0
             "latency_ms": (added + work * 1000) if served else None, "added_ms": added if served else None,
             "kind": kind if served else None, "woke": (kind == "wake") if served else None,
             "wake_ms": (added - 2) if served and kind == "wake" else None, "state_before": None,
+            "place_ms": (added / 4) if served and kind == "wake" else None,
+            "activate_ms": (added / 2) if served and kind == "wake" else None,
             "worker": "w1", "epoch": 1, "count": i + 1 if served else None, "expected": [i + 1, i + 1],
             "retries": 0, "error": None if status in ("ok", "lost_state") else "boom"}
 
@@ -261,6 +273,8 @@ def test_summarize_target_counts_and_latencies():
     assert s["added_ms"]["all"]["n"] == 7
     assert s["added_ms"]["all"]["p99"] == math.inf and s["added_ms"]["all"]["p50"] == pytest.approx(80.0)
     assert s["server_wake_ms"]["p50"] == pytest.approx((78.0 + 118.0) / 2)
+    assert s["wake_place_ms"]["p50"] == pytest.approx((80.0 + 120.0) / 8)
+    assert s["wake_activate_ms"]["n"] == 2 and s["wake_activate_ms"]["p50"] == pytest.approx(50.0)
     assert s["sessions"] == {"planned": 3, "created": 2, "create_failed": 1,
                              "create_ms": rpt.latency_stats([3.0, 3.0])}
     cap = s["capacity"]
