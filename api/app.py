@@ -235,10 +235,10 @@ IDEMPOTENCY_KEY_PARAM: dict[str, Any] = {
     "description": "Anything unique per turn; makes the turn safe to retry: a retry with the same key is answered "
                    "again (`X-Substrate-Replayed: 1`), never run twice (the worker keeps the answers of the last "
                    "64 keys per session; a retry whose answer was too big to keep gets 410 `answer_not_kept`). "
-                   "Without one, the `X-Request-ID` is the key. Over 200 characters: 422 "
+                   "Without one, the `X-Request-ID` is the key. Printable ASCII; over 200 characters or any other byte: 422 "
                    "`invalid_idempotency_key`; used before for a turn with another body: 422 "
                    "`idempotency_key_reused`.",
-    "schema": {"type": "string", "maxLength": 200}}
+    "schema": {"type": "string", "maxLength": 200, "pattern": "^[ -~]+$"}}
 
 
 def _header(description: str) -> dict[str, Any]:

@@ -101,6 +101,12 @@ _INTERNAL_CODES: dict[str, tuple[int, str, str]] = {
 }
 
 
+#: an Idempotency-Key (an sf-string, as in the IETF httpapi draft "The Idempotency-Key HTTP Header Field"):
+#: printable ASCII, at most 200 characters. It is forwarded to the worker as a header and kept as a key of
+#: the session's answers: a control character or a non-ASCII byte would be mangled or refused there
+_IDEMPOTENCY_KEY_RE = re.compile(r"[\x20-\x7e]{1,200}")
+
+
 def server_timing(woke_ms: float, route: Route) -> str:
     """The ``Server-Timing`` value (W3C Server Timing, https://www.w3.org/TR/server-timing/) of an answer
     whose call woke its session: ``place`` (ms waiting for and claiming a slot, including any wait for a
@@ -351,8 +357,11 @@ async def invoke(request: Request) -> Response:
         stream = stream_param(request.query_params.getlist("stream"))
         rid = request.state.request_id
         key = request.headers.get("idempotency-key") or rid
-        if len(key) > 200:
-            raise InvalidInput("Idempotency-Key is over 200 characters", code="invalid_idempotency_key")
+        if not _IDEMPOTENCY_KEY_RE.fullmatch(key):
+            raise InvalidInput(
+                "Idempotency-Key is over 200 characters" if len(key) > 200 else
+                "Idempotency-Key must be printable ASCII (space to ~; no control characters or non-ASCII bytes)",
+                code="invalid_idempotency_key")
         return await _forward(runtime, sid, body, stream, rid, key, principal,
                               key_is_request_id=not request.headers.get("idempotency-key"))
     except SubstrateError as e:

@@ -232,6 +232,16 @@ def test_a_retried_turn_is_answered_not_run_twice(shared_runtime):
     assert c.invoke(s["id"], "get") == {"count": 1}, "nothing ran"
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"}, headers={"Idempotency-Key": "x" * 201})
     assert r.status_code == 422 and r.json()["code"] == "invalid_idempotency_key"
+    # a control character or a non-ASCII byte: refused before anything runs, not forwarded mangled
+    for bad in ("ключ".encode(), b"tab\there", b"\xff"):
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
+                        headers=[(b"Idempotency-Key", bad)])
+        assert r.status_code == 422 and r.json()["code"] == "invalid_idempotency_key", bad
+        assert "printable ASCII" in r.json()["message"]
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
+                    headers={"Idempotency-Key": "turn 7 / user:42"})  # spaces and punctuation are fine
+    assert r.json() == {"output": {"count": 2}}
+    assert c.invoke(s["id"], "get") == {"count": 2}, "only the well-keyed turn ran"
     c.delete_session(s["id"])
 
 
