@@ -12,6 +12,7 @@ one, in every route; admins see all. Each state-changing call leaves one audit r
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -175,6 +176,21 @@ async def _json_body(request: Request) -> None:
     ``bad_json`` for a body that is not UTF-8 JSON or repeats a key (``{"actorTemplate": "a",
     "actorTemplate": "b"}``: JSON parsers disagree on which one wins, so the request is ambiguous)."""
     _check_body(request, await request.body())
+
+
+async def _no_body(request: Request) -> None:
+    """For calls that take no body (suspend): none, or JSON ``{}``/``null`` (what clients send by default).
+    Anything else is refused before anything is done, so a client that meant to pass options learns that
+    none are read: a body that is not JSON is 400 ``bad_json`` (or 415 by its label, as ``_json_body``),
+    any other JSON value 422 ``invalid_input``."""
+    body = await request.body()
+    if not body.strip():
+        return
+    _check_body(request, body)
+    value = json.loads(body)
+    if value not in ({}, None):
+        raise InvalidInput(f"this call takes no body (or {{}}): got {clip(body.decode('utf-8', 'replace'))}",
+                           code="invalid_input")
 
 
 def _check_id(sid: str) -> str:
@@ -414,7 +430,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         rt.routes.drop(sid)
         return Response(status_code=204)
 
-    @app.post("/v1/sessions/{sid}/suspend", status_code=202, dependencies=v1, tags=["sessions"])
+    @app.post("/v1/sessions/{sid}/suspend", status_code=202, dependencies=[*v1, Depends(_no_body)],
+              tags=["sessions"])
     async def suspend_session(sid: str, request: Request) -> dict[str, Any]:
         """Snapshot the session and free its slot. Idempotent for a suspended session."""
         rt = _rt(request)

@@ -175,3 +175,24 @@ def test_errors_echo_at_most_a_clipped_copy_of_the_input(rt):
         assert r.status_code in (404, 422), r.text[:300]
         assert len(r.content) < 2000, f"{r.json()['code']}: {len(r.content)} bytes echoed"
         assert "..." in r.text or "A" * 300 not in r.text
+
+
+@pytest.mark.parametrize("raw, ctype, status, code", [
+    (b"garbage", "application/json", 400, "bad_json"),      # fresh-user: suspended anyway
+    (b'{"force": true}', "application/json", 422, "invalid_input"),  # options that are not read
+    (b"[1]", "application/json", 422, "invalid_input"),
+    (b'{"a": 1}', "text/plain", 415, "unsupported_media_type"),
+])
+def test_a_suspend_with_a_body_it_does_not_read_is_refused_and_suspends_nothing(rt, raw, ctype, status, code):
+    s = rt.client.create_session("counter")
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/suspend", content=raw, headers={"Content-Type": ctype})
+    assert r.status_code == status and r.json()["code"] == code, r.text
+    assert rt.client.get_session(s["id"])["state"] == "RUNNING", "nothing was suspended"
+    # no body, an empty object or null (what clients send by default) suspend as before
+    for ok in (None, b"{}", b"null", b"  "):
+        if rt.client.get_session(s["id"])["state"] != "RUNNING":
+            rt.client.resume(s["id"])
+        r = rt.client.http.post(f"/v1/sessions/{s['id']}/suspend", content=ok,
+                                headers={"Content-Type": "application/json"} if ok else {})
+        assert r.status_code == 202 and r.json()["state"] == "SUSPENDED", (ok, r.text)
+    rt.client.delete_session(s["id"])
