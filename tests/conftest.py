@@ -30,6 +30,19 @@ pytest_plugins = ["tests.integration.conftest_s3", "tests.redis_cluster"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Give every test the environment it started with. The CLI run in-process (``CliRunner``) writes
+    ``os.environ`` (``substrate router`` sets ``SUBSTRATE_ROLE=router``, the callback ``SUBSTRATE_TOKEN``,
+    ``up --config`` ``SUBSTRATE_CONFIG_DIR``) and every runtime a later test starts inherits it: with
+    ``SUBSTRATE_ROLE=router`` its ``substrate up`` serves without a local pool and no worker registers."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """``SUBSTRATE_TEST_REDIS_URL``, else 127.0.0.1:6379 db 0 if it answers, else an embedded server."""
