@@ -232,6 +232,12 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
     from substrate.specs import SpecError, load_catalog
 
+    if os.environ.get("SUBSTRATE_ROLE", "embedded") != "embedded":
+        # the embedded default is what `up` runs: an inherited SUBSTRATE_ROLE=router (a shell set up for
+        # `substrate router`) made it serve the API with no worker pool, never ready, without a word
+        err.print(f"note: SUBSTRATE_ROLE={escape(os.environ['SUBSTRATE_ROLE'])} ignored: `substrate up` runs the "
+                  "embedded default (API + workers); `substrate router` runs a router alone")
+    os.environ["SUBSTRATE_ROLE"] = "embedded"
     settings = _settings()
     try:
         load_catalog(settings.config_dir)  # fail before starting anything, with the file and field

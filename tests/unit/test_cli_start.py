@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -87,3 +88,17 @@ def test_the_admin_token_variable_is_not_the_client_token(monkeypatch: pytest.Mo
     r = CliRunner().invoke(app, ["stats"])
     assert r.exit_code == 0, r.output
     assert seen == [None]
+
+
+def test_up_runs_the_embedded_default_whatever_role_it_inherits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shell with SUBSTRATE_ROLE=router (set up for `substrate router`) made `up` serve the API with no
+    worker pool: never ready, and nothing said why (found through a test that leaked it to later runtimes)."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("SUBSTRATE_ROLE", "router")
+    with socket.socket() as s:  # a taken port: `up` stops after its checks, before anything starts
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1])])
+    assert r.exit_code == 2, r.output
+    assert "SUBSTRATE_ROLE=router ignored" in r.output
+    assert os.environ["SUBSTRATE_ROLE"] == "embedded"  # what api.main (the app `up` serves) reads
