@@ -362,7 +362,8 @@ class Activator:
             while not done:
                 starting, blocked, undecided = await self._capacity_coming(pool, t_wait)
                 left = park_deadline - time.monotonic()
-                coming = starting > 0 or undecided
+                # room being made for the queue (suspensions serving the waiters ahead) counts as coming
+                coming = starting > 0 or undecided or queue.progressing(api.slot_wait_s)
                 if left <= 0 or not (coming or was_coming):
                     break
                 was_coming = coming

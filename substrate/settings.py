@@ -119,7 +119,8 @@ class ApiSettings(_Section):
     park_timeout_s: float = Field(5.0, ge=0)
     #: cap on requests parked at once in one router process
     max_parked: int = Field(1000, ge=0)
-    #: how long a request waits for a free slot before 503 (0 = answer at once)
+    #: how long a request waits for a free slot before 503 (0 = answer at once), counted from the
+    #: slot queue's last progress (a waiter served or room made: ``substrate.slotqueue``)
     slot_wait_s: float = Field(2.0, ge=0)
     #: how long a placement waits for a worker that is being started for its pool (instead of
     #: answering ``no_capacity``); a cold start on a busy machine can take several seconds

@@ -10,6 +10,13 @@ or ``poll_s`` (slots freed by other processes show up on the next refresh). Room
 oldest waiter's tenant, as many slots as there are waiters at once (``make_room(tenant, n)``: a tenant
 over its share displaces only its own sessions).
 
+A waiter's ``timeout_s`` counts from the queue's last progress, not from when it joined: while rounds
+keep serving waiters or making room, everyone behind waits on (up to ``max_s``), so a burst on a full
+pool with idle sessions is served by suspensions instead of being refused (fresh-user run: 100 creates
+on a pool at ``maxReplicas`` with 120 idle sessions, 8 suspensions a round: 52 got ``no_capacity``
+after the 2 s ``slot_wait_s``). Without progress for ``timeout_s`` (nobody idle to suspend, nothing
+freed) the waiter still gives up then.
+
 A waiter that gave up (timeout, cancellation) is skipped; a slot claimed for it after it gave up is
 released at once. A pinned waiter (``worker=...``) does not block unpinned ones behind it.
 """
@@ -59,9 +66,15 @@ class SlotQueue(Generic[W]):
         self._pump: asyncio.Task[None] | None = None
         #: rounds served (each round reads the registry once): for tests and debugging
         self.rounds = 0
+        #: loop time of the last round that served a waiter or made room (-inf: none yet)
+        self.progress_at = float("-inf")
 
     def __len__(self) -> int:
         return sum(1 for w in self._waiters if not w.fut.done())
+
+    def progressing(self, within_s: float) -> bool:
+        """Whether a round served a waiter or made room in the last ``within_s`` seconds."""
+        return asyncio.get_running_loop().time() - self.progress_at < within_s
 
     def notify(self) -> None:
         """A slot may have become free: serve the queue now instead of at the next poll."""
@@ -69,12 +82,13 @@ class SlotQueue(Generic[W]):
 
     async def wait(self, sid: str, pin: str | None, timeout_s: float, *, tenant: str = "default",
                    hold: Callable[[], bool] | None = None, max_s: float | None = None) -> tuple[W, int]:
-        """Join the queue; the claimed ``(worker, slot)``. Raises ``TimeoutError`` after ``timeout_s``;
-        if ``hold()`` is true when that time is up (capacity is on its way: e.g. a worker starting for
-        the pool), the wait goes on for another ``timeout_s``, and so on, and once more after the first
-        look that finds it false (so at least ``timeout_s`` after the capacity came), up to ``max_s``
-        (default ``timeout_s``) in all. ``hold`` is asked only at those moments (one timer per waiter,
-        not a poll). The waiter keeps its place in the queue meanwhile."""
+        """Join the queue; the claimed ``(worker, slot)``. Raises ``TimeoutError`` after ``timeout_s``
+        unless, when that time is up, the queue has progressed within the last ``timeout_s`` (see the
+        module docstring) or ``hold()`` is true (capacity is on its way: e.g. a worker starting for the
+        pool): then the wait goes on for another ``timeout_s``, and so on, and once more after the first
+        look that finds ``hold()`` false (so at least ``timeout_s`` after the capacity came), up to
+        ``max_s`` (default ``timeout_s``) in all. ``hold`` is asked only at those moments (one timer per
+        waiter, not a poll). The waiter keeps its place in the queue meanwhile."""
         fut: asyncio.Future[tuple[W, int]] = asyncio.get_running_loop().create_future()
         self._waiters.append(_Waiter(sid, pin, fut, tenant))
         if self._pump is None or self._pump.done():
@@ -87,12 +101,12 @@ class SlotQueue(Generic[W]):
         try:
             while True:
                 now = loop.time()
-                if now >= deadline and hold is not None:
+                if now >= deadline:
                     # capacity on its way, or it was at the last look (growth stopped in between: the
                     # new slots get a whole timeout_s to reach this waiter; a burst's fresh-user run
                     # refused 15 creates with 23 slots free when this counted from the last look)
-                    was_held, held = held, hold()
-                    if held or was_held:
+                    was_held, held = held, (hold() if hold is not None else False)
+                    if held or was_held or self.progressing(timeout_s):
                         deadline = now + timeout_s
                 end = min(deadline, limit)
                 if now >= end:
@@ -129,6 +143,7 @@ class SlotQueue(Generic[W]):
                 continue
             waiter.fut.set_result(got)
             served = True
+            self.progress_at = asyncio.get_running_loop().time()
         while self._waiters and self._waiters[0].fut.done():
             self._waiters.popleft()
         self._waiters = collections.deque(w for w in self._waiters if not w.fut.done())
@@ -144,6 +159,7 @@ class SlotQueue(Generic[W]):
                         continue
                     if self._waiters and await self._make_room(self._waiters[0].tenant,
                                                                min(len(self), self.max_room_per_round)):
+                        self.progress_at = asyncio.get_running_loop().time()
                         await self._refresh()
                         continue
                 except Exception:  # noqa: BLE001 - waiters time out on their own; the pump goes on

@@ -158,3 +158,41 @@ async def test_capacity_that_came_between_two_looks_gets_a_whole_timeout_to_reac
 
     assert await q.wait("s0", None, 0.5, hold=hold, max_s=30.0) == ("w1", 1)
     assert looks == [True, False]
+
+
+class SlowRoom(FakePool):
+    """make_room frees one slot per call, each after a snapshot's worth of waiting."""
+
+    async def make_room(self, tenant: str, count: int) -> int:
+        self.room_asks.append(count)
+        if self.room <= 0:
+            return 0
+        await asyncio.sleep(0.005)
+        self.room -= 1
+        self.free += 1
+        return 1
+
+
+async def test_a_burst_on_a_full_pool_waits_while_room_is_being_made():
+    """Fresh-user run: 100 creates on a pool at maxReplicas with 120 idle sessions; room was made 8 at a
+    time and every create still waiting after slot_wait_s (2 s) got no_capacity, 52 of them. Now the
+    timeout counts from the queue's last progress: all are served, by suspensions, within max_s."""
+    pool = SlowRoom(free=0)
+    pool.room = 200
+    q = pool.queue()
+    # one make_room per round frees one slot: 200 rounds take >= 1 s, twice the waiters' 0.5 s timeout
+    results = await asyncio.gather(*(q.wait(f"s{i}", None, 0.5, max_s=60.0) for i in range(200)),
+                                   return_exceptions=True)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert sorted(pool.claimed) == sorted(f"s{i}" for i in range(200)) and pool.room == 0
+
+
+async def test_without_progress_a_waiter_still_gives_up_after_its_timeout_not_max_s():
+    pool = SlowRoom(free=0)  # nobody idle: make_room frees nothing
+    q = pool.queue()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(asyncio.TimeoutError):
+        await q.wait("s0", None, 0.2, max_s=3600.0)
+    assert loop.time() - t0 < 60, "it waited for max_s although nothing moved"
+    assert pool.claimed == [] and len(q) == 0
