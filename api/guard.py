@@ -17,7 +17,14 @@ every ``/v1/`` request:
    trickles (or never finishes) the body gets 408 ``request_timeout`` and its connection is closed
    (uvicorn has no such bound, so it would otherwise hold a connection and a handler for ever). The body
    is replayed to the app unchanged; every route reads its body whole anyway.
-4. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
+4. a state-changing request (any method but GET, HEAD, OPTIONS) that a browser says comes from another
+   site or origin is refused, 403 ``cross_origin_request``: ``Sec-Fetch-Site`` other than ``same-origin``
+   or ``none`` (a user's own navigation), or without that header an ``Origin`` that is not this server's.
+   A page can make a browser send a body-less POST (a suspend, a resume) to ``localhost`` without a CORS
+   preflight, and the body rules (``proxy.check_json_content_type``) do not stop a request with no body.
+   This is the Fetch Metadata / Origin check OWASP's CSRF cheat sheet describes; clients that are not
+   browsers send neither header;
+5. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
    by uvicorn, which would answer a plain-text 500 (a fresh-user run: SIGTERM during a 25 s shell turn);
    it gets 503 ``router_stopping`` in JSON with ``Retry-After`` instead: the turn may have run, and a
    retry with the same ``Idempotency-Key`` is answered from its kept answer, never run twice.
@@ -110,6 +117,30 @@ def bearer_ok(header: bytes | str | None, token: str) -> bool:
     return hmac.compare_digest(got, b"Bearer " + token.encode())
 
 
+#: Sec-Fetch-Site values of requests a browser made for this server's own pages or the user (W3C Fetch Metadata)
+_SAME_ORIGIN_FETCH = (b"same-origin", b"none")
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def cross_origin(method: str, headers: dict[bytes, bytes], scheme: str = "http") -> str | None:
+    """Why a state-changing request is a cross-origin one a browser sent (see the module docstring), or
+    None. ``headers``: the raw ASGI headers (lower-case names)."""
+    if method in _SAFE_METHODS:
+        return None
+    site = headers.get(b"sec-fetch-site")
+    if site is not None:
+        if site.strip().lower() in _SAME_ORIGIN_FETCH:
+            return None
+        return f"Sec-Fetch-Site {site.decode('latin-1')[:40]}"
+    origin = headers.get(b"origin")
+    if origin is None:
+        return None
+    host = headers.get(b"host", b"")
+    if origin.strip().lower() == f"{scheme}://".encode() + host.strip().lower():
+        return None
+    return f"Origin {origin.decode('latin-1')[:100]}"
+
+
 class Guard:
     """ASGI middleware; ``get_settings(scope)`` gives the settings per request (the runtime's)."""
 
@@ -126,6 +157,11 @@ class Guard:
         # the body's time runs from here (the headers are in): authentication is part of the wait
         deadline = time.monotonic() + float(api.body_read_timeout_s)
         headers = dict(scope["headers"])  # later duplicates win; both checks below refuse odd values
+        if why := cross_origin(scope.get("method", ""), headers, scope.get("scheme", "http")):
+            await _answer(send, 403, "cross_origin_request",
+                          f"a browser sent this from another site ({why}): the API takes state-changing calls "
+                          "only from clients that are not web pages, or from its own origin", scope=scope)
+            return
         if auth is not None:
             try:
                 # kept in the request's state: the route's own check (api/proxy.authenticate) uses it

@@ -196,3 +196,29 @@ def test_a_suspend_with_a_body_it_does_not_read_is_refused_and_suspends_nothing(
                                 headers={"Content-Type": "application/json"} if ok else {})
         assert r.status_code == 202 and r.json()["state"] == "SUSPENDED", (ok, r.text)
     rt.client.delete_session(s["id"])
+
+
+@pytest.mark.parametrize("headers", [
+    {"Sec-Fetch-Site": "cross-site"},                    # fresh-user: a page's body-less POST suspended it
+    {"Sec-Fetch-Site": "same-site"},                     # another port of localhost is the same site
+    {"Origin": "http://evil.example"},                   # an older browser: no Fetch Metadata, but Origin
+    {"Origin": "null"},                                  # a sandboxed frame or a file:// page
+])
+def test_a_state_changing_call_from_another_site_is_refused_and_changes_nothing(rt, headers):
+    s = rt.client.create_session("counter")
+    for path in (f"/v1/sessions/{s['id']}/suspend", f"/v1/sessions/{s['id']}/resume"):
+        r = rt.client.http.post(path, headers=headers)
+        assert r.status_code == 403 and r.json()["code"] == "cross_origin_request", r.text
+    r = rt.client.http.delete(f"/v1/sessions/{s['id']}", headers=headers)
+    assert r.status_code == 403 and r.json()["code"] == "cross_origin_request"
+    assert rt.client.get_session(s["id"])["state"] == "RUNNING", "nothing was suspended or deleted"
+    # reads are not refused (a page cannot read the answer without CORS), and the API's own origin,
+    # a user's own navigation and clients without either header are served
+    assert rt.client.http.get(f"/v1/sessions/{s['id']}", headers=headers).status_code == 200
+    own = rt.client.http.base_url
+    for ok in ({"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"},
+               {"Origin": f"{own.scheme}://{own.host}:{own.port}"}):
+        r = rt.client.http.post(f"/v1/sessions/{s['id']}/suspend", headers=ok)
+        assert r.status_code == 202, (ok, r.text)
+        rt.client.resume(s["id"])
+    rt.client.delete_session(s["id"])
