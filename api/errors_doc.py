@@ -25,6 +25,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "request_timeout": (408, "the body did not arrive within `api.body_read_timeout_s` of the request's headers, "
                              "or the headers within `api.header_read_timeout_s` of its first byte; "
                              "the connection is closed"),
+    "headers_too_large": (431, "a request line and headers over 64 KiB (`substrate.serving.MAX_HEADER_BYTES`); "
+                               "the connection is closed"),
     "session_exists": (409, "the client-chosen session ID is taken"),
     "invalid_state": (409, "the session is not in a state that allows the call"),
     "conflict": (409, "the session changed concurrently (e.g. a suspend met a concurrent resume); retry"),

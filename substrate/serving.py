@@ -1,5 +1,6 @@
 """The HTTP server ``substrate up`` and ``substrate router`` run: uvicorn's, with one change to its
-signals (:class:`Server`) and a time limit on reading a request's head (:func:`header_timeout_protocol`)."""
+signals (:class:`Server`) and a time and size limit on reading a request's head
+(:func:`header_timeout_protocol`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 #: a stop signal repeated within this many seconds of the first is the same stop request
 REPEAT_SIGNAL_WINDOW_S = 1.0
+#: the most bytes a request's head (request line and headers) may take: uvicorn's httptools protocol has
+#: no bound (a fresh-user run sent one 128 MiB header and the router grew by 184 MB before the deadline
+#: cut it). 64 KiB holds any real head (nginx's default allows 32 KiB, Node's 16 KiB) and a large JWT
+MAX_HEADER_BYTES = 64 * 1024
+#: after a 408/431 the connection is half-closed and what the client still sends is read and dropped
+#: for this long before the close: closing a socket with unread data makes the kernel send a reset,
+#: which discards the answer on its way (a client still sending its giant header saw only the reset)
+LINGER_S = 2.0
 
 
 class Server(uvicorn.Server):
@@ -38,27 +47,39 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _timeout_answer(timeout_s: float) -> bytes:
-    body = json.dumps({"code": "request_timeout",
-                       "message": f"the request's headers did not arrive within {timeout_s:g} s "
-                                  "(api.header_read_timeout_s)"}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+def _closing_answer(status: bytes, code: str, message: str) -> bytes:
+    body = json.dumps({"code": code, "message": message}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 
 
+def _timeout_answer(timeout_s: float) -> bytes:
+    return _closing_answer(b"408 Request Timeout", "request_timeout",
+                           f"the request's headers did not arrive within {timeout_s:g} s (api.header_read_timeout_s)")
+
+
 class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request's head.
+    """uvicorn's httptools protocol with a deadline and a size limit on each request's head.
 
     The deadline is armed when a connection is made and when a request's first byte is parsed
     (``on_message_begin``), and disarmed when its headers are complete; if it fires first, the client
-    gets 408 ``request_timeout`` (JSON, ``Connection: close``) and the connection is closed. Idle
+    gets 408 ``request_timeout`` (JSON, ``Connection: close``) and the connection is closed. A head
+    that grows past ``max_header_bytes`` before it is complete gets 431 ``headers_too_large`` the same
+    way (counted per received chunk that ends inside the head, so a body is never counted). Idle
     keep-alive connections stay under uvicorn's own ``timeout_keep_alive``; bodies under the API's
     ``api.body_read_timeout_s`` (``api/guard.py``). Cost: one ``call_later`` and one ``cancel`` per
     request (microseconds). Build it with :func:`header_timeout_protocol`.
     """
 
     header_read_timeout_s: float = 10.0
+    max_header_bytes: int = MAX_HEADER_BYTES
     _head_timer: asyncio.TimerHandle | None = None
+    #: the head of the current request is still being read, and how many bytes of it came so far
+    _in_head: bool = True
+    _head_bytes: int = 0
+    #: an answer was sent and the connection is lingering: incoming bytes are dropped, not parsed
+    _discarding: bool = False
+    _linger: asyncio.TimerHandle | None = None
 
     def _arm(self) -> None:
         if self._head_timer is None:
@@ -71,24 +92,63 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if not self.transport.is_closing():
-            self.transport.write(_timeout_answer(self.header_read_timeout_s))
+        self._reject(_timeout_answer(self.header_read_timeout_s))
+
+    def _reject(self, answer: bytes) -> None:
+        """Send ``answer`` and end the connection without a reset (see ``LINGER_S``): the answer, then
+        our end closed for writing, then what still comes is dropped until the client closes or
+        ``LINGER_S`` has passed."""
+        self._in_head = False
+        self._disarm()
+        if self.transport.is_closing() or self._discarding:
+            return
+        self._discarding = True
+        self.transport.write(answer)
+        try:
+            self.transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
             self.transport.close()
+            return
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
 
     def connection_made(self, transport: Any) -> None:  # noqa: D102
         super().connection_made(transport)
+        self._in_head, self._head_bytes = True, 0
         self._arm()
 
     def on_message_begin(self) -> None:  # noqa: D102
         super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
         self._arm()
 
     def on_headers_complete(self) -> None:  # noqa: D102
+        self._in_head = False
         self._disarm()
         super().on_headers_complete()
 
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        if self._discarding:
+            return
+        super().data_received(data)
+        # still inside the head after parsing this chunk: all of it was head
+        if self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes:
+                self._reject(_closing_answer(
+                    b"431 Request Header Fields Too Large", "headers_too_large",
+                    f"the request's line and headers are over {self.max_header_bytes} bytes"))
+
+    def eof_received(self) -> bool | None:  # noqa: D102
+        if self._discarding:
+            self.transport.close()  # the client is done sending: nothing unread is left to reset
+            return None
+        return super().eof_received()
+
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
         self._disarm()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         super().connection_lost(exc)
 
 

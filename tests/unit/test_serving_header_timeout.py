@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from substrate.netports import free_port
-from substrate.serving import HeaderTimeoutProtocol, header_timeout_protocol
+from substrate.serving import MAX_HEADER_BYTES, HeaderTimeoutProtocol, header_timeout_protocol
 
 TIMEOUT_S = 0.5
 
@@ -110,3 +110,35 @@ def test_the_factory_sets_the_deadline_on_its_own_class() -> None:
     a, b = header_timeout_protocol(3), header_timeout_protocol(7.5)
     assert issubclass(a, HeaderTimeoutProtocol) and (a.header_read_timeout_s, b.header_read_timeout_s) == (3.0, 7.5)
     assert HeaderTimeoutProtocol.header_read_timeout_s == 10.0
+
+
+def test_a_head_over_the_size_limit_gets_431_and_is_closed(server: int) -> None:
+    """Fresh-user run: one 128 MiB header grew the router by 184 MB before the deadline reset it."""
+    head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: "
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(head)
+        sent = 0
+        try:
+            while sent < 8 * MAX_HEADER_BYTES and not select.select([s], [], [], 0)[0]:
+                s.sendall(b"a" * 4096)
+                sent += 4096
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        raw = _read_all(s)
+    status, _, body = raw.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 431 "), raw[:200]
+    # the whole answer, then the end of the stream (no reset, although the client was still sending)
+    assert json.loads(body)["code"] == "headers_too_large"
+
+
+def test_a_large_body_in_one_chunk_with_a_small_head_is_not_counted_as_head(server: int) -> None:
+    body = b"b" * (4 * MAX_HEADER_BYTES)  # arrives together with the head, in the same reads
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.settimeout(15)
+        data = b""
+        while not data.endswith(b"b" * 16):
+            chunk = s.recv(1 << 20)
+            assert chunk, data[:200]
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200 ")
