@@ -138,6 +138,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
                     b"431 Request Header Fields Too Large", "headers_too_large",
                     f"the request's line and headers are over {self.max_header_bytes} bytes"))
 
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse (a control character in a header, a negative or doubled
+        ``Content-Length``, garbage): uvicorn answers plain text; the API answers JSON, as everywhere,
+        code ``bad_request``, and ends the connection without a reset (``_reject``)."""
+        self._reject(_closing_answer(b"400 Bad Request", "bad_request",
+                                     "malformed HTTP request (request line, header or framing); "
+                                     "the connection is closed"))
+
     def eof_received(self) -> bool | None:  # noqa: D102
         if self._discarding:
             self.transport.close()  # the client is done sending: nothing unread is left to reset

@@ -142,3 +142,19 @@ def test_a_large_body_in_one_chunk_with_a_small_head_is_not_counted_as_head(serv
             assert chunk, data[:200]
             data += chunk
         assert data.startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",                      # a control character
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",                 # a negative length
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",  # both
+    b"\x16\x03\x01\x02\x00garbage\r\n\r\n",                                       # TLS to a plain port
+])
+def test_a_request_that_cannot_be_parsed_gets_a_json_400(server: int, raw: bytes) -> None:
+    """Fresh-user run: uvicorn answered these in plain text ("Invalid HTTP request received.")."""
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(raw)
+        answer = _read_all(s)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, answer[:200]
+    assert json.loads(body)["code"] == "bad_request"
