@@ -322,6 +322,17 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             except SubstrateError as bad:
                 return proxy.error_response(bad)
             return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
+        if request.method in ("POST", "PUT", "PATCH"):
+            # what is not JSON is told as on invoke (400 bad_json) before what the JSON lacks (422):
+            # FastAPI's parser takes NaN and Infinity and calls an empty body a missing field (fresh-user run)
+            body = await request.body()
+            try:
+                _check_body(request, body)
+            except SubstrateError as bad:
+                return proxy.error_response(bad)
+            if not body.strip() and any(tuple(er.get("loc", ())) == ("body",) for er in e.errors()):
+                return JSONResponse({"code": "bad_json", "message": "the body is empty: send a JSON object"},
+                                    status_code=400)
         # loc holds client keys (a label's name): echoed clipped, like every input in a message
         errs = [{"loc": [p if isinstance(p, int) else clip(p, quote=False) for p in er.get("loc", ())],
                  "msg": clip(er.get("msg", ""), 300, quote=False)} for er in e.errors()]

@@ -239,11 +239,13 @@ def _json_error(e: Exception) -> str:
 
 
 def check_json_keys(body: bytes) -> None:
-    """Refuse a control-plane body (create, resume) that is not UTF-8 JSON or repeats a key in an
-    object: ``BadRequest`` (400 ``bad_json``). Not used on invoke, whose input is the agent's business
-    and whose parse is on the hot path."""
+    """Refuse a control-plane body (create, resume) that is not UTF-8 JSON (``NaN``, ``Infinity`` and a
+    number out of range included: Python's parser takes them, JSON has none) or repeats a key in an
+    object: ``BadRequest`` (400 ``bad_json``), as invoke does. Not used on invoke, whose check is
+    ``check_invoke_body``."""
     try:
-        json.loads(body, object_pairs_hook=_unique_keys)
+        json.loads(body, object_pairs_hook=_unique_keys, parse_constant=_reject_constant,
+                   parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
 

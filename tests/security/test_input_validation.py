@@ -116,6 +116,11 @@ def test_bad_invoke_json_gets_400_from_the_router(rt, raw):
     (b'{"actorTemplate": "counter", "actorTemplate": "shell"}', "duplicate key"),  # was: a shell session
     (b'{"actorTemplate": "counter", "labels": {"a": "1", "a": "2"}}', "duplicate key"),
     (b'{"actorTemplate": "counter", "labels": {"n": ' + b"9" * 5000 + b"}}", "4300 digits"),
+    (b"NaN", "NaN is not JSON"),                                                     # fresh-user: was 422
+    (b'{"actorTemplate": "counter", "labels": {"a": Infinity}}', "Infinity is not JSON"),  # was 422
+    (b'{"actorTemplate": "counter", "labels": {"a": 1e999}}', "out of range"),
+    (b"", "the body is empty"),                                                      # was 422 "Field required"
+    (b"  ", "not valid JSON"),
 ])
 def test_bad_create_json_gets_400_bad_json_and_creates_nothing(rt, raw, says):
     before = sessions(rt)
