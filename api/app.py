@@ -139,8 +139,11 @@ async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any) -> Any
     try:
         result = await op()
     except SubstrateError as e:
+        # the code the client gets (a worker-internal ``busy`` is answered 409 ``conflict``): an audit
+        # trail that says otherwise cannot be matched to the answer (fresh-user run)
         await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
-                              worker=rec.worker, epoch=rec.epoch, result=e.code, gpus=_gpus(rt, rec))
+                              worker=rec.worker, epoch=rec.epoch, result=proxy.public_error(e).code,
+                              gpus=_gpus(rt, rec))
         raise
     after = result if isinstance(result, SessionRecord) else rec
     await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,

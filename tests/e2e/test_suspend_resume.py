@@ -394,6 +394,9 @@ def test_an_explicit_suspend_waits_for_a_running_turn_only_so_long(runtime_facto
         assert turn.result() == (200, ""), "the turn was not disturbed"
     assert _post(f"{rt.url}/v1/sessions/{sid}/suspend") == (202, "")
     assert c.get_session(sid)["state"] == "SUSPENDED"
+    # the audit trail says what the client was told (fresh-user run: the refused suspend read "busy")
+    suspends = [e for e in c.http.get(f"/v1/sessions/{sid}/events").json()["items"] if e["action"] == "suspend"]
+    assert [e["result"] for e in suspends] == ["conflict", "ok"], suspends
 
 
 def test_a_turn_longer_than_a_heartbeat_is_counted(runtime_factory):
