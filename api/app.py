@@ -268,7 +268,8 @@ def _header(description: str) -> dict[str, Any]:
 INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
     "X-Substrate-Worker": _header("The worker that ran the turn."),
     "X-Substrate-Epoch": _header("The session's activation epoch (an integer) that ran the turn."),
-    "X-Substrate-Woke": _header("`1` when this call woke the session."),
+    "X-Substrate-Woke": _header("`1` when this call found the session suspended and waited for its wake (concurrent "
+                                "calls share one wake, and each says so)."),
     "X-Substrate-Wake-Ms": _header("With `X-Substrate-Woke`: how long the wake took, in milliseconds."),
     "Server-Timing": _header(
         "With `X-Substrate-Woke`: the wake's phases in W3C Server Timing form, e.g. "
