@@ -38,7 +38,10 @@ class Counter(Agent):
         if op == "increment":
             self.count += 1
         elif op != "get":
-            raise AgentError(f"unknown input {op!r}: use 'increment' or 'get'")
+            shown = repr(op)
+            if len(shown) > 80:  # an error echoes a bounded copy of the input (fresh-user: 900 KB came back)
+                shown = f"{shown[:60]}... ({len(shown)} characters)"
+            raise AgentError(f"unknown input {shown}: use 'increment' or 'get'")
         return {"count": self.count}
 
     async def snapshot(self) -> dict[str, Any]:
