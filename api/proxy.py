@@ -359,6 +359,9 @@ async def invoke(request: Request) -> Response:
         stream = stream_param(request.query_params.getlist("stream"))
         rid = request.state.request_id
         key = request.headers.get("idempotency-key") or rid
+        if len(request.headers.getlist("idempotency-key")) > 1:  # which one a proxy or retry meant is unknown
+            raise InvalidInput("Idempotency-Key is sent more than once: send one per turn",
+                               code="invalid_idempotency_key")
         if not _IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidInput(
                 "Idempotency-Key is over 200 characters" if len(key) > 200 else

@@ -239,6 +239,9 @@ def test_a_retried_turn_is_answered_not_run_twice(shared_runtime):
         assert r.status_code == 422 and r.json()["code"] == "invalid_idempotency_key", bad
         assert "printable ASCII" in r.json()["message"]
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
+                    headers=[(b"Idempotency-Key", b"a"), (b"Idempotency-Key", b"b")])  # which one? refused
+    assert r.status_code == 422 and "more than once" in r.json()["message"]
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
                     headers={"Idempotency-Key": "turn 7 / user:42"})  # spaces and punctuation are fine
     assert r.json() == {"output": {"count": 2}}
     assert c.invoke(s["id"], "get") == {"count": 2}, "only the well-keyed turn ran"
