@@ -8,6 +8,7 @@ so they run without bubblewrap; the sandboxed kind is covered end to end by ``te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import Callable
@@ -214,14 +215,13 @@ def _gated(pool: SandboxPool, gate: Path) -> None:
     pool.argv = slow  # type: ignore[method-assign]
 
 
-async def test_an_activation_takes_over_a_host_still_booting_instead_of_waiting_out_the_boot_timeout(
-        tmp_path, monkeypatch):
-    """Under overload (a replay at load ~27) a restore waited up to the pool's 30 s boot timeout for the
-    slot's pre-started host, then spawned another. Now ``host_for`` hands the booting host over at once
-    and the activation waits for its ready line itself; the pool's timeout does not close it."""
+@contextlib.asynccontextmanager
+async def _booting_slot(tmp_path: Path, monkeypatch, boot_timeout_s: float):  # noqa: ANN001, ANN202
+    """A one-slot pool whose pre-started host waits for ``gate`` before it boots, with the pool's boot
+    timeout set to ``boot_timeout_s``: yields (pool, slot, gate) once the host has spawned."""
     import workers.sandbox as sandbox
 
-    monkeypatch.setattr(sandbox, "_BOOT_TIMEOUT_S", 1e6)  # the old code would wait here for ever
+    monkeypatch.setattr(sandbox, "_BOOT_TIMEOUT_S", boot_timeout_s)
     gate = tmp_path / "gate"
     pool = _pool(tmp_path, 1, prestart=1)
     _gated(pool, gate)
@@ -229,6 +229,19 @@ async def test_an_activation_takes_over_a_host_still_booting_instead_of_waiting_
         await pool.start()
         slot = pool.slots[0]
         await _until(lambda: slot.booting is not None, "the pre-started host spawned")
+        yield pool, slot, gate
+    finally:
+        gate.touch()
+        await pool.close()
+
+
+async def test_an_activation_takes_over_a_host_still_booting_instead_of_waiting_out_the_boot_timeout(
+        tmp_path, monkeypatch):
+    """Under overload (a replay at load ~27) a restore waited up to the pool's 30 s boot timeout for the
+    slot's pre-started host, then spawned another. Now ``host_for`` hands the booting host over at once
+    and the activation waits for its ready line itself; the pool's timeout does not close it."""
+    # the old code would wait here for ever
+    async with _booting_slot(tmp_path, monkeypatch, 1e6) as (pool, slot, gate):
         booting = slot.booting
         task = slot._prestart
         taken = await pool.acquire()
@@ -242,9 +255,6 @@ async def test_an_activation_takes_over_a_host_still_booting_instead_of_waiting_
         await host.wait_booted(30)
         assert await _init_counter(host) == {"ok": True}
         await pool.release(slot, host, lease=taken.lease)
-    finally:
-        gate.touch()
-        await pool.close()
 
 
 async def test_a_wait_for_the_ready_line_that_times_out_does_not_lose_the_line(tmp_path):
@@ -270,19 +280,8 @@ async def test_a_wait_for_the_ready_line_that_times_out_does_not_lose_the_line(t
 
 
 async def test_a_pre_started_host_that_never_boots_is_closed_by_the_pool(tmp_path, monkeypatch):
-    import workers.sandbox as sandbox
-
-    monkeypatch.setattr(sandbox, "_BOOT_TIMEOUT_S", 0.2)
-    gate = tmp_path / "gate"  # never made
-    pool = _pool(tmp_path, 1, prestart=1)
-    _gated(pool, gate)
-    try:
-        await pool.start()
-        slot = pool.slots[0]
-        await _until(lambda: slot.booting is not None, "the pre-started host spawned")
+    async with _booting_slot(tmp_path, monkeypatch, 0.2) as (_pool_, slot, _gate):  # the gate never opens
         host = slot.booting
         await asyncio.wait_for(host.proc.wait(), 30)
         await _until(lambda: slot.booting is not host, "the pool let go of it")
         assert slot.ready is None or slot.ready is not host
-    finally:
-        await pool.close()
