@@ -111,9 +111,10 @@ def server_timing(woke_ms: float, route: Route) -> str:
     """The ``Server-Timing`` value (W3C Server Timing, https://www.w3.org/TR/server-timing/) of an answer
     whose call woke its session: ``place`` (ms waiting for and claiming a slot, including any wait for a
     worker to start or a session to be suspended for room), ``activate`` (ms the worker took to restore
-    and start the agent, and the RUNNING write) and ``wake`` (the whole wake as this call saw it, the
-    same figure as ``X-Substrate-Wake-Ms``). The phases are left out when another router's wake was
-    followed (then only ``wake``)."""
+    and start the agent, and the RUNNING write) and ``wake`` (how long this call waited for the wake, the
+    same figure as ``X-Substrate-Wake-Ms``). The phases are the shared wake's: a call that joined a
+    wake already under way waited less than they add up to. They are left out when another router's
+    wake was followed (then only ``wake``)."""
     parts = [f"{name};dur={ms:.1f}" for name, ms in (("place", route.place_ms), ("activate", route.activate_ms))
              if ms is not None]
     return ", ".join([*parts, f"wake;dur={woke_ms:.1f}"])
