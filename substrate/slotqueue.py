@@ -68,13 +68,16 @@ class SlotQueue(Generic[W]):
         self.rounds = 0
         #: loop time of the last round that served a waiter or made room (-inf: none yet)
         self.progress_at = float("-inf")
+        #: a ``make_room`` call is under way (suspensions take a snapshot each: seconds under load)
+        self._making_room = False
 
     def __len__(self) -> int:
         return sum(1 for w in self._waiters if not w.fut.done())
 
     def progressing(self, within_s: float) -> bool:
-        """Whether a round served a waiter or made room in the last ``within_s`` seconds."""
-        return asyncio.get_running_loop().time() - self.progress_at < within_s
+        """Whether a round served a waiter or made room in the last ``within_s`` seconds, or room is
+        being made now."""
+        return self._making_room or asyncio.get_running_loop().time() - self.progress_at < within_s
 
     def notify(self) -> None:
         """A slot may have become free: serve the queue now instead of at the next poll."""
@@ -157,11 +160,17 @@ class SlotQueue(Generic[W]):
                 try:
                     if await self._serve_round():
                         continue
-                    if self._waiters and await self._make_room(self._waiters[0].tenant,
-                                                               min(len(self), self.max_room_per_round)):
-                        self.progress_at = asyncio.get_running_loop().time()
-                        await self._refresh()
-                        continue
+                    if self._waiters:
+                        self._making_room = True
+                        try:
+                            made = await self._make_room(self._waiters[0].tenant,
+                                                         min(len(self), self.max_room_per_round))
+                        finally:
+                            self._making_room = False
+                        if made:
+                            self.progress_at = asyncio.get_running_loop().time()
+                            await self._refresh()
+                            continue
                 except Exception:  # noqa: BLE001 - waiters time out on their own; the pump goes on
                     log.warning("slot queue round failed", exc_info=True)
                 if not self._waiters:

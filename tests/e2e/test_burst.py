@@ -67,3 +67,33 @@ def test_a_burst_on_a_growing_pool_succeeds_without_suspending_anyone(runtime_fa
     suspended = _suspensions(rt.url)
     assert suspended.get("pressure", 0) == 0 and suspended.get("drain", 0) == 0, dict(suspended)
     assert 1 < len(rt.workers()) <= 4, "the pool grew for the burst"
+
+
+FULL_POOL = """
+apiVersion: substrate.agent.dev/v1
+kind: WorkerPool
+metadata: {name: default}
+spec:
+  slots: 40
+  autoscaling: {minReplicas: 1, maxReplicas: 1, targetUtilization: 100}
+  warmPool: {readyReplicas: 0}
+"""
+
+
+def test_a_burst_on_a_full_pool_that_cannot_grow_is_served_by_suspending_idle_sessions(runtime_factory):
+    """Fresh-user run: 100 creates on a pool at maxReplicas holding 120 idle sessions got 52 x 503
+    ``no_capacity``: room was made 8 suspensions a round and every create still waiting after
+    ``slot_wait_s`` gave up. The wait now counts from the queue's last progress. Here a full one-worker pool
+    of 40 idle sessions and 30 creates whose ``slot_wait_s`` (0.3 s) is far shorter than the 30 suspensions."""
+    rt = runtime_factory(replicas=1, pool_yaml=FULL_POOL,
+                         env={"SUBSTRATE_API__SLOT_WAIT_S": "0.3", "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.5"})
+    with httpx.Client(base_url=rt.url, timeout=120) as http, cf.ThreadPoolExecutor(30) as ex:
+        first = list(ex.map(lambda _: _post(http, "/v1/sessions", {"actorTemplate": "counter"}), range(40)))
+        assert [c for c, _ in first] == ["201"] * 40, first
+        time.sleep(1.0)  # the pool is full, all 40 idle past the pressure threshold
+        rest = list(ex.map(lambda _: _post(http, "/v1/sessions", {"actorTemplate": "counter"}), range(30)))
+        created = collections.Counter(c for c, _ in rest)
+        assert created == {"201": 30}, created
+    suspended = _suspensions(rt.url)
+    assert suspended.get("pressure", 0) >= 30, dict(suspended)  # each create's slot came from an idle session
+    assert len(rt.workers()) == 1

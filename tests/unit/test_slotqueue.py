@@ -196,3 +196,25 @@ async def test_without_progress_a_waiter_still_gives_up_after_its_timeout_not_ma
         await q.wait("s0", None, 0.2, max_s=3600.0)
     assert loop.time() - t0 < 60, "it waited for max_s although nothing moved"
     assert pool.claimed == [] and len(q) == 0
+
+
+async def test_a_round_of_suspensions_longer_than_the_timeout_counts_as_progress():
+    """A round's suspensions (a snapshot each) can take longer than ``slot_wait_s``: the waiters behind
+    it wait for the round instead of giving up while room is being made."""
+    class SlowRounds(FakePool):
+        async def make_room(self, tenant: str, count: int) -> int:
+            if self.room <= 0:
+                return 0
+            await asyncio.sleep(0.3)  # three times the waiters' timeout
+            n = min(count, self.room)
+            self.room -= n
+            self.free += n
+            return n
+
+    pool = SlowRounds(free=0)
+    pool.room = 16
+    q = pool.queue()
+    results = await asyncio.gather(*(q.wait(f"s{i}", None, 0.1, max_s=60.0) for i in range(16)),
+                                   return_exceptions=True)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert len(pool.claimed) == 16
