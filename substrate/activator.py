@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
@@ -458,18 +457,10 @@ class Activator:
                 return await self._claim_in(pool, sid, pin)
 
             async def make_room(tenant: str, count: int) -> int:
-                api = self.settings.api
                 if not self.may_make_room(pool):
-                    # a worker is (or may be) starting for the waiters: wait for it, taking room meanwhile
-                    # only from sessions near their own idle suspend (half their maxIdleTime idle). The
-                    # sessions a burst just created or woke are never those; waiting a worker's start
-                    # (0.4-1 s on a loaded machine, measured in the day replays) for every slot a cold
-                    # session holds put that start into the wakes' tail
-                    if not api.pressure_cold_while_starting:
-                        return 0
-                    return await self._suspend_lru(pool, api.pressure_min_idle_s, tenant=tenant, count=count,
-                                                   cold_only=True)
-                return await self._suspend_lru(pool, api.pressure_min_idle_s, tenant=tenant, count=count)
+                    return 0  # a worker is (or may be) starting for the waiters: wait for it
+                return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant,
+                                               count=count)
 
             async def release(w: WorkerRecord, slot: int, sid: str) -> None:
                 await self.directory.release_slot(w.id, slot, sid)
@@ -502,11 +493,10 @@ class Activator:
         return {p: max(0, n - self.waiting_by_pool.get(p, 0)) for p, n in self._activating.items()}
 
     async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default",
-                           count: int = 1, cold_only: bool = False) -> int:
+                           count: int = 1) -> int:
         """Suspend up to ``count`` least-recently-used idle RUNNING sessions of ``pool`` (idle at least
-        ``min_idle_s``; with ``cold_only`` also at least half their template's ``maxIdleTime``, and never
-        a session of a template without one); returns how many were suspended. Fairness: a ``tenant`` at
-        or over its share of the pool's slots only displaces its own sessions."""
+        ``min_idle_s``); returns how many were suspended. Fairness: a ``tenant`` at or over its share of
+        the pool's slots only displaces its own sessions."""
         sids: list[str] = []
         pool_slots = 0
         for w in list(self.view.workers.values()):  # a recovery may drop workers while we await
@@ -520,9 +510,6 @@ class Activator:
         only = victim_filter(tenant, held, pool_slots)
         if only is not None:
             recs = [r for r in recs if r.tenant == only]
-        if cold_only:
-            now = time.time()
-            recs = [r for r in recs if now - r.lastActiveAt >= max(min_idle_s, self._cold_after_s(r.actorTemplate))]
         order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
                             min_idle_s=min_idle_s)
         by_id = {r.id: r for r in recs}
@@ -545,13 +532,6 @@ class Activator:
             i += len(batch)
             freed += sum(await asyncio.gather(*(one(sid) for sid in batch)))
         return freed
-
-    def _cold_after_s(self, template: str) -> float:
-        """Half the template's ``maxIdleTime`` (s): idle that long, a session is cold (``_suspend_lru``);
-        inf for a template without an idle timeout or one no longer in the catalog."""
-        t = self.catalog.templates.get(template)
-        idle = t.spec.stateManagement.max_idle_time_s if t is not None else None
-        return idle / 2 if idle else math.inf
 
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:

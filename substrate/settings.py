@@ -127,10 +127,6 @@ class ApiSettings(_Section):
     start_wait_s: float = Field(30.0, ge=0)
     #: under slot pressure, only sessions idle at least this long are suspended to make room
     pressure_min_idle_s: float = Field(1.0, ge=0)
-    #: while a worker is being started for waiting placements, still suspend sessions idle for at least
-    #: half their template's ``maxIdleTime`` to make room (they are near their idle suspend anyway);
-    #: false: nobody is suspended until the new worker is up or has failed (``substrate.activator``)
-    pressure_cold_while_starting: bool = True
     #: Retry-After sent with 503 answers
     retry_after_s: int = Field(1, ge=0)
     #: how often the router refreshes its view of registered workers

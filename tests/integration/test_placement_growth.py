@@ -20,9 +20,7 @@ CATALOG = load_documents([
     {"kind": "WorkerPool", "metadata": {"name": "default"},
      "spec": {"slots": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetUtilization": 100}}},
     {"kind": "ActorTemplate", "metadata": {"name": "counter"},
-     "spec": {"entrypoint": "workers.agents.counter:Counter"}},
-    {"kind": "ActorTemplate", "metadata": {"name": "short-idle"},
-     "spec": {"entrypoint": "workers.agents.counter:Counter", "stateManagement": {"maxIdleTime": "10s"}}}])
+     "spec": {"entrypoint": "workers.agents.counter:Counter"}}])
 
 
 class Workers:
@@ -76,10 +74,10 @@ async def _worker(d: Directory, wid: str, slots: int = 2) -> None:
                                          leaseExpiresAt=now + 60, startedAt=now))
 
 
-async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float, template: str = "counter") -> None:
+async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None:
     now = time.time()
     slot = await d.claim_slot(wid, sid)
-    await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate=template, pool="default",
+    await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate="counter", pool="default",
                                          epoch=1, worker=wid, slot=slot, createdAt=now - idle_s,
                                          updatedAt=now - idle_s, lastActiveAt=now - idle_s))
 
@@ -141,37 +139,6 @@ async def test_nobody_is_suspended_for_waiters_while_a_worker_starts_for_them(en
     assert sorted(w.id for w, _ in placed) == ["late", "late"]
     assert workers.suspended == []
     assert {r.state for r in await d.get_sessions(["idle-1", "idle-2"])} == {SessionState.RUNNING}
-
-
-@pytest.mark.parametrize("cold_while_starting", [True, False])
-async def test_while_a_worker_starts_only_sessions_near_their_idle_suspend_make_room(env, cold_while_starting):
-    # short-idle's maxIdleTime is 10 s: idle 30 s it is cold (past half of it) and makes room for the
-    # waiter while the worker starts; idle 2 s (past pressure_min_idle_s, not half its idle time) it is
-    # not, nor is the counter (300 s) idle 30 s. Off, nobody is suspended until the worker is up
-    d, act, workers = env
-    act.settings.api.pressure_cold_while_starting = cold_while_starting
-    await _worker(d, "full", slots=3)
-    await _idle_running(d, "cold", "full", idle_s=30, template="short-idle")
-    await _idle_running(d, "warm", "full", idle_s=2, template="short-idle")
-    await _idle_running(d, "long-idle-template", "full", idle_s=30)
-    await act.view.refresh()
-    act.starting["default"] = 1
-
-    async def worker_comes_up() -> None:
-        await asyncio.sleep(0.5)  # several of the waiter's slot_wait_s
-        await _worker(d, "late")
-        act.starting["default"] = 0
-        act.slot_freed("default")
-
-    up = asyncio.create_task(worker_comes_up())
-    w, _ = await act.place("new", CATALOG.template("counter"))
-    await up
-    if cold_while_starting:
-        assert w.id == "full" and workers.suspended == ["cold"]
-    else:
-        assert w.id == "late" and workers.suspended == []
-    states = {r.id: r.state for r in await d.get_sessions(["warm", "long-idle-template"])}
-    assert set(states.values()) == {SessionState.RUNNING}
 
 
 async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
