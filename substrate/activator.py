@@ -46,7 +46,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from substrate import metrics
 from substrate.audit import SYSTEM, Actor, AuditLog
@@ -136,8 +136,9 @@ class Route:
     #: for the activation that made this route: ms waiting for a slot (placement, with any wait for
     #: capacity) and ms the worker took to activate (restore, agent start); the woken answer's
     #: ``Server-Timing`` (W3C Server Timing) reports them
-    place_ms: float | None = None
-    activate_ms: float | None = None
+    #: (not part of the route's identity: two routers' routes to one activation are equal)
+    place_ms: float | None = field(default=None, compare=False)
+    activate_ms: float | None = field(default=None, compare=False)
 
 
 class WorkerView:
