@@ -30,6 +30,10 @@ workers' internal API:
   none can come (``Unschedulable``) are read from its note in Redis, and this process's waiting
   placements reach it the same way (``substrate.demand``; ``board``). A pool whose workers cannot be
   placed answers 503 ``no_capacity`` with ``Retry-After`` after ``slot_wait_s``, not after the start wait.
+* **admission** (``substrate.admission``): a create or wake takes a permit of its pool's adaptive
+  activation limiter before it claims a slot and gives it back when it is RUNNING or failed; those
+  beyond the limit wait (FIFO, up to ``api.start_wait_s``, holding no slot) and are not demand for new
+  workers: on a saturated machine more workers only slow every activation further.
 * **tenancy** (issue 10): creates take quota first, wakes check it first and take it right after
   winning the claim, for the epoch they won (``substrate.quotas``: one atomic check; released on every
   way out of a live state, each release only up to the epoch of the activation that ended, so a suspend
@@ -45,10 +49,11 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from substrate import metrics
+from substrate.admission import ActivationLimiter, LimiterSettings, LimiterTimeout
 from substrate.audit import SYSTEM, Actor, AuditLog
 from substrate.demand import DemandBoard, PoolDemand
 from substrate.directory import Directory
@@ -93,6 +98,14 @@ _LOSSY = ("worker_lost", "deadline", "activation_lost", "agent_restarted", "snap
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
 #: codes of an automatic suspend that was skipped, not attempted (mid-turn, moved on, gone): no audit record
 _SKIPPED = ("busy", "invalid_state", "not_active", "stale_epoch", "conflict")
+
+
+@dataclass
+class _Admission:
+    """One admitted activation: ``latency_s`` is set to its worker call's duration once it succeeded
+    (what the limiter learns from)."""
+
+    latency_s: float | None = None
 
 
 class _LostRace(Conflict):
@@ -217,6 +230,11 @@ class Activator:
         self._placing: set[str] = set()
         #: retries of an activation on another worker when the chosen one is fenced (past its lease)
         self.max_fenced_retries = 3
+        #: pool -> adaptive bound on this process's activations under way (``substrate.admission``)
+        self.limiters: dict[str, ActivationLimiter] = {}
+        #: activations waiting for a permit, per pool, and their sessions (not demand for new workers)
+        self.gated_by_pool: dict[str, int] = {}
+        self._gated: set[str] = set()
 
     # ------------------------------------------------------------------------------------ helpers
     @property
@@ -408,9 +426,10 @@ class Activator:
         flight = self.in_flight_by_pool
         out = {}
         for p in pools | set(self.activations_total):
-            w, f = self.waiting_by_pool.get(p, 0), flight.get(p, 0)
-            # a parked wake not yet at placement counts as waiting, once (as PoolController counts it)
-            out[p] = PoolDemand(w + max(0, self.parked_by_pool.get(p, 0) - w - f), f,
+            w, f, g = self.waiting_by_pool.get(p, 0), flight.get(p, 0), self.gated_by_pool.get(p, 0)
+            # a parked wake not yet at placement counts as waiting, once (as PoolController counts it);
+            # one waiting for an activation permit is not demand (substrate.admission)
+            out[p] = PoolDemand(w + max(0, self.parked_by_pool.get(p, 0) - w - f - g), f,
                                 self.activations_total.get(p, 0))
         return out
 
@@ -487,11 +506,49 @@ class Activator:
             self._activating[pool] -= 1
             self.slot_freed(pool)  # a failed activation gave its slot back; a done one may free others
 
+    def limiter(self, pool: str) -> ActivationLimiter:
+        """``pool``'s activation limiter in this process (made on first use from ``settings.api``)."""
+        lim = self.limiters.get(pool)
+        if lim is None:
+            api = self.settings.api
+            lim = self.limiters[pool] = ActivationLimiter(LimiterSettings(
+                initial=api.activation_limit_initial, min_limit=api.activation_limit_min,
+                max_limit=api.activation_limit_max, tolerance=api.activation_latency_tolerance))
+        return lim
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, pool: str, sid: str) -> AsyncIterator[_Admission]:
+        """Hold one of ``pool``'s activation permits for the block (``substrate.admission``); waits for
+        it up to ``api.start_wait_s``, then raises ``NoCapacity`` (503 ``no_capacity``, reason
+        ``activations saturated``). The block sets the yielded ``latency_s`` when its worker call
+        succeeded."""
+        lim = self.limiter(pool)
+        self.gated_by_pool[pool] = self.gated_by_pool.get(pool, 0) + 1
+        self._gated.add(sid)
+        metrics.ACTIVATIONS_QUEUED.labels(pool=pool).set(self.gated_by_pool[pool])
+        try:
+            await lim.acquire(self.settings.api.start_wait_s)
+        except LimiterTimeout as e:
+            raise NoCapacity(f"activations of pool {pool!r} are saturated ({e}); retry later",
+                             retry_after_s=self.settings.api.retry_after_s,
+                             details={"pool": pool, "reason": "activations saturated"}) from None
+        finally:
+            self.gated_by_pool[pool] -= 1
+            self._gated.discard(sid)
+            metrics.ACTIVATIONS_QUEUED.labels(pool=pool).set(self.gated_by_pool[pool])
+        adm = _Admission()
+        try:
+            yield adm
+        finally:
+            lim.release(adm.latency_s)
+            metrics.ACTIVATION_LIMIT.labels(pool=pool).set(lim.limit.value)
+
     @property
     def in_flight_by_pool(self) -> dict[str, int]:
         """Activations under way that are not waiting for a slot, per pool (their slots are claimed or
         about to be, and heartbeats may not show them yet)."""
-        return {p: max(0, n - self.waiting_by_pool.get(p, 0)) for p, n in self._activating.items()}
+        return {p: max(0, n - self.waiting_by_pool.get(p, 0) - self.gated_by_pool.get(p, 0))
+                for p, n in self._activating.items()}
 
     async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default",
                            count: int = 1) -> int:
@@ -564,6 +621,19 @@ class Activator:
         # of an ID whose create is under way is refused here (409), so it holds no place to give back
         if self.quotas is not None:
             await self.quotas.acquire(rec.tenant, template, rec.id, create=True)
+        placing = False
+        try:
+            async with self._admitted(self.catalog.pool_for(template).name, rec.id) as adm:
+                placing = True  # from here on _create_admitted gives the quota back on every way out
+                return await self._create_admitted(rec, template, adm, t0)
+        except BaseException:
+            if not placing:  # not admitted (saturated, or the caller gave up while waiting)
+                await self.release_quota(rec, epoch=None, total=True)
+            raise
+
+    async def _create_admitted(self, rec: SessionRecord, template: ActorTemplate, adm: _Admission,
+                               t0: float) -> SessionRecord:
+        """``_create`` from placement on, holding an activation permit (``adm``)."""
         try:
             worker, slot = await self.place(rec.id, template, tenant=rec.tenant)
         except BaseException:
@@ -581,8 +651,10 @@ class Activator:
             raise
         try:
             await self._index(rec.tenant, rec.id, rec.createdAt)
+            t_act = time.perf_counter()
             await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
                                        slot=slot, env=rec.env, snapshot=None, tenant=rec.tenant)
+            adm.latency_s = time.perf_counter() - t_act
             now = time.time()
             done = await self.directory.transition(
                 rec.id, from_states=[SessionState.STARTING], epoch=epoch, to=SessionState.RUNNING,
@@ -722,8 +794,9 @@ class Activator:
 
     def _waits_for_start(self, sid: str, pool: str) -> bool:
         """True while ``sid``'s placement waits for a slot and ``pool`` grows for it (a worker is being
-        started, or the pool controller has yet to size the pool for the waiters)."""
-        return sid in self._placing and not self.may_make_room(pool)
+        started, or the pool controller has yet to size the pool for the waiters), or while its
+        activation waits for a permit (``substrate.admission``: bounded by ``start_wait_s`` there)."""
+        return sid in self._gated or (sid in self._placing and not self.may_make_room(pool))
 
     async def _wait_for_start(self, sid: str, pool: str, fut: asyncio.Future[Route], t0: float) -> Route:
         """Wait on a parked wake's future while it waits for a starting worker, until
@@ -810,12 +883,14 @@ class Activator:
         template = self.catalog.template(rec.actorTemplate)
         if self.quotas is not None:
             await self.quotas.acquire(rec.tenant, template, rec.id, create=False, epoch=rec.epoch + 1, dry=True)
-        with self._activation(self.catalog.pool_for(template).name):
-            return await self._resume_placed(rec, template, pin)
+        pool = self.catalog.pool_for(template).name
+        with self._activation(pool):
+            t0 = time.perf_counter()  # the wake's place phase includes the wait for a permit
+            async with self._admitted(pool, rec.id) as adm:
+                return await self._resume_placed(rec, template, pin, adm, t0)
 
-    async def _resume_placed(self, rec: SessionRecord, template: ActorTemplate, pin: str | None
-                             ) -> tuple[Route, bool]:
-        t0 = time.perf_counter()
+    async def _resume_placed(self, rec: SessionRecord, template: ActorTemplate, pin: str | None,
+                             adm: _Admission, t0: float) -> tuple[Route, bool]:
         worker, slot = await self.place(rec.id, template, worker=pin, tenant=rec.tenant)
         placed = time.perf_counter()
         cas = await self.directory.transition(
@@ -846,7 +921,7 @@ class Activator:
                 await self.release_quota(rec, epoch=epoch)  # in case Redis failed after taking it
                 raise
         try:
-            return await self._activate_claimed(rec, template, worker, slot, epoch, t0, placed)
+            return await self._activate_claimed(rec, template, worker, slot, epoch, t0, placed, adm)
         except BaseException:
             # whatever way this activation failed, its place goes (only this epoch's: a wake that claimed
             # the session since owns a newer one)
@@ -854,7 +929,8 @@ class Activator:
             raise
 
     async def _activate_claimed(self, rec: SessionRecord, template: ActorTemplate, worker: WorkerRecord,
-                                slot: int, epoch: int, t0: float, placed: float) -> tuple[Route, bool]:
+                                slot: int, epoch: int, t0: float, placed: float,
+                                adm: _Admission | None = None) -> tuple[Route, bool]:
         """Activate claimed activation ``epoch`` of ``rec`` on ``worker``'s ``slot`` and move the record
         RESUMING -> RUNNING (see ``_resume_placed``); every failure rolls the record back first.
         ``t0``/``placed``: ``time.perf_counter()`` before and after placement (the route's phase times)."""
@@ -869,6 +945,8 @@ class Activator:
                                        slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what,
                                        tenant=rec.tenant, answers=rec.carriedAnswers or None,
                                        restored_at=lost_after if rec.lostAfter is not None else None)
+            if adm is not None:
+                adm.latency_s = time.perf_counter() - activating
         except SnapshotCorrupt as e:
             await self._fail_corrupt(rec, epoch, worker, slot, e)
             raise

@@ -155,6 +155,20 @@ PARKED_REQUESTS = Gauge(
 )
 """Requests parked in this router process right now (inc on park, dec on release)."""
 
+ACTIVATION_LIMIT = Gauge(
+    "agent_substrate_activation_limit",
+    "Adaptive bound on activations (creates + wakes) under way at once in this router process, per pool.",
+    ["pool"],
+)
+"""Permits of the pool's activation limiter now (``substrate.admission``), set after each activation."""
+
+ACTIVATIONS_QUEUED = Gauge(
+    "agent_substrate_activations_queued",
+    "Activations waiting for a permit of the pool's activation limiter in this router process.",
+    ["pool"],
+)
+"""Activations waiting (FIFO, holding no slot) for one of the pool's permits right now."""
+
 SUSPENSIONS_TOTAL = Counter(
     "agent_substrate_suspensions_total",
     "Sessions suspended, by template and reason (idle|pressure|explicit|drain).",

@@ -394,10 +394,10 @@ class PoolController:
                            if p == pool.name and wid not in registered and wid not in st.expectations)
         act = self.activator
         # placements waiting for a slot, activations under way, and sessions parked on a wake that has
-        # not reached placement yet (a parked wake is counted once, wherever it is)
-        waiting = int(getattr(act, "waiting_by_pool", {}).get(pool.name, 0))
-        in_flight = int(getattr(act, "in_flight_by_pool", {}).get(pool.name, 0))
-        parked = int(getattr(act, "parked_by_pool", {}).get(pool.name, 0))
+        # not reached placement yet (a parked wake is counted once, wherever it is), as this process's
+        # routers count them for a controller elsewhere (activations waiting for a permit are not demand)
+        by_pool = getattr(act, "demand_by_pool", None)
+        local = by_pool().get(pool.name, PoolDemand()) if by_pool is not None else PoolDemand()
         # plus what router processes wait for (Kubernetes: they are other processes; substrate.demand)
         remote = self._remote.get(pool.name, PoolDemand())
         st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0) + remote.activations))
@@ -406,8 +406,8 @@ class PoolController:
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots) for w in workers),
             starting=len(st.expectations) + unregistered,
-            waiting=waiting + max(0, parked - waiting - in_flight) + remote.waiting,
-            in_flight=in_flight + remote.in_flight,
+            waiting=local.waiting + remote.waiting,
+            in_flight=local.in_flight + remote.in_flight,
             arrival_rate_per_s=st.arrivals.rate(),
             lead_time_s=st.lead_time_s if st.lead_time_s is not None else self.settings.pool.lead_time_s)
         spec = self.effective_spec(pool)

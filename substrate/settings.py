@@ -125,6 +125,15 @@ class ApiSettings(_Section):
     #: how long a placement waits for a worker that is being started for its pool (instead of
     #: answering ``no_capacity``); a cold start on a busy machine can take several seconds
     start_wait_s: float = Field(30.0, ge=0)
+    #: admission control of activations (creates + wakes) per pool in one router process
+    #: (``substrate.admission``): the adaptive bound starts at ``activation_limit_initial`` permits and
+    #: stays within ``[activation_limit_min, activation_limit_max]`` (max 0: no bound); it falls when
+    #: activations take more than ``activation_latency_tolerance`` times their usual time. Activations
+    #: beyond it wait (FIFO, holding no slot, up to ``start_wait_s``) and are not demand for new workers
+    activation_limit_initial: int = Field(32, ge=1, le=100_000)
+    activation_limit_min: int = Field(4, ge=1, le=100_000)
+    activation_limit_max: int = Field(1000, ge=0, le=100_000)
+    activation_latency_tolerance: float = Field(2.0, ge=1.0, le=100.0)
     #: under slot pressure, only sessions idle at least this long are suspended to make room
     pressure_min_idle_s: float = Field(1.0, ge=0)
     #: Retry-After sent with 503 answers
@@ -141,6 +150,14 @@ class ApiSettings(_Section):
     suspend_wait_s: float = Field(10.0, ge=0)
     #: optional bearer token; when set every /v1 call must carry it (an admin of tenant ``default``)
     auth_token: str | None = None
+
+    @model_validator(mode="after")
+    def _activation_limits_ordered(self) -> "ApiSettings":
+        lo, start, hi = self.activation_limit_min, self.activation_limit_initial, self.activation_limit_max
+        if start < lo or (hi and hi < start):
+            raise ValueError(f"activation limits must satisfy min <= initial <= max (max 0: no bound): got "
+                             f"SUBSTRATE_API__ACTIVATION_LIMIT_MIN={lo}, _INITIAL={start}, _MAX={hi}")
+        return self
 
     @field_validator("auth_token")
     @classmethod

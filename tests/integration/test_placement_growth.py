@@ -163,3 +163,92 @@ async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     finally:
         ticking.cancel()
     assert w.id == "full" and workers.suspended[:1] == ["idle-1"]
+
+
+class _SlowBackend:
+    """A pool controller's backend that only records the workers it was asked to create."""
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+
+    async def create(self, pool, worker_id):
+        self.created.append(worker_id)
+
+    async def delete(self, worker_id):
+        pass
+
+    def running(self):
+        return {"a": "default", **{w: "default" for w in self.created}}
+
+    def reap(self):
+        return []
+
+    async def close(self):
+        pass
+
+
+async def test_activations_beyond_the_limit_wait_for_a_permit_and_are_not_demand_for_new_workers(env):
+    """Issue 11's 2.5x overlay: 165 activations in flight on a saturated machine were each counted as a
+    slot of demand and the pool ran to 34 workers. With the limiter (here fixed at 2 permits), 5 slow
+    creates hold 2 slots; the other 3 wait for a permit holding none, the pool controller sizes for 2
+    in flight (not 5) and starts no worker, and every create ends RUNNING once the activations finish."""
+    from substrate.pool import PoolController
+
+    d, act, workers = env
+    api = act.settings.api
+    api.activation_limit_initial = api.activation_limit_min = api.activation_limit_max = 2
+    await _worker(d, "a", slots=6)
+    await act.view.refresh()
+    gate = asyncio.Event()
+    started: list[str] = []
+    orig = workers.activate
+
+    async def slow(address, **kw):
+        started.append(kw["session"])
+        await gate.wait()
+        return await orig(address, **kw)
+
+    workers.activate = slow  # type: ignore[method-assign]
+    tasks = [asyncio.create_task(act.create(_new(f"s{i}"), CATALOG.template("counter"))) for i in range(5)]
+    for _ in range(100):
+        if len(started) == 2 and act.gated_by_pool.get("default") == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert len(started) == 2 and act.gated_by_pool["default"] == 3
+    assert len(await d.worker_slots("a")) == 2, "a waiting activation holds no slot"
+    dem = act.demand_by_pool()["default"]
+    assert (dem.waiting, dem.in_flight) == (0, 2), dem
+    b = _SlowBackend()
+    pc = PoolController(act.settings, d, CATALOG, b, act)
+    await pc.tick()
+    assert b.created == [], "2 slots claimed + 2 in flight fit the worker's 6 slots: no new worker"
+    gate.set()
+    recs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert all(r.state == SessionState.RUNNING for r in recs)
+    assert act.limiter("default").in_use == 0 and act.gated_by_pool["default"] == 0
+
+
+async def test_a_create_that_waits_too_long_for_a_permit_is_refused_and_holds_nothing(env):
+    d, act, workers = env
+    api = act.settings.api
+    api.activation_limit_initial = api.activation_limit_min = api.activation_limit_max = 1
+    api.start_wait_s = 0.2
+    await _worker(d, "a", slots=4)
+    await act.view.refresh()
+    gate = asyncio.Event()
+    orig = workers.activate
+
+    async def slow(address, **kw):
+        await gate.wait()
+        return await orig(address, **kw)
+
+    workers.activate = slow  # type: ignore[method-assign]
+    first = asyncio.create_task(act.create(_new("s0"), CATALOG.template("counter")))
+    await asyncio.sleep(0.05)
+    with pytest.raises(SubstrateError) as e:
+        await act.create(_new("s1"), CATALOG.template("counter"))
+    assert e.value.code == "no_capacity" and e.value.details.get("reason") == "activations saturated"
+    assert not await d.redis.exists(d.keys.session("s1")), "nothing of the refused create remains"
+    assert list((await d.worker_slots("a")).values()) == ["s0"]
+    gate.set()
+    assert (await first).state == SessionState.RUNNING
