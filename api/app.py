@@ -305,7 +305,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         finally:
             await rt.stop()
 
-    app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan,
+    # redirect_slashes off: ``/v1/sessions/`` answered 307 with an empty body, and a client following it
+    # turned ``DELETE /v1/sessions/`` into a call on the collection; it is 404 ``not_found`` now
+    app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="Runs many bursty, stateful agent sessions on few warm workers.")
     app.add_middleware(RequestCounter, routes=app.router.routes)
     # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)

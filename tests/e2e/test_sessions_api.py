@@ -203,6 +203,9 @@ def test_pools_templates_stats_metrics_openapi(shared_runtime):
     ("GET", "/v1/sessions?continue=abc", None, 422, "invalid_continue"),
     ("GET", "/v1/sessions?continue=99999999999999999999999999", None, 422, "invalid_continue"),
     ("GET", "/v1/nothing-here", None, 404, "not_found"),
+    ("GET", "/v1/sessions/", None, 404, "not_found"),  # was 307 with an empty body
+    ("DELETE", "/v1/sessions/", None, 404, "not_found"),
+    ("POST", "/v1/sessions/", {"actorTemplate": "counter"}, 404, "not_found"),
 ])
 def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status, code):
     before = shared_runtime.r.zcard(shared_runtime.keys.sessions_index)
