@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-import time
 from dataclasses import dataclass
 
 
@@ -122,8 +121,6 @@ class ActivationLimiter:
         self.limit = GradientLimit(settings)
         self.in_use = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        #: (monotonic time, latency_s) of recent samples, for /metrics and debugging
-        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
 
     @property
     def unbounded(self) -> bool:
@@ -156,7 +153,6 @@ class ActivationLimiter:
         self.in_use = max(0, self.in_use - 1)
         if latency_s is not None:
             self.limit.sample(latency_s, self.in_use + 1)
-            self.recent.append((time.monotonic(), latency_s))
         self._grant()
 
     def _leave(self, fut: asyncio.Future[None]) -> None:

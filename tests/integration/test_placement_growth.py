@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from substrate.activator import Activator, WorkerView
+from tests.integration.fakes import RecordingBackend
 from substrate.directory import Directory
 from substrate.errors import SubstrateError
 from substrate.models import SessionRecord, SessionState, WorkerRecord
@@ -165,28 +166,6 @@ async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     assert w.id == "full" and workers.suspended[:1] == ["idle-1"]
 
 
-class _SlowBackend:
-    """A pool controller's backend that only records the workers it was asked to create."""
-
-    def __init__(self) -> None:
-        self.created: list[str] = []
-
-    async def create(self, pool, worker_id):
-        self.created.append(worker_id)
-
-    async def delete(self, worker_id):
-        pass
-
-    def running(self):
-        return {"a": "default", **{w: "default" for w in self.created}}
-
-    def reap(self):
-        return []
-
-    async def close(self):
-        pass
-
-
 async def test_activations_beyond_the_limit_wait_for_a_permit_and_are_not_demand_for_new_workers(env):
     """Issue 11's 2.5x overlay: 165 activations in flight on a saturated machine were each counted as a
     slot of demand and the pool ran to 34 workers. With the limiter (here fixed at 2 permits), 5 slow
@@ -218,7 +197,7 @@ async def test_activations_beyond_the_limit_wait_for_a_permit_and_are_not_demand
     assert len(await d.worker_slots("a")) == 2, "a waiting activation holds no slot"
     dem = act.demand_by_pool()["default"]
     assert (dem.waiting, dem.in_flight) == (0, 2), dem
-    b = _SlowBackend()
+    b = RecordingBackend(also_running=("a",))
     pc = PoolController(act.settings, d, CATALOG, b, act)
     await pc.tick()
     assert b.created == [], "2 slots claimed + 2 in flight fit the worker's 6 slots: no new worker"

@@ -14,6 +14,7 @@ from snapshot.commit import SnapshotManager
 from snapshot.state_manager import StateManager
 from snapshot.store import MemoryStore, snapshot_key
 from substrate.activator import Activator, WorkerView
+from tests.integration.fakes import RecordingBackend
 from substrate.directory import Directory
 from substrate.errors import NoCapacity, NotFound
 from substrate.models import SessionRecord, SessionState, SnapshotRef, WorkerRecord
@@ -239,32 +240,13 @@ async def test_parked_requests_and_slot_waits_are_demand(env):
 
     d, act, *_ = env
 
-    class Backend:
-        def __init__(self) -> None:
-            self.created: list[str] = []
-
-        async def create(self, pool, worker_id):
-            self.created.append(worker_id)
-
-        async def delete(self, worker_id):
-            pass
-
-        def running(self):
-            return {w: "default" for w in self.created}
-
-        def reap(self):
-            return []
-
-        async def close(self):
-            pass
-
     docs = [{"kind": "WorkerPool", "metadata": {"name": "default"},
              "spec": {"slots": 2, "autoscaling": {"minReplicas": 0, "maxReplicas": 5, "targetUtilization": 100}}},
             {"kind": "ActorTemplate", "metadata": {"name": "counter"},
              "spec": {"entrypoint": "workers.agents.counter:Counter"}}]
-    b = Backend()
+    b = RecordingBackend()
     pc = PoolController(Settings(), d, load_documents(docs), b, act)
-    other = Backend()  # a second runtime on the same Redis, ticking in the same second
+    other = RecordingBackend()  # a second runtime on the same Redis, ticking in the same second
     act2 = Activator(Settings(), d, CATALOG, FakeWorkers(), WorkerView(d, 60))  # type: ignore[arg-type]
     act2.parked = 3
     act2.parked_by_pool = {"default": 3}  # three sessions parked on their wakes (issue 11's accounting)
