@@ -65,7 +65,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     (``on_message_begin``), and disarmed when its headers are complete; if it fires first, the client
     gets 408 ``request_timeout`` (JSON, ``Connection: close``) and the connection is closed. A head
     that grows past ``max_header_bytes`` before it is complete gets 431 ``headers_too_large`` the same
-    way (counted per received chunk that ends inside the head, so a body is never counted). Idle
+    way (bytes are parsed in pieces no longer than the head may still grow, and a piece that ends inside
+    the head is counted: exact whatever the chunking, and a body never counts). Idle
     keep-alive connections stay under uvicorn's own ``timeout_keep_alive``; bodies under the API's
     ``api.body_read_timeout_s`` (``api/guard.py``). Cost: one ``call_later`` and one ``cancel`` per
     request (microseconds). Build it with :func:`header_timeout_protocol`.
@@ -129,14 +130,33 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:  # noqa: D102
         if self._discarding:
             return
-        super().data_received(data)
-        # still inside the head after parsing this chunk: all of it was head
-        if self._in_head and not self.transport.is_closing():
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_header_bytes:
+        # Parsed in pieces no longer than the head may still grow (the limit, between requests): httptools
+        # gives no position, so bytes of a chunk that completes a head cannot be told from the body bytes
+        # after them, and counting only chunks that end inside a head let one write of up to twice the
+        # limit through. Requests under the limit arrive in one piece, as before.
+        view = memoryview(data)
+        while view:
+            room = self.max_header_bytes - self._head_bytes if self._in_head else self.max_header_bytes
+            if room <= 0:  # the head has used the whole limit and is not complete: more of it is too much
                 self._reject(_closing_answer(
                     b"431 Request Header Fields Too Large", "headers_too_large",
                     f"the request's line and headers are over {self.max_header_bytes} bytes"))
+                return
+            piece, view = view[:room], view[room:]
+            if not self._feed(piece):
+                return
+
+    def _feed(self, piece: memoryview) -> bool:
+        """Parse ``piece``; True if this protocol still reads the connection (no answer that ends it,
+        no upgrade that handed the transport to another protocol)."""
+        super().data_received(piece)  # type: ignore[arg-type]  # httptools takes any buffer
+        if self._discarding or self.transport.is_closing() or self.transport.get_protocol() is not self:
+            return False
+        # still inside a head after parsing this piece: all of the piece was head (when a pipelined
+        # request began inside the piece, the end of the one before is counted as its head too: cautious)
+        if self._in_head:
+            self._head_bytes += len(piece)
+        return True
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (a control character in a header, a negative or doubled
