@@ -36,7 +36,7 @@ from api.guard import Guard, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
-from substrate.models import NAME_RE, SESSION_ID_RE, SessionRecord, SessionState
+from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
 
@@ -408,7 +408,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         return tenant if p.admin else p.tenant
 
     @app.get("/v1/sessions", dependencies=v1, tags=["sessions"])
-    async def list_sessions(request: Request, state: SessionState | None = None,
+    async def list_sessions(request: Request,
+                            state: str | None = Query(None, description="one state (upper case)",
+                                                      json_schema_extra={"enum": [s.value for s in LISTABLE_STATES]}),
                             template: str | None = None,
                             limit: int = Query(100, ge=1, le=1000),
                             continue_: str | None = Query(None, alias="continue"),
@@ -424,13 +426,17 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             # sessions stay listable by its name, so unknown names are not refused)
             raise InvalidInput(f"template={clip(template)} is no ActorTemplate name (lower-case letters, digits, "
                                "'-' and '.', at most 253)", code="invalid_input")
-        if state == SessionState.DELETED:
+        if state == SessionState.DELETED.value:
             raise InvalidInput("state=DELETED lists nothing: a deleted session is gone (its audit records stay "
                                "in /v1/events)", code="invalid_input")
+        # checked here, not by FastAPI's enum: its message offered DELETED, which a listing never shows
+        if state is not None and state not in {s.value for s in LISTABLE_STATES}:
+            raise InvalidInput(f"state={clip(state)} is no state a listing shows: one of "
+                               f"{', '.join(s.value for s in LISTABLE_STATES)}", code="invalid_input")
         keys = rt.directory.keys
         index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
         items, nxt = await list_page(rt.directory.redis, keys, index, limit=limit, cursor=continue_,
-                                     state=state, template=template)
+                                     state=SessionState(state) if state else None, template=template)
         return {"items": [session_view(r, rt) for r in items], "metadata": {"continue": nxt}}
 
     @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])

@@ -579,12 +579,22 @@ def s_get(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) ->
 
 
 @sessions.command("list")
-def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ..."),
+def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ... (any case)"),
            template: Optional[str] = None, limit: int = typer.Option(50, help="Page size."),
            all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
            server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """List sessions as a table (an admin sees every tenant's, with a TENANT column)."""
+    if state is not None:
+        from substrate.models import LISTABLE_STATES
+
+        # any case (`--state running`), checked before a request: the API takes the upper-case names only
+        listable = [s.value for s in LISTABLE_STATES]
+        if state.strip().upper() not in listable:
+            err.print(f"[red]error[/red]: --state {escape(state)!r} is no state a listing shows; "
+                      f"one of {', '.join(listable)}")
+            raise typer.Exit(2)
+        state = state.strip().upper()
     with _client(server, token) as c:
         if all_pages:
             items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit, tenant=tenant)))

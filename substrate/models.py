@@ -67,6 +67,9 @@ class SessionState(str, Enum):
 TRANSITIONAL = frozenset({SessionState.PENDING, SessionState.STARTING, SessionState.SUSPENDING,
                           SessionState.RESUMING})
 
+#: the states a session listing can show (``?state=``, ``sessions list --state``): a deleted session is gone
+LISTABLE_STATES = tuple(s for s in SessionState if s != SessionState.DELETED)
+
 
 class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -215,6 +215,17 @@ def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status
     assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
 
 
+@pytest.mark.parametrize("state", ["NAPPING", "running"])
+def test_an_unknown_list_state_names_the_states_a_listing_shows(shared_runtime, state):
+    """FastAPI's enum error offered DELETED too, which a listing never shows (that one has its own message)."""
+    r = shared_runtime.client.http.get("/v1/sessions", params={"state": state})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_input", r.text
+    msg = r.json()["message"]
+    assert "PENDING, STARTING, RUNNING, SUSPENDING, SUSPENDED, RESUMING, FAILED" in msg and "DELETED" not in msg
+    r = shared_runtime.client.http.get("/v1/sessions", params={"state": "DELETED"})
+    assert r.status_code == 422 and "a deleted session is gone" in r.json()["message"]
+
+
 def test_malformed_json_on_create_is_400(shared_runtime):
     r = shared_runtime.client.http.post("/v1/sessions", content=b"{not json",
                                         headers={"content-type": "application/json"})
