@@ -183,6 +183,40 @@ def _free_port(host: str, port: int) -> str | None:
     return None
 
 
+def _safe_redis_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for a terminal."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    user = f"{u.username}:***" if u.username else ":***"
+    host = u.netloc.rpartition("@")[2]
+    return urlunsplit(u._replace(netloc=f"{user}@{host}"))
+
+
+def _redis_problem(url: str) -> str | None:
+    """None if the Redis at ``url`` answers a PING (with its password), else why not: an unreachable
+    external Redis showed only after the API began starting, as a traceback and exit 3."""
+    import asyncio
+
+    from redis.exceptions import RedisError
+
+    from substrate.directory import Directory
+
+    async def ping() -> None:
+        d = Directory(url, socket_timeout_s=5)
+        try:
+            await d.redis.ping()
+        finally:
+            await d.close()
+    try:
+        asyncio.run(ping())
+    except (OSError, RedisError, asyncio.TimeoutError) as e:  # redis-py's ConnectionError is no OSError
+        return f"{e.__class__.__name__}: {e}" if str(e) else e.__class__.__name__
+    return None
+
+
 def _client(server: str, token: Optional[str]) -> SubstrateClient:
     return SubstrateClient(server, token=token)
 
@@ -253,6 +287,11 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     if problems := _prestart_problems(settings):
         for why in problems:
             err.print(f"[red]error[/red]: {escape(why)}")
+        raise typer.Exit(2)
+    if settings.redis.url and (why := _redis_problem(settings.redis.url)):
+        err.print(f"[red]error[/red]: SUBSTRATE_REDIS_URL={escape(_safe_redis_url(settings.redis.url))}: Redis did "
+                  f"not answer ({escape(why)}); start that Redis or fix the URL, or unset SUBSTRATE_REDIS_URL "
+                  "to run an embedded one")
         raise typer.Exit(2)
     embedded = None
     if not settings.redis.url:

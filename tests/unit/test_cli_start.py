@@ -102,3 +102,23 @@ def test_up_runs_the_embedded_default_whatever_role_it_inherits(tmp_path: Path, 
     assert r.exit_code == 2, r.output
     assert "SUBSTRATE_ROLE=router ignored" in r.output
     assert os.environ["SUBSTRATE_ROLE"] == "embedded"  # what api.main (the app `up` serves) reads
+
+
+@pytest.mark.parametrize("url", ["redis://:s3cret-pw@127.0.0.1:1/0", "redis://user:s3cret-pw@127.0.0.1:1/0",
+                                 "redis://127.0.0.1:1/0"])
+def test_an_unreachable_external_redis_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              url: str) -> None:
+    """Fresh-user run: a traceback from the API's start-up and exit 3."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("SUBSTRATE_REDIS_URL", url)
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: the port check passes
+    r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(port)])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: SUBSTRATE_REDIS_URL=redis://"), r.output
+    assert "127.0.0.1:1/0" in lines[0] and "unset SUBSTRATE_REDIS_URL" in lines[0]
+    assert "s3cret-pw" not in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "workers").exists() and not (tmp_path / "redis").exists()  # nothing was started
