@@ -312,7 +312,9 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
                              http=header_timeout_protocol(settings.api.header_read_timeout_s),
                              log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
-        server = Server(cfg)  # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully
+        # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully; a deliberate second one exits at
+        # once (status 130), and this finally does not run then: the embedded Redis is stopped before
+        server = Server(cfg, before_forced_exit=embedded.stop if embedded is not None else None)
 
         def _announce() -> None:  # only once the port accepts connections
             while not server.started and not server.should_exit:

@@ -1,4 +1,4 @@
-"""The HTTP server ``substrate up`` and ``substrate router`` run: uvicorn's, with one change to its
+"""The HTTP server ``substrate up`` and ``substrate router`` run: uvicorn's, with changes to its
 signals (:class:`Server`) and a time and size limit on reading a request's head
 (:func:`header_timeout_protocol`)."""
 
@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -25,16 +27,35 @@ MAX_HEADER_BYTES = 64 * 1024
 LINGER_S = 2.0
 
 
+#: the exit status of a forced exit: a shell's for a process ended by SIGINT (128 + 2)
+FORCED_EXIT_CODE = 130
+FORCED_EXIT_LINE = ("forced exit (a second Ctrl-C): turns in flight are cut; workers stop on their own, and "
+                    "sessions that were not suspended continue from their last snapshot at the next start\n")
+#: how the process ends on a forced exit (a module attribute so that tests can replace it)
+_exit: Callable[[int], Any] = os._exit
+
+
 class Server(uvicorn.Server):
-    """``uvicorn.Server`` whose graceful shutdown survives a doubled Ctrl-C.
+    """``uvicorn.Server`` whose graceful shutdown survives a doubled Ctrl-C, and whose forced exit exits.
 
     uvicorn forces the exit (cutting requests in flight) on any SIGINT after the first. A Ctrl-C in a
     terminal under ``uv run`` (or ``make``) delivers SIGINT twice within milliseconds: once from the
     terminal to the process group and once forwarded by the parent. So a signal repeated within
     ``REPEAT_SIGNAL_WINDOW_S`` of the first is ignored; a deliberate second Ctrl-C after it still forces.
+
+    uvicorn's force only skips its wait for connections: the lifespan shutdown (``Runtime.stop``,
+    suspending every session) still ran, under cancellation, for 15-23 s and ended in a CancelledError
+    traceback. A forced exit here ends the process at once (:meth:`exit_now`): one line on stderr,
+    ``before_forced_exit`` (``substrate up``: stop the embedded Redis), exit status 130. Nothing more of
+    the runtime's shutdown runs; its workers see their lifeline close (``workers/lifeline.py``) and stop
+    themselves, as after a SIGKILL.
     """
 
     _first_signal_at: float | None = None
+
+    def __init__(self, config: uvicorn.Config, *, before_forced_exit: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.before_forced_exit = before_forced_exit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start the graceful shutdown; a repeat after the window forces the exit, as in uvicorn."""
@@ -45,6 +66,21 @@ class Server(uvicorn.Server):
         if self._first_signal_at is None:
             self._first_signal_at = now
         super().handle_exit(sig, frame)
+        if self.force_exit:
+            self.exit_now()
+
+    def exit_now(self) -> None:
+        """End the process now. Runs in the signal handler, on the main thread, so the event loop is
+        held meanwhile (no task talks to a Redis being stopped); the line is written with ``os.write``
+        because the handler may have interrupted a write to ``sys.stderr`` (a reentrant write raises)."""
+        os.write(2, FORCED_EXIT_LINE.encode())
+        try:
+            if self.before_forced_exit is not None:
+                self.before_forced_exit()
+        except Exception as e:  # noqa: BLE001 - exit anyway: the embedded Redis dies with us (parent-death signal)
+            os.write(2, f"forced exit: cleaning up failed: {e.__class__.__name__}: {e}\n".encode(errors="replace"))
+        finally:
+            _exit(FORCED_EXIT_CODE)
 
 
 def _closing_answer(status: bytes, code: str, message: str) -> bytes:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import redis
 
 from tests.conftest import ROOT
@@ -194,3 +197,92 @@ def test_the_demo_leaves_no_keys_in_a_shared_redis(tmp_path: Path, redis_url: st
     assert prefix.startswith("substrate-demo-"), out.stderr
     assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_ctrl_c_exits_at_once_and_leaves_no_process(tmp_path: Path) -> None:
+    """Fresh-user run: a deliberate second Ctrl-C (more than 1 s after the first) is documented to force
+    the exit, but uvicorn's force does not stop a lifespan shutdown under way: the process lingered
+    15-23 s and logged a CancelledError traceback. Now it exits at once, status 130, with one line, after
+    stopping its embedded Redis; its workers, zygote and agent hosts end through their lifeline.
+
+    A turn of 120 s runs, so the graceful path cannot end before uvicorn's 10 s wait for connections
+    has passed (and would then answer the turn 503 ``router_stopping``): the forced exit must come first."""
+    from substrate.client import SubstrateClient
+    from substrate.embedded import url_file
+    from tests.conftest import POOL_YAML, TEMPLATES_YAML, free_port
+
+    cfg, var = tmp_path / "config", tmp_path / "var"
+    cfg.mkdir()
+    (cfg / "pool.yaml").write_text(POOL_YAML.format(replicas=1, slots=2))
+    (cfg / "templates.yaml").write_text(TEMPLATES_YAML.format(snapshot_interval="0", max_idle="0",
+                                                              python=sys.executable))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")},  # the embedded default
+           "SUBSTRATE_DATA_DIR": str(var), "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_LOG_LEVEL": "WARNING",
+           "SUBSTRATE_WORKER__PRESTART_HOSTS": "1"}
+    err_path = tmp_path / "stderr.log"
+    with open(err_path, "wb") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env,
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err_file)
+    client = SubstrateClient(url, timeout_s=30)
+    try:
+        _wait(lambda: _ready(url), 90, "the runtime ready")
+        sid = client.create_session("shell")["id"]
+        mark = f"started-{uuid.uuid4().hex[:8]}"
+        with cf.ThreadPoolExecutor(1) as ex:
+            turn = ex.submit(httpx.post, f"{url}/v1/sessions/{sid}/invoke",
+                             json={"input": f"touch {mark}; sleep 120"}, timeout=180)
+            _wait(lambda: any(var.rglob(mark)) or turn.done(), 30, "the turn running")
+            assert not turn.done(), turn.result().text
+            started = _descendants(proc.pid)
+            assert any("workers.zygote" in c for c in started.values()), started
+            assert any("redis-server" in c for c in started.values()), started
+            assert url_file(var / "redis").exists()
+
+            proc.send_signal(signal.SIGINT)
+            _wait(lambda: not _listening(port), 10, "the first SIGINT handled (the listener closed)")
+            time.sleep(1.5)  # beyond the 1 s in which a repeat is the same Ctrl-C
+            proc.send_signal(signal.SIGINT)
+            # before the graceful path could end: 10 s of waiting for the turn's connection after the first
+            rc = proc.wait(8)
+            with_answer = turn.exception(30) is None
+        err = err_path.read_text(errors="replace")
+        assert rc == 130, err[-3000:]
+        assert not with_answer, "the turn was cut, not answered (a graceful stop answers it 503)"
+        assert err.count("forced exit") == 1, err[-3000:]
+        assert not url_file(var / "redis").exists(), "the embedded Redis was stopped, not just orphaned"
+        # the workers' own bound: a turn in flight holds their graceful stop up to shutdown_grace_s (20 s)
+        _wait(lambda: not any(_alive(p) for p in started), GONE_BOUND_S,
+              "every process `up` started gone: " + repr({p: c[:80] for p, c in started.items() if _alive(p)}))
+        # the workers, stopping on their own with the embedded Redis gone, warn (with tracebacks) on the
+        # stderr they share; nothing is logged at error level, and no traceback is printed outside a record
+        err = err_path.read_text(errors="replace")
+        assert "CancelledError" not in err, err[-3000:]
+        assert not [line for line in err.splitlines() if line.startswith("Traceback")], err[-3000:]
+        assert not [r for r in map(_record, err.splitlines()) if r.get("level") in ("error", "critical")], err[-3000:]
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _record(line: str) -> dict:
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -1,4 +1,5 @@
-"""The server ``substrate up``/``router`` run: a doubled Ctrl-C is one stop request, a later one forces."""
+"""The server ``substrate up``/``router`` run: a doubled Ctrl-C is one stop request, a later one forces
+the exit: at once, with one line on stderr, the cleanup it was given, and status 130."""
 
 from __future__ import annotations
 
@@ -17,30 +18,57 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-def _server() -> serving.Server:
-    return serving.Server(uvicorn.Config("api.main:app"))
+@pytest.fixture(autouse=True)
+def exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The statuses the server exited with (``os._exit`` would end the test run)."""
+    got: list[int] = []
+    monkeypatch.setattr(serving, "_exit", got.append)
+    return got
 
 
-def test_a_sigint_repeated_at_once_is_the_same_stop_request(clock):
+def _server(**kw) -> serving.Server:
+    return serving.Server(uvicorn.Config("api.main:app"), **kw)
+
+
+def test_a_sigint_repeated_at_once_is_the_same_stop_request(clock, exits):
     s = _server()
     s.handle_exit(signal.SIGINT, None)
     clock[0] += 0.005  # the terminal's SIGINT, then the one `uv run` forwards
     s.handle_exit(signal.SIGINT, None)
     assert s.should_exit and not s.force_exit
     assert s._captured_signals == [signal.SIGINT]  # re-raised once after the graceful shutdown
+    assert exits == []
 
 
-def test_a_second_ctrl_c_after_a_moment_forces_the_exit(clock):
-    s = _server()
+def test_a_second_ctrl_c_after_a_moment_exits_at_once_after_the_cleanup(clock, exits, capfd):
+    """Fresh-user run: uvicorn's force_exit did not stop the lifespan shutdown under way (Runtime.stop):
+    the process lingered 15-23 s and logged a CancelledError traceback."""
+    cleaned: list[str] = []
+    s = _server(before_forced_exit=lambda: cleaned.append("redis stopped"))
     s.handle_exit(signal.SIGINT, None)
+    assert exits == [] and cleaned == []
     clock[0] += serving.REPEAT_SIGNAL_WINDOW_S + 0.5
     s.handle_exit(signal.SIGINT, None)
-    assert s.force_exit
+    assert s.force_exit and cleaned == ["redis stopped"] and exits == [130]
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("forced exit") and "cut" in err
 
 
-def test_sigterm_stops_gracefully_as_in_uvicorn(clock):
+def test_a_forced_exit_exits_even_when_its_cleanup_fails(clock, exits, capfd):
+    def fail() -> None:
+        raise RuntimeError("redis would not stop")
+
+    s = _server(before_forced_exit=fail)
+    s.handle_exit(signal.SIGTERM, None)
+    clock[0] += serving.REPEAT_SIGNAL_WINDOW_S + 0.5
+    s.handle_exit(signal.SIGINT, None)  # Ctrl-C after a SIGTERM forces too, as in uvicorn
+    assert exits == [130]
+    assert "redis would not stop" in capfd.readouterr().err
+
+
+def test_sigterm_stops_gracefully_as_in_uvicorn(clock, exits):
     s = _server()
     s.handle_exit(signal.SIGTERM, None)
     clock[0] += 5
     s.handle_exit(signal.SIGTERM, None)
-    assert s.should_exit and not s.force_exit
+    assert s.should_exit and not s.force_exit and exits == []
