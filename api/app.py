@@ -34,7 +34,7 @@ from substrate import metrics
 from substrate.apikeys import check_tenant
 from api.guard import Guard, request_id_of
 from substrate.envpolicy import check_session_env
-from substrate.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
+from substrate.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
 from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
@@ -456,27 +456,18 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     @app.post("/v1/sessions/{sid}/suspend", status_code=202, dependencies=[*v1, Depends(_no_body)],
               tags=["sessions"])
     async def suspend_session(sid: str, request: Request) -> dict[str, Any]:
-        """Snapshot the session and free its slot. Idempotent for a suspended session."""
+        """Snapshot the session and free its slot. Idempotent for a suspended session. A 202 always
+        names state SUSPENDED and the snapshot the suspend committed; a suspend that meets one under way
+        waits for it; one that meets a concurrent resume is 409 ``conflict`` (``Activator.suspend_explicit``)."""
         rt = _rt(request)
         rec = await _owned(rt, sid, _principal(request))
 
         async def op() -> SessionRecord:
-            if rec.state == SessionState.RUNNING:
-                try:
-                    await rt.activator.suspend(rec)
-                except SubstrateError as e:
-                    # the activation read is gone (a concurrent suspend, resume or crash): the worker's
-                    # not_active / stale_epoch become what the directory says now (202 or 409 conflict)
-                    if e.code not in ("not_active", "stale_epoch"):
-                        raise
+            try:
+                return await rt.activator.suspend_explicit(rec)
+            finally:
+                if rec.state == SessionState.RUNNING:  # the route read may name a gone activation now
                     rt.routes.drop(sid)
-                    return await rt.activator.after_lost_suspend(rec, e)
-                rt.routes.drop(sid)
-                return await rt.directory.get_session(sid)
-            if rec.state not in (SessionState.SUSPENDED, SessionState.SUSPENDING):
-                raise Conflict(f"session {sid!r} is {rec.state.value}; only a RUNNING session can be suspended",
-                               code="invalid_state")
-            return rec
         return session_view(await _audited(rt, "suspend", rec, op), rt)
 
     @app.post("/v1/sessions/{sid}/resume", dependencies=[*v1, Depends(_json_body)], tags=["sessions"])

@@ -76,6 +76,7 @@ from substrate.models import (
     RestoredFrom,
     SessionRecord,
     SessionState,
+    SnapshotRef,
     WorkerRecord,
     WorkerState,
 )
@@ -1039,10 +1040,12 @@ class Activator:
         await self._abandon(rec.id, worker, slot, epoch)
 
     # -------------------------------------------------------------------------------- suspend/delete
-    async def suspend(self, rec: SessionRecord, *, idle_s: float | None = None, reason: str = "explicit") -> None:
+    async def suspend(self, rec: SessionRecord, *, idle_s: float | None = None,
+                      reason: str = "explicit") -> SnapshotRef | None:
         """Suspend a RUNNING session through its worker (snapshot, commit, free slot). An explicit
         suspend waits at most ``api.suspend_wait_s`` for a running turn to end (then Conflict ``busy``);
-        a drain waits for it; an idle one (``idle_s``) never does.
+        a drain waits for it; an idle one (``idle_s``) never does. Returns the snapshot the suspend
+        committed, None if the session's worker is unknown (``check_worker`` ran instead).
 
         Raises Conflict (busy / not RUNNING), StoreUnavailable (stays RUNNING), WorkerUnavailable."""
         if rec.state != SessionState.RUNNING or not rec.worker:
@@ -1050,11 +1053,11 @@ class Activator:
         address = await self._worker_address(rec.worker)
         if address is None:
             await self.check_worker(rec.worker)
-            return
+            return None
         t0 = time.perf_counter()
         auto = reason != "explicit"  # automatic: no API call records it, so this does (as the system)
         try:
-            await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant,
+            ref = await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant,
                                       wait_s=self.settings.api.suspend_wait_s if reason == "explicit" else None)
         except SubstrateError as e:
             if isinstance(e, WorkerUnavailable):
@@ -1071,14 +1074,103 @@ class Activator:
         metrics.SUSPEND_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
         metrics.SUSPENSIONS_TOTAL.labels(template=rec.actorTemplate, reason=reason).inc()
         self.slot_freed(rec.pool or None)
+        return ref
+
+    async def suspend_explicit(self, rec: SessionRecord) -> SessionRecord:
+        """The suspend API's answer for ``rec`` (as the caller read it): the SUSPENDED record, whatever
+        concurrent suspends and resumes do (a fresh-user run got 202s naming SUSPENDING, RUNNING or
+        RESUMING, and stale snapshots):
+
+        * SUSPENDED: returned as it is (a suspend is idempotent);
+        * RUNNING: suspended; returns the record as this suspend's commit left it (``committed_view``),
+          also when a concurrent resume has moved the session on since;
+        * SUSPENDING (a suspend under way): waits for it to end (``suspend_wait_s`` plus the snapshot's
+          ``transition_deadline_s`` at most), then returns the SUSPENDED record; if that suspend failed
+          and the session is RUNNING again at the same epoch, suspends it itself;
+        * RESUMING, or moved on to a newer activation (a concurrent wake): ``Conflict`` 409 ``conflict``
+          with ``details.state``: retry;
+        * any other state (PENDING, STARTING, FAILED: no suspend applies): ``Conflict`` 409
+          ``invalid_state``."""
+        cur = rec
+        for _ in range(3):  # a suspend we waited for may fail (RUNNING again): try it ourselves, bounded
+            if cur.state == SessionState.SUSPENDED:
+                return cur
+            if cur.epoch != rec.epoch or cur.state == SessionState.RESUMING:
+                raise self._moved_on(cur)
+            if cur.state == SessionState.SUSPENDING:
+                cur = await self._suspend_ended(cur)
+                continue
+            if cur.state != SessionState.RUNNING or not cur.worker:
+                raise Conflict(f"session {rec.id!r} is {cur.state.value}; only a RUNNING session can be suspended",
+                               code="invalid_state", details={"state": cur.state.value})
+            try:
+                ref = await self.suspend(cur)
+            except SubstrateError as e:
+                # the activation read is gone (a concurrent suspend, resume or crash), or the worker found
+                # the record no longer RUNNING: the directory decides the answer (never the worker's code)
+                if e.code not in ("not_active", "stale_epoch", "invalid_state"):
+                    raise
+                return await self.after_lost_suspend(cur, e)
+            if ref is None:  # the worker is unknown: check_worker recovered the session, or it stays
+                cur = await self.directory.get_session(rec.id)
+                if cur.state == SessionState.RUNNING and cur.epoch == rec.epoch:
+                    raise Conflict(f"session {rec.id!r}: its worker {cur.worker!r} is not reachable; retry",
+                                   code="conflict", details={"state": cur.state.value, "epoch": cur.epoch})
+                continue
+            return await self.committed_view(cur, ref)
+        raise self._moved_on(cur)
+
+    def _moved_on(self, cur: SessionRecord) -> Conflict:
+        return Conflict(f"session {cur.id!r} was resumed or suspended by a concurrent call while this suspend "
+                        f"reached it (it is {cur.state.value} now, epoch {cur.epoch}); retry",
+                        code="conflict", details={"state": cur.state.value, "epoch": cur.epoch})
+
+    async def _suspend_ended(self, rec: SessionRecord) -> SessionRecord:
+        """Wait until the suspend under way of ``rec`` (SUSPENDING) ends and return the record then. It
+        is bounded: the suspend waits for no turn once SUSPENDING, and the state manager rolls one past
+        its ``transition_deadline_s`` back to RUNNING. Past that (and ``suspend_wait_s``): ``Conflict``."""
+        limit = time.monotonic() + self.settings.api.suspend_wait_s + self.settings.state.transition_deadline_s
+        delay = 0.005
+        while True:
+            cur = await self.directory.get_session(rec.id)
+            if cur.state != SessionState.SUSPENDING or cur.epoch != rec.epoch:
+                return cur
+            if time.monotonic() >= limit:
+                raise self._moved_on(cur)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def committed_view(self, before: SessionRecord, ref: SnapshotRef) -> SessionRecord:
+        """The record as a suspend of ``before`` (RUNNING) left it by committing ``ref``. Read back if
+        it still shows that commit; when a concurrent resume (or delete) has moved it on since, made
+        from ``before`` with what the commit changed (state, snapshot, worker and slot cleared), and the
+        turns and loss fields of the current record if it still holds ``ref`` (a resume leaves them),
+        so the answer never names a later state or a snapshot other than the one committed."""
+        try:
+            cur = await self.directory.get_session(before.id)
+        except NotFound:
+            cur = None
+        if cur is not None and cur.state == SessionState.SUSPENDED and cur.epoch == before.epoch \
+                and cur.snapshot is not None and cur.snapshot.key == ref.key:
+            return cur
+        update: dict[str, object] = {
+            "state": SessionState.SUSPENDED, "snapshot": ref, "worker": None, "slot": None,
+            "stateDeadline": None, "updatedAt": time.time(),
+            "previousSnapshot": (before.snapshot or before.previousSnapshot)
+            if self.settings.snapshot.retention > 1 else None}
+        if cur is not None and cur.snapshot is not None and cur.snapshot.key == ref.key:
+            update.update(turns=max(cur.turns, before.turns), reason=cur.reason, message=cur.message,
+                          lostAfter=cur.lostAfter, previousSnapshot=cur.previousSnapshot)
+        return before.model_copy(update=update)
 
     async def after_lost_suspend(self, rec: SessionRecord, e: SubstrateError) -> SessionRecord:
         """An explicit suspend of ``rec`` (read RUNNING) was refused by its worker with ``not_active`` or
         ``stale_epoch``: the activation it named is gone. Decide from the directory what the caller is
         told (never those worker codes: a public answer names the session's state):
 
-        * suspended (or suspending) now, by a concurrent suspend or a crash: returns the record (202, as
-          for a suspended session);
+        * suspended now, by a concurrent suspend or a crash: returns the record (202, as for a suspended
+          session); suspending: waits for that suspend to end (``_suspend_ended``), and returns the
+          SUSPENDED record, never a SUSPENDING one;
         * still RUNNING at that epoch on that worker, which says it has no such activation: the activation
           was lost; repaired to SUSPENDED (``repair_lost_activation``), returns the record;
         * anything else (resumed again by a concurrent call, moving): raises ``Conflict`` (409
@@ -1088,11 +1180,11 @@ class Activator:
                 and cur.worker == rec.worker and rec.worker):
             await self.repair_lost_activation(rec.id, rec.worker, rec.epoch)
             cur = await self.directory.get_session(rec.id)
-        if cur.state in (SessionState.SUSPENDED, SessionState.SUSPENDING):
+        if cur.state == SessionState.SUSPENDING:
+            cur = await self._suspend_ended(cur)
+        if cur.state == SessionState.SUSPENDED:
             return cur
-        raise Conflict(f"session {rec.id!r} was suspended or resumed by a concurrent call while this suspend "
-                       f"reached it (it is {cur.state.value} now, epoch {cur.epoch}); retry",
-                       code="conflict", details={"state": cur.state.value, "epoch": cur.epoch})
+        raise self._moved_on(cur)
 
     async def _record_suspend_failure(self, rec: SessionRecord, reason: str, code: str) -> None:
         """Record a failed automatic suspend once per streak: when the session starts failing, and again

@@ -337,12 +337,43 @@ def test_suspends_racing_suspends_resumes_and_turns_get_public_answers(runtime_f
     internal = {"not_active", "stale_epoch", "busy", "worker_error"}
     assert not [a for a in answers if a[2] in internal], answers
     assert not [a for a in answers if a[1] == 404], answers
-    assert {(st, code) for act, st, code in answers if act == "suspend"} <= {
-        (202, ""), (409, "conflict"), (409, "invalid_state")}, answers
+    assert {(st, code) for act, st, code in answers if act == "suspend"} <= {(202, ""), (409, "conflict")}, answers
     assert {st for act, st, _ in answers if act == "resume"} <= {200, 409}, answers
     ok = sum(1 for act, st, _ in answers if act == "invoke" and st == 200)
     assert ok == 90, answers
     assert c.invoke(sid, "increment") == {"count": ok + 1}, "every acknowledged turn kept, none run twice"
+
+
+def test_concurrent_suspends_and_resumes_answer_suspended_or_conflict(runtime_factory):
+    """Fresh-user run: 20 concurrent suspends and resumes of one session answered some suspends 202 with
+    state SUSPENDING, RUNNING or RESUMING (and a stale snapshot), and others 409 ``invalid_state``. Every
+    202 now names state SUSPENDED (and a snapshot); every refused suspend is 409
+    ``conflict`` (a concurrent resume), naming the state."""
+    import httpx
+
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    sid = c.create_session("counter")["id"]
+    base = f"{rt.url}/v1/sessions/{sid}"
+    calls = ["suspend"] * 10 + ["resume"] * 10
+    random.Random(11).shuffle(calls)
+
+    def one(action: str) -> tuple[str, int, dict]:
+        r = httpx.post(f"{base}/{action}", json={} if action == "resume" else None, timeout=60)
+        return action, r.status_code, r.json()
+
+    answers: list[tuple[str, int, dict]] = []
+    with cf.ThreadPoolExecutor(len(calls)) as ex:
+        for _ in range(5):
+            answers += ex.map(one, calls)
+    suspends = [(st, body) for act, st, body in answers if act == "suspend"]
+    ok = [body for st, body in suspends if st == 202]
+    assert ok, answers
+    assert all(b["state"] == "SUSPENDED" and b["worker"] is None and b["snapshot"] is not None for b in ok), ok
+    refused = [(st, body) for st, body in suspends if st != 202]
+    assert all(st == 409 and b["code"] == "conflict" and "state" in b["details"] for st, b in refused), refused
+    assert {st for act, st, _ in answers if act == "resume"} <= {200, 409}, answers
+    assert c.invoke(sid, "increment") == {"count": 1}
 
 
 def _wait_started(rt, mark: str, turn: cf.Future) -> None:

@@ -16,7 +16,7 @@ from substrate.activator import Activator, WorkerView
 from substrate.directory import Directory
 from substrate.errors import (Conflict, DirectoryUnavailable, NoCapacity, NotFound, StaleEpoch, StoreUnavailable,
                               SubstrateError, TooManyRequests)
-from substrate.models import QuotaLimits, SessionRecord, SessionState, WorkerRecord
+from substrate.models import QuotaLimits, SessionRecord, SessionState, SnapshotRef, WorkerRecord
 from substrate.quotas import Quotas
 from substrate.settings import QuotaSettings, Settings
 from substrate.specs import load_documents
@@ -261,3 +261,164 @@ async def test_a_second_create_of_an_id_being_created_is_refused_and_gives_back_
     await act.create(_new("s2"), TEMPLATE)
     with pytest.raises(TooManyRequests):
         await act.create(_new("s3"), TEMPLATE)
+
+
+class CommittingWorkers(Workers):
+    """A worker's suspend as the real one runs it: RUNNING -> SUSPENDING, then (after ``go`` if ``hold``)
+    commit a snapshot with the move to SUSPENDED, free the slot and answer the committed ref; with
+    ``hold_after``, waits for ``go`` after the commit instead (the window a concurrent resume uses).
+    ``fail``: the next snapshot fails, the session goes back to RUNNING (the store error is raised)."""
+
+    def __init__(self, d: Directory) -> None:
+        super().__init__(d)
+        self.hold_after = False
+        self.fail = False
+        self.suspending = asyncio.Event()
+        self.calls = 0
+
+    async def suspend(self, address: str, session: str, epoch: int, **_: Any) -> SnapshotRef:
+        self.calls += 1
+        rec = await self.d.get_session(session)
+        cas = await self.d.transition(session, from_states=[SessionState.RUNNING], epoch=epoch,
+                                      to=SessionState.SUSPENDING, deadline_s=60)
+        if not cas.ok:
+            if cas.epoch != epoch:
+                raise StaleEpoch("moved on")
+            raise Conflict("not RUNNING", code="invalid_state")
+        self.suspending.set()
+        if self.hold:
+            await self.go.wait()
+        if self.fail:
+            self.fail = False
+            await self.d.transition(session, from_states=[SessionState.SUSPENDING], epoch=epoch,
+                                    to=SessionState.RUNNING)
+            raise StoreUnavailable("object store down")
+        ref = SnapshotRef(key=f"{session}/{epoch}-{self.calls}", epoch=epoch, createdAt=time.time(),
+                          sizeBytes=1, sha256="0" * 64)
+        ok, _ = await self.d.commit_snapshot(session, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,),
+                                             to=SessionState.SUSPENDED, unset=("worker", "slot"))
+        assert ok
+        await self.d.release_slot(rec.worker or "", rec.slot or 0, session)
+        self.suspended.set()
+        if self.hold_after:
+            await self.go.wait()
+        return ref
+
+
+async def _committing(d: Directory) -> tuple[Activator, CommittingWorkers]:
+    act, _, _ = await _activator(d, max_running=4)
+    workers = CommittingWorkers(d)
+    act.client = workers  # type: ignore[assignment]
+    await act.create(_new("s1"), TEMPLATE)
+    return act, workers
+
+
+async def test_a_suspend_meeting_a_suspend_under_way_waits_and_answers_the_suspended_record(directory):
+    """Fresh-user run: 20 concurrent suspends and resumes of one session got 202s naming SUSPENDING (the
+    record read while another suspend was under way, returned at once). It now waits for that suspend
+    and answers its SUSPENDED record, with the snapshot it committed."""
+    d = directory
+    act, workers = await _committing(d)
+    workers.hold = True
+    first = asyncio.create_task(act.suspend_explicit(await d.get_session("s1")))
+    await workers.suspending.wait()
+    read = await d.get_session("s1")
+    assert read.state == SessionState.SUSPENDING
+    second = asyncio.create_task(act.suspend_explicit(read))
+    await asyncio.sleep(0.05)
+    assert not second.done(), "answered before the suspend under way ended"
+    workers.go.set()
+    a, b = await first, await second
+    assert a.state == b.state == SessionState.SUSPENDED
+    assert a.snapshot == b.snapshot and a.snapshot is not None and workers.calls == 1
+
+
+async def test_a_suspend_meeting_a_suspend_that_fails_suspends_the_session_itself(directory):
+    """The suspend waited for failed (the session is RUNNING again at the same epoch): the waiting one
+    suspends it itself and answers 202 with the SUSPENDED record."""
+    d = directory
+    act, workers = await _committing(d)
+    workers.hold, workers.fail = True, True
+    first = asyncio.create_task(act.suspend_explicit(await d.get_session("s1")))
+    await workers.suspending.wait()
+    second = asyncio.create_task(act.suspend_explicit(await d.get_session("s1")))
+    await asyncio.sleep(0.05)
+    workers.hold = False
+    workers.go.set()
+    with pytest.raises(StoreUnavailable):
+        await first
+    got = await second
+    assert got.state == SessionState.SUSPENDED and workers.calls == 2
+
+
+async def test_a_suspend_answers_the_record_its_commit_left_though_a_resume_moved_it_on(directory):
+    """The suspend's own commit succeeded, but a concurrent resume woke the session before the answer
+    was made: the answer used to re-read the record (RUNNING or RESUMING, a new epoch). It is now the
+    record as the commit left it: SUSPENDED, at the suspended epoch, with the committed snapshot."""
+    d = directory
+    act, workers = await _committing(d)
+    before = await d.get_session("s1")
+    workers.hold_after = True
+    task = asyncio.create_task(act.suspend_explicit(before))
+    await workers.suspended.wait()
+    route, woke = await act.wake("s1")
+    assert woke and route.epoch == before.epoch + 1
+    workers.go.set()
+    got = await task
+    now = await d.get_session("s1")
+    assert now.state == SessionState.RUNNING
+    assert (got.state, got.epoch, got.worker, got.slot) == (SessionState.SUSPENDED, before.epoch, None, None)
+    assert got.snapshot == now.snapshot and got.snapshot is not None and got.snapshot.epoch == before.epoch
+
+
+async def test_a_lost_suspend_meeting_a_suspend_under_way_answers_suspended_not_suspending(directory):
+    """``after_lost_suspend`` returned a SUSPENDING record (a 202 naming SUSPENDING): it now waits for the
+    suspend under way and answers the SUSPENDED record."""
+    d = directory
+    act, workers = await _committing(d)
+    read = await d.get_session("s1")
+    workers.hold = True
+    first = asyncio.create_task(act.suspend_explicit(read))
+    await workers.suspending.wait()
+    lost = asyncio.create_task(act.after_lost_suspend(read, NotFound("not active", code="not_active")))
+    await asyncio.sleep(0.05)
+    assert not lost.done()
+    workers.go.set()
+    assert (await lost).state == SessionState.SUSPENDED
+    assert (await first).state == SessionState.SUSPENDED
+
+
+@pytest.mark.parametrize("state, code", [
+    (SessionState.RESUMING, "conflict"), (SessionState.STARTING, "invalid_state"),
+    (SessionState.PENDING, "invalid_state"), (SessionState.FAILED, "invalid_state")])
+async def test_a_suspend_meeting_a_wake_is_conflict_and_a_state_no_suspend_applies_to_invalid_state(
+        directory, state, code):
+    """Fresh-user run: a suspend racing a resume answered 409 ``conflict`` sometimes and ``invalid_state``
+    other times (the record read RESUMING). A concurrent wake (RESUMING) is ``conflict``, as a suspend
+    whose activation a resume replaced; ``invalid_state`` only for a state no suspend applies to. Both
+    name the state in ``details``; nothing is changed."""
+    d = directory
+    act, workers = await _committing(d)
+    rec = (await d.get_session("s1")).model_copy(update={"state": state})
+    with pytest.raises(Conflict) as e:
+        await act.suspend_explicit(rec)
+    assert (e.value.status, e.value.code, e.value.details["state"]) == (409, code, state.value)
+    assert workers.calls == 0 and (await d.get_session("s1")).state == SessionState.RUNNING
+
+
+async def test_a_suspend_the_worker_finds_not_running_answers_from_the_directory(directory):
+    """The worker's own ``invalid_state`` (the record at that epoch was no longer RUNNING when the worker
+    tried: another suspend got there) used to reach the client as 409 ``invalid_state``: the directory
+    now decides, here 202 with the SUSPENDED record."""
+    d = directory
+    act, workers = await _committing(d)
+    read = await d.get_session("s1")
+    await act.suspend_explicit(read)  # the concurrent suspend that won; the worker still knows the epoch
+    workers.calls = 0
+
+    async def not_running(*a: Any, **kw: Any) -> Any:
+        workers.calls += 1
+        raise Conflict("not RUNNING", code="invalid_state")
+    workers.suspend = not_running  # type: ignore[method-assign]
+    got = await act.suspend_explicit(read)
+    assert got.state == SessionState.SUSPENDED and workers.calls == 1
