@@ -8,7 +8,7 @@ from typing import Any
 
 #: code -> (HTTP status, meaning)
 ERROR_CODES: dict[str, tuple[int, str]] = {
-    "bad_json": (400, "the body is not valid JSON"),
+    "bad_json": (400, "the body is not valid JSON (also a body that is not UTF-8 or starts with a byte order mark)"),
     "missing_input": (400, "invoke body lacks the `input` field"),
     "bad_request": (400, "a malformed request"),
     "unauthorized": (401, "no, unknown or revoked credentials (API key or JWT)"),

@@ -25,6 +25,7 @@ presented to the worker is reused per (session, epoch, worker) for half its life
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 import time
@@ -239,13 +240,34 @@ def _json_error(e: Exception) -> str:
     return str(e)[:200]
 
 
+def _utf8_text(body: bytes) -> str:
+    """The body as text, if it is UTF-8 without a byte order mark (RFC 8259 8.1: JSON exchanged between
+    systems is UTF-8, and no BOM is added). ``json.loads`` of bytes would guess UTF-16 or UTF-32 and skip
+    a BOM, so such a body used to be taken on some routes; every JSON route now refuses it alike, 400
+    ``bad_json``. Decoded with ``surrogatepass``, as ``json.loads`` does: a lone surrogate in UTF-8-like
+    bytes stays for the caller's 422 ``invalid_input``."""
+    why = None
+    if body.startswith(codecs.BOM_UTF8):
+        why = "it starts with a UTF-8 byte order mark"
+    elif body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or b"\x00" in body:
+        why = "it is UTF-16 or UTF-32 text"  # no JSON text holds a NUL byte in UTF-8
+    else:
+        try:
+            return body.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            why = "it is not UTF-8 text"
+    raise BadRequest(f"body is not valid JSON: {why}; the body must be UTF-8 JSON without a byte order mark",
+                     code="bad_json")
+
+
 def check_json_keys(body: bytes) -> None:
     """Refuse a control-plane body (create, resume) that is not UTF-8 JSON (``NaN``, ``Infinity`` and a
     number out of range included: Python's parser takes them, JSON has none) or repeats a key in an
     object: ``BadRequest`` (400 ``bad_json``), as invoke does. Not used on invoke, whose check is
     ``check_invoke_body``."""
+    text = _utf8_text(body)
     try:
-        json.loads(body, object_pairs_hook=_unique_keys, parse_constant=_reject_constant,
+        json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant,
                    parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
@@ -305,9 +327,11 @@ def check_invoke_body(body: bytes) -> None:
     ``MAX_JSON_DEPTH``, or holds numbers Python cannot hold (over 4300 digits, overflowing floats,
     NaN/Infinity): ``BadRequest`` (400 ``bad_json`` / ``missing_input``); or that holds a lone surrogate
     in a string (text no agent can be given, the README's "text with a lone surrogate is 422"):
-    ``InvalidInput`` (422 ``invalid_input``)."""
+    ``InvalidInput`` (422 ``invalid_input``). A body that is not UTF-8 (a BOM, UTF-16) is 400 ``bad_json``
+    (``_utf8_text``), as on every JSON route."""
+    text = _utf8_text(body)
     try:
-        doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+        doc = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
     if not isinstance(doc, dict) or "input" not in doc:

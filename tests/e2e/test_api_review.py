@@ -579,3 +579,51 @@ def test_answers_given_before_authentication_echo_a_valid_request_id(rt: Runtime
     assert anon.status_code == 401 and anon.headers.get_list("X-Request-ID") == ["anon-1"]
     junk = httpx.post(f"{rt.url}/v1/sessions", json={"actorTemplate": "counter"}, headers={"X-Request-ID": "a b"})
     assert junk.status_code == 401 and "X-Request-ID" not in junk.headers
+
+
+# ------------------------------------------------------------------------------ JSON bodies are UTF-8
+def _utf16(doc: Any) -> bytes:
+    return json.dumps(doc).encode("utf-16")  # with its BOM
+
+
+def _utf8_bom(doc: Any) -> bytes:
+    return b"\xef\xbb\xbf" + json.dumps(doc).encode()
+
+
+def _utf16le(doc: Any) -> bytes:
+    return json.dumps(doc).encode("utf-16-le")  # no BOM: json.loads of bytes guessed it from the NULs
+
+
+@pytest.mark.parametrize("encode", [_utf16, _utf8_bom, _utf16le])
+def test_a_json_body_that_is_not_utf8_is_400_bad_json_on_every_route_and_changes_nothing(
+        rt: RuntimeProc, encode: Any) -> None:
+    """Fresh-user run: invoke (and create, resume, suspend: Python's ``json.loads`` of bytes guesses the
+    encoding) took a UTF-16 body with its BOM and a UTF-8 body with a BOM. JSON bodies are UTF-8 without
+    a BOM (RFC 8259 8.1): every route now refuses them alike, 400 ``bad_json`` saying so, and runs
+    nothing: no session made, no turn run, no suspend, no resume."""
+    json_h = {"Content-Type": "application/json"}
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            before = _count(a)
+            r = a.post("/v1/sessions", content=encode({"actorTemplate": "counter"}), headers=json_h)
+            assert "UTF-8" in _refused(r, 400, "bad_json")["message"]
+            assert _count(a) == before, "no session was made"
+            for path in (f"/v1/sessions/{sid}/invoke", f"/v1/sessions/{sid}/invoke?stream=true"):
+                r = a.post(path, content=encode({"input": "increment"}), headers=json_h)
+                assert "UTF-8" in _refused(r, 400, "bad_json")["message"]
+            r = a.post(f"/v1/sessions/{sid}/suspend", content=encode({}), headers=json_h)
+            assert "UTF-8" in _refused(r, 400, "bad_json")["message"]
+            assert a.get(f"/v1/sessions/{sid}").json()["state"] == "RUNNING", "nothing suspended"
+            assert a.post(f"/v1/sessions/{sid}/suspend").status_code == 202
+            turns = a.get(f"/v1/sessions/{sid}").json()["turns"]
+            r = a.post(f"/v1/sessions/{sid}/resume", content=encode({}), headers=json_h)
+            assert "UTF-8" in _refused(r, 400, "bad_json")["message"]
+            r = a.post(f"/v1/sessions/{sid}/invoke", content=encode({"input": "increment"}), headers=json_h)
+            _refused(r, 400, "bad_json")
+            got = a.get(f"/v1/sessions/{sid}").json()
+            assert (got["state"], got["turns"]) == ("SUSPENDED", turns), "nothing woke it, no turn ran"
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+

@@ -1,0 +1,48 @@
+"""JSON bodies and query parameters the API refuses before anything is done (fresh-user run): a body
+that is not UTF-8 (a BOM, UTF-16: Python's ``json.loads`` of bytes guesses the encoding, so routes took
+them), an invoke envelope with fields beside ``input`` (dropped silently, while create refuses unknown
+fields), and a query parameter given twice (FastAPI silently kept one)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from api import proxy
+from api.guard import Guard
+from substrate.errors import BadRequest, InvalidInput
+from substrate.settings import Settings
+
+BODIES = {
+    "utf-16 with BOM": lambda d: json.dumps(d).encode("utf-16"),
+    "utf-8 with BOM": lambda d: b"\xef\xbb\xbf" + json.dumps(d).encode(),
+    "utf-16-le": lambda d: json.dumps(d).encode("utf-16-le"),
+    "utf-32": lambda d: json.dumps(d).encode("utf-32"),
+    "latin-1": lambda d: json.dumps(d, ensure_ascii=False).encode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_a_body_that_is_not_utf8_is_bad_json_on_invoke_and_the_control_plane(name: str) -> None:
+    encode = BODIES[name]
+    for check, doc in [(proxy.check_invoke_body, {"input": "caf\u00e9"}),
+                       (proxy.check_json_keys, {"actorTemplate": "caf\u00e9"})]:
+        with pytest.raises(BadRequest) as e:
+            check(encode(doc))
+        assert e.value.code == "bad_json" and "must be UTF-8 JSON" in e.value.message, (name, check)
+
+
+def test_utf8_bodies_still_pass_and_a_lone_surrogate_is_still_invalid_input() -> None:
+    proxy.check_invoke_body(json.dumps({"input": "caf\u00e9 \u2603"}, ensure_ascii=False).encode())
+    proxy.check_json_keys(json.dumps({"actorTemplate": "caf\u00e9"}, ensure_ascii=False).encode())
+    with pytest.raises(InvalidInput) as e:
+        proxy.check_invoke_body(b'{"input": "\xed\xa0\x80"}')  # raw UTF-8-like bytes of a lone surrogate
+    assert e.value.code == "invalid_input"
+
