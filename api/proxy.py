@@ -323,7 +323,8 @@ def lone_surrogate_path(doc: Any) -> str | None:
 
 
 def check_invoke_body(body: bytes) -> None:
-    """Refuse an invoke body that is not ``{"input": ...}`` JSON, nests deeper than
+    """Refuse an invoke body that is not ``{"input": ...}`` JSON (another top-level field: 422
+    ``invalid_input``, as create's), nests deeper than
     ``MAX_JSON_DEPTH``, or holds numbers Python cannot hold (over 4300 digits, overflowing floats,
     NaN/Infinity): ``BadRequest`` (400 ``bad_json`` / ``missing_input``); or that holds a lone surrogate
     in a string (text no agent can be given, the README's "text with a lone surrogate is 422"):
@@ -336,6 +337,15 @@ def check_invoke_body(body: bytes) -> None:
         raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
     if not isinstance(doc, dict) or "input" not in doc:
         raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
+    if len(doc) > 1:
+        # the envelope is ``{"input": ...}`` only (``input`` is the agent's free-form part): an unknown
+        # field is refused as create and resume refuse one (their models forbid extras), not dropped
+        # silently, so a client that meant to pass an option learns that none is read
+        extra = [k for k in doc if k != "input"]
+        errs = [{"loc": ["body", clip(k, 64, quote=False)], "msg": "Extra inputs are not permitted"}
+                for k in extra[:10]]
+        raise InvalidInput("; ".join(f"body.{e['loc'][1]}: {e['msg']}" for e in errs), code="invalid_input",
+                           details={"errors": errs})
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and not _depth_ok(doc, MAX_JSON_DEPTH):
         raise BadRequest(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
     # a lone surrogate arrives as a \uD800-\uDFFF escape or (json.loads decodes with surrogatepass) as raw

@@ -627,3 +627,21 @@ def test_a_json_body_that_is_not_utf8_is_400_bad_json_on_every_route_and_changes
         finally:
             a.delete(f"/v1/sessions/{sid}")
 
+
+def test_invoke_refuses_unknown_top_level_fields_as_create_does_and_runs_nothing(rt: RuntimeProc) -> None:
+    """Fresh-user run: invoke dropped unknown top-level fields silently (``{"input": .., "strem": true}``
+    ran the turn), while create answers 422 ``invalid_input`` for an unknown field. Invoke now does too."""
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            err = _refused(a.post("/v1/sessions", json={"actorTemplate": "counter", "lables": {}}), 422,
+                           "invalid_input")
+            assert err["details"]["errors"][0]["loc"] == ["body", "lables"]
+            for path in (f"/v1/sessions/{sid}/invoke", f"/v1/sessions/{sid}/invoke?stream=1"):
+                err = _refused(a.post(path, json={"input": "increment", "strem": True}), 422, "invalid_input")
+                assert err["details"]["errors"] == [{"loc": ["body", "strem"], "msg": "Extra inputs are not permitted"}]
+            got = a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()
+            assert got["output"] == {"count": 0}, "the refused calls ran no turn"
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+

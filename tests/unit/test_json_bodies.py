@@ -46,3 +46,13 @@ def test_utf8_bodies_still_pass_and_a_lone_surrogate_is_still_invalid_input() ->
         proxy.check_invoke_body(b'{"input": "\xed\xa0\x80"}')  # raw UTF-8-like bytes of a lone surrogate
     assert e.value.code == "invalid_input"
 
+
+def test_invoke_refuses_fields_beside_input_as_create_does() -> None:
+    with pytest.raises(InvalidInput) as e:
+        proxy.check_invoke_body(b'{"input": 1, "strem": true, "timeout": 5}')
+    assert e.value.code == "invalid_input" and e.value.status == 422
+    assert e.value.details["errors"] == [{"loc": ["body", "strem"], "msg": "Extra inputs are not permitted"},
+                                         {"loc": ["body", "timeout"], "msg": "Extra inputs are not permitted"}]
+    assert "body.strem" in e.value.message
+    proxy.check_invoke_body(b'{"input": {"any": "free-form", "fields": 1}}')  # the input itself is free
+
