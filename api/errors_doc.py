@@ -34,7 +34,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unsupported_media_type": (415, "a body sent without `Content-Type: application/json` (none, or e.g. curl's "
                                     "default `application/x-www-form-urlencoded`): send that header"),
     "invalid_input": (422, "the body or a parameter fails validation (also invoke's `stream=` other than `1`, "
-                           "`true`, `0`, `false`, or an unknown body field, invoke's top level included)"),
+                           "`true`, `0`, `false`, an unknown body field, invoke's top level included, or a query "
+                           "parameter given twice)"),
     "invalid_session_id": (422, "a malformed session ID"),
     "unknown_template": (422, "no such ActorTemplate"),
     "unknown_pool": (422, "the template names a WorkerPool that does not exist"),

@@ -24,7 +24,9 @@ every ``/v1/`` request:
    preflight, and the body rules (``proxy.check_json_content_type``) do not stop a request with no body.
    This is the Fetch Metadata / Origin check OWASP's CSRF cheat sheet describes; clients that are not
    browsers send neither header;
-5. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
+5. a query parameter given more than once (``?limit=5&limit=7``) -> 422 ``invalid_input`` naming it:
+   every ``/v1/`` parameter takes one value, and FastAPI would silently keep one of them;
+6. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
    by uvicorn, which would answer a plain-text 500 (a fresh-user run: SIGTERM during a 25 s shell turn);
    it gets 503 ``router_stopping`` in JSON with ``Retry-After`` instead: the turn may have run, and a
    retry with the same ``Idempotency-Key`` is answered from its kept answer, never run twice.
@@ -38,10 +40,11 @@ import json
 import re
 import time
 from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl
 
 from starlette.datastructures import Headers
 
-from substrate.errors import SubstrateError
+from substrate.errors import SubstrateError, clip
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -72,8 +75,9 @@ def request_id_of(scope: Scope) -> str | None:
 
 
 async def _answer(send: Send, status: int, code: str, message: str,
-                  extra: list[tuple[bytes, bytes]] | None = None, *, scope: Scope | None = None) -> None:
-    body = json.dumps({"code": code, "message": message}).encode()
+                  extra: list[tuple[bytes, bytes]] | None = None, *, scope: Scope | None = None,
+                  details: dict[str, Any] | None = None) -> None:
+    body = json.dumps({"code": code, "message": message, **({"details": details} if details else {})}).encode()
     rid = request_id_of(scope) if scope is not None else None
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -141,6 +145,18 @@ def cross_origin(method: str, headers: dict[bytes, bytes], scheme: str = "http")
     return f"Origin {origin.decode('latin-1')[:100]}"
 
 
+def repeated_param(query_string: bytes) -> str | None:
+    """The first query parameter given more than once (``?limit=5&limit=7``), or None. Every ``/v1/``
+    parameter takes one value, and FastAPI silently keeps one of the repeats: which one the client meant
+    is unknown, so the call is refused (422 ``invalid_input`` naming it) before anything is done."""
+    seen: set[str] = set()
+    for name, _ in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True):  # as Starlette parses
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 class Guard:
     """ASGI middleware; ``get_settings(scope)`` gives the settings per request (the runtime's)."""
 
@@ -173,6 +189,11 @@ class Guard:
                 return
         elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
             await _answer(send, 401, "unauthorized", "missing or wrong bearer token", scope=scope)
+            return
+        if (name := repeated_param(scope.get("query_string") or b"")) is not None:
+            msg = "given more than once: this parameter takes one value"
+            await _answer(send, 422, "invalid_input", f"query.{clip(name, 64, quote=False)}: {msg}", scope=scope,
+                          details={"errors": [{"loc": ["query", clip(name, 64, quote=False)], "msg": msg}]})
             return
         limit = int(api.max_body_bytes)
         cl = headers.get(b"content-length")

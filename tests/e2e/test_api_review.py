@@ -645,3 +645,24 @@ def test_invoke_refuses_unknown_top_level_fields_as_create_does_and_runs_nothing
         finally:
             a.delete(f"/v1/sessions/{sid}")
 
+
+@pytest.mark.parametrize("path, query, name", [
+    ("/v1/sessions", "limit=5&limit=7", "limit"), ("/v1/events", "limit=1&limit=1", "limit"),
+    ("/v1/sessions", "state=RUNNING&state=FAILED", "state")])
+def test_a_query_parameter_given_twice_is_422_naming_it(rt: RuntimeProc, path: str, query: str, name: str) -> None:
+    """``?limit=5&limit=7`` silently took one of them; which one the client meant is unknown."""
+    with _http(rt, KEY_A) as a:
+        err = _refused(a.get(f"{path}?{query}"), 422, "invalid_input")
+        assert f"query.{name}" in err["message"] and err["details"]["errors"][0]["loc"] == ["query", name]
+        assert a.get(f"{path}?limit=5").status_code == 200
+
+
+def test_a_repeated_query_parameter_on_invoke_runs_no_turn(rt: RuntimeProc) -> None:
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            _refused(a.post(f"/v1/sessions/{sid}/invoke?stream=0&stream=0", json={"input": "increment"}), 422,
+                     "invalid_input")
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+        finally:
+            a.delete(f"/v1/sessions/{sid}")

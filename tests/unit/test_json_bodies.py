@@ -56,3 +56,26 @@ def test_invoke_refuses_fields_beside_input_as_create_does() -> None:
     assert "body.strem" in e.value.message
     proxy.check_invoke_body(b'{"input": {"any": "free-form", "fields": 1}}')  # the input itself is free
 
+
+async def test_a_repeated_query_parameter_is_422_naming_it_before_the_app_runs() -> None:
+    ran: list[str] = []
+
+    async def endpoint(request: Request) -> Any:
+        ran.append(request.url.query)
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/v1/sessions", endpoint, methods=["GET", "POST"])])
+    guarded = Guard(app, get_settings=lambda scope: (Settings(), None))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://t") as c:
+        for query, name in [("limit=5&limit=7", "limit"), ("state=RUNNING&limit=1&state=FAILED", "state"),
+                            ("continue=&continue=x", "continue")]:
+            r = await c.get(f"/v1/sessions?{query}")
+            assert r.status_code == 422, r.text
+            body = r.json()
+            assert body["code"] == "invalid_input" and f"query.{name}" in body["message"]
+            assert body["details"]["errors"][0]["loc"] == ["query", name]
+        r = await c.post("/v1/sessions?limit=1&limit=1", json={})
+        assert r.status_code == 422
+        assert ran == []
+        assert (await c.get("/v1/sessions?limit=5&state=RUNNING")).status_code == 200
+        assert ran == ["limit=5&state=RUNNING"]
