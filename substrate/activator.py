@@ -1113,9 +1113,9 @@ class Activator:
                 return await self.after_lost_suspend(cur, e)
             if ref is None:  # the worker is unknown: check_worker recovered the session, or it stays
                 cur = await self.directory.get_session(rec.id)
-                if cur.state == SessionState.RUNNING and cur.epoch == rec.epoch:
-                    raise Conflict(f"session {rec.id!r}: its worker {cur.worker!r} is not reachable; retry",
-                                   code="conflict", details={"state": cur.state.value, "epoch": cur.epoch})
+                if cur.state == SessionState.RUNNING and cur.epoch == rec.epoch:  # not a 202 naming RUNNING
+                    raise WorkerUnavailable(f"session {rec.id!r}: its worker {cur.worker!r} is not known "
+                                            "to this router; retry")
                 continue
             return await self.committed_view(cur, ref)
         raise self._moved_on(cur)

@@ -15,7 +15,7 @@ import pytest
 from substrate.activator import Activator, WorkerView
 from substrate.directory import Directory
 from substrate.errors import (Conflict, DirectoryUnavailable, NoCapacity, NotFound, StaleEpoch, StoreUnavailable,
-                              SubstrateError, TooManyRequests)
+                              SubstrateError, TooManyRequests, WorkerUnavailable)
 from substrate.models import QuotaLimits, SessionRecord, SessionState, SnapshotRef, WorkerRecord
 from substrate.quotas import Quotas
 from substrate.settings import QuotaSettings, Settings
@@ -422,3 +422,15 @@ async def test_a_suspend_the_worker_finds_not_running_answers_from_the_directory
     workers.suspend = not_running  # type: ignore[method-assign]
     got = await act.suspend_explicit(read)
     assert got.state == SessionState.SUSPENDED and workers.calls == 1
+
+
+async def test_a_suspend_whose_worker_is_unknown_is_not_a_202_naming_running(directory):
+    """The session's worker is not registered (gone; its lease not yet expired): the suspend cannot
+    reach it. It used to answer 202 with the re-read record, still RUNNING; now 502 ``worker_unavailable``."""
+    d = directory
+    act, workers = await _committing(d)
+    rec = (await d.get_session("s1")).model_copy(update={"worker": "nowhere"})
+    await d.transition("s1", set={"worker": "nowhere"})
+    with pytest.raises(WorkerUnavailable):
+        await act.suspend_explicit(rec)
+    assert workers.calls == 0 and (await d.get_session("s1")).state == SessionState.RUNNING
