@@ -115,7 +115,7 @@ ROUTE_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/sessions/{sid}"): (*_V1, 404),
     ("delete", "/v1/sessions/{sid}"): (*_V1, 404, 409),
     ("post", "/v1/sessions/{sid}/invoke"): (*_V1, *_BODY, *_ACTIVATES, 404, 410, 504),
-    ("post", "/v1/sessions/{sid}/suspend"): (*_V1, 404, 409, 500),
+    ("post", "/v1/sessions/{sid}/suspend"): (*_V1, *_BODY, 404, 409, 500, 502),  # it takes {} or null
     ("post", "/v1/sessions/{sid}/resume"): (*_V1, *_BODY, *_ACTIVATES, 404),
     ("get", "/v1/sessions/{sid}/events"): (*_V1, 404),
     ("get", "/v1/events"): _V1,

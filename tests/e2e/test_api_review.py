@@ -398,7 +398,7 @@ def test_a_reused_request_id_is_named_as_the_key_that_was_reused(rt: RuntimeProc
 #: statuses each route must document (the fresh-user run found these missing)
 _DOCUMENTED = {("/v1/sessions", "post"): {400, 409, 422},
                ("/v1/sessions/{sid}/invoke", "post"): {400, 404, 409, 410, 422, 500, 502, 504},
-               ("/v1/sessions/{sid}/suspend", "post"): {404, 409, 422},
+               ("/v1/sessions/{sid}/suspend", "post"): {400, 404, 409, 415, 422, 502},
                ("/v1/sessions/{sid}/resume", "post"): {400, 404, 409, 422},
                ("/v1/sessions", "get"): {422}, ("/v1/events", "get"): {422}, ("/v1/stats", "get"): {422}}
 
