@@ -190,7 +190,8 @@ class Guard:
         elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
             await _answer(send, 401, "unauthorized", "missing or wrong bearer token", scope=scope)
             return
-        if (name := repeated_param(scope.get("query_string") or b"")) is not None:
+        qs = scope.get("query_string") or b""
+        if b"&" in qs and (name := repeated_param(qs)) is not None:  # one parameter cannot repeat: no parse
             msg = "given more than once: this parameter takes one value"
             await _answer(send, 422, "invalid_input", f"query.{clip(name, 64, quote=False)}: {msg}", scope=scope,
                           details={"errors": [{"loc": ["query", clip(name, 64, quote=False)], "msg": msg}]})
