@@ -75,7 +75,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "quota_max_gpus": (429, "live sessions of the tenant (or template) hold its maximum of GPUs"),
     "quota_max_creates_per_minute": (429, "the tenant (or template) created its maximum in the last minute"),
     "tenant_parked_share": (429, "the tenant's requests already fill their share of waiting places"),
-    "tenant_circuit_open": (429, "the tenant's recent activations kept failing; its breaker is open"),
+    "tenant_circuit_open": (429, "the tenant's recent activations of this template kept failing; that breaker is open"),
     "agent_crashed": (500, "the agent raised an exception in the turn"),
     "agent_start_failed": (500, "the agent failed to start"),
     "agent_protocol_violation": (500, "the agent wrote a protocol line that does not answer the worker's current "
@@ -93,7 +93,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "no_capacity": (503, "no free slot; retry after `Retry-After`"),
     "directory_unavailable": (503, "Redis is unreachable"),
     "snapshot_store_unavailable": (503, "object storage is unreachable"),
-    "resume_timeout": (503, "the session did not resume within `api.park_timeout_s` (longer while a worker is being started for it)"),
+    "resume_timeout": (503, "the session's restore did not end within `api.park_timeout_s` of its placement (a wait for a slot or a permit before it is bounded by `api.start_wait_s`)"),
     "worker_fenced": (503, "the worker chosen was past its own lease; the router placed the call on other workers and they were fenced too; retry"),
     "too_many_parked": (503, "too many requests wait for resumes in this router"),
     "no_workers": (503, "/readyz: a pool lacks its ready workers"),

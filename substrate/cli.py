@@ -507,7 +507,7 @@ def _sweep_killed_demos() -> None:
 
 
 @app.command()
-def demo(port: int = typer.Option(18080, help="Port for the demo server."),
+def demo(port: int = typer.Option(18080, min=1, max=65535, help="Port for the demo server."),
          keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
     """Start the embedded default, create a counter session and invoke it, suspend it and wake it with
     the next invoke, then stop everything. The demo's runtime keeps its data (embedded Redis, snapshots,

@@ -1,13 +1,17 @@
-"""Fairness between tenants when the pool is full, and a circuit breaker per tenant.
+"""Fairness between tenants when the pool is full, and a circuit breaker per tenant and template.
 
 * **Parked wakes**: one tenant's requests may take at most ``tenant_parked_share`` of a router's
   ``max_parked`` places; the rest stay for others (429 ``tenant_parked_share``).
 * **Placements**: when no slot is free, a placement may suspend an idle session of another tenant only
   while the requesting tenant holds less than its fair share of the pool's slots (slots divided by the
   tenants present); past its share it can only make room among its own sessions (``victim_filter``).
-* **Circuit breaker**: ``breaker_failures`` failed activations (create or wake) of one tenant within
-  ``breaker_window_s`` open its breaker for ``breaker_open_s``: its creates and wakes get 429
-  ``tenant_circuit_open`` at once, without claiming slots or touching workers, while other tenants go on.
+* **Circuit breaker**: ``breaker_failures`` failed activations (create or wake) of one tenant's sessions
+  of one ActorTemplate within ``breaker_window_s`` open that (tenant, template) breaker for
+  ``breaker_open_s``: those creates and wakes get 429 ``tenant_circuit_open`` at once, without claiming
+  slots or touching workers, while other tenants, and the same tenant's other templates, go on. Keyed by
+  template too because the usual cause is one template that cannot start (a missing binary or secret):
+  a per-tenant key let 10 creates of a broken template shut the tenant (in open mode: every caller) out
+  of every create and wake for 30 s (a fresh-user run). Templates are the operator's, a bounded set.
   After the open period one trial is let through (half-open); a success closes it, a failure reopens.
 
 State is per router process (the breaker is a local defence, like a client-side breaker): with N routers
@@ -25,43 +29,47 @@ from substrate.settings import QuotaSettings
 
 
 class TenantBreaker:
-    """Per-tenant circuit breaker (closed -> open -> half-open -> closed). ``now`` is injectable."""
+    """Circuit breaker per (tenant, template) (closed -> open -> half-open -> closed). ``now`` (monotonic
+    s) is injectable."""
 
     def __init__(self, settings: QuotaSettings) -> None:
         self.settings = settings
-        self._failures: dict[str, deque[float]] = defaultdict(deque)
-        self._open_until: dict[str, float] = {}
+        self._failures: dict[tuple[str, str], deque[float]] = defaultdict(deque)
+        self._open_until: dict[tuple[str, str], float] = {}
 
-    def check(self, tenant: str, now: float | None = None) -> None:
-        """Raise ``TooManyRequests(code="tenant_circuit_open")`` while the tenant's breaker is open."""
+    def check(self, tenant: str, template: str, now: float | None = None) -> None:
+        """Raise ``TooManyRequests(code="tenant_circuit_open")`` (details: tenant, actorTemplate,
+        failures) while the breaker of ``tenant``'s ``template`` sessions is open."""
         now = time.monotonic() if now is None else now
-        until = self._open_until.get(tenant)
+        key = (tenant, template)
+        until = self._open_until.get(key)
         if until is None:
             return
         if now < until:
             raise TooManyRequests(
-                f"tenant {tenant!r}: too many failed activations recently; retry later",
+                f"tenant {tenant!r}: too many failed activations of template {template!r} recently; retry "
+                "later (its other templates are not affected)",
                 code="tenant_circuit_open", retry_after_s=max(1.0, until - now),
-                details={"tenant": tenant, "failures": len(self._failures[tenant])})
+                details={"tenant": tenant, "actorTemplate": template, "failures": len(self._failures[key])})
         # half-open: let this one through; one more failure reopens at once
-        del self._open_until[tenant]
-        self._failures[tenant] = deque([now] * (self.settings.breaker_failures - 1))
+        del self._open_until[key]
+        self._failures[key] = deque([now] * (self.settings.breaker_failures - 1))
 
-    def failure(self, tenant: str, now: float | None = None) -> None:
+    def failure(self, tenant: str, template: str, now: float | None = None) -> None:
+        """Count a failed activation of ``tenant``'s ``template``; opens its breaker at the threshold."""
         now = time.monotonic() if now is None else now
-        q = self._failures[tenant]
+        key = (tenant, template)
+        q = self._failures[key]
         q.append(now)
         while q and q[0] < now - self.settings.breaker_window_s:
             q.popleft()
         if len(q) >= self.settings.breaker_failures:
-            self._open_until[tenant] = now + self.settings.breaker_open_s
+            self._open_until[key] = now + self.settings.breaker_open_s
 
-    def success(self, tenant: str) -> None:
-        self._failures.pop(tenant, None)
-        self._open_until.pop(tenant, None)
-
-    def is_open(self, tenant: str) -> bool:
-        return self._open_until.get(tenant, 0.0) > time.monotonic()
+    def success(self, tenant: str, template: str) -> None:
+        """A successful activation closes the breaker of ``tenant``'s ``template``."""
+        self._failures.pop((tenant, template), None)
+        self._open_until.pop((tenant, template), None)
 
 
 class ParkedShare:

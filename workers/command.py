@@ -62,6 +62,9 @@ _STATUS = {"turn_timeout": 504, "memory_limit_exceeded": 422, "agent_crashed": 5
            "agent_start_failed": 500, "output_too_large": 422, "state_load_failed": 422, "state_too_large": 422,
            "agent_protocol_violation": 500}
 #: bytes a protocol line may carry beyond the answer itself (the ``{"output": ...}`` wrapping)
+#: the end of the message of a turn whose agent died: the session's next turn restarts it from its last
+#: snapshot (dropped from a start failure's message, which has nothing to restart)
+RESTART_HINT = "; it restarts from its last snapshot"
 LINE_SLACK_BYTES = 64 * 1024
 
 
@@ -217,7 +220,7 @@ class HostedAgent(Agent):
             return TurnFailed(f"the session went over isolation.maxMemory "
                               f"({self.limits.memory_bytes} bytes) and its agent was killed; it restarts from "
                               "its last snapshot", "memory_limit_exceeded")
-        return TurnFailed(f"{what} (exit status {code}); it restarts from its last snapshot", "agent_crashed")
+        return TurnFailed(f"{what} (exit status {code}){RESTART_HINT}", "agent_crashed")
 
     async def _kill(self) -> None:
         host, self.host = self.host, None

@@ -90,7 +90,7 @@ from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
 from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
 from substrate.envpolicy import check_session_env
-from workers.command import LINE_SLACK_BYTES, AgentGone, HostedAgent, TurnFailed
+from workers.command import LINE_SLACK_BYTES, RESTART_HINT, AgentGone, HostedAgent, TurnFailed
 from workers.devices import gpu_inventory
 from workers import lifeline
 from workers.handler import AgentError, SessionContext
@@ -500,6 +500,9 @@ class Worker:
             if e.code == "state_load_failed":  # the host's explicit word: the state is at fault
                 raise StateLoadFailed(e.message, details=e.details) from e
             msg = str(e) if str(e).startswith("agent failed") else f"agent failed to start: {e}"
+            # a turn's death says the agent "restarts from its last snapshot"; an agent that never started
+            # has nothing to restart (a create is undone, a wake leaves the session as it was)
+            msg = msg.replace(RESTART_HINT, "")
             raise SubstrateError(msg, code="agent_start_failed") from e
         except Exception as e:
             await agent.stop()

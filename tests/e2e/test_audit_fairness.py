@@ -285,8 +285,9 @@ def test_one_tenants_burst_of_wakes_takes_at_most_its_share_of_parked_places(run
 def test_a_tenant_whose_wakes_keep_failing_is_cut_off_and_another_is_not(runtime_factory, tmp_path):
     """A's sessions need a credential that goes missing while they are suspended: each wake fails
     (422 ``secret_unavailable``, recorded with that code); after ``breaker_failures`` (2) A's wakes and
-    creates get 429 ``tenant_circuit_open`` with Retry-After at once, while B on the same router wakes
-    and creates as before."""
+    creates of that template get 429 ``tenant_circuit_open`` with Retry-After at once, while A's other
+    templates and B on the same router wake and create as before (the breaker is per tenant and
+    template)."""
     secrets = tmp_path / "secrets"
     for tenant in ("team-a", "team-b"):
         (secrets / tenant / "model-keys").mkdir(parents=True)
@@ -316,15 +317,50 @@ spec:
             a.invoke(sa, "get")
         assert (e.value.status, e.value.code) == (422, "secret_unavailable")
     assert [x for x in _actions(a, sa) if x[0] == "wake"] == [("wake", "", "secret_unavailable")] * 2
-    for call in (lambda: a.invoke(sa, "get"), lambda: a.create_session("counter")):
+    for call in (lambda: a.invoke(sa, "get"), lambda: a.create_session("keyed-counter")):
         with pytest.raises(ApiError) as e:
             call()
         assert (e.value.status, e.value.code) == (429, "tenant_circuit_open")
         assert e.value.retry_after_s and e.value.retry_after_s >= 1
+        assert e.value.details["actorTemplate"] == "keyed-counter"
     assert _state(a, sa) == "SUSPENDED"
+    assert a.create_session("counter")["tenant"] == "team-a", "A's other templates are not cut off"
     assert b.invoke(sb, "get") == {"count": 1}, "B's wake on the same router is unaffected"
     assert b.create_session("counter")["tenant"] == "team-b"
     assert len([x for x in _actions(a, sa) if x[0] == "wake"]) == 2, "a refused call touched nothing"
+
+
+def test_a_template_that_cannot_start_cuts_off_only_itself(runtime_factory):
+    """A fresh-user run: 10 creates of a template whose command does not exist opened the (open-mode,
+    so everyone's) tenant breaker, and creates of good templates and wakes got 429 for 30 s. Now the
+    breaker is per tenant and template: the broken template is refused at once after
+    ``breaker_failures``, the good one is created and woken as before; the start failure's message does
+    not promise a restart from a snapshot that a create never had."""
+    extra = """
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: nocmd}
+spec:
+  command: ["/nonexistent/binary"]
+"""
+    rt = runtime_factory(replicas=1, slots=4, extra_yaml=extra, env={"SUBSTRATE_QUOTA__BREAKER_FAILURES": "2",
+                                                                    "SUBSTRATE_QUOTA__BREAKER_OPEN_S": "60"})
+    c = rt.client
+    good = c.create_session("counter")["id"]
+    c.invoke(good, "increment")
+    c.suspend(good)
+    for _ in range(2):
+        with pytest.raises(ApiError) as e:
+            c.create_session("nocmd")
+        assert (e.value.status, e.value.code) == (500, "agent_start_failed"), e.value
+        assert "restarts from its last snapshot" not in str(e.value), str(e.value)
+    with pytest.raises(ApiError) as e:
+        c.create_session("nocmd")
+    assert (e.value.status, e.value.code) == (429, "tenant_circuit_open")
+    assert e.value.details["actorTemplate"] == "nocmd"
+    assert c.invoke(good, "get") == {"count": 1}, "a wake of another template is not cut off"
+    assert c.create_session("counter")["state"] == "RUNNING", "nor a create of another template"
 
 
 def test_a_failed_idle_suspend_is_recorded_with_its_error_code(runtime_factory, moto_proc):

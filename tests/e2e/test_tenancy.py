@@ -445,12 +445,14 @@ spec:
         with pytest.raises(ApiError) as e:
             a.create_session("missing-secret")
         assert e.value.code == "secret_unavailable" and e.value.status == 422
-    # two failed activations in a row open team-a's circuit breaker; team-b is not affected
+    # two failed activations in a row open the circuit breaker of team-a's missing-secret sessions;
+    # team-a's other templates and team-b are not affected
     with pytest.raises(ApiError) as e:
-        a.create_session("keyed-shell")
+        a.create_session("missing-secret")
     assert e.value.status == 429 and e.value.code == "tenant_circuit_open" and e.value.retry_after_s
-    assert b.create_session("keyed-shell")["tenant"] == "team-b"
     assert rt.r.scard(rt.keys.quota("team-a", "total")) == 1, "failed creates hold no quota"
+    assert a.create_session("keyed-shell")["tenant"] == "team-a"
+    assert b.create_session("keyed-shell")["tenant"] == "team-b"
     assert os.environ.get("MODEL_KEY") is None
 
 

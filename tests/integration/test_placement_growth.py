@@ -231,3 +231,30 @@ async def test_a_create_that_waits_too_long_for_a_permit_is_refused_and_holds_no
     assert list((await d.worker_slots("a")).values()) == ["s0"]
     gate.set()
     assert (await first).state == SessionState.RUNNING
+
+
+async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_timeout(env):
+    """A fresh-user run: 100 wakes at once after a restart, the pool growing one worker at a time; 27 got
+    503 ``resume_timeout`` after ``park_timeout_s`` (5 s) while their placements still waited, in order,
+    for a slot (no worker was starting at that instant, so the wait did not count as one for capacity).
+    A wake whose placement still waits (its own bound: ``slot_wait_s`` without progress, ``start_wait_s``
+    in all) is now waited for; the park timeout bounds the restore once it is placed."""
+    d, act, workers = env
+    act.settings.api.park_timeout_s = 0.2
+    act.settings.api.slot_wait_s = 5
+    act.settings.api.pressure_min_idle_s = 1e9  # nobody idle enough to be suspended for it
+    await _worker(d, "w")
+    await act.view.refresh()
+    act.starting["default"] = 0  # a pool controller in this process, starting nothing
+    act.capacity_ticks = 10**6  # and it has run its rounds: no wait for growth
+    await act.create(_new("sleepy"), CATALOG.template("counter"))
+    await act.suspend(await d.get_session("sleepy"))
+    await act.create(_new("busy-1"), CATALOG.template("counter"))
+    await act.create(_new("busy-2"), CATALOG.template("counter"))
+    wake = asyncio.create_task(act.wake("sleepy"))
+    await asyncio.sleep(0.6)  # three park timeouts: the placement still waits for a slot
+    assert not wake.done(), wake
+    await act.suspend(await d.get_session("busy-1"))  # a slot frees (slot_freed serves the queue)
+    route, woke = await asyncio.wait_for(wake, 10)
+    assert woke and route.worker == "w"
+    assert (await d.get_session("sleepy")).state == SessionState.RUNNING

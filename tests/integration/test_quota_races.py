@@ -206,6 +206,7 @@ async def test_a_suspend_whose_activation_is_gone_answers_from_the_directory(dir
 
 @pytest.mark.parametrize("error, counted", [
     (DirectoryUnavailable("Redis down"), False), (StoreUnavailable("object store down"), False),
+    (WorkerUnavailable("worker died"), False),
     (SubstrateError("agent failed to start", code="agent_start_failed"), True)])
 async def test_only_the_tenants_own_failures_count_toward_its_breaker(directory, error, counted):
     """Chaos run on d8fe6b3: wakes failing while the object store or Redis was paused opened the (one)
@@ -217,7 +218,7 @@ async def test_only_the_tenants_own_failures_count_toward_its_breaker(directory,
     await act.create(_new("s1"), TEMPLATE)
     await act.suspend(await d.get_session("s1"))
     failures: list[str] = []
-    act.breaker.failure = failures.append  # type: ignore[method-assign]
+    act.breaker.failure = lambda tenant, template: failures.append(f"{tenant}/{template}")  # type: ignore[method-assign]
 
     async def failing_activate(*a: Any, **kw: Any) -> dict[str, Any]:
         raise error
@@ -227,7 +228,7 @@ async def test_only_the_tenants_own_failures_count_toward_its_breaker(directory,
         await act.wake("s1")
     with pytest.raises(SubstrateError):
         await act.create(_new("s2"), TEMPLATE)
-    assert failures == (["a", "a"] if counted else [])
+    assert failures == ([f"a/{TEMPLATE.name}"] * 2 if counted else [])
 
 
 async def test_a_second_create_of_an_id_being_created_is_refused_and_gives_back_nothing(directory):

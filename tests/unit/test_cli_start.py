@@ -122,3 +122,15 @@ def test_an_unreachable_external_redis_is_one_line_and_exit_2(tmp_path: Path, mo
     assert "127.0.0.1:1/0" in lines[0] and "unset SUBSTRATE_REDIS_URL" in lines[0]
     assert "s3cret-pw" not in r.output and "Traceback" not in r.output
     assert not (tmp_path / "workers").exists() and not (tmp_path / "redis").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("port", ["0", "99999", "-1"])
+def test_a_demo_port_out_of_range_is_one_error_before_anything_starts(port: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: `substrate demo --port 99999` started the demo's server, which printed its own
+    usage text, then "the server exited" (exit 1); the port is checked up front now, as `up` checks it."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["demo", "--port", port])
+    assert r.exit_code == 2, r.output
+    assert "--port" in r.output and "Usage: python -m substrate.cli up" not in r.output
+    assert not (tmp_path / "redis").exists()  # nothing was started

@@ -1,26 +1,32 @@
-"""The shipped counter agent (``workers.agents.counter``): its answers and errors."""
+"""The example counter agent: a bad ``work_s`` is the caller's error (``AgentError``, 422 ``agent_error``),
+not an exception the worker reports as a crash (a fresh-user run: ``"work_s": "abc"`` gave 500
+``agent_crashed``)."""
 
 from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from workers.agents.counter import Counter
-from workers.handler import AgentError
+from workers.handler import AgentError, SessionContext
 
 
-async def test_counts_and_restores():
-    c = Counter(None)  # type: ignore[arg-type]  # the counter never reads its context
-    await c.start({"count": 4})
-    assert await c.invoke("increment") == {"count": 5}
-    assert await c.invoke({"op": "get"}) == {"count": 5}
+def _counter(tmp_path: Path) -> Counter:
+    return Counter(SessionContext(session_id="s1", epoch=1, template="counter", workspace=tmp_path))
 
 
-async def test_an_unknown_input_is_echoed_clipped_not_whole():
-    """Fresh-user run: a 900 KB input came back whole in the agent_error message (921,680 bytes)."""
-    c = Counter(None)  # type: ignore[arg-type]  # the counter never reads its context
+@pytest.mark.parametrize("work_s", ["abc", [1], {"s": 1}, True, -1, 3601])
+async def test_a_bad_work_s_is_an_agent_error_and_counts_nothing(work_s: object, tmp_path: Path) -> None:
+    c = _counter(tmp_path)
+    await c.start({"count": 3})
+    with pytest.raises(AgentError, match="work_s"):
+        await c.invoke({"op": "increment", "work_s": work_s})
+    assert await c.invoke("get") == {"count": 3}
+
+
+async def test_a_good_work_s_still_counts(tmp_path: Path) -> None:
+    c = _counter(tmp_path)
     await c.start(None)
-    with pytest.raises(AgentError) as e:
-        await c.invoke("x" * 900_000)
-    assert len(str(e.value)) < 200 and "900002 characters" in str(e.value)
-    with pytest.raises(AgentError, match="unknown input 'incr'"):  # a short one is shown as it is
-        await c.invoke("incr")
+    assert await c.invoke({"op": "increment", "work_s": 0.001}) == {"count": 1}
+    assert await c.invoke({"op": "increment", "work_s": 0}) == {"count": 2}

@@ -19,27 +19,37 @@ from substrate.settings import QuotaSettings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_breaker_opens_per_tenant_half_opens_and_closes():
+def test_breaker_opens_per_tenant_and_template_half_opens_and_closes():
     b = TenantBreaker(QuotaSettings(breaker_failures=3, breaker_window_s=10, breaker_open_s=5))
     for t in (0.0, 1.0):
-        b.failure("a", now=t)
-    b.check("a", now=1.5)  # two failures: still closed
-    b.failure("a", now=2.0)
+        b.failure("a", "broken", now=t)
+    b.check("a", "broken", now=1.5)  # two failures: still closed
+    b.failure("a", "broken", now=2.0)
     with pytest.raises(TooManyRequests) as e:
-        b.check("a", now=3.0)
+        b.check("a", "broken", now=3.0)
     assert e.value.code == "tenant_circuit_open" and e.value.retry_after_s == pytest.approx(4.0)
-    b.check("b", now=3.0)  # other tenants unaffected
-    b.check("a", now=7.5)  # open period over: one trial goes through (half-open) ...
-    b.failure("a", now=7.6)  # ... and its failure reopens at once
+    assert e.value.details == {"tenant": "a", "actorTemplate": "broken", "failures": 3}
+    assert "broken" in e.value.message
+    b.check("b", "broken", now=3.0)  # other tenants unaffected
+    b.check("a", "counter", now=3.0)  # and the same tenant's other templates (a fresh-user run: one
+    # broken template shut the whole tenant out of creates and wakes)
+    b.check("a", "broken", now=7.5)  # open period over: one trial goes through (half-open) ...
+    b.failure("a", "broken", now=7.6)  # ... and its failure reopens at once
     with pytest.raises(TooManyRequests):
-        b.check("a", now=7.7)
-    b.success("a")
-    b.check("a", now=7.8)
-    # failures outside the window do not add up
+        b.check("a", "broken", now=7.7)
+    b.success("a", "counter")  # another template's success closes nothing
+    with pytest.raises(TooManyRequests):
+        b.check("a", "broken", now=7.8)
+    b.success("a", "broken")
+    b.check("a", "broken", now=7.9)
+    # failures outside the window do not add up; failures of different templates do not add up either
     b2 = TenantBreaker(QuotaSettings(breaker_failures=2, breaker_window_s=1))
-    b2.failure("a", now=0.0)
-    b2.failure("a", now=5.0)
-    b2.check("a", now=5.1)
+    b2.failure("a", "t", now=0.0)
+    b2.failure("a", "t", now=5.0)
+    b2.check("a", "t", now=5.1)
+    b2.failure("a", "u", now=5.2)
+    b2.check("a", "t", now=5.3)
+    b2.check("a", "u", now=5.3)
 
 
 def test_parked_share_caps_one_tenant():

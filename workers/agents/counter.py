@@ -24,7 +24,12 @@ class Counter(Agent):
         op, work_s, burn = input, 0.0, False
         if isinstance(input, dict):
             op = input.get("op", "increment")
-            work_s = float(input.get("work_s", 0) or 0)
+            raw = input.get("work_s", 0) or 0
+            # a bad input is the caller's error (422 agent_error), not a crash of the agent (500):
+            # float("abc") and float([1]) raised, and a fresh-user run got 500 agent_crashed
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+                raise AgentError(f"work_s must be a number of seconds, got {type(raw).__name__}")
+            work_s = float(raw)
             burn = bool(input.get("burn", False))
             if not 0 <= work_s <= 3600:
                 raise AgentError("work_s must be between 0 and 3600")
