@@ -256,11 +256,10 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
        ) -> None:
     """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
     Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM."""
-    import uvicorn
 
     from substrate.embedded import EmbeddedRedis
     from substrate.logs import configure_logging
-    from substrate.serving import Server, header_timeout_protocol
+    from substrate.serving import Server, server_config
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
@@ -309,9 +308,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     signal.signal(signal.SIGTERM, _term)
     try:
-        cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
-                             http=header_timeout_protocol(settings.api.header_read_timeout_s),
-                             log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+        cfg = server_config(settings.api, host, port)
         # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully; a deliberate second one exits at
         # once (status 130), and this finally does not run then: the embedded Redis is stopped before
         server = Server(cfg, before_forced_exit=embedded.stop if embedded is not None else None)
@@ -395,10 +392,8 @@ def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="
 
 
 def _serve_api(host: str, port: int) -> None:
-    import uvicorn
-
     from substrate.logs import configure_logging
-    from substrate.serving import Server, header_timeout_protocol
+    from substrate.serving import Server, server_config
 
     settings = _settings(warn=False)  # the router warned before its own checks
     if problems := _prestart_problems(settings, local=False):
@@ -406,9 +401,7 @@ def _serve_api(host: str, port: int) -> None:
             err.print(f"[red]error[/red]: {escape(why)}")
         raise typer.Exit(2)
     configure_logging(settings.log_level, settings.log_json)
-    cfg = uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
-                         http=header_timeout_protocol(settings.api.header_read_timeout_s),
-                         log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+    cfg = server_config(settings.api, host, port)
     server = Server(cfg)
     server.run()
     if not server.started:

@@ -216,6 +216,16 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
 
+def server_config(api: Any, host: str, port: int) -> uvicorn.Config:
+    """The uvicorn config ``substrate up`` and ``substrate router`` serve the API with: ``api`` is
+    ``Settings().api`` (``header_read_timeout_s``, ``keep_alive_timeout_s``); uvloop, no access log,
+    10 s of graceful shutdown."""
+    return uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
+                          http=header_timeout_protocol(api.header_read_timeout_s),
+                          timeout_keep_alive=api.keep_alive_timeout_s,
+                          log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)
+
+
 def header_timeout_protocol(timeout_s: float) -> type[HeaderTimeoutProtocol]:
     """The protocol class to pass as ``uvicorn.Config(http=...)``: :class:`HeaderTimeoutProtocol`
     with a deadline of ``timeout_s`` seconds (> 0) on each request's head."""

@@ -115,6 +115,11 @@ class ApiSettings(_Section):
     #: trickles its headers, gets 408 ``request_timeout`` and its connection is closed (uvicorn has no
     #: such limit: one such client per file descriptor could hold the router's connections for ever)
     header_read_timeout_s: float = Field(10.0, gt=0, le=3600)
+    #: how long an idle keep-alive connection stays open (s). Longer than clients keep theirs (aiohttp
+    #: 15 s, httpx 5 s): with uvicorn's default of 5 s a client reusing a connection the server was
+    #: closing at that instant got ``ServerDisconnectedError`` on a POST it cannot safely retry (the
+    #: 11-26 replay at 400x, and a fresh-user burst). nginx's default is 75 s as well
+    keep_alive_timeout_s: float = Field(75.0, gt=0, le=3600)
     #: how long a request for a SUSPENDED session may wait for its resume
     park_timeout_s: float = Field(5.0, ge=0)
     #: cap on requests parked at once in one router process

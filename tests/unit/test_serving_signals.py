@@ -72,3 +72,17 @@ def test_sigterm_stops_gracefully_as_in_uvicorn(clock, exits):
     clock[0] += 5
     s.handle_exit(signal.SIGTERM, None)
     assert s.should_exit and not s.force_exit and exits == []
+
+
+def test_the_served_config_keeps_idle_connections_longer_than_clients_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn closes an idle keep-alive connection after 5 s, aiohttp's client reuses one for 15 s: a turn
+    sent on a connection the server was closing at that instant got ``ServerDisconnectedError`` (the 11-26
+    replay at 400x on 34f4aa9, a fresh-user burst). Both commands serve with ``keep_alive_timeout_s``."""
+    from substrate.serving import server_config
+    from substrate.settings import Settings
+
+    cfg = server_config(Settings().api, "127.0.0.1", 8080)
+    assert cfg.timeout_keep_alive == 75 and cfg.timeout_keep_alive > 15  # aiohttp's client keeps 15 s
+    monkeypatch.setenv("SUBSTRATE_API__KEEP_ALIVE_TIMEOUT_S", "120")
+    assert server_config(Settings().api, "127.0.0.1", 8080).timeout_keep_alive == 120
+    assert server_config(Settings().api, "127.0.0.1", 8080).http.header_read_timeout_s == 10.0
