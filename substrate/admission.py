@@ -48,9 +48,9 @@ class LimiterSettings:
     ``smoothing``: weight of each update, in (0, 1]."""
 
     initial: int = 32
-    min_limit: int = 8
+    min_limit: int = 4
     max_limit: int = 1000
-    tolerance: float = 4.0
+    tolerance: float = 2.0
     long_window: int = 500
     short_window: int = 10
     smoothing: float = 0.2

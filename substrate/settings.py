@@ -136,13 +136,12 @@ class ApiSettings(_Section):
     #: activations take more than ``activation_latency_tolerance`` times their usual time. Activations
     #: beyond it wait (FIFO, holding no slot, up to ``start_wait_s``) and are not demand for new workers
     activation_limit_initial: int = Field(32, ge=1, le=100_000)
-    activation_limit_min: int = Field(8, ge=1, le=100_000)
+    activation_limit_min: int = Field(4, ge=1, le=100_000)
     activation_limit_max: int = Field(1000, ge=0, le=100_000)
-    #: 4, not 2: on 2 cores an ordinary burst doubles an activation's time, and with 2 the limit sat at
-    #: 4-7 permits and queued wakes (the 2.5x overlay: slot wait p50 243 ms against 58 ms without the
-    #: limiter, warm p99 from arrival 5.8 s against 4.1 s); with 4 it stays near its start and falls
-    #: only in an overload (docs/bench/2026-12-02-limiter-ab.md)
-    activation_latency_tolerance: float = Field(4.0, ge=1.0, le=100.0)
+    #: 2: it costs wake latency in ordinary bursts on 2 cores (the limit dips to 4-16 permits), but 4
+    #: let the limit climb from 11 to 162 permits inside an overload and the pool run to 19 workers
+    #: (docs/bench/2026-12-02-limiter-ab.md): the bound is what the limiter is for
+    activation_latency_tolerance: float = Field(2.0, ge=1.0, le=100.0)
     #: under slot pressure, only sessions idle at least this long are suspended to make room
     pressure_min_idle_s: float = Field(1.0, ge=0)
     #: Retry-After sent with 503 answers
