@@ -245,8 +245,16 @@ async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_ti
     act.settings.api.pressure_min_idle_s = 1e9  # nobody idle enough to be suspended for it
     await _worker(d, "w")
     await act.view.refresh()
-    act.starting["default"] = 0  # a pool controller in this process, starting nothing
-    act.capacity_ticks = 10**6  # and it has run its rounds: no wait for growth
+    act.starting["default"] = 0  # a pool controller in this process, starting nothing (the pool is at
+    # its size), that runs its rounds when asked: the wait is not one for a worker being started
+
+    async def controller() -> None:  # what PoolController.tick does for the activator, round after round
+        while True:
+            await act.capacity_wanted.wait()
+            act.capacity_wanted.clear()
+            act.capacity_ticks += 1
+
+    ticking = asyncio.create_task(controller())
     await act.create(_new("sleepy"), CATALOG.template("counter"))
     await act.suspend(await d.get_session("sleepy"))
     await act.create(_new("busy-1"), CATALOG.template("counter"))
@@ -255,6 +263,9 @@ async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_ti
     await asyncio.sleep(0.6)  # three park timeouts: the placement still waits for a slot
     assert not wake.done(), wake
     await act.suspend(await d.get_session("busy-1"))  # a slot frees (slot_freed serves the queue)
-    route, woke = await asyncio.wait_for(wake, 10)
+    try:
+        route, woke = await asyncio.wait_for(wake, 10)
+    finally:
+        ticking.cancel()
     assert woke and route.worker == "w"
     assert (await d.get_session("sleepy")).state == SessionState.RUNNING
