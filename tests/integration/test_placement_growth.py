@@ -83,6 +83,18 @@ async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None
                                          updatedAt=now - idle_s, lastActiveAt=now - idle_s))
 
 
+def _controller_rounds(act: Activator) -> "asyncio.Task[None]":
+    """What ``PoolController.tick`` does for the activator, round after round, whenever a placement asks
+    (``capacity_wanted``); cancel the task to stop it."""
+    async def rounds() -> None:
+        while True:
+            await act.capacity_wanted.wait()
+            act.capacity_wanted.clear()
+            act.capacity_ticks += 1
+
+    return asyncio.create_task(rounds())
+
+
 def _new(sid: str) -> SessionRecord:
     now = time.time()
     return SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate="counter", pool="default",
@@ -152,13 +164,7 @@ async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     await act.view.refresh()
     act.starting["default"] = 0
 
-    async def controller() -> None:  # what PoolController.tick does for the activator, round after round
-        while True:
-            await act.capacity_wanted.wait()
-            act.capacity_wanted.clear()
-            act.capacity_ticks += 1
-
-    ticking = asyncio.create_task(controller())
+    ticking = _controller_rounds(act)
     try:
         w, _ = await act.place("new", CATALOG.template("counter"))
     finally:
@@ -248,13 +254,7 @@ async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_ti
     act.starting["default"] = 0  # a pool controller in this process, starting nothing (the pool is at
     # its size), that runs its rounds when asked: the wait is not one for a worker being started
 
-    async def controller() -> None:  # what PoolController.tick does for the activator, round after round
-        while True:
-            await act.capacity_wanted.wait()
-            act.capacity_wanted.clear()
-            act.capacity_ticks += 1
-
-    ticking = asyncio.create_task(controller())
+    ticking = _controller_rounds(act)
     await act.create(_new("sleepy"), CATALOG.template("counter"))
     await act.suspend(await d.get_session("sleepy"))
     await act.create(_new("busy-1"), CATALOG.template("counter"))
