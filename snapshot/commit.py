@@ -10,7 +10,8 @@
    ``retention`` committed keys per session and returns the ones that fell out, deleted here). A
    rejected commit deletes its own upload; whatever a crash leaves behind is removed by the state
    manager's orphan sweep.
-3. ``restore``: download to a temp file, verify sha256 and the manifest (session), extract, swap in.
+3. ``restore``: stream the object into the extractor (staging directory), verify sha256 and the manifest
+   (session) at the end of the stream, swap in.
 
 The slot of a suspending session is released by the caller only after ``commit`` returned True
 (invariant 2). Snapshot bytes move between the worker and object storage only (invariant 7).
@@ -19,6 +20,7 @@ The slot of a suspending session is released by the caller only after ``commit``
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapshot.archive import WorkspaceNotArchivable, pack, unpack
+from snapshot.archive import WorkspaceNotArchivable, pack, unpack_stream
 from snapshot.store import ObjectStore, session_prefix, snapshot_key
 from substrate import metrics
 from substrate.directory import Directory
@@ -134,28 +136,19 @@ class SnapshotManager:
         snapshot), ``NotFound`` (object missing, reported as corrupt: the pointer is dangling) or
         ``StoreUnavailable``.
         """
-        fd, tmp = tempfile.mkstemp(prefix=f"{sid}-", suffix=".tar.zst", dir=self.tmp_dir)
-        os.close(fd)
-        path = Path(tmp)
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            try:
-                await self.store.get_file(ref.key, path)
-            except NotFound as e:
-                raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"}) from e
-            t1 = time.perf_counter()
-            try:
-                _, state = await asyncio.to_thread(unpack, path, workspace, expect_session=sid,
-                                                   expect_sha256=ref.sha256, owner=owner)
-            except OSError as e:  # name too long, disk full, ...: this snapshot cannot be restored here
-                raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {e.__class__.__name__}: {e}",
-                                      details={"reason": "os_error", "errno": e.errno}) from e
-            t2 = time.perf_counter()
-            metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="download").observe(t1 - t0)
-            metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="unpack").observe(t2 - t1)
-            return state
-        finally:
-            path.unlink(missing_ok=True)
+            # streamed: extraction runs as the bytes arrive (snapshot.archive.unpack_stream); a failure of
+            # the transfer is StoreUnavailable (retried later), never mistaken for a corrupt snapshot
+            _, state = await self.store.read(ref.key, functools.partial(
+                unpack_stream, workspace=workspace, expect_session=sid, expect_sha256=ref.sha256, owner=owner))
+        except NotFound as e:
+            raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"}) from e
+        except OSError as e:  # name too long, disk full, ...: this snapshot cannot be restored here
+            raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {e.__class__.__name__}: {e}",
+                                  details={"reason": "os_error", "errno": e.errno}) from e
+        metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="restore").observe(time.perf_counter() - t0)
+        return state
 
     async def delete_all(self, sid: str) -> None:
         """Remove every snapshot object of a deleted session (best effort)."""

@@ -1,12 +1,13 @@
 """Object stores for snapshot archives: a small async port and its adapters.
 
-* :class:`ObjectStore` -- the port: ``put_file`` (conditional create), ``get_file``, ``delete``, ``list_keys``.
+* :class:`ObjectStore` -- the port: ``put_file`` (conditional create), ``get_file``, ``read`` (streamed),
+  ``delete``, ``list_keys``.
 * :class:`S3Store` -- any S3-compatible service through boto3 (AWS S3, MinIO, Ceph RGW, moto, ...).
 * :class:`LocalDirStore` -- files under a directory (the embedded default; one machine only).
 * :class:`MemoryStore` -- an in-memory fake with outage switches, for tests.
 
 Every adapter has the same semantics: ``put_file`` never overwrites (``Conflict(code="snapshot_exists")``),
-``get_file`` of a missing key raises ``NotFound(code="snapshot_missing")``, ``delete`` is idempotent, and
+``get_file`` or ``read`` of a missing key raises ``NotFound(code="snapshot_missing")``, ``delete`` is idempotent, and
 every foreign failure (network, timeouts, 5xx, OS errors) becomes ``StoreUnavailable`` (``raise ... from e``),
 which the API answers with 503 + ``Retry-After``.
 
@@ -16,6 +17,7 @@ Keys are ``/``-separated relative paths; :func:`snapshot_key` makes the ones sna
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import math
 import os
@@ -23,12 +25,14 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Callable, Protocol, TypeVar, runtime_checkable
 
 from substrate.errors import Conflict, NotFound, StoreUnavailable
 from substrate.settings import SnapshotSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _COPY_CHUNK = 1 << 20
 #: S3's smallest allowed part (except the last) and largest part count
@@ -96,6 +100,28 @@ def _unavailable(op: str, key: str, e: BaseException | str) -> StoreUnavailable:
                             details={"op": op, "key": key})
 
 
+class _Transfer:
+    """The stream :meth:`ObjectStore.read` hands its consumer: reads ``raw``, turning any failure of the
+    transfer into ``StoreUnavailable`` and an end before ``expected_bytes`` (when known) into one too, so
+    a consumer never mistakes a cut download for a short (corrupt) object."""
+
+    def __init__(self, raw: Any, op: str, key: str, expected_bytes: int | None) -> None:
+        self._raw = raw
+        self._op, self._key = op, key
+        self.expected_bytes = expected_bytes
+        self.bytes = 0
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self._raw.read(n)
+        except Exception as e:  # noqa: BLE001 - urllib3/botocore/OS errors alike: the transfer failed
+            raise _unavailable(self._op, self._key, f"{type(e).__name__}: {e}") from e
+        self.bytes += len(data)
+        if not data and n != 0 and self.expected_bytes is not None and self.bytes < self.expected_bytes:
+            raise _unavailable(self._op, self._key, f"short read: {self.bytes} of {self.expected_bytes} bytes")
+        return data
+
+
 # ------------------------------------------------------------------------------------------------- port
 
 
@@ -116,6 +142,18 @@ class ObjectStore(Protocol):
 
         Raises ``NotFound(code="snapshot_missing")`` or ``StoreUnavailable``; a partly written ``dest`` is
         removed on error.
+        """
+        ...
+
+    async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
+        """Open ``key`` and call ``consume(stream)`` in a worker thread while the bytes arrive (no temp
+        file: the consumer's work overlaps the transfer); returns what ``consume`` returns.
+
+        ``stream.read(n)`` gives the object's bytes in order and ``b""`` at its end. A failure of the
+        transfer itself (connection lost, timeout, fewer bytes than the object holds) is raised *from*
+        ``stream.read`` as ``StoreUnavailable``; whatever else ``consume`` raises passes through
+        untranslated. Raises ``NotFound(code="snapshot_missing")`` before ``consume`` is called if the
+        key does not exist, ``StoreUnavailable`` if the store cannot be reached.
         """
         ...
 
@@ -194,6 +232,16 @@ class MemoryStore:
         Path(dest).write_bytes(data)
         self._leave("get", key)
         return len(data)
+
+    async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
+        _check_key(key)
+        await self._enter("get", key)
+        data = self.objects.get(key)
+        if data is None:
+            raise _missing(key)
+        out = await asyncio.to_thread(consume, _Transfer(io.BytesIO(data), "get", key, len(data)))  # type: ignore[arg-type]
+        self._leave("get", key)
+        return out
 
     async def delete(self, key: str) -> None:
         _check_key(key)
@@ -320,6 +368,19 @@ class LocalDirStore:
 
     async def get_file(self, key: str, dest: Path) -> int:
         return await self._run("get", key, self._get, key, dest)
+
+    def _read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
+        try:
+            src = open(self._path(key), "rb", buffering=0)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _missing(key) from None
+        except OSError as e:
+            raise _unavailable("get", key, e) from e
+        with src:
+            return consume(_Transfer(src, "get", key, os.fstat(src.fileno()).st_size))  # type: ignore[arg-type]
+
+    async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
+        return await asyncio.to_thread(self._read, key, consume)
 
     async def delete(self, key: str) -> None:
         await self._run("delete", key, self._delete, key)
@@ -542,6 +603,21 @@ class S3Store:
 
     async def get_file(self, key: str, dest: Path) -> int:
         return await self._call("get", key, self._get, self._full(key), dest)
+
+    def _read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
+        full = self._full(key)
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=full)
+        except Exception as e:
+            raise self._translate("get", key, e) from e
+        body = resp["Body"]
+        try:
+            return consume(_Transfer(body, "get", key, resp.get("ContentLength")))  # type: ignore[arg-type]
+        finally:
+            body.close()
+
+    async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
+        return await asyncio.to_thread(self._read, key, consume)
 
     async def delete(self, key: str) -> None:
         await self._call("delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._full(key))

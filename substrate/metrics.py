@@ -48,7 +48,8 @@ BYTES_BUCKETS: tuple[float, ...] = tuple(float(1024 * 4**i) for i in range(12))
 #: ``kind`` of ``agent_substrate_cold_start_duration_seconds``
 COLD_START_KINDS: tuple[str, ...] = ("create", "resume")
 #: ``op`` of ``agent_substrate_snapshot_duration_seconds``
-SNAPSHOT_OPS: tuple[str, ...] = ("upload", "download", "pack", "unpack")
+#: (``restore``: download and unpack streamed together, the wake path; they overlap, so no split)
+SNAPSHOT_OPS: tuple[str, ...] = ("upload", "pack", "restore")
 #: ``reason`` of ``agent_substrate_suspensions_total``
 SUSPEND_REASONS: tuple[str, ...] = ("idle", "pressure", "explicit", "drain")
 #: ``reason`` values of ``agent_substrate_recoveries_total``: ``worker_lost`` (its worker died or its lease
@@ -80,7 +81,7 @@ ACTIVATION_DURATION_SECONDS = Histogram(
 
 RESUME_DURATION_SECONDS = Histogram(
     "agent_substrate_resume_duration_seconds",
-    "Time to resume a suspended session (RESUMING to RUNNING: download, unpack, restore, commit).",
+    "Time to resume a suspended session (RESUMING to RUNNING: restore of the snapshot, agent start, commit).",
     ["template"],
     buckets=LATENCY_BUCKETS,
 )
@@ -195,7 +196,7 @@ SNAPSHOT_BYTES = Histogram(
 
 SNAPSHOT_DURATION_SECONDS = Histogram(
     "agent_substrate_snapshot_duration_seconds",
-    "Time of one snapshot step, by template and op (upload|download|pack|unpack).",
+    "Time of one snapshot step, by template and op (upload|pack|restore).",
     ["template", "op"],
     buckets=LATENCY_BUCKETS,
 )

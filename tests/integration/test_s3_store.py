@@ -181,3 +181,77 @@ async def test_server_errors_are_store_unavailable(failing_endpoint: str, tmp_pa
             await store.get_file("k/a", tmp_path / "out")
     finally:
         store.close()
+
+
+async def test_restore_streams_a_snapshot_from_s3(s3_store: S3Store, tmp_path: Path) -> None:
+    from snapshot.commit import SnapshotManager
+    from substrate.models import SnapshotRef
+    from substrate.settings import SnapshotSettings
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "blob").write_bytes(os.urandom(3 * MiB))
+    _, size, sha = pack(ws, {"n": 2}, session="s1", epoch=4, template="t", out_path=tmp_path / "a")
+    key = snapshot_key("snaps", "s1", 4, 1)
+    await s3_store.put_file(key, tmp_path / "a")
+    mgr = SnapshotManager(s3_store, None, SnapshotSettings(), tmp_path / "tmp")  # type: ignore[arg-type]
+    ref = SnapshotRef(key=key, epoch=4, createdAt=0.0, sizeBytes=size, sha256=sha)
+    state = await mgr.restore("s1", ref, tmp_path / "restored", "t")
+    assert state == {"n": 2} and (tmp_path / "restored" / "blob").read_bytes() == (ws / "blob").read_bytes()
+    with pytest.raises(NotFound):
+        await s3_store.read("k/none", lambda f: f.read())
+
+
+@pytest.fixture
+def cutting_endpoint() -> Iterator[tuple[str, bytes]]:
+    """An S3 look-alike whose GET announces the whole object and drops the connection halfway."""
+    body = os.urandom(2 * MiB)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_download_cut_halfway_is_store_unavailable_not_a_corrupt_snapshot(
+        cutting_endpoint: tuple[str, bytes], tmp_path: Path) -> None:
+    # a corrupt verdict would make the activator restore an older snapshot and lose turns: a cut
+    # transfer must stay a store error (503, retried), and the workspace must stay as it was
+    from snapshot.commit import SnapshotManager
+    from substrate.models import SnapshotRef
+    from substrate.settings import SnapshotSettings
+
+    url, _ = cutting_endpoint
+    store = S3Store("some-bucket", endpoint_url=url, access_key_id="k", secret_access_key="s", max_attempts=1)
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "keep").write_text("precious")
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.read("k/a", lambda f: f.read())
+        mgr = SnapshotManager(store, None, SnapshotSettings(), tmp_path / "tmp")  # type: ignore[arg-type]
+        ref = SnapshotRef(key="k/a", epoch=1, createdAt=0.0, sizeBytes=2 * MiB, sha256="0" * 64)
+        with pytest.raises(StoreUnavailable):
+            await mgr.restore("s1", ref, live, "t")
+        assert [p.name for p in tmp_path.joinpath("live").parent.iterdir() if p.name.startswith(".live.")] == []
+        assert (live / "keep").read_text() == "precious" and sorted(os.listdir(live)) == ["keep"]
+    finally:
+        store.close()

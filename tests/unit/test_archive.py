@@ -18,8 +18,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from snapshot.archive import MANIFEST_MEMBER, STATE_MEMBER, Manifest, pack, unpack
-from substrate.errors import SnapshotCorrupt
+from snapshot.archive import MANIFEST_MEMBER, STATE_MEMBER, Manifest, pack, unpack, unpack_stream
+from substrate.errors import SnapshotCorrupt, StoreUnavailable
 
 STATE = {"count": 3, "history": ["a", "b"], "nested": {"x": None, "y": 1.5}}
 
@@ -510,3 +510,72 @@ def test_restored_entries_belong_to_the_owner_as_they_are_made(tmp_path: Path) -
     assert {(p.lstat().st_uid, p.lstat().st_gid) for p in entries} == {(29999, 29999)}
     unpack(tmp_path / "a", tmp_path / "r2", expect_session="sess-1", expect_sha256=sha)  # no owner: ours
     assert {p.lstat().st_uid for p in [tmp_path / "r2", *(tmp_path / "r2").rglob("*")]} == {os.geteuid()}
+
+
+# ----------------------------------------------------------------------------------- streamed restore
+
+
+class _Cut:
+    """A source that gives ``good`` bytes, then fails as a dropped connection does (the store's stream
+    raises ``StoreUnavailable`` from ``read``)."""
+
+    def __init__(self, data: bytes, good: int) -> None:
+        self.data, self.good, self.pos = data, good, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos >= self.good:
+            raise StoreUnavailable("connection lost mid-body")
+        n = self.good - self.pos if n < 0 else min(n, self.good - self.pos)
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def test_unpack_stream_round_trips_and_replaces_the_workspace(tmp_path: Path, existing: Path) -> None:
+    ws = make_workspace(tmp_path)
+    manifest, _, sha = pack_ws(ws, tmp_path / "a")
+    got, state = unpack_stream(io.BytesIO((tmp_path / "a").read_bytes()), existing, expect_session="sess-1",
+                               expect_sha256=sha)
+    assert got == manifest and state == STATE and tree(existing) == tree(ws)
+    assert [p.name for p in existing.parent.iterdir() if p.name.startswith(".live.")] == []
+
+
+def test_unpack_stream_checks_the_sha256_before_the_swap(tmp_path: Path, existing: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_bytes(os.urandom(300_000))  # incompressible: zstd stores it, a flip stays a flip
+    _, _, sha = pack_ws(ws, tmp_path / "a")
+    data = bytearray((tmp_path / "a").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    before = tree(existing)
+    with pytest.raises(SnapshotCorrupt) as info:
+        unpack_stream(io.BytesIO(bytes(data)), existing, expect_session="sess-1", expect_sha256=sha)
+    assert info.value.details["reason"] == "checksum_mismatch"
+    assert_untouched(existing, before)
+
+
+def test_unpack_stream_refuses_another_sessions_archive(tmp_path: Path, existing: Path) -> None:
+    _, _, sha = pack_ws(make_workspace(tmp_path), tmp_path / "a", session="other")
+    before = tree(existing)
+    with pytest.raises(SnapshotCorrupt) as info:
+        unpack_stream(io.BytesIO((tmp_path / "a").read_bytes()), existing, expect_session="sess-1",
+                      expect_sha256=sha)
+    assert info.value.details["reason"] == "foreign_session"
+    assert_untouched(existing, before)
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 0.999])
+def test_a_transfer_cut_mid_stream_is_the_stores_error_not_a_corrupt_snapshot(
+        tmp_path: Path, existing: Path, where: float) -> None:
+    # a corrupt verdict makes the activator fall back to an older snapshot (losing turns); a cut
+    # download must stay a store error, retried later, whatever the extractor was doing when it came
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_bytes(os.urandom(300_000))
+    _, _, sha = pack_ws(ws, tmp_path / "a")
+    data = (tmp_path / "a").read_bytes()
+    before = tree(existing)
+    with pytest.raises(StoreUnavailable):
+        unpack_stream(_Cut(data, int(len(data) * where)), existing, expect_session="sess-1",  # type: ignore[arg-type]
+                      expect_sha256=sha)
+    assert_untouched(existing, before)

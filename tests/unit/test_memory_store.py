@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 from pathlib import Path
 
@@ -181,3 +182,45 @@ def test_make_store_picks_the_adapter(tmp_path: Path) -> None:
     assert s3.bucket == "my-bucket" and s3.multipart_threshold_bytes == 6 << 20
     assert isinstance(s3, ObjectStore) and isinstance(MemoryStore(), ObjectStore)
     s3.close()
+
+
+async def test_read_streams_the_object_to_the_consumer(store: ObjectStore, blob: Path) -> None:
+    await store.put_file("snaps/s1/a.tar.zst", blob)
+    chunks: list[bytes] = []
+
+    def consume(f: object) -> str:
+        while chunk := f.read(65536):  # type: ignore[attr-defined]
+            chunks.append(chunk)
+        return "done"
+
+    assert await store.read("snaps/s1/a.tar.zst", consume) == "done"
+    assert b"".join(chunks) == blob.read_bytes() and len(chunks) > 1  # handed over in pieces
+
+
+async def test_read_of_a_missing_key_is_not_found_and_never_calls_the_consumer(store: ObjectStore) -> None:
+    called = []
+    with pytest.raises(NotFound) as info:
+        await store.read("nope/missing", called.append)
+    assert info.value.code == "snapshot_missing" and called == []
+
+
+async def test_read_passes_the_consumers_own_errors_through(store: ObjectStore, blob: Path) -> None:
+    await store.put_file("k/a", blob)
+
+    def consume(f: object) -> None:
+        raise OSError(28, "No space left on device")  # a local failure, not the store's
+
+    with pytest.raises(OSError) as info:
+        await store.read("k/a", consume)
+    assert not isinstance(info.value, StoreUnavailable) and info.value.errno == 28
+
+
+def test_a_stream_that_ends_short_is_the_stores_error() -> None:
+    from snapshot.store import _Transfer
+
+    t = _Transfer(io.BytesIO(b"x" * 10), "get", "k/a", expected_bytes=25)
+    assert t.read(100) == b"x" * 10
+    with pytest.raises(StoreUnavailable, match="short read: 10 of 25"):
+        t.read(100)
+    whole = _Transfer(io.BytesIO(b"y" * 10), "get", "k/a", expected_bytes=10)
+    assert whole.read(100) == b"y" * 10 and whole.read(100) == b""
