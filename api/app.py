@@ -196,6 +196,14 @@ async def _no_body(request: Request) -> None:
                            code="invalid_input")
 
 
+def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response:
+    """An error answer built here rather than raised, written as every error body is
+    (``proxy.error_response``: ``substrate.errors.error_json``, compact JSON)."""
+    e = SubstrateError(message, code=code, details=details)
+    e.status = status
+    return proxy.error_response(e)
+
+
 def _check_id(sid: str) -> str:
     if not SESSION_ID_RE.fullmatch(sid):
         raise InvalidInput(f"malformed session id {clip(sid)}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
@@ -327,7 +335,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 _check_body(request, await request.body())
             except SubstrateError as bad:
                 return proxy.error_response(bad)
-            return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
+            return _error(400, "bad_json", "body is not valid JSON")
         if request.method in ("POST", "PUT", "PATCH"):
             # what is not JSON is told as on invoke (400 bad_json) before what the JSON lacks (422):
             # FastAPI's parser takes NaN and Infinity and calls an empty body a missing field (fresh-user run)
@@ -337,14 +345,12 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             except SubstrateError as bad:
                 return proxy.error_response(bad)
             if not body.strip() and any(tuple(er.get("loc", ())) == ("body",) for er in e.errors()):
-                return JSONResponse({"code": "bad_json", "message": "the body is empty: send a JSON object"},
-                                    status_code=400)
+                return _error(400, "bad_json", "the body is empty: send a JSON object")
         # loc holds client keys (a label's name): echoed clipped, like every input in a message
         errs = [{"loc": [p if isinstance(p, int) else clip(p, quote=False) for p in er.get("loc", ())],
                  "msg": clip(er.get("msg", ""), 300, quote=False)} for er in e.errors()]
         msg = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in errs)
-        return JSONResponse({"code": "invalid_input", "message": msg or "invalid request",
-                             "details": {"errors": errs}}, status_code=422)
+        return _error(422, "invalid_input", msg or "invalid request", {"errors": errs})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -355,9 +361,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 _check_body(request, await request.body())
             except SubstrateError as bad:
                 return proxy.error_response(bad)
-            return JSONResponse({"code": "bad_json", "message": "body is not valid JSON"}, status_code=400)
+            return _error(400, "bad_json", "body is not valid JSON")
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return JSONResponse({"code": code, "message": str(e.detail)}, status_code=e.status_code)
+        return _error(e.status_code, code, str(e.detail))
 
     v1 = [Depends(_auth)]
 
@@ -621,8 +627,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         ready = [w.pool for w in rt.view.workers.values() if w.state.value == "READY"]
         short = [p.name for p in rt.catalog.pools.values() if ready.count(p.name) < desired_replicas(p.spec, 0)]
         if short:  # a pool that may scale to zero is ready without workers
-            return JSONResponse({"code": "no_workers", "message": f"pools without their ready workers: {short}"},
-                                status_code=503)
+            return _error(503, "no_workers", f"pools without their ready workers: {short}")
         return JSONResponse({"status": "ready"})
 
     def _openapi() -> dict[str, Any]:

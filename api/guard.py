@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import re
 import time
 from typing import Any, Awaitable, Callable
@@ -44,7 +43,7 @@ from urllib.parse import parse_qsl
 
 from starlette.datastructures import Headers
 
-from substrate.errors import SubstrateError, clip
+from substrate.errors import SubstrateError, clip, error_json
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -77,7 +76,7 @@ def request_id_of(scope: Scope) -> str | None:
 async def _answer(send: Send, status: int, code: str, message: str,
                   extra: list[tuple[bytes, bytes]] | None = None, *, scope: Scope | None = None,
                   details: dict[str, Any] | None = None) -> None:
-    body = json.dumps({"code": code, "message": message, **({"details": details} if details else {})}).encode()
+    body = error_json({"code": code, "message": message, **({"details": details} if details else {})}).encode()
     rid = request_id_of(scope) if scope is not None else None
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

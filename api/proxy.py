@@ -52,6 +52,7 @@ from substrate.errors import (
     UnsupportedMediaType,
     WorkerUnavailable,
     clip,
+    error_json,
 )
 from substrate.models import SESSION_ID_RE
 from substrate.workerclient import IDEMPOTENCY_HEADER
@@ -136,14 +137,13 @@ def public_error(e: SubstrateError) -> SubstrateError:
 
 def error_response(e: SubstrateError) -> Response:
     """Render an error as ``{"code","message"[,"details"]}`` JSON with its status and Retry-After; a
-    worker-internal code is first turned into its public counterpart (``public_error``)."""
-    import json
-
+    worker-internal code is first turned into its public counterpart (``public_error``). Every error
+    body of the API is written this way (``substrate.errors.error_json``: compact JSON)."""
     e = public_error(e)
     headers = dict(_JSON)
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
-    return Response(json.dumps(e.to_dict()), status_code=e.status, headers=headers)
+    return Response(e.to_json(), status_code=e.status, headers=headers)
 
 
 # the X-Request-ID rule lives with the front door (``api.guard``), which echoes a valid one on its own answers
@@ -559,7 +559,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 err, status = pub.to_dict(), pub.status
             else:
                 status = resp.status
-            return Response(json.dumps(err), status_code=status, headers={**_JSON, "X-Request-ID": rid})
+            return Response(error_json(err), status_code=status, headers={**_JSON, "X-Request-ID": rid})
         extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
         for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At", "X-Substrate-Replayed"):
             if h in resp.headers:
@@ -616,7 +616,7 @@ def _request_id_key_reused(data: bytes, rid: str) -> bytes:
         return data
     err["message"] = (f"X-Request-ID {clip(rid)} was used as the idempotency key (no Idempotency-Key was sent) "
                       "for a turn with another body: send a new X-Request-ID, or an Idempotency-Key, per turn")
-    return json.dumps(err).encode()
+    return error_json(err).encode()
 
 
 def _deleted(sid: str) -> SessionDeleted:
@@ -654,7 +654,7 @@ async def _relay(resp: aiohttp.ClientResponse, runtime: "Runtime", sid: str) -> 
         if rest:
             yield rest
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
-        yield rest + b'{"error": {"code": "worker_unavailable", "message": "worker failed mid-stream"}}\n'
+        yield rest + b'{"error":{"code":"worker_unavailable","message":"worker failed mid-stream"}}\n'
     finally:
         resp.release()
 
@@ -674,6 +674,6 @@ async def _deleted_line(lines: bytes, runtime: "Runtime", sid: str) -> bytes:
             except (ValueError, KeyError, TypeError):
                 code = None
             if code in _STREAM_KILLED and not await _exists(runtime, sid):
-                line = json.dumps({"error": _deleted(sid).to_dict()}).encode()
+                line = error_json({"error": _deleted(sid).to_dict()}).encode()
         out.append(line)
     return b"\n".join(out)

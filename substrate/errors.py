@@ -7,6 +7,7 @@ renders them as ``{"code", "message", "details"}`` JSON with the status, adding 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 #: how much of a client's input an error message echoes back (a 20 KB ID is not sent back whole)
@@ -21,6 +22,19 @@ def clip(value: object, limit: int = ECHO_LIMIT, *, quote: bool = True) -> str:
     head = text[:limit] if cut else text
     out = repr(head) if quote else head.encode("utf-8", "backslashreplace").decode("utf-8")
     return f"{out}... ({len(text)} characters)" if cut else out
+
+
+#: the one encoder of every error body (router, front door, worker, header timeout): compact, as FastAPI
+#: writes its own answers (``{"code":"x","message":"y"}``, no spaces), and ASCII (other characters
+#: escaped), so no message can hold bytes that are not UTF-8. A module-level encoder: ``json.dumps`` with
+#: ``separators`` would build one per call
+_ERROR_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
+def error_json(doc: Any) -> str:
+    """``doc`` (an error body, ``{"code","message"[,"details"]}``, or a stream's ``{"error": ...}`` line)
+    in the one format every error of the API has: compact JSON, ASCII only."""
+    return _ERROR_ENCODER.encode(doc)
 
 
 class SubstrateError(Exception):
@@ -45,6 +59,10 @@ class SubstrateError(Exception):
         if self.details:
             body["details"] = self.details
         return body
+
+    def to_json(self) -> bytes:
+        """The error's body as the API sends it (``error_json`` of ``to_dict``)."""
+        return error_json(self.to_dict()).encode()
 
 
 class InvalidInput(SubstrateError):

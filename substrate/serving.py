@@ -5,7 +5,6 @@ signals (:class:`Server`) and a time and size limit on reading a request's head
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import Callable
@@ -14,6 +13,8 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from substrate.errors import error_json
 
 #: a stop signal repeated within this many seconds of the first is the same stop request
 REPEAT_SIGNAL_WINDOW_S = 1.0
@@ -84,7 +85,7 @@ class Server(uvicorn.Server):
 
 
 def _closing_answer(status: bytes, code: str, message: str) -> bytes:
-    body = json.dumps({"code": code, "message": message}).encode()
+    body = error_json({"code": code, "message": message}).encode()
     return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 

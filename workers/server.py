@@ -81,6 +81,7 @@ from substrate.errors import (
     StaleEpoch,
     StateLoadFailed,
     SubstrateError,
+    error_json,
 )
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
@@ -203,7 +204,7 @@ def keep_answer(answers: "OrderedDict[str, StoredAnswer]", key: str, answer: "St
 
 
 def _not_kept(status: int, size: int, budget: int) -> str:
-    return json.dumps({"code": "answer_not_kept", "message": (
+    return error_json({"code": "answer_not_kept", "message": (
         f"the turn with this Idempotency-Key already ran (it answered {status}); its {size}-byte answer was "
         f"not kept (over the worker's {budget}-byte replay budget, worker.answer_keep_bytes), and the turn "
         "is not run again")})
@@ -213,7 +214,7 @@ def _error(exc: SubstrateError, status: int | None = None) -> web.Response:
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
-    return web.json_response(exc.to_dict(), status=status or exc.status, headers=headers)
+    return web.json_response(exc.to_dict(), status=status or exc.status, headers=headers, dumps=error_json)
 
 
 @contextlib.asynccontextmanager
@@ -985,7 +986,7 @@ class Worker:
         """Record an agent's failed turn as the answer of ``key`` (it ran: a retry must not run it again)."""
         if key is not None:
             status = 422 if e.code == "agent_error" else e.status
-            self._store_answer(act, key, status, json.dumps(e.to_dict()), digest)
+            self._store_answer(act, key, status, error_json(e.to_dict()), digest)
         return e
 
     async def _stream_turn(self, request: web.Request, act: Activation, input: Any, key: str | None,  # noqa: A002
@@ -1020,7 +1021,7 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
                 code = "agent_error" if isinstance(e, AgentError) else e.code if isinstance(e, TurnFailed) \
                     else "agent_crashed"
-                await emit(json.dumps({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
+                await emit(error_json({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
                 if act.agent.dead:
                     await self._end_dead(act, f"{code}: {e}")
         finally:

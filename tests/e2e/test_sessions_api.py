@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import json
 import uuid
 
 import httpx
@@ -213,6 +214,45 @@ def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status
     assert r.status_code == status, r.text
     assert r.json()["code"] == code and r.json()["message"]
     assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
+
+
+def _one_format(raw: bytes) -> bytes:
+    """``raw`` JSON written as every error body is: compact (no spaces after ``,`` and ``:``), ASCII."""
+    return json.dumps(json.loads(raw), separators=(",", ":")).encode()
+
+
+def test_every_error_body_has_one_json_format(shared_runtime):
+    """Error bodies were written two ways: ``{"code":"x",...}`` by FastAPI's answers (validation, 404 of
+    an unknown route, 405) and ``{"code": "x", ...}`` by the router's own (a session's 404, the front
+    door's 422, bad JSON), the worker's (an agent's error) and a stream's error line. Now all compact."""
+    c = shared_runtime.client
+    sid = c.create_session("counter")["id"]
+    J = {"content-type": "application/json"}
+    calls = [
+        ("GET", "/v1/sessions/nope-does-not-exist", None, 404, "session_not_found"),
+        ("POST", "/v1/sessions/nope-does-not-exist/invoke", b'{"input": 1}', 404, "session_not_found"),
+        ("GET", "/v1/sessions/Bad_ID", None, 422, "invalid_session_id"),
+        ("POST", "/v1/sessions", b"{}", 422, "invalid_input"),
+        ("POST", "/v1/sessions", b"{x", 400, "bad_json"),
+        ("POST", f"/v1/sessions/{sid}/invoke", b"{x", 400, "bad_json"),
+        ("PUT", "/v1/sessions", None, 405, "method_not_allowed"),
+        ("GET", "/v1/nothing-here", None, 404, "not_found"),
+        ("GET", "/v1/sessions?limit=1&limit=2", None, 422, "invalid_input"),
+        ("POST", "/v1/sessions", b'{"actorTemplate": "counter"}', 415, "unsupported_media_type"),
+        ("POST", f"/v1/sessions/{sid}/invoke", b'{"input": "explode"}', 422, "agent_error"),  # the worker's
+        ("POST", f"/v1/sessions/{sid}/suspend", b'{"a": 1}', 422, "invalid_input"),
+    ]
+    for method, path, body, status, code in calls:
+        headers = {} if code == "unsupported_media_type" else J
+        r = c.http.request(method, path, content=body, headers=headers if body else {})
+        assert (r.status_code, r.json()["code"]) == (status, code), (method, path, r.text)
+        assert r.content == _one_format(r.content), (method, path, r.content)
+    with c.http.stream("POST", f"/v1/sessions/{sid}/invoke", params={"stream": "1"},
+                       json={"input": "explode"}) as r:
+        lines = [line for line in r.iter_bytes() for line in line.splitlines() if line]
+    assert r.status_code == 200 and json.loads(lines[-1])["error"]["code"] == "agent_error", lines
+    assert lines[-1] == _one_format(lines[-1]), lines
+    c.delete_session(sid)
 
 
 @pytest.mark.parametrize("state", ["NAPPING", "running"])
