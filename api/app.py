@@ -12,6 +12,7 @@ one, in every route; admins see all. Each state-changing call leaves one audit r
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -22,6 +23,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
@@ -196,12 +198,43 @@ async def _no_body(request: Request) -> None:
                            code="invalid_input")
 
 
-def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response:
+def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None,
+           headers: dict[str, str] | None = None) -> Response:
     """An error answer built here rather than raised, written as every error body is
     (``proxy.error_response``: ``substrate.errors.error_json``, compact JSON)."""
     e = SubstrateError(message, code=code, details=details)
     e.status = status
-    return proxy.error_response(e)
+    resp = proxy.error_response(e)
+    resp.headers.update(headers or {})
+    return resp
+
+
+#: the order of the methods in an ``Allow`` header
+_METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(routes: list[Any], scope: dict[str, Any]) -> str:
+    """The ``Allow`` header of the request's path: the methods of every route serving it (one path can be
+    served by several routes, e.g. GET and DELETE ``/v1/sessions/{sid}``), HEAD with GET, and OPTIONS."""
+    methods = {"OPTIONS"}
+    for r in routes:
+        if isinstance(r, Route) and r.methods and r.matches(scope)[0] != Match.NONE:
+            methods |= r.methods
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join([m for m in _METHOD_ORDER if m in methods] + sorted(methods - set(_METHOD_ORDER)))
+
+
+def _schema_routes(routes: list[Any]) -> list[Any]:
+    """``routes`` as the OpenAPI document shows them: without the HEAD each GET route also answers
+    (``create_app``), which would double every GET operation (under the same operation ID)."""
+    out = []
+    for r in routes:
+        if isinstance(r, APIRoute) and "HEAD" in r.methods:
+            r = copy.copy(r)
+            r.methods = r.methods - {"HEAD"}
+        out.append(r)
+    return out
 
 
 def _check_id(sid: str) -> str:
@@ -362,8 +395,17 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             except SubstrateError as bad:
                 return proxy.error_response(bad)
             return _error(400, "bad_json", "body is not valid JSON")
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return _error(e.status_code, code, str(e.detail))
+        if e.status_code == 405:
+            # the path exists; the method is not one of its routes'. OPTIONS asks which ones are: 204 with
+            # the Allow header (no CORS here: a preflight gets no Access-Control-* headers). A 405 carries
+            # the same Allow header (RFC 9110 15.5.6), listing every route of the path, not the first one's
+            allow = allowed_methods(app.router.routes, request.scope)
+            if request.method == "OPTIONS":
+                return Response(status_code=204, headers={"Allow": allow})
+            return _error(405, "method_not_allowed", f"{request.method} is not allowed here: use {allow}",
+                          headers={"Allow": allow})
+        code = {404: "not_found"}.get(e.status_code, "http_error")
+        return _error(e.status_code, code, str(e.detail), headers=e.headers)
 
     v1 = [Depends(_auth)]
 
@@ -630,12 +672,20 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             return _error(503, "no_workers", f"pools without their ready workers: {short}")
         return JSONResponse({"status": "ready"})
 
+    # HEAD on every GET route answers as GET does, without the body (the server drops it: uvicorn sends
+    # no body to a HEAD), as Starlette's own routes do; FastAPI's answer 405. Added to the routes, so
+    # the invoke hot path does nothing more per request
+    for r in app.router.routes:
+        if isinstance(r, APIRoute) and "GET" in r.methods:
+            r.methods.add("HEAD")
+
     def _openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
         from fastapi.openapi.utils import get_openapi
 
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=_schema_routes(app.routes))
         schema["paths"]["/v1/sessions/{sid}/invoke"] = {"post": {
             "tags": ["sessions"], "summary": "Invoke a session (wakes it if suspended)",
             "description": "Body `{\"input\": ...}` -> 200 `{\"output\": ...}`. `?stream=true` answers "

@@ -21,7 +21,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                                   "(`Sec-Fetch-Site`, `Origin`): a web page may not drive the API"),
     "not_found": (404, "no such route"),
     "session_not_found": (404, "no such session, or it belongs to another tenant (same answer on purpose)"),
-    "method_not_allowed": (405, "wrong HTTP method"),
+    "method_not_allowed": (405, "wrong HTTP method; the `Allow` header lists the path's methods"),
     "request_timeout": (408, "the body did not arrive within `api.body_read_timeout_s` of the request's headers, "
                              "or the headers within `api.header_read_timeout_s` of its first byte; "
                              "the connection is closed"),

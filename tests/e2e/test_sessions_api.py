@@ -255,6 +255,38 @@ def test_every_error_body_has_one_json_format(shared_runtime):
     c.delete_session(sid)
 
 
+def test_head_and_options_answer_and_a_405_says_what_is_allowed(shared_runtime):
+    """HEAD and OPTIONS were 405 on every route, and no 405 carried ``Allow``. HEAD on a GET route answers
+    as GET without the body; OPTIONS is 204 with ``Allow`` listing every method of the path (GET and
+    DELETE ``/v1/sessions/{id}`` are two routes); a 405 carries the same ``Allow`` (RFC 9110)."""
+    c = shared_runtime.client
+    sid = c.create_session("counter")["id"]
+    for path in (f"/v1/sessions/{sid}", "/v1/sessions", f"/v1/sessions/{sid}/events", "/v1/workerpools", "/healthz"):
+        g, h = c.http.get(path), c.http.head(path)
+        assert (g.status_code, h.status_code) == (200, 200), (path, h.text)
+        assert h.content == b"" and h.headers["content-type"] == g.headers["content-type"] == "application/json"
+    assert c.http.head("/healthz").headers["content-length"] == c.http.get("/healthz").headers["content-length"]
+    h = c.http.head("/v1/sessions/nope-does-not-exist")
+    assert h.status_code == 404 and h.content == b"" and int(h.headers["content-length"]) > 0
+    allow = {"/v1/sessions": "GET, HEAD, POST, OPTIONS",
+             f"/v1/sessions/{sid}": "GET, HEAD, DELETE, OPTIONS",
+             f"/v1/sessions/{sid}/invoke": "POST, OPTIONS",
+             f"/v1/sessions/{sid}/suspend": "POST, OPTIONS",
+             "/healthz": "GET, HEAD, OPTIONS"}
+    for path, methods in allow.items():
+        o = c.http.options(path)
+        assert o.status_code == 204 and o.headers["allow"] == methods and o.content == b"", (path, o.text)
+        r = c.http.put(path)
+        assert r.status_code == 405 and r.json()["code"] == "method_not_allowed", (path, r.text)
+        assert r.headers["allow"] == methods and methods in r.json()["message"], path
+    r = c.http.get(f"/v1/sessions/{sid}/invoke")
+    assert r.status_code == 405 and r.headers["allow"] == "POST, OPTIONS"
+    r = c.http.options("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    assert c.invoke(sid, "get") == {"count": 0} and c.get_session(sid)["state"] == "RUNNING", "nothing ran"
+    c.delete_session(sid)
+
+
 @pytest.mark.parametrize("state", ["NAPPING", "running"])
 def test_an_unknown_list_state_names_the_states_a_listing_shows(shared_runtime, state):
     """FastAPI's enum error offered DELETED too, which a listing never shows (that one has its own message)."""
