@@ -26,7 +26,11 @@ every ``/v1/`` request:
    browsers send neither header;
 5. a query parameter given more than once (``?limit=5&limit=7``) -> 422 ``invalid_input`` naming it:
    every ``/v1/`` parameter takes one value, and FastAPI would silently keep one of them;
-6. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
+6. an encoded slash (``%2F``) in the path: the server decodes it before routing, so
+   ``POST /v1/sessions/abc%2Finvoke`` ran a turn of session ``abc``. A session ID cannot hold ``/``: in the
+   session ID's segment it is 422 ``invalid_session_id``, anywhere else 404 ``not_found`` (no route has
+   one), and nothing is done. The check costs the hot path one byte search (``%`` in the raw path);
+7. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
    by uvicorn, which would answer a plain-text 500 (a fresh-user run: SIGTERM during a 25 s shell turn);
    it gets 503 ``router_stopping`` in JSON with ``Retry-After`` instead: the turn may have run, and a
    retry with the same ``Idempotency-Key`` is answered from its kept answer, never run twice.
@@ -39,7 +43,7 @@ import hmac
 import re
 import time
 from typing import Any, Awaitable, Callable
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 from starlette.datastructures import Headers
 
@@ -87,7 +91,7 @@ async def _answer(send: Send, status: int, code: str, message: str,
 
 async def _until_stopped(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
     """Run ``app``; if the server cancels it (shutdown past its graceful time) before it began its
-    answer, answer 503 ``router_stopping`` (see the module docstring, 4) and end the request there."""
+    answer, answer 503 ``router_stopping`` (see the module docstring, 7) and end the request there."""
     started = False
 
     async def tracking(msg: Message) -> None:
@@ -156,6 +160,21 @@ def repeated_param(query_string: bytes) -> str | None:
     return None
 
 
+def encoded_slash(raw_path: bytes) -> tuple[int, str] | None:
+    """The first segment of ``raw_path`` (the path as sent, before percent-decoding) that holds an encoded
+    slash (``%2F``), as (its index in ``raw_path.split(b"/")``, the segment decoded); None if none does."""
+    if b"%2f" not in raw_path.lower():
+        return None
+    for i, seg in enumerate(raw_path.split(b"/")):
+        if b"%2f" in seg.lower():
+            return i, unquote(seg.decode("latin-1"))
+    return None
+
+
+#: the index of the session ID's segment in ``/v1/sessions/{sid}...`` split at ``/``
+_SID_SEGMENT = 3
+
+
 class Guard:
     """ASGI middleware; ``get_settings(scope)`` gives the settings per request (the runtime's)."""
 
@@ -194,6 +213,17 @@ class Guard:
             msg = "given more than once: this parameter takes one value"
             await _answer(send, 422, "invalid_input", f"query.{clip(name, 64, quote=False)}: {msg}", scope=scope,
                           details={"errors": [{"loc": ["query", clip(name, 64, quote=False)], "msg": msg}]})
+            return
+        raw = scope.get("raw_path")
+        if raw and b"%" in raw and (slash := encoded_slash(raw)) is not None:  # the hot path: one search
+            i, seg = slash
+            if i == _SID_SEGMENT and raw.startswith(b"/v1/sessions/"):
+                await _answer(send, 422, "invalid_session_id",
+                              f"malformed session id {clip(seg)}: a session ID cannot hold '/' (sent as %2F); "
+                              "use [a-z0-9][a-z0-9-_.]{0,127}", scope=scope)
+            else:
+                await _answer(send, 404, "not_found", f"no route has an encoded slash (%2F) in a path segment: "
+                              f"{clip(seg)}", scope=scope)
             return
         limit = int(api.max_body_bytes)
         cl = headers.get(b"content-length")

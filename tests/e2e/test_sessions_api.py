@@ -287,6 +287,30 @@ def test_head_and_options_answer_and_a_405_says_what_is_allowed(shared_runtime):
     c.delete_session(sid)
 
 
+def test_an_encoded_slash_is_part_of_the_session_id_not_a_separator(shared_runtime):
+    """``%2F`` in a session's path segment was decoded before routing: ``POST /v1/sessions/abc%2Finvoke``
+    ran a turn of ``abc``, ``%2Fsuspend`` suspended it. A session ID cannot hold '/': 422
+    ``invalid_session_id`` (as any malformed ID), and nothing is done; elsewhere in a path 404."""
+    c = shared_runtime.client
+    sid = c.create_session("counter")["id"]
+    for method, path, body in [("POST", f"/v1/sessions/{sid}%2Finvoke", {"input": "increment"}),
+                               ("POST", f"/v1/sessions/{sid}%2finvoke?stream=1", {"input": "increment"}),
+                               ("POST", f"/v1/sessions/{sid}%2Fsuspend", None),
+                               ("POST", f"/v1/sessions/{sid}%2Fresume", None),
+                               ("DELETE", f"/v1/sessions/{sid}%2F", None),
+                               ("GET", f"/v1/sessions/{sid}%2Fevents", None),
+                               ("GET", "/v1/sessions/a%2Fb", None)]:
+        r = c.http.request(method, path, json=body)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_session_id", (method, path, r.text)
+        assert "cannot hold '/'" in r.json()["message"]
+    for path in ("/v1%2Fsessions", f"/v1/sessions/{sid}/events%2Fx"):
+        r = c.http.get(path)
+        assert r.status_code == 404 and r.json()["code"] == "not_found", (path, r.text)
+    got = c.get_session(sid)
+    assert got["state"] == "RUNNING" and got["epoch"] == 1 and c.invoke(sid, "get") == {"count": 0}, "nothing ran"
+    c.delete_session(sid)
+
+
 @pytest.mark.parametrize("state", ["NAPPING", "running"])
 def test_an_unknown_list_state_names_the_states_a_listing_shows(shared_runtime, state):
     """FastAPI's enum error offered DELETED too, which a listing never shows (that one has its own message)."""
