@@ -494,7 +494,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=v1, tags=["sessions"])
     async def delete_session(sid: str, request: Request) -> Response:
-        """End the session wherever it is and delete its record and snapshots."""
+        """End the session wherever it is and delete its record and snapshots. Not idempotent: a session
+        already deleted is 404 ``session_not_found``, and of concurrent DELETEs exactly one answers 204."""
         rt = _rt(request)
         rec = await _owned(rt, sid, _principal(request))
         await _audited(rt, "delete", rec, lambda: rt.activator.delete(sid, snapshot_gc=rt.snapshot_gc))

@@ -97,6 +97,8 @@ _WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
 #: snapshot_corrupt: the newest snapshot was set aside and the previous good one is used
 _LOSSY = ("worker_lost", "deadline", "activation_lost", "agent_restarted", "snapshot_corrupt")
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
+#: every state but DELETED: what a delete may move to DELETED (``Activator.delete``)
+_NOT_DELETED = tuple(s for s in SessionState if s != SessionState.DELETED)
 #: codes of an automatic suspend that was skipped, not attempted (mid-turn, moved on, gone): no audit record
 _SKIPPED = ("busy", "invalid_state", "not_active", "stale_epoch", "conflict")
 
@@ -1207,10 +1209,13 @@ class Activator:
         await self.record("suspend", rec, reason=reason, result=code, who=SYSTEM)
 
     async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None) -> None:
-        """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``)."""
+        """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``).
+        Of concurrent deletes one does it and the others get ``NotFound``, as a delete after it does (the
+        move to DELETED is a compare-and-set from any other state: both of two deletes that read the
+        record before either marked it answered 204, and each released its slot and quota)."""
         rec = await self.directory.get_session(sid)
-        cas = await self.directory.transition(sid, to=SessionState.DELETED, bump=True)
-        if not cas.found:
+        cas = await self.directory.transition(sid, from_states=_NOT_DELETED, to=SessionState.DELETED, bump=True)
+        if not cas.ok:  # gone, or marked DELETED by a concurrent delete (or an undone create)
             raise NotFound(f"session {sid!r} not found", code="session_not_found")
         if rec.worker:
             address = await self._worker_address(rec.worker)

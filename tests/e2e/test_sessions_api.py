@@ -311,6 +311,19 @@ def test_an_encoded_slash_is_part_of_the_session_id_not_a_separator(shared_runti
     c.delete_session(sid)
 
 
+def test_of_two_concurrent_deletes_one_is_204_and_the_other_404(shared_runtime):
+    """DELETE is not idempotent (a second one is 404): two at once both answered 204 (a fresh-user run).
+    The deterministic race is tests/integration/test_delete_race.py; this is the API's side of it."""
+    c = shared_runtime.client
+    with cf.ThreadPoolExecutor(2) as ex:
+        for _ in range(3):
+            sid = c.create_session("counter")["id"]
+            rs = list(ex.map(lambda _: c.http.delete(f"/v1/sessions/{sid}"), range(2)))
+            assert sorted(r.status_code for r in rs) == [204, 404], [r.text for r in rs]
+            assert next(r for r in rs if r.status_code == 404).json()["code"] == "session_not_found"
+            assert c.http.delete(f"/v1/sessions/{sid}").status_code == 404
+
+
 @pytest.mark.parametrize("state", ["NAPPING", "running"])
 def test_an_unknown_list_state_names_the_states_a_listing_shows(shared_runtime, state):
     """FastAPI's enum error offered DELETED too, which a listing never shows (that one has its own message)."""

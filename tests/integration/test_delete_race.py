@@ -1,0 +1,83 @@
+"""Two concurrent DELETEs of one session (a fresh-user run: both answered 204). DELETE is not idempotent
+here (README: a DELETE of a session that is gone is 404 ``session_not_found``), so of two racing ones
+exactly one deletes and the other is told 404, whichever order their steps interleave in: against a real
+Redis, two activators (two routers) and an in-memory fake of the workers' internal API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from substrate.activator import Activator, WorkerView
+from substrate.audit import AuditLog
+from substrate.directory import Directory
+from substrate.errors import NotFound
+from substrate.models import SessionRecord, SessionState, WorkerRecord
+from substrate.settings import Settings
+from tests.integration.test_audit_once import CATALOG
+
+
+class Workers:
+    def __init__(self) -> None:
+        self.deactivated: list[tuple[str, int | None]] = []
+
+    async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
+        self.deactivated.append((session, epoch))
+
+
+@pytest.fixture
+async def directory(redis_url: str):
+    d = Directory(redis_url, f"dr{uuid.uuid4().hex[:8]}")
+    yield d
+    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
+        await d.redis.delete(key)
+    await d.close()
+
+
+async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(directory: Directory) -> None:
+    """Both deletes read the record RUNNING before either marks it DELETED (the window the fresh-user run
+    hit): the second one's move to DELETED must fail, not bump the epoch again, deactivate again and
+    release the slot and quota a second time."""
+    d = directory
+    now = time.time()
+    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                         leaseExpiresAt=now + 60, startedAt=now))
+    slot = await d.claim_slot("w1", "s1")
+    await d.create_session(SessionRecord(id="s1", state=SessionState.RUNNING, actorTemplate="counter",
+                                         pool="default", tenant="team-a", epoch=2, worker="w1", slot=slot,
+                                         createdAt=now, updatedAt=now, lastActiveAt=now))
+    settings = Settings()
+    audit = AuditLog(d.redis, d.keys, settings.audit)
+    workers = Workers()
+    routers = []
+    for _ in range(2):
+        view = WorkerView(d, 60)
+        await view.refresh()
+        routers.append(Activator(settings, d, CATALOG, workers, view, audit=audit))  # type: ignore[arg-type]
+    read = d.get_session
+    both_read = asyncio.Barrier(2)
+    reads = 0
+
+    async def read_then_wait_for_the_other(sid: str) -> SessionRecord:
+        nonlocal reads
+        rec = await read(sid)
+        reads += 1
+        if reads <= 2:  # each delete's first read: both see the record before either marks it
+            await both_read.wait()
+        return rec
+
+    d.get_session = read_then_wait_for_the_other  # type: ignore[method-assign]
+    results: list[Any] = await asyncio.wait_for(
+        asyncio.gather(*(r.delete("s1") for r in routers), return_exceptions=True), 10)
+    d.get_session = read  # type: ignore[method-assign]
+    assert sorted(type(x).__name__ for x in results) == ["NoneType", "NotFound"], results
+    lost = next(x for x in results if isinstance(x, NotFound))
+    assert lost.code == "session_not_found" and lost.status == 404
+    assert workers.deactivated == [("s1", 3)], "one delete, one deactivation, one epoch bump"
+    with pytest.raises(NotFound):
+        await d.get_session("s1")
+    assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
