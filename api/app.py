@@ -42,7 +42,17 @@ from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_RE, SessionRec
 from substrate.settings import Settings, get_settings
 
 
-_LABEL_KEY = re.compile(r"\A[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?\Z")
+#: a session's labels: at most ``MAX_LABELS``, each key ``_LABEL_KEY_RE`` (1-63 characters, as a Kubernetes
+#: label's name), each value at most ``MAX_LABEL_VALUE_CHARS`` characters. ``CreateSession._labels``
+#: checks them and the OpenAPI document states them (``LABELS_SCHEMA``)
+MAX_LABELS = 64
+MAX_LABEL_VALUE_CHARS = 256
+_LABEL_KEY_RE = r"[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"\A{_LABEL_KEY_RE}\Z")
+LABELS_SCHEMA: dict[str, Any] = {
+    "maxProperties": MAX_LABELS,
+    "propertyNames": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": f"^{_LABEL_KEY_RE}$"},
+    "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE_CHARS}}
 
 
 def _text_ok(s: str) -> bool:
@@ -60,19 +70,24 @@ class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     actorTemplate: str = Field(..., description="name of an ActorTemplate")
     id: str | None = Field(None, description="client-chosen ID, [a-z0-9][a-z0-9-_.]{0,127}; generated if absent")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=LABELS_SCHEMA,
+        description=f"at most {MAX_LABELS} labels; a key is 1-63 letters, digits, '-', '_', '.' or '/', starting "
+                    f"and ending with a letter or digit; a value is at most {MAX_LABEL_VALUE_CHARS} characters "
+                    "(no NUL); anything else is 422 `invalid_input`")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
 
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > 64:
-            raise ValueError("at most 64 labels")
+        if len(v) > MAX_LABELS:
+            raise ValueError(f"at most {MAX_LABELS} labels")
         for k, val in v.items():
             if not _LABEL_KEY.fullmatch(k):
-                raise ValueError(f"label key {clip(k)} must be 1-63 letters, digits, '-', '_', '.', '/'")
-            if len(val) > 256:
-                raise ValueError(f"label {clip(k)} value is over 256 characters")
+                raise ValueError(f"label key {clip(k)} must be 1-63 letters, digits, '-', '_', '.', '/', starting "
+                                 "and ending with a letter or digit")
+            if len(val) > MAX_LABEL_VALUE_CHARS:
+                raise ValueError(f"label {clip(k)} value is over {MAX_LABEL_VALUE_CHARS} characters")
             if not _text_ok(val) or "\0" in val:
                 raise ValueError(f"label {clip(k)} value is not valid Unicode text (lone surrogate or NUL)")
         return v

@@ -1,0 +1,45 @@
+"""A session's label limits (at most 64 labels, keys of 1-63 characters, values of at most 256) were
+checked but stated nowhere: the OpenAPI document states them now, and they are the limits the API
+checks (a fresh-user finding)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from api.app import CreateSession, create_app
+from substrate.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def labels_schema() -> dict:
+    spec = create_app(Settings()).openapi()
+    return spec["components"]["schemas"]["CreateSession"]["properties"]["labels"]
+
+
+def _ok(labels: dict[str, str]) -> bool:
+    try:
+        CreateSession(actorTemplate="counter", labels=labels)
+    except ValidationError:
+        return False
+    return True
+
+
+def test_the_openapi_document_states_the_label_limits(labels_schema: dict) -> None:
+    assert labels_schema["type"] == "object" and labels_schema["maxProperties"] == 64
+    assert labels_schema["additionalProperties"] == {"type": "string", "maxLength": 256}
+    names = labels_schema["propertyNames"]
+    assert (names["minLength"], names["maxLength"]) == (1, 63)
+    desc = labels_schema["description"]
+    assert "64 labels" in desc and "1-63" in desc and "256 characters" in desc
+
+
+def test_the_stated_limits_are_the_checked_ones(labels_schema: dict) -> None:
+    assert _ok({f"k{i}": "v" for i in range(64)}) and not _ok({f"k{i}": "v" for i in range(65)})
+    assert _ok({"k": "v" * 256}) and not _ok({"k": "v" * 257})
+    key = re.compile(labels_schema["propertyNames"]["pattern"])
+    for k in ["a", "A9", "team", "app.kubernetes.io/name", "a-b_c", "k" * 63, "k" * 64, "", "-a", "a-", "a b", "é"]:
+        stated = key.fullmatch(k) is not None and 1 <= len(k) <= 63
+        assert stated == _ok({k: "v"}), k
