@@ -376,6 +376,14 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()
         return proxy.error_response(e)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> Response:
+        # an error no code was made for: 500 ``internal`` in JSON like every error (Starlette answered a
+        # plain-text "Internal Server Error"); the server still logs the traceback (the error is re-raised
+        # after this answer is sent)
+        metrics.ERRORS_TOTAL.labels(code="internal").inc()
+        return _error(500, "internal", f"an unexpected error ({e.__class__.__name__}); it is logged")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
         if any(er.get("type") == "json_invalid" for er in e.errors()):
