@@ -1,4 +1,4 @@
-"""Suspend/resume benchmark of the snapshot path: pack + upload, download + verify + unpack.
+"""Suspend/resume benchmark of the snapshot path: pack + upload, download streamed into a verified unpack.
 
 ``python -m snapshot.bench [--repeats N] [--sizes-mib 1,16,64]`` runs it against a moto S3 server on loopback
 and against the local directory store, and prints a markdown table. Needs the dev extra (moto).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import shutil
 import tempfile
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapshot.archive import pack, unpack
+from snapshot.archive import pack, unpack_stream
 from snapshot.store import ObjectStore, snapshot_key
 from substrate.quantiles import percentile
 
@@ -59,7 +60,8 @@ def _pct(samples: list[float], q: float) -> float:
 
 async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20),
                        repeats: int = 10, *, work_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Time suspend (pack + ``put_file``) and resume (``get_file`` + sha256-verified ``unpack``) per size.
+    """Time suspend (pack + ``put_file``) and resume (the restore's own path: ``read`` streamed into the
+    sha256-verified ``unpack_stream``, as ``SnapshotManager.restore`` does) per size.
 
     Each size: one workspace built by :func:`build_workspace`, ``repeats`` suspends (each to a new key) and
     ``repeats`` resumes of one of them, each resume into a fresh directory (as a new activation does);
@@ -91,13 +93,11 @@ async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 
                 archive.unlink()
             resume_s: list[float] = []
             for i in range(repeats):
-                dl = root / f"in-{i}.tar.zst"
                 dest = root / f"restored-{i}"
                 t0 = time.perf_counter()
-                await store.get_file(keys[-1], dl)
-                await asyncio.to_thread(unpack, dl, dest, expect_session=session, expect_sha256=sha)
+                await store.read(keys[-1], functools.partial(unpack_stream, workspace=dest, expect_session=session,
+                                                             expect_sha256=sha))
                 resume_s.append(time.perf_counter() - t0)
-                dl.unlink()
                 shutil.rmtree(dest)
             for key in keys:
                 await store.delete(key)
