@@ -298,19 +298,38 @@ class HostedAgent(Agent):
         await self._boot()
 
     async def stream(self, input: Any) -> AsyncIterator[Any]:  # noqa: A002
+        """The turn's chunks as they come. Closed before the answer's last line (its consumer went away:
+        ``aclose``), it reads the rest of the answer first, within the turn's deadline: the turn runs to
+        its end in the agent anyway, and a line of it left in the pipe was read by the next request as its
+        own, a protocol violation that killed the agent and lost its state (a fresh-user run: a client
+        timing out on a streamed turn rolled the session back to its last snapshot)."""
         await self._ensure()
         deadline = self._deadline()
         rid = await self._send({"op": "invoke", "input": input, "stream": True})
-        while True:
-            msg = await self._recv(deadline, rid, kinds=("chunk", "output"))
-            if "chunk" in msg:
-                yield msg["chunk"]
-            elif "output" in msg:
+        ended = False
+        try:
+            while True:
+                msg = await self._recv(deadline, rid, kinds=("chunk", "output"))
+                if "chunk" in msg:
+                    yield msg["chunk"]
+                    continue
+                ended = True
+                if "output" not in msg:
+                    raise self._error(msg)
                 if not msg.get("streamed"):  # a command agent that answers without chunks
                     yield msg["output"]
                 return
-            else:
-                raise self._error(msg)
+        finally:
+            if not ended and self.host is not None:  # closed mid-answer (a failed read killed the host)
+                await self._drain(deadline, rid)
+
+    async def _drain(self, deadline: float, rid: str) -> None:
+        """Read and drop the rest of the answer to ``rid`` (see ``stream``). A drain that fails (the turn
+        ran over its deadline, the agent died or broke the protocol) has killed the agent, as the turn
+        itself would have: the next request finds it ``dead``."""
+        with contextlib.suppress(TurnFailed):
+            while "chunk" in await self._recv(deadline, rid, kinds=("chunk", "output")):
+                pass
 
     async def invoke(self, input: Any) -> Any:  # noqa: A002
         await self._ensure()

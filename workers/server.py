@@ -1001,20 +1001,29 @@ class Worker:
         budget = self.settings.worker.answer_keep_bytes
         kept: list[bytes] = []
         size = 0
+        gone = False
 
         async def emit(line: bytes) -> None:
-            nonlocal size
+            nonlocal size, gone
             size += len(line)
             if size <= budget:
                 kept.append(line)
             else:
                 kept.clear()  # over the budget: only its size is remembered
-            await resp.write(line)
+            if gone:
+                return
+            try:
+                await resp.write(line)
+            except ConnectionError:  # the client (the router) went away: the turn still runs to its
+                gone = True  # end and its answer is kept for a retry with the same key, as a whole turn's
 
         try:
             try:
-                async for chunk in act.agent.stream(input):
-                    await emit(json.dumps({"chunk": chunk}).encode() + b"\n")
+                # closed on every way out, while this turn still holds the activation's lock: a stream left
+                # open mid-answer would leave its lines in the agent's pipe for the next request
+                async with contextlib.aclosing(act.agent.stream(input)) as chunks:
+                    async for chunk in chunks:
+                        await emit(json.dumps({"chunk": chunk}).encode() + b"\n")
                 act.dirty_turns += 1
                 act.unreported_turns += 1
                 await emit(b'{"done": true}\n')
@@ -1032,7 +1041,9 @@ class Worker:
                 keep_answer(act.answers, key, StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, size, budget), digest,
                                                            act.restored, act.restored_at),
                             keys=self.settings.worker.idempotency_keys, budget=budget)
-        await resp.write_eof()
+        if not gone:
+            with contextlib.suppress(ConnectionError):
+                await resp.write_eof()
         return resp
 
     async def _h_snapshot(self, request: web.Request) -> web.Response:

@@ -98,3 +98,35 @@ def test_a_turn_timeout_leaves_one_record_of_the_agent_restarted_move(rt: Runtim
                     ev["template"]) == ("recover", SYSTEM.who, "default", worker, epoch, "ok", "shell-turn2s"), ev
     finally:
         c.delete_session(sid)
+
+
+def test_a_client_gone_mid_stream_loses_no_state_and_its_retry_is_answered(rt: RuntimeProc) -> None:
+    # a fresh-user run: a client timing out on a streamed turn left the turn's last lines in the agent's
+    # pipe; the next request read them as its own (500 agent_protocol_violation), the agent was killed and
+    # the session rolled back to its last snapshot (or to nothing)
+    import httpx
+
+    c = rt.client
+    sid = c.create_session("counter")["id"]
+    try:
+        for _ in range(3):
+            c.invoke(sid, "increment")
+        slow = {"input": {"op": "increment", "work_s": 1.0}}
+        key = {"Idempotency-Key": "cut-stream-1"}
+        with pytest.raises(httpx.ReadTimeout):  # gone before the turn's first line
+            httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke?stream=1", json=slow, headers=key, timeout=0.3)
+        # the cut turn ran to its end (this call waits for it), nothing was rolled back
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"})
+        assert r.status_code == 200 and r.json()["output"] == {"count": 4}, r.text
+        assert "X-Substrate-Restored" not in r.headers
+        # its retry with the same key is answered with the turn's whole stream, not run again
+        r = c.http.post(f"/v1/sessions/{sid}/invoke?stream=1", json=slow, headers=key)
+        assert r.status_code == 200 and r.headers.get("X-Substrate-Replayed") == "1", r.text
+        assert r.text.rstrip().endswith('{"done": true}'), r.text
+        assert c.invoke(sid, "get") == {"count": 4}
+        # and the session snapshots and wakes as usual
+        assert c.http.post(f"/v1/sessions/{sid}/suspend").status_code == 202
+        assert c.invoke(sid, "increment") == {"count": 5}
+        assert [ev for ev in _events(rt, sid) if ev["action"] == "recover"] == []
+    finally:
+        c.delete_session(sid)

@@ -189,3 +189,17 @@ async def test_a_host_that_does_not_boot_in_time_says_it_timed_out(pool: Sandbox
     assert e.value.code == "agent_start_failed"
     assert str(e.value) == "agent host did not start: timed out", str(e.value)
     await pool.release(slot, None)
+
+
+async def test_a_stream_closed_mid_answer_reads_the_rest_so_the_next_call_gets_its_own(pool: SandboxPool) -> None:
+    # its consumer went away after the first chunk (aclose): the turn's remaining lines must not be left
+    # in the pipe for the next request (they were read as its answer: a protocol violation, agent killed)
+    agent = await _agent(pool, "workers.agents.notebook:Notebook")
+    try:
+        gen = agent.stream("import time\nprint('a', flush=True)\ntime.sleep(0.3)\nprint('b')\nx = 5\nx")
+        await gen.__anext__()  # the first chunk; the rest is still to come
+        await gen.aclose()
+        assert not agent.dead
+        assert (await agent.invoke("x * 2"))["repr"] == "10"  # the cut turn ran to its end, and this is ours
+    finally:
+        await _done(pool, agent)
