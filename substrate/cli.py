@@ -513,6 +513,11 @@ def demo(port: int = typer.Option(18080, min=1, max=65535, help="Port for the de
     from substrate.embedded import die_with_parent_hook
 
     _sweep_killed_demos()
+    # checked before anything starts: with the port taken, the readiness poll below found whatever server
+    # held it, and the demo ran (and left its sessions) there (a fresh-user run)
+    if why := _free_port("127.0.0.1", port):
+        err.print(f"error: {escape(why)}")
+        raise typer.Exit(2)
     data = Path(tempfile.mkdtemp(prefix="substrate-demo-"))
     prefix = f"substrate-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, SUBSTRATE_LOG_LEVEL=os.environ.get("SUBSTRATE_LOG_LEVEL", "WARNING"),
@@ -534,14 +539,15 @@ def demo(port: int = typer.Option(18080, min=1, max=65535, help="Port for the de
         with SubstrateClient(url) as c:
             try:
                 for _ in range(300):
-                    try:
-                        if c.http.get("/readyz").status_code == 200:
-                            break
-                    except Exception:  # noqa: BLE001 - not up yet
-                        pass
+                    # its own server first: one that could not listen must not let another answer for it
                     if proc.poll() is not None:
                         err.print("[red]the server exited[/red]")
                         raise typer.Exit(1)
+                    try:
+                        if c.http.get("/readyz").status_code == 200 and proc.poll() is None:
+                            break
+                    except Exception:  # noqa: BLE001 - not up yet
+                        pass
                     time.sleep(0.1)
                 s = _run(lambda: c.create_session("counter"))
                 created.append(s["id"])

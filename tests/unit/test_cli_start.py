@@ -134,3 +134,43 @@ def test_a_demo_port_out_of_range_is_one_error_before_anything_starts(port: str,
     assert r.exit_code == 2, r.output
     assert "--port" in r.output and "Usage: python -m substrate.cli up" not in r.output
     assert not (tmp_path / "redis").exists()  # nothing was started
+
+
+def test_a_demo_on_a_taken_port_is_one_error_and_never_talks_to_the_server_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: with the port held by another runtime, the demo's own server could not listen,
+    but its readiness poll found the other one ready, and the demo ran there, left its sessions and
+    exited 0. Now the taken port is refused before anything starts and nothing is sent to it."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            seen.append(f"{self.command} {self.path}")
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo would make its data folder
+    try:
+        r = CliRunner().invoke(app, ["demo", "--port", str(server.server_address[1])])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.exit_code == 2, r.output
+    assert "cannot listen on 127.0.0.1" in r.output and "--port" in r.output, r.output
+    assert seen == []  # not even a readiness poll
+    assert not list(tmp_path.glob("substrate-demo-*"))  # no data folder was made
