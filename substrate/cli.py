@@ -656,16 +656,38 @@ def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as J
              stream: bool = typer.Option(False, help="Stream chunks."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Invoke a session (wakes it if suspended)."""
-    try:
-        value: Any = json.loads(input)
-    except ValueError:
-        value = input
+    value = _input_value(input)
     with _client(server, token) as c:
         if stream:
             for chunk in _run(lambda: list(c.invoke_stream(sid, value))):
                 _print(chunk)
         else:
             _print(_run(lambda: c.invoke(sid, value)))
+
+
+def _not_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _input_value(text: str) -> Any:
+    """INPUT as sent: its JSON value if it is JSON (standard JSON: ``NaN`` and ``Infinity``, which Python
+    reads but no JSON body may hold, stay strings), else the string itself. A lone surrogate (``"\\ud800"``),
+    which no UTF-8 body can carry, or a number out of range (``1e999``) is one error line and exit 2 (they
+    were raw ``UnicodeEncodeError`` / ``ValueError`` lines, exit 1)."""
+    try:
+        value: Any = json.loads(text, parse_constant=_not_json_constant)
+    except (ValueError, RecursionError):
+        value = text
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:
+        err.print("error: INPUT holds a lone surrogate (e.g. \\ud800), which is not valid Unicode; nothing was sent")
+        raise typer.Exit(2) from None
+    except ValueError:  # 1e999: JSON, but out of any float's range
+        err.print("error: INPUT holds a number out of range (e.g. 1e999); quote it to send it as a string; "
+                  "nothing was sent")
+        raise typer.Exit(2) from None
+    return value
 
 
 @sessions.command("suspend")

@@ -174,3 +174,33 @@ def test_a_demo_on_a_taken_port_is_one_error_and_never_talks_to_the_server_there
     assert "cannot listen on 127.0.0.1" in r.output and "--port" in r.output, r.output
     assert seen == []  # not even a readiness poll
     assert not list(tmp_path.glob("substrate-demo-*"))  # no data folder was made
+
+
+@pytest.mark.parametrize(("arg", "sent"), [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"),
+                                           ("7", 7), ('{"a": [1, "b"]}', {"a": [1, "b"]}), ("hello", "hello")])
+def test_invoke_sends_json_input_as_json_and_anything_else_as_a_string(arg: str, sent: object,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: `sessions invoke ID NaN` failed with a raw `ValueError: Out of range float values
+    are not JSON compliant`; NaN and Infinity are not JSON, so they go as the strings typed."""
+    import json
+
+    bodies: list[object] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(req.content))
+        return httpx.Response(200, json={"output": "ok"})
+
+    _mock_client(monkeypatch, handler)
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s-1", "--", arg])
+    assert r.exit_code == 0, r.output
+    assert bodies == [{"input": sent}]
+
+
+@pytest.mark.parametrize(("arg", "why"), [('"\\ud800"', "lone surrogate"), ("1e999", "out of range")])
+def test_invoke_input_no_json_body_can_carry_is_one_error_and_nothing_is_sent(
+        arg: str, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[httpx.Request] = []
+    _mock_client(monkeypatch, lambda req: sent.append(req) or httpx.Response(200, json={"output": 1}))
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s-1", "--", arg])
+    assert r.exit_code == 2 and why in r.output and "Traceback" not in r.output, r.output
+    assert sent == []
