@@ -463,8 +463,10 @@ class SandboxPool:
     template opts out of the sandbox (``require_sandbox=False``) they are unsandboxed hosts instead,
     the kind its sessions use. A host counts as pre-started only once it has booted (its
     ``{"ready": true}`` line), so an activation never waits for a half-started interpreter while a
-    booted one is free. Refills (after the start-up's, which boots every slot at once) boot
-    ``_BOOT_CONCURRENCY`` hosts at a time, and start ``refill_delay_s`` late while two or more booted
+    booted one is free. The start-up's and the refills boot ``_BOOT_CONCURRENCY`` hosts at a time (a new
+    worker booting all its slots at once, 16 by default, had each host finish only when all did: the first
+    activations on a worker started for them waited for the whole batch, and a wake after a restart on a
+    loaded 2-core machine ran past the park timeout), and refills start ``refill_delay_s`` late while two or more booted
     spares are left: a slot is often freed (suspend, delete) just before an activation needs the CPU
     (a pressure suspend makes room for a waiting wake), which a refill's start-up would otherwise slow.
     """
@@ -527,8 +529,8 @@ class SandboxPool:
         worker is ready at once; a create that comes first spawns its own)."""
         for s in self.slots:
             await asyncio.to_thread(self._reset_workspace, s)
-        if self._can_prestart():  # all at once: no activation competes yet, and a worker warms sooner
-            self._warmup = asyncio.create_task(self._prestart_all(concurrency=len(self.slots)))
+        if self._can_prestart():  # a few at a time (class docstring): the first hosts are ready sooner
+            self._warmup = asyncio.create_task(self._prestart_all())
 
     def _warm(self) -> int:
         return sum(1 for s in self.slots if s.ready is not None or (s._prestart is not None and not s._prestart.done()))

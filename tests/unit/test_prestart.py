@@ -285,3 +285,25 @@ async def test_a_pre_started_host_that_never_boots_is_closed_by_the_pool(tmp_pat
         await asyncio.wait_for(host.proc.wait(), 30)
         await _until(lambda: slot.booting is not host, "the pool let go of it")
         assert slot.ready is None or slot.ready is not host
+
+
+async def test_a_new_worker_boots_its_hosts_a_few_at_a_time_not_all_at_once(tmp_path):
+    # all at once, every host of a new worker finished only when all did: the activations it was started
+    # for waited for the whole batch (and on a loaded machine ran past the park timeout)
+    from workers.sandbox import _BOOT_CONCURRENCY
+
+    slots = _BOOT_CONCURRENCY * 2
+    pool = _pool(tmp_path, slots, prestart=slots)
+    peak = 0
+
+    def all_ready() -> bool:
+        nonlocal peak
+        peak = max(peak, sum(1 for s in pool.slots if s._prestart is not None and not s._prestart.done()))
+        return all(s.ready is not None for s in pool.slots)
+
+    try:
+        await pool.start()
+        await _until(all_ready, "every slot pre-started")
+        assert 0 < peak <= _BOOT_CONCURRENCY
+    finally:
+        await pool.close()
