@@ -303,8 +303,9 @@ class Activator:
         self._wanted_at.setdefault(pool, {}).setdefault(sid, self.capacity_ticks)
         self.capacity_wanted.set()
 
-    def may_make_room(self, pool: str) -> bool:
-        """Whether a placement waiting in ``pool`` may lazy-suspend an idle session now.
+    def may_make_room(self, pool: str, sid: str | None = None) -> bool:
+        """Whether a placement waiting in ``pool`` (``sid``'s; None: the oldest one) may lazy-suspend an
+        idle session now.
 
         Not while this process's pool controller is starting a worker for the pool, nor before it has
         run a whole round since the placement asked (it may decide to start one): capacity the pool can
@@ -316,14 +317,26 @@ class Activator:
             return True
         if self.starting[pool] > 0:
             return False
-        # the oldest waiting placement's ask: +2 rounds, as a round already under way when it asked may
-        # have read the demand before it (later arrivals do not hold back room for the oldest)
+        # the placement's ask: +2 rounds, as a round already under way when it asked may have read the
+        # demand before it (later arrivals do not hold back room for the oldest)
         # (insertion order is ask order and ticks only grow: the first entry is the oldest, O(1))
-        asked = next(iter(self._wanted_at.get(pool, {}).values()), None)
+        wanted = self._wanted_at.get(pool, {})
+        asked = next(iter(wanted.values()), None) if sid is None else wanted.get(sid)
         if asked is not None and self.capacity_ticks < asked + 2:
             self.capacity_wanted.set()  # run the rounds now rather than at the next timer
             return False
         return True
+
+    def room_for(self, pool: str, sids: list[str]) -> int:
+        """How many of the placements ``sids`` waiting in ``pool`` (queue order) room may be made for
+        now: those ``may_make_room`` allows, i.e. whose demand the pool controller has had its rounds to
+        size the pool for (all of them with no pool controller in this process). A burst's later
+        arrivals wait for the controller's decision: room made for a whole queue on the word of rounds
+        that saw only its first waiter suspended 8 sessions of an e2e burst on a loaded machine, and the
+        next round started 3 workers for the same waiters."""
+        if pool not in self.starting:
+            return len(sids)
+        return sum(1 for sid in sids if self.may_make_room(pool, sid))
 
     def _skip_worker(self, wid: str) -> None:
         """``wid`` answered ``worker_fenced`` (past its own lease): place elsewhere until the view's next
@@ -373,7 +386,7 @@ class Activator:
                 # this process's pool controller: the queue asks may_make_room at each slot_wait_s
                 try:
                     return await queue.wait(sid, worker, api.slot_wait_s, tenant=tenant,
-                                            hold=lambda: not self.may_make_room(pool), max_s=max_s)
+                                            hold=lambda: not self.may_make_room(pool, sid), max_s=max_s)
                 except asyncio.TimeoutError:
                     raise NoCapacity(f"no free slot in pool {pool!r}; retry later", retry_after_s=api.retry_after_s,
                                      details={"pool": pool}) from None
@@ -484,8 +497,11 @@ class Activator:
                 return await self._claim_in(pool, sid, pin)
 
             async def make_room(tenant: str, count: int) -> int:
-                if not self.may_make_room(pool):
-                    return 0  # a worker is (or may be) starting for the waiters: wait for it
+                # only for the waiters the pool controller has sized the pool for: for the others a
+                # worker is (or may be) starting: they wait for it
+                count = min(count, self.room_for(pool, self._queues[pool].pending()))
+                if count <= 0:
+                    return 0
                 return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant,
                                                count=count)
 

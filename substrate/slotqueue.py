@@ -74,6 +74,10 @@ class SlotQueue(Generic[W]):
     def __len__(self) -> int:
         return sum(1 for w in self._waiters if not w.fut.done())
 
+    def pending(self) -> list[str]:
+        """The sessions of the waiters still waiting, in queue order."""
+        return [w.sid for w in self._waiters if not w.fut.done()]
+
     def progressing(self, within_s: float) -> bool:
         """Whether a round served a waiter or made room in the last ``within_s`` seconds, or room is
         being made now."""

@@ -269,3 +269,47 @@ async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_ti
         ticking.cancel()
     assert woke and route.worker == "w"
     assert (await d.get_session("sleepy")).state == SessionState.RUNNING
+
+
+async def test_room_is_made_only_for_the_waiters_the_pool_controller_has_sized_the_pool_for(env):
+    """The e2e burst on a loaded machine: the first create of a burst found the pool full of idle
+    sessions, the pool controller ran its two rounds seeing that one waiter (it fits by suspending one:
+    no new worker), and meanwhile 13 more creates of the burst had joined the queue; room was then made
+    for all of them at once (8 suspended), and the controller's next round, seeing them, started 3
+    workers. Room is made only for the waiters the controller has had its rounds to size the pool for;
+    the later ones wait for its decision (here: a worker)."""
+    d, act, workers = env
+    for i in range(4):
+        if i == 0:
+            await _worker(d, "full", slots=4)
+        await _idle_running(d, f"idle-{i}", "full", idle_s=30 - i)
+    await act.view.refresh()
+    act.starting["default"] = 0  # a pool controller in this process; its rounds are counted by hand here
+    queue = act._slot_queue("default")
+    queue.poll_s = 30  # the queue's rounds run when a waiter joins or a slot frees, not on a timer
+    template = CATALOG.template("counter")
+
+    first = asyncio.create_task(act.place("first", template))
+    for _ in range(200):
+        if act.waiting_for_slots == 1 and queue.rounds >= 1:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert workers.suspended == [], "no room before the controller has run its rounds"
+    act.capacity_ticks += 2  # two rounds that saw one waiter, and started nothing
+    later = [asyncio.create_task(act.place(f"later-{i}", template)) for i in range(3)]
+    w, _ = await asyncio.wait_for(first, 10)
+    assert w.id == "full"
+    for _ in range(20):  # the queue's rounds for the later waiters
+        await asyncio.sleep(0.01)
+    assert workers.suspended == ["idle-0"], "one session suspended, for the one waiter the controller saw"
+    assert act.waiting_for_slots == 3
+    # the controller's next round sees them and starts a worker; it comes up and serves them
+    act.starting["default"] = 1
+    act.capacity_ticks += 1
+    await _worker(d, "grown", slots=4)
+    act.starting["default"] = 0
+    act.slot_freed("default")
+    placed = await asyncio.wait_for(asyncio.gather(*later), 10)
+    assert [w.id for w, _ in placed] == ["grown"] * 3
+    assert workers.suspended == ["idle-0"]
