@@ -235,6 +235,9 @@ class Activator:
         self._wanted_at: dict[str, dict[str, int]] = {}
         #: sessions whose placement waits for a slot (a parked wake of one waits for a starting worker)
         self._placing: set[str] = set()
+        #: parked wakes whose wait for a slot or a permit has ended: ``perf_counter()`` then (the
+        #: restore's park timeout counts from it; dropped when the wake ends)
+        self._wait_ended: dict[str, float] = {}
         #: retries of an activation on another worker when the chosen one is fenced (past its lease)
         self.max_fenced_retries = 3
         #: pool -> adaptive bound on this process's activations under way (``substrate.admission``)
@@ -425,6 +428,7 @@ class Activator:
             self.waiting_by_pool[pool] -= 1
             self._placing.discard(sid)
             self._wanted_at.get(pool, {}).pop(sid, None)
+            self._waited(sid)
 
     async def _capacity_coming(self, pool: str, since: float) -> tuple[int, str, bool]:
         """(workers starting for ``pool``, why none can come, whether the controller has yet to count
@@ -558,6 +562,7 @@ class Activator:
         finally:
             self.gated_by_pool[pool] -= 1
             self._gated.discard(sid)
+            self._waited(sid)
             metrics.ACTIVATIONS_QUEUED.labels(pool=pool).set(self.gated_by_pool[pool])
         adm = _Admission()
         try:
@@ -780,6 +785,7 @@ class Activator:
 
             def _done(t: asyncio.Task[Route], f: asyncio.Future[Route] = fut) -> None:
                 self._wakes.pop(sid, None)
+                self._wait_ended.pop(sid, None)
                 if f.done():
                     return
                 if t.cancelled():
@@ -802,10 +808,19 @@ class Activator:
                 route = await asyncio.wait_for(asyncio.shield(fut), self.settings.api.park_timeout_s)
             except asyncio.TimeoutError:
                 # a wake still waiting for a permit or a slot has its own bounds (the slot queue's,
-                # start_wait_s): waited for; the park timeout is for the restore once it is placed
-                if not self._waits_for_start(sid, rec.pool):
+                # start_wait_s): waited for; the park timeout is for the restore once it is placed,
+                # counted from then: a wake placed just before it ran out had almost no time to restore
+                # (an e2e burst under load: 503 resume_timeout for wakes that waited for a new worker)
+                ended = self._wait_ended.get(sid)
+                if self._waits_for_start(sid, rec.pool):
+                    route = await self._wait_for_start(sid, rec.pool, fut, t0)
+                elif ended is not None and ended > t0:
+                    left = ended + self.settings.api.park_timeout_s - time.perf_counter()
+                    if left <= 0:
+                        raise
+                    route = await asyncio.wait_for(asyncio.shield(fut), left)
+                else:
                     raise
-                route = await self._wait_for_start(sid, rec.pool, fut, t0)
         except asyncio.TimeoutError:
             raise ResumeTimeout(f"session {sid!r} did not resume within {self.settings.api.park_timeout_s}s",
                                 retry_after_s=self.settings.api.retry_after_s) from None
@@ -814,6 +829,11 @@ class Activator:
             metrics.PARKED_REQUESTS.set(self.parked)
         metrics.WAKE_WAIT_DURATION_SECONDS.labels(template=rec.actorTemplate).observe(time.perf_counter() - t0)
         return route, True
+
+    def _waited(self, sid: str) -> None:
+        """Note that ``sid``'s wait for a slot or a permit ended now, if a parked wake waits on it."""
+        if sid in self._wakes:
+            self._wait_ended[sid] = time.perf_counter()
 
     def _waits_for_start(self, sid: str, pool: str) -> bool:
         """True while ``sid``'s activation waits for a permit (``substrate.admission``: bounded by

@@ -33,8 +33,11 @@ class Workers:
         self.fence: set[str] = set()
         self.activated: list[tuple[str, str]] = []  # (address, session)
         self.suspended: list[str] = []
+        self.activate_delay_s = 0.0  # how long an activation (a restore) takes
 
     async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="", **_):
+        if self.activate_delay_s:
+            await asyncio.sleep(self.activate_delay_s)
         if address in self.fence:
             err = SubstrateError(f"worker at {address} is past its lease", code="worker_fenced", retry_after_s=1)
             err.status = 503
@@ -265,6 +268,40 @@ async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_ti
     await act.suspend(await d.get_session("busy-1"))  # a slot frees (slot_freed serves the queue)
     try:
         route, woke = await asyncio.wait_for(wake, 10)
+    finally:
+        ticking.cancel()
+    assert woke and route.worker == "w"
+    assert (await d.get_session("sleepy")).state == SessionState.RUNNING
+
+
+async def test_a_wake_placed_just_before_the_park_timeout_gets_the_whole_park_timeout_to_restore(env):
+    """The park timeout bounds the restore once the wake is placed (the test above); it was counted from
+    when the request parked, so a wake placed shortly before it ran out had almost no time left for its
+    restore and answered 503 ``resume_timeout`` (an e2e burst under load: 6 wakes that waited for a new
+    worker). It now counts from the placement."""
+    from substrate.errors import ResumeTimeout
+
+    d, act, workers = env
+    act.settings.api.park_timeout_s = 1.0
+    act.settings.api.slot_wait_s = 5
+    act.settings.api.pressure_min_idle_s = 1e9
+    await _worker(d, "w")
+    await act.view.refresh()
+    act.starting["default"] = 0
+    ticking = _controller_rounds(act)
+    await act.create(_new("sleepy"), CATALOG.template("counter"))
+    await act.suspend(await d.get_session("sleepy"))
+    await act.create(_new("busy-1"), CATALOG.template("counter"))
+    await act.create(_new("busy-2"), CATALOG.template("counter"))
+    wake = asyncio.create_task(act.wake("sleepy"))
+    await asyncio.sleep(0.9)  # most of a park timeout waiting in the slot queue
+    assert not wake.done(), wake
+    workers.activate_delay_s = 0.5  # the restore outlives what was left of the first park timeout
+    await act.suspend(await d.get_session("busy-1"))
+    try:
+        route, woke = await asyncio.wait_for(wake, 10)
+    except ResumeTimeout as e:
+        pytest.fail(f"the restore was cut by a park timeout counted from the park: {e}")
     finally:
         ticking.cancel()
     assert woke and route.worker == "w"
