@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -39,15 +38,6 @@ class SlowWorkers:
 
     async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
         pass
-
-
-@pytest.fixture
-async def directory(redis_url: str):
-    d = Directory(redis_url, f"ao{uuid.uuid4().hex[:8]}")
-    yield d
-    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
-        await d.redis.delete(key)
-    await d.close()
 
 
 async def test_a_wake_won_by_another_router_is_recorded_once(directory: Directory) -> None:

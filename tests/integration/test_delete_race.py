@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -27,15 +26,6 @@ class Workers:
 
     async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
         self.deactivated.append((session, epoch))
-
-
-@pytest.fixture
-async def directory(redis_url: str):
-    d = Directory(redis_url, f"dr{uuid.uuid4().hex[:8]}")
-    yield d
-    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
-        await d.redis.delete(key)
-    await d.close()
 
 
 async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(directory: Directory) -> None:

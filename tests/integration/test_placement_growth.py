@@ -242,6 +242,22 @@ async def test_a_create_that_waits_too_long_for_a_permit_is_refused_and_holds_no
     assert (await first).state == SessionState.RUNNING
 
 
+async def _wake_behind_a_full_worker(d: Directory, act: Activator) -> tuple[asyncio.Task, asyncio.Task]:
+    """Worker ``w`` (2 slots) full with ``busy-1`` and ``busy-2``, and a wake of the suspended ``sleepy``
+    waiting in the slot queue; a pool controller in this process starts nothing (the pool is at its size)
+    and runs its rounds when asked, so the wait is not one for a worker being started. Returns (the
+    controller's rounds, the wake); the caller cancels the rounds."""
+    await _worker(d, "w")
+    await act.view.refresh()
+    act.starting["default"] = 0
+    ticking = _controller_rounds(act)
+    await act.create(_new("sleepy"), CATALOG.template("counter"))
+    await act.suspend(await d.get_session("sleepy"))
+    await act.create(_new("busy-1"), CATALOG.template("counter"))
+    await act.create(_new("busy-2"), CATALOG.template("counter"))
+    return ticking, asyncio.create_task(act.wake("sleepy"))
+
+
 async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_timeout(env):
     """A fresh-user run: 100 wakes at once after a restart, the pool growing one worker at a time; 27 got
     503 ``resume_timeout`` after ``park_timeout_s`` (5 s) while their placements still waited, in order,
@@ -252,17 +268,7 @@ async def test_a_parked_wake_waiting_in_the_slot_queue_is_not_cut_at_the_park_ti
     act.settings.api.park_timeout_s = 0.2
     act.settings.api.slot_wait_s = 5
     act.settings.api.pressure_min_idle_s = 1e9  # nobody idle enough to be suspended for it
-    await _worker(d, "w")
-    await act.view.refresh()
-    act.starting["default"] = 0  # a pool controller in this process, starting nothing (the pool is at
-    # its size), that runs its rounds when asked: the wait is not one for a worker being started
-
-    ticking = _controller_rounds(act)
-    await act.create(_new("sleepy"), CATALOG.template("counter"))
-    await act.suspend(await d.get_session("sleepy"))
-    await act.create(_new("busy-1"), CATALOG.template("counter"))
-    await act.create(_new("busy-2"), CATALOG.template("counter"))
-    wake = asyncio.create_task(act.wake("sleepy"))
+    ticking, wake = await _wake_behind_a_full_worker(d, act)
     await asyncio.sleep(0.6)  # three park timeouts: the placement still waits for a slot
     assert not wake.done(), wake
     await act.suspend(await d.get_session("busy-1"))  # a slot frees (slot_freed serves the queue)
@@ -285,15 +291,7 @@ async def test_a_wake_placed_just_before_the_park_timeout_gets_the_whole_park_ti
     act.settings.api.park_timeout_s = 1.0
     act.settings.api.slot_wait_s = 5
     act.settings.api.pressure_min_idle_s = 1e9
-    await _worker(d, "w")
-    await act.view.refresh()
-    act.starting["default"] = 0
-    ticking = _controller_rounds(act)
-    await act.create(_new("sleepy"), CATALOG.template("counter"))
-    await act.suspend(await d.get_session("sleepy"))
-    await act.create(_new("busy-1"), CATALOG.template("counter"))
-    await act.create(_new("busy-2"), CATALOG.template("counter"))
-    wake = asyncio.create_task(act.wake("sleepy"))
+    ticking, wake = await _wake_behind_a_full_worker(d, act)
     await asyncio.sleep(0.9)  # most of a park timeout waiting in the slot queue
     assert not wake.done(), wake
     workers.activate_delay_s = 0.5  # the restore outlives what was left of the first park timeout

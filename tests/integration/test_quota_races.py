@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -54,15 +53,6 @@ class Workers:
         self.suspended.set()
         if self.hold:
             await self.go.wait()
-
-
-@pytest.fixture
-async def directory(redis_url: str):
-    d = Directory(redis_url, f"qr{uuid.uuid4().hex[:8]}")
-    yield d
-    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
-        await d.redis.delete(key)
-    await d.close()
 
 
 async def _activator(d: Directory, max_running: int) -> tuple[Activator, Workers, Quotas]:

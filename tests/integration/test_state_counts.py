@@ -5,21 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
-import pytest
 
 from substrate.directory import Directory
 from substrate.models import SessionRecord, SessionState, SnapshotRef
-
-
-@pytest.fixture
-async def directory(redis_url):
-    d = Directory(redis_url, f"tc{uuid.uuid4().hex[:8]}")
-    yield d
-    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
-        await d.redis.delete(key)
-    await d.close()
 
 
 def _rec(sid: str, state: SessionState, epoch: int = 1) -> SessionRecord:
