@@ -934,7 +934,7 @@ class Worker:
         return {"X-Substrate-Restored": restored,
                 **({"X-Substrate-Restored-Snapshot-At": f"{at:.6f}"} if at is not None else {})}
 
-    async def _end_dead(self, act: Activation, what: str) -> None:
+    async def _end_dead(self, act: Activation, what: str, failed_key: str | None = None) -> None:
         """End an activation whose agent died (crash, memory limit, turn timeout): the record goes (guarded
         by epoch and worker) to SUSPENDED with a new epoch, marked ``agent_restarted``, so the next turn
         restores its last committed snapshot elsewhere or here, and every answer of that activation says
@@ -944,10 +944,13 @@ class Worker:
 
         The activation's failed answers (the turn that killed the agent among them) go with the record
         (``carriedAnswers``, the newest 16) to the next activation: a retry of that turn is answered with
-        its error, never run again (an SDK retrying a 504 would otherwise rerun a turn that times out)."""
+        its error, never run again (an SDK retrying a 504 would otherwise rerun a turn that times out);
+        ``failed_key``: the key of a streamed turn that killed the agent, whose kept answer (its NDJSON lines,
+        ending in the error) has the stream's status 200 and goes with them."""
         act.closing = True
         moved = False
-        carried = [[k, a.dump()] for k, a in act.answers.items() if a.status >= 400][-16:]
+        # ``failed_key``: a streamed turn that failed in-band (its kept answer's status is the stream's 200)
+        carried = [[k, a.dump()] for k, a in act.answers.items() if a.status >= 400 or k == failed_key][-16:]
         for attempt in range(3):  # a short Redis pause must not leave the repair to a later request
             try:
                 cas = await self.directory.transition(
@@ -1017,6 +1020,21 @@ class Worker:
             except ConnectionError:  # the client (the router) went away: the turn still runs to its
                 gone = True  # end and its answer is kept for a retry with the same key, as a whole turn's
 
+        kept_once = False
+
+        def keep() -> None:
+            # the turn ran (whole, failed, or cut off): its retry is answered with it, never run again
+            nonlocal kept_once
+            if key is None or kept_once:
+                return
+            kept_once = True
+            if size <= budget:
+                self._store_answer(act, key, 200, b"".join(kept).decode(), digest)
+            else:
+                keep_answer(act.answers, key, StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, size, budget), digest,
+                                                           act.restored, act.restored_at),
+                            keys=self.settings.worker.idempotency_keys, budget=budget)
+
         try:
             try:
                 # closed on every way out, while this turn still holds the activation's lock: a stream left
@@ -1032,15 +1050,13 @@ class Worker:
                     else "agent_crashed"
                 await emit(error_json({"error": {"code": code, "message": str(e)}}).encode() + b"\n")
                 if act.agent.dead:
-                    await self._end_dead(act, f"{code}: {e}")
+                    # kept first: the dead activation's failed answers go with the record to the next one,
+                    # so a retry is answered with this error, never run again (a fresh-user run: a streamed
+                    # turn that killed its agent ran again, and killed it again, on every retry)
+                    keep()
+                    await self._end_dead(act, f"{code}: {e}", failed_key=key)
         finally:
-            # the turn ran (whole, failed, or cut off by a client gone mid-stream): its retry is answered
-            if key is not None and size <= budget:
-                self._store_answer(act, key, 200, b"".join(kept).decode(), digest)
-            elif key is not None:
-                keep_answer(act.answers, key, StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, size, budget), digest,
-                                                           act.restored, act.restored_at),
-                            keys=self.settings.worker.idempotency_keys, budget=budget)
+            keep()
         if not gone:
             with contextlib.suppress(ConnectionError):
                 await resp.write_eof()

@@ -130,3 +130,24 @@ def test_a_client_gone_mid_stream_loses_no_state_and_its_retry_is_answered(rt: R
         assert [ev for ev in _events(rt, sid) if ev["action"] == "recover"] == []
     finally:
         c.delete_session(sid)
+
+
+def test_a_streamed_turn_that_kills_its_agent_is_answered_on_retry_not_run_again(rt: RuntimeProc) -> None:
+    # a fresh-user run: the answer of a streamed turn that killed the agent was kept only after the dead
+    # activation had ended and handed its failed answers to the record, so it was lost: every retry with
+    # the same key ran the turn again (and killed the agent again); a plain turn's was kept
+    c = rt.client
+    sid = c.create_session("shell-turn2s")["id"]
+    key = {"Idempotency-Key": "stream-timeout-1"}
+    try:
+        assert c.invoke(sid, "echo hi")["stdout"] == "hi\n"
+        first = c.http.post(f"/v1/sessions/{sid}/invoke?stream=1", json={"input": "sleep 30"}, headers=key)
+        assert first.status_code == 200 and '"turn_timeout"' in first.text, first.text
+        for _ in range(2):
+            again = c.http.post(f"/v1/sessions/{sid}/invoke?stream=1", json={"input": "sleep 30"}, headers=key)
+            assert again.status_code == 200 and again.headers.get("X-Substrate-Replayed") == "1", again.headers
+            assert again.text == first.text
+        restarts = [ev for ev in _events(rt, sid) if ev["action"] == "recover"]
+        assert len(restarts) == 1, [(ev["action"], ev["reason"], ev["epoch"]) for ev in _events(rt, sid)]
+    finally:
+        c.delete_session(sid)
