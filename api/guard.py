@@ -39,6 +39,7 @@ every ``/v1/`` request:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import re
 import time
@@ -89,27 +90,40 @@ async def _answer(send: Send, status: int, code: str, message: str,
     await send({"type": "http.response.body", "body": body})
 
 
+_STOPPING_MESSAGE = ("the router stopped before this call's answer came; the turn may have run: retry with "
+                     "the same Idempotency-Key (a turn that ran is answered again, never run twice)")
+
+
 async def _until_stopped(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
     """Run ``app``; if the server cancels it (shutdown past its graceful time) before it began its
-    answer, answer 503 ``router_stopping`` (see the module docstring, 7) and end the request there."""
-    started = False
+    answer, answer 503 ``router_stopping`` (see the module docstring, 7) and end the request there; in a
+    streamed (NDJSON) answer already under way, end it with the line ``{"error": {"code":
+    "router_stopping", ...}}``, as a stream cut by a worker's death ends with its error line (it ended as a
+    broken chunked body and a traceback at error level: a fresh-user run)."""
+    started = ndjson = ended = False
 
     async def tracking(msg: Message) -> None:
-        nonlocal started
+        nonlocal started, ndjson, ended
         if msg["type"] == "http.response.start":
             started = True
+            ndjson = any(k.lower() == b"content-type" and v.startswith(b"application/x-ndjson")
+                         for k, v in msg.get("headers", ()))
+        elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+            ended = True
         await send(msg)
 
     try:
         await app(scope, receive, tracking)
     except asyncio.CancelledError:
+        if started and ndjson and not ended:
+            line = error_json({"error": {"code": "router_stopping", "message": _STOPPING_MESSAGE}})
+            with contextlib.suppress(OSError, RuntimeError):  # the client may be gone too
+                await send({"type": "http.response.body", "body": line.encode() + b"\n", "more_body": False})
+            return
         if started:
             raise  # half an answer: uvicorn closes the connection
         # the request's own task is ending here: nothing above it waits for the cancellation
-        await _answer(send, 503, "router_stopping",
-                      "the router stopped before this call's answer came; the turn may have run: retry with "
-                      "the same Idempotency-Key (a turn that ran is answered again, never run twice)",
-                      [(b"retry-after", b"1")], scope=scope)
+        await _answer(send, 503, "router_stopping", _STOPPING_MESSAGE, [(b"retry-after", b"1")], scope=scope)
 
 
 def _Headers(scope: Scope) -> Headers:  # noqa: N802 - a constructor
