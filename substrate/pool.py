@@ -21,7 +21,8 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
   ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one drain at a
   time (none while another is under way or a worker starts), and the worker drained is the least
   loaded one (fewest active, then fewest used slots): its idle sessions are the fewest to suspend, and
-  a loaded worker is not churned. A worker whose active sessions plus the waiting placements would not
+  a loaded worker is not churned; nor is one that this process placed a session on within the delay
+  (its new session may not have run its first turn yet, so it looks idle). A worker whose active sessions plus the waiting placements would not
   fit in the free slots of the others is never drained (current demand needs its slots).
 * **growing beats evicting**: while this process's controller starts a worker for a pool (or has not
   yet run a round since a placement found no slot), the activator's placements wait for it instead of
@@ -66,6 +67,8 @@ class WorkerObs:
     used: int
     alive: bool = True
     active: int | None = None
+    #: a session was placed on it within the scale-down delay (this process's placements)
+    placed_recently: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,11 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
     # it was sized for may come back; the next one is decided on what is left after it
     draining = any(w.state == WorkerState.DRAINING and w.used > 0 for w in alive)
     if current > hold and allow_scale_down and obs.starting == 0 and not draining:
-        ready = sorted((w for w in serving if w.state == WorkerState.READY),
+        # a worker placed on within the delay is not churned: its new session was placed there because
+        # demand needed it, and its turn may not have run yet (so it shows as idle): draining it 0.9 s
+        # after a wake made the parked request's retry wake the session again (the Azure replay: 503
+        # resume_timeout on a 2-core machine whose restores took seconds)
+        ready = sorted((w for w in serving if w.state == WorkerState.READY and not w.placed_recently),
                        key=lambda w: (_active(w), w.used, w.id))
         for victim in ready[:1]:
             # never drain a worker whose slots current demand needs: its active sessions and the
@@ -401,10 +408,13 @@ class PoolController:
         # plus what router processes wait for (Kubernetes: they are other processes; substrate.demand)
         remote = self._remote.get(pool.name, PoolDemand())
         st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0) + remote.activations))
+        mono = time.monotonic()
+        placed = {wid for wid, at in (getattr(act, "placed_at", None) or {}).items()
+                  if mono - at < self.scale_down_delay_s}
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
-                                    active=w.activeSlots) for w in workers),
+                                    active=w.activeSlots, placed_recently=w.id in placed) for w in workers),
             starting=len(st.expectations) + unregistered,
             waiting=local.waiting + remote.waiting,
             in_flight=local.in_flight + remote.in_flight,

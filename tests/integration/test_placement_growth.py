@@ -348,3 +348,31 @@ async def test_room_is_made_only_for_the_waiters_the_pool_controller_has_sized_t
     placed = await asyncio.wait_for(asyncio.gather(*later), 10)
     assert [w.id for w, _ in placed] == ["grown"] * 3
     assert workers.suspended == ["idle-0"]
+
+
+async def test_the_pool_controller_does_not_drain_a_worker_a_session_was_just_placed_on(env):
+    """The Azure replay: the least loaded worker was drained 0.9 s after a session was woken on it (its
+    turn had not run yet, so it looked idle) and the parked request's retry had to wake it again. The
+    activator's placements (``placed_at``) reach the controller's observation: that worker is kept and
+    the other, idle for long, is drained instead."""
+    from substrate.pool import PoolController
+
+    d, act, workers = env
+    await _worker(d, "old")
+    await _worker(d, "fresh")
+    for i in range(2):
+        await _idle_running(d, f"idle-{i}", "old", idle_s=60)  # "old" is full of idle sessions
+    await act.view.refresh()
+    await act.create(_new("new-1"), CATALOG.template("counter"))  # the only free slots: on "fresh"
+    assert (await d.get_session("new-1")).worker == "fresh"
+    pc = PoolController(act.settings, d, CATALOG, RecordingBackend(also_running=("old", "fresh")), act,
+                        scale_down_delay_s=30)
+    drained: list[str] = []
+
+    async def record(wid: str) -> None:
+        drained.append(wid)
+
+    pc._drain = record  # type: ignore[method-assign]
+    await pc.tick()
+    await asyncio.sleep(0)
+    assert drained == ["old"], "the least loaded worker was just placed on: the other one goes"

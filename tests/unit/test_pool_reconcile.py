@@ -203,3 +203,13 @@ def test_plan_invariants(workers, waiting, in_flight, rate, lead, recent, starti
     # removes only empty draining workers
     assert all(w.state == D and w.used == 0 for w in ws if w.id in plan.remove)
     assert plan.desired <= 64
+
+
+def test_a_worker_placed_on_within_the_delay_is_not_drained():
+    # the Azure replay: the least loaded worker was drained 0.9 s after a session was woken on it (its
+    # turn had not run yet, so it looked idle), and the parked request's retry had to wake it again
+    ws = (WorkerObs("older", R, 6, 3, active=0), WorkerObs("fresh", R, 6, 1, active=0, placed_recently=True))
+    plan = reconcile(dense(), PoolObservation(workers=ws, recent_desired=1))
+    assert plan.drain == ("older",)
+    only_fresh = (WorkerObs("fresh", R, 6, 1, active=0, placed_recently=True), WorkerObs("b", R, 6, 6, active=6))
+    assert reconcile(dense(), PoolObservation(workers=only_fresh, recent_desired=1)).drain == ()
