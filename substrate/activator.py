@@ -235,9 +235,6 @@ class Activator:
         self._wanted_at: dict[str, dict[str, int]] = {}
         #: sessions whose placement waits for a slot (a parked wake of one waits for a starting worker)
         self._placing: set[str] = set()
-        #: worker -> ``time.monotonic()`` of this process's latest placement on it (the pool controller
-        #: does not drain a worker placed on within its scale-down delay: ``substrate.pool``)
-        self.placed_at: dict[str, float] = {}
         #: parked wakes whose wait for a slot or a permit has ended: ``perf_counter()`` then (the
         #: restore's park timeout counts from it; dropped when the wake ends)
         self._wait_ended: dict[str, float] = {}
@@ -493,9 +490,6 @@ class Activator:
             slot = await self.directory.claim_slot(w.id, sid)
             if slot >= 0:
                 w.freeSlots = max(0, w.freeSlots - 1)
-                self.placed_at[w.id] = time.monotonic()
-                if len(self.placed_at) > 2 * len(self.view.workers) + 32:  # workers gone since: amortized O(1)
-                    self.placed_at = {k: v for k, v in self.placed_at.items() if k in self.view.workers}
                 return w, slot
             w.freeSlots = 0  # the view was stale: skip it until the next refresh
         return None

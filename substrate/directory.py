@@ -167,7 +167,8 @@ redis.call('DEL', KEYS[1], KEYS[2])
 return out
 """
 
-# KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] session id.
+# KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] session id, ARGV[2] now (epoch s), written to the
+# worker's ``placedAt`` with the claim (the pool controller keeps a worker just placed on: substrate.pool)
 # -> slot index >= 0 | -1 full | -2 worker not READY | -3 worker unknown
 _CLAIM_SLOT = """
 local st = redis.call('HMGET', KEYS[1], 'state', 'slots')
@@ -178,7 +179,11 @@ local taken = redis.call('HGETALL', KEYS[2])
 local used = {}
 for i = 1, #taken, 2 do used[taken[i]] = true end
 for i = 0, n - 1 do
-  if not used[tostring(i)] then redis.call('HSET', KEYS[2], i, ARGV[1]); return i end
+  if not used[tostring(i)] then
+    redis.call('HSET', KEYS[2], i, ARGV[1])
+    redis.call('HSET', KEYS[1], 'placedAt', ARGV[2])
+    return i
+  end
 end
 return -1
 """
@@ -671,13 +676,16 @@ class Directory:
         return {int(k): v for k, v in (await self.redis.hgetall(self.keys.worker_slots(wid))).items()}
 
     @_translate
-    async def claim_slot(self, wid: str, sid: str) -> int:
+    async def claim_slot(self, wid: str, sid: str, now: float | None = None) -> int:
         """Claim a free slot of worker ``wid`` for ``sid``. Every call claims its own slot (two routers
-        racing to resume one session must not share one: the loser frees exactly the slot it took).
+        racing to resume one session must not share one: the loser frees exactly the slot it took). A
+        successful claim also sets the worker record's ``placedAt`` to ``now`` (epoch s, default: this
+        clock), in the same atomic step: whichever router placed there, the pool controller sees it.
 
         Returns the slot index, or -1 (full), -2 (worker not READY), -3 (worker unknown).
         """
-        return int(await self._claim(keys=[self.keys.worker(wid), self.keys.worker_slots(wid)], args=[sid]))
+        return int(await self._claim(keys=[self.keys.worker(wid), self.keys.worker_slots(wid)],
+                                     args=[sid, repr(time.time() if now is None else now)]))
 
     @_translate
     async def release_slot(self, wid: str, slot: int, sid: str) -> bool:

@@ -446,6 +446,8 @@ class WorkerRecord(BaseModel):
     freeSlots: int = 0
     #: slots whose session is mid-turn or was active within the worker's active window
     activeSlots: int = 0
+    #: epoch s of the latest slot claimed on this worker, by any router (``Directory.claim_slot``); None: never
+    placedAt: float | None = None
     #: GPUs the worker sees and their total memory in bytes, from ``nvidia-smi`` (None: not reported)
     gpus: int | None = None
     gpuMemoryBytes: int | None = None

@@ -21,8 +21,9 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
   ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one drain at a
   time (none while another is under way or a worker starts), and the worker drained is the least
   loaded one (fewest active, then fewest used slots): its idle sessions are the fewest to suspend, and
-  a loaded worker is not churned; nor is one that this process placed a session on within the delay
-  (its new session may not have run its first turn yet, so it looks idle). A worker whose active sessions plus the waiting placements would not
+  a loaded worker is not churned; nor is one that any router placed a session on within the delay
+  (its new session may not have run its first turn yet, so it looks idle; the slot claim stamps the
+  worker record's ``placedAt`` in the same atomic step, so a controller in another process sees it). A worker whose active sessions plus the waiting placements would not
   fit in the free slots of the others is never drained (current demand needs its slots).
 * **growing beats evicting**: while this process's controller starts a worker for a pool (or has not
   yet run a round since a placement found no slot), the activator's placements wait for it instead of
@@ -67,7 +68,7 @@ class WorkerObs:
     used: int
     alive: bool = True
     active: int | None = None
-    #: a session was placed on it within the scale-down delay (this process's placements)
+    #: a session was placed on it within the scale-down delay, by any router (``WorkerRecord.placedAt``)
     placed_recently: bool = False
 
 
@@ -408,13 +409,12 @@ class PoolController:
         # plus what router processes wait for (Kubernetes: they are other processes; substrate.demand)
         remote = self._remote.get(pool.name, PoolDemand())
         st.arrivals.add(t, float(getattr(act, "activations_total", {}).get(pool.name, 0) + remote.activations))
-        mono = time.monotonic()
-        placed = {wid for wid, at in (getattr(act, "placed_at", None) or {}).items()
-                  if mono - at < self.scale_down_delay_s}
         obs = PoolObservation(
             workers=tuple(WorkerObs(w.id, w.state, w.slots, w.slots - w.freeSlots,
                                     alive=w.leaseExpiresAt > now and w.id in running,
-                                    active=w.activeSlots, placed_recently=w.id in placed) for w in workers),
+                                    active=w.activeSlots,
+                                    placed_recently=w.placedAt is not None
+                                    and now - w.placedAt < self.scale_down_delay_s) for w in workers),
             starting=len(st.expectations) + unregistered,
             waiting=local.waiting + remote.waiting,
             in_flight=local.in_flight + remote.in_flight,

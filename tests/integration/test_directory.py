@@ -100,6 +100,21 @@ async def test_slot_claims_are_unique_and_idempotent(directory):
     assert await directory.claim_slot("nope", "x") == -3
 
 
+async def test_a_slot_claim_stamps_the_worker_record_and_a_refused_one_does_not(directory):
+    """``placedAt`` is written by the claim itself (any router's), never by a refused claim, and a
+    worker re-registering (its heartbeat record has no ``placedAt``) does not erase it."""
+    now = time.time()
+    rec = WorkerRecord(id="w1", pool="default", address="http://x", slots=1, leaseExpiresAt=now + 10, startedAt=now)
+    await directory.register_worker(rec)
+    assert (await directory.get_worker("w1")).placedAt is None
+    assert await directory.claim_slot("w1", "a", now=now - 5) == 0
+    assert (await directory.get_worker("w1")).placedAt == now - 5
+    assert await directory.claim_slot("w1", "b", now=now) == -1  # full: not a placement
+    assert (await directory.get_worker("w1")).placedAt == now - 5
+    await directory.register_worker(rec)
+    assert [w.placedAt for w in await directory.list_workers()] == [now - 5]
+
+
 class _FakeWorkers:
     """Stands in for the workers' HTTP API; counts activations per epoch."""
 

@@ -80,7 +80,7 @@ async def _worker(d: Directory, wid: str, slots: int = 2) -> None:
 
 async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None:
     now = time.time()
-    slot = await d.claim_slot(wid, sid)
+    slot = await d.claim_slot(wid, sid, now=now - idle_s)  # placed when it last ran
     await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate="counter", pool="default",
                                          epoch=1, worker=wid, slot=slot, createdAt=now - idle_s,
                                          updatedAt=now - idle_s, lastActiveAt=now - idle_s))
@@ -350,11 +350,13 @@ async def test_room_is_made_only_for_the_waiters_the_pool_controller_has_sized_t
     assert workers.suspended == ["idle-0"]
 
 
-async def test_the_pool_controller_does_not_drain_a_worker_a_session_was_just_placed_on(env):
+@pytest.mark.parametrize("placed_by", ["this process", "another router"])
+async def test_the_pool_controller_does_not_drain_a_worker_a_session_was_just_placed_on(env, placed_by):
     """The Azure replay: the least loaded worker was drained 0.9 s after a session was woken on it (its
     turn had not run yet, so it looked idle) and the parked request's retry had to wake it again. The
-    activator's placements (``placed_at``) reach the controller's observation: that worker is kept and
-    the other, idle for long, is drained instead."""
+    slot claim stamps the worker record's ``placedAt``: that worker is kept and the other, idle for long,
+    is drained instead, also when the placement was made by another router process than the
+    controller's (Kubernetes: routers and the controller are separate Deployments)."""
     from substrate.pool import PoolController
 
     d, act, workers = env
@@ -362,9 +364,12 @@ async def test_the_pool_controller_does_not_drain_a_worker_a_session_was_just_pl
     await _worker(d, "fresh")
     for i in range(2):
         await _idle_running(d, f"idle-{i}", "old", idle_s=60)  # "old" is full of idle sessions
-    await act.view.refresh()
-    await act.create(_new("new-1"), CATALOG.template("counter"))  # the only free slots: on "fresh"
+    router = act if placed_by == "this process" else Activator(act.settings, d, CATALOG, workers, WorkerView(d, 60))
+    await router.view.refresh()
+    await router.create(_new("new-1"), CATALOG.template("counter"))  # the only free slots: on "fresh"
     assert (await d.get_session("new-1")).worker == "fresh"
+    assert [w.placedAt is not None and time.time() - w.placedAt < 5 for w in await d.list_workers()
+            if w.id == "fresh"] == [True]
     pc = PoolController(act.settings, d, CATALOG, RecordingBackend(also_running=("old", "fresh")), act,
                         scale_down_delay_s=30)
     drained: list[str] = []
