@@ -1,15 +1,16 @@
 """Object stores for snapshot archives: a small async port and its adapters.
 
-* :class:`ObjectStore` -- the port: ``put_file`` (conditional create), ``get_file``, ``read`` (streamed),
-  ``delete``, ``list_keys``.
+* :class:`ObjectStore` -- the port: ``put_file`` (conditional create), ``read`` (streamed: a consumer reads
+  the object while its bytes arrive; there is no download-to-file), ``delete``, ``list_keys``.
 * :class:`S3Store` -- any S3-compatible service through boto3 (AWS S3, MinIO, Ceph RGW, moto, ...).
 * :class:`LocalDirStore` -- files under a directory (the embedded default; one machine only).
 * :class:`MemoryStore` -- an in-memory fake with outage switches, for tests.
 
 Every adapter has the same semantics: ``put_file`` never overwrites (``Conflict(code="snapshot_exists")``),
-``get_file`` or ``read`` of a missing key raises ``NotFound(code="snapshot_missing")``, ``delete`` is idempotent, and
-every foreign failure (network, timeouts, 5xx, OS errors) becomes ``StoreUnavailable`` (``raise ... from e``),
-which the API answers with 503 + ``Retry-After``.
+``read`` of a missing key raises ``NotFound(code="snapshot_missing")`` before the consumer is called, ``delete`` is
+idempotent, and every foreign failure (network, timeouts, 5xx, OS errors, a transfer cut short -- raised from
+the stream's ``read``) becomes ``StoreUnavailable`` (``raise ... from e``), which the API answers with
+503 + ``Retry-After``.
 
 Keys are ``/``-separated relative paths; :func:`snapshot_key` makes the ones snapshots use.
 """
@@ -137,14 +138,6 @@ class ObjectStore(Protocol):
         """
         ...
 
-    async def get_file(self, key: str, dest: Path) -> int:
-        """Download ``key`` into the file ``dest`` (created or truncated); returns the bytes written.
-
-        Raises ``NotFound(code="snapshot_missing")`` or ``StoreUnavailable``; a partly written ``dest`` is
-        removed on error.
-        """
-        ...
-
     async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
         """Open ``key`` and call ``consume(stream)`` in a worker thread while the bytes arrive (no temp
         file: the consumer's work overlaps the transfer); returns what ``consume`` returns.
@@ -223,16 +216,6 @@ class MemoryStore:
         self.objects[key] = data
         self._leave("put", key)
 
-    async def get_file(self, key: str, dest: Path) -> int:
-        _check_key(key)
-        await self._enter("get", key)
-        data = self.objects.get(key)
-        if data is None:
-            raise _missing(key)
-        Path(dest).write_bytes(data)
-        self._leave("get", key)
-        return len(data)
-
     async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
         _check_key(key)
         await self._enter("get", key)
@@ -306,20 +289,6 @@ class LocalDirStore:
         finally:
             src.close()
 
-    def _get(self, key: str, dest: Path) -> int:
-        source = self._path(key)
-        try:
-            src = open(source, "rb")
-        except (FileNotFoundError, NotADirectoryError):
-            raise _missing(key) from None
-        try:
-            with src, open(dest, "wb") as dst:
-                shutil.copyfileobj(src, dst, _COPY_CHUNK)
-                return dst.tell()
-        except BaseException:
-            Path(dest).unlink(missing_ok=True)
-            raise
-
     def _delete(self, key: str) -> None:
         target = self._path(key)
         try:
@@ -365,9 +334,6 @@ class LocalDirStore:
         self._path(key)
         src = open(path, "rb")  # FileNotFoundError here is the caller's, not the store's
         await self._run("put", key, self._put, key, src)
-
-    async def get_file(self, key: str, dest: Path) -> int:
-        return await self._run("get", key, self._get, key, dest)
 
     def _read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
         try:
@@ -579,30 +545,7 @@ class S3Store:
                     continue
                 raise
 
-    # -------------------------------------------------------------------------------- get, delete, list
-
-    def _get(self, full: str, dest: Path) -> int:
-        resp = self._client.get_object(Bucket=self.bucket, Key=full)
-        body = resp["Body"]
-        written = 0
-        try:
-            with open(dest, "wb") as f:
-                for chunk in body.iter_chunks(_COPY_CHUNK):
-                    f.write(chunk)
-                    written += len(chunk)
-        except BaseException:
-            Path(dest).unlink(missing_ok=True)
-            raise
-        finally:
-            body.close()
-        expected = resp.get("ContentLength")
-        if expected is not None and written != expected:
-            Path(dest).unlink(missing_ok=True)
-            raise OSError(f"short read: {written} of {expected} bytes")
-        return written
-
-    async def get_file(self, key: str, dest: Path) -> int:
-        return await self._call("get", key, self._get, self._full(key), dest)
+    # -------------------------------------------------------------------------------- read, delete, list
 
     def _read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
         full = self._full(key)

@@ -22,13 +22,17 @@ def write(path: Path, size: int) -> Path:
     return path
 
 
-async def test_put_get_round_trip(s3_store: S3Store, tmp_path: Path) -> None:
+async def fetch(store: S3Store, key: str) -> bytes:
+    """The whole object at ``key``, through the port's streamed ``read``."""
+    return await store.read(key, lambda f: f.read())
+
+
+async def test_put_read_round_trip(s3_store: S3Store, tmp_path: Path) -> None:
     src = write(tmp_path / "a", 300_000)
     await s3_store.put_file("snaps/s1/a.tar.zst", src)
-    dest = tmp_path / "out"
-    dest.write_bytes(b"stale" * 200_000)
-    assert await s3_store.get_file("snaps/s1/a.tar.zst", dest) == 300_000
-    assert dest.read_bytes() == src.read_bytes()
+    data = await fetch(s3_store, "snaps/s1/a.tar.zst")
+    assert len(data) == 300_000
+    assert data == src.read_bytes()
 
 
 async def test_conditional_put_refuses_existing_key(s3_store: S3Store, tmp_path: Path) -> None:
@@ -37,8 +41,7 @@ async def test_conditional_put_refuses_existing_key(s3_store: S3Store, tmp_path:
     with pytest.raises(Conflict) as info:
         await s3_store.put_file("k/a", second)
     assert info.value.code == "snapshot_exists"
-    await s3_store.get_file("k/a", tmp_path / "out")
-    assert (tmp_path / "out").read_bytes() == first.read_bytes()
+    assert await fetch(s3_store, "k/a") == first.read_bytes()
 
 
 async def test_multipart_upload_with_conditional_complete(s3_store_factory: Callable[..., S3Store],
@@ -50,16 +53,16 @@ async def test_multipart_upload_with_conditional_complete(s3_store_factory: Call
 
     head = store._client.head_object(Bucket=store.bucket, Key="k/big")
     assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 2 MiB: it really went multipart
-    assert await store.get_file("k/big", tmp_path / "out") == 12 * MiB
-    assert (tmp_path / "out").read_bytes() == big.read_bytes()
+    data = await fetch(store, "k/big")
+    assert len(data) == 12 * MiB
+    assert data == big.read_bytes()
 
     other = write(tmp_path / "other", 12 * MiB)
     with pytest.raises(Conflict):
         await store.put_file("k/big", other)
     # the refused upload was aborted, the object is the first one
     assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
-    await store.get_file("k/big", tmp_path / "out")
-    assert (tmp_path / "out").read_bytes() == big.read_bytes()
+    assert await fetch(store, "k/big") == big.read_bytes()
 
 
 async def test_multipart_complete_is_what_refuses_a_concurrent_winner(
@@ -77,20 +80,20 @@ async def test_multipart_complete_is_what_refuses_a_concurrent_winner(
     monkeypatch.setattr(store, "_complete", complete_after_a_rival)
     with pytest.raises(Conflict):
         await store.put_file("k/race", write(tmp_path / "a", 11 * MiB))
-    await store.get_file("k/race", tmp_path / "out")
-    assert (tmp_path / "out").read_bytes() == b"the rival won"
+    assert await fetch(store, "k/race") == b"the rival won"
     assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
 
 
-async def test_get_missing_is_not_found(s3_store: S3Store, s3_store_factory: Callable[..., S3Store],
-                                        tmp_path: Path) -> None:
+async def test_read_missing_is_not_found(s3_store: S3Store, s3_store_factory: Callable[..., S3Store]) -> None:
+    called: list[object] = []
     with pytest.raises(NotFound) as info:
-        await s3_store.get_file("k/missing", tmp_path / "out")
+        await s3_store.read("k/missing", called.append)
     assert info.value.code == "snapshot_missing"
-    assert not (tmp_path / "out").exists()
+    assert called == []  # raised before the consumer is handed a stream
     no_bucket = s3_store_factory()  # bucket never created
-    with pytest.raises(NotFound):
-        await no_bucket.get_file("k/missing", tmp_path / "out")
+    with pytest.raises(NotFound) as info:
+        await no_bucket.read("k/missing", called.append)
+    assert info.value.code == "snapshot_missing" and called == []
     assert await no_bucket.list_keys("k/") == []
 
 
@@ -123,7 +126,7 @@ async def test_snapshot_round_trip_through_s3(s3_store: S3Store, tmp_path: Path)
     manifest, _, sha = pack(ws, {"n": 1}, session="s1", epoch=4, template="t", out_path=tmp_path / "a")
     key = snapshot_key("snaps", "s1", 4, 1)
     await s3_store.put_file(key, tmp_path / "a")
-    await s3_store.get_file(key, tmp_path / "b")
+    (tmp_path / "b").write_bytes(await fetch(s3_store, key))
     got, state = unpack(tmp_path / "b", tmp_path / "restored", expect_session="s1", expect_sha256=sha)
     assert got == manifest and state == {"n": 1}
     assert (tmp_path / "restored" / "d" / "f.txt").read_text() == "hello"
@@ -134,7 +137,7 @@ async def test_unreachable_endpoint_is_store_unavailable(tmp_path: Path) -> None
                     max_attempts=2)
     src = write(tmp_path / "a", 10)
     try:
-        for call in (store.put_file("k/a", src), store.get_file("k/a", tmp_path / "out"),
+        for call in (store.put_file("k/a", src), store.read("k/a", lambda f: f.read()),
                      store.list_keys("k/"), store.delete("k/a"), store.ensure_bucket()):
             with pytest.raises(StoreUnavailable) as info:
                 await call
@@ -177,8 +180,10 @@ async def test_server_errors_are_store_unavailable(failing_endpoint: str, tmp_pa
         with pytest.raises(StoreUnavailable) as info:
             await store.put_file("k/a", write(tmp_path / "a", 10))
         assert info.value.details["httpStatus"] == 503
+        called: list[object] = []
         with pytest.raises(StoreUnavailable):
-            await store.get_file("k/a", tmp_path / "out")
+            await store.read("k/a", called.append)
+        assert called == []
     finally:
         store.close()
 

@@ -22,6 +22,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     return LocalDirStore(tmp_path / "store")
 
 
+async def fetch(store: ObjectStore, key: str) -> bytes:
+    """The whole object at ``key``, through the port's streamed ``read``."""
+    return await store.read(key, lambda f: f.read())
+
+
 @pytest.fixture
 def blob(tmp_path: Path) -> Path:
     p = tmp_path / "blob.bin"
@@ -29,13 +34,11 @@ def blob(tmp_path: Path) -> Path:
     return p
 
 
-async def test_put_get_round_trip(store: ObjectStore, blob: Path, tmp_path: Path) -> None:
+async def test_put_read_round_trip(store: ObjectStore, blob: Path) -> None:
     await store.put_file("snaps/s1/a.tar.zst", blob)
-    dest = tmp_path / "out.bin"
-    dest.write_bytes(b"stale content that must be replaced" * 10_000)
-    n = await store.get_file("snaps/s1/a.tar.zst", dest)
-    assert n == blob.stat().st_size
-    assert dest.read_bytes() == blob.read_bytes()
+    data = await fetch(store, "snaps/s1/a.tar.zst")
+    assert len(data) == blob.stat().st_size
+    assert data == blob.read_bytes()
 
 
 async def test_put_never_overwrites(store: ObjectStore, blob: Path, tmp_path: Path) -> None:
@@ -45,8 +48,7 @@ async def test_put_never_overwrites(store: ObjectStore, blob: Path, tmp_path: Pa
     with pytest.raises(Conflict) as info:
         await store.put_file("k/a", other)
     assert info.value.code == "snapshot_exists" and info.value.status == 409
-    await store.get_file("k/a", tmp_path / "out")
-    assert (tmp_path / "out").read_bytes() == blob.read_bytes()
+    assert await fetch(store, "k/a") == blob.read_bytes()
 
 
 async def test_concurrent_puts_of_one_key_have_one_winner(store: ObjectStore, tmp_path: Path) -> None:
@@ -59,15 +61,7 @@ async def test_concurrent_puts_of_one_key_have_one_winner(store: ObjectStore, tm
     winners = [p for p, r in zip(paths, results) if r is None]
     assert len(winners) == 1
     assert all(isinstance(r, Conflict) for r in results if r is not None)
-    await store.get_file("race/key", tmp_path / "out")
-    assert (tmp_path / "out").read_bytes() == winners[0].read_bytes()
-
-
-async def test_get_missing_is_not_found(store: ObjectStore, tmp_path: Path) -> None:
-    with pytest.raises(NotFound) as info:
-        await store.get_file("nope/missing", tmp_path / "out")
-    assert info.value.code == "snapshot_missing" and info.value.status == 404
-    assert not (tmp_path / "out").exists()
+    assert await fetch(store, "race/key") == winners[0].read_bytes()
 
 
 async def test_list_and_delete(store: ObjectStore, blob: Path) -> None:
@@ -100,7 +94,7 @@ async def test_invalid_keys_are_rejected(store: ObjectStore, blob: Path, key: st
 # --------------------------------------------------------------------------------------------- fake only
 
 
-async def test_memory_store_outage_switches(blob: Path, tmp_path: Path) -> None:
+async def test_memory_store_outage_switches(blob: Path) -> None:
     store = MemoryStore()
     store.fail_next(2)
     for _ in range(2):
@@ -110,9 +104,11 @@ async def test_memory_store_outage_switches(blob: Path, tmp_path: Path) -> None:
     await store.put_file("k/a", blob)  # third call works again
 
     store.unavailable = True
+    called = []
     with pytest.raises(StoreUnavailable) as info:
-        await store.get_file("k/a", tmp_path / "out")
+        await store.read("k/a", called.append)
     assert info.value.status == 503 and info.value.retry_after_s
+    assert called == []
     with pytest.raises(StoreUnavailable):
         await store.list_keys("k/")
     store.unavailable = False
@@ -201,7 +197,7 @@ async def test_read_of_a_missing_key_is_not_found_and_never_calls_the_consumer(s
     called = []
     with pytest.raises(NotFound) as info:
         await store.read("nope/missing", called.append)
-    assert info.value.code == "snapshot_missing" and called == []
+    assert info.value.code == "snapshot_missing" and info.value.status == 404 and called == []
 
 
 async def test_read_passes_the_consumers_own_errors_through(store: ObjectStore, blob: Path) -> None:
