@@ -155,6 +155,21 @@ def _prestart_problems(settings: Any, *, local: bool = True) -> list[str]:
     return out
 
 
+def port_parser(lowest: int = 1) -> Any:
+    """A typer ``parser`` for a TCP port: plain decimal digits within ``lowest``..65535. Stricter than an
+    int: ``18535.0`` and ``080`` are refused (exit 2, a usage error naming the option) rather than read
+    as 18535 and 80, which hid typos. Raises ``typer.BadParameter``."""
+
+    def parse(value: Any) -> int:
+        text = str(value).strip()
+        if isinstance(value, bool) or not (text.isascii() and text.isdigit()) \
+                or (len(text) > 1 and text[0] == "0") or not lowest <= int(text) <= 65535:
+            raise typer.BadParameter(f"{value!r} is not a port: use {lowest}-65535, in decimal digits")
+        return int(text)
+
+    return parse
+
+
 def _free_port(host: str, port: int) -> str | None:
     """None if ``host:port`` can be bound now, else why not and what to do (checked before anything is
     started): a taken port is told apart from an address this machine does not have."""
@@ -250,7 +265,7 @@ def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Bas
 
 @app.command()
 def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."),
-       port: int = typer.Option(None, min=1, max=65535, help="Listen port (default 8080)."),
+       port: int = typer.Option(None, parser=port_parser(), help="Listen port (default 8080)."),
        config: Path = typer.Option(None, "--config", "-c", help="Folder of ActorTemplate/WorkerPool YAML "
                                                                "(default: the examples shipped in the package)."),
        ) -> None:
@@ -361,7 +376,8 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the s
 @app.command()
 def worker(pool: str = typer.Option(None, envvar="SUBSTRATE_WORKER_POOL", help="WorkerPool this worker serves."),
            slots: int = typer.Option(None, envvar="SUBSTRATE_WORKER_SLOTS", min=1, help="Session slots."),
-           port: int = typer.Option(8081, envvar="SUBSTRATE_WORKER_PORT", min=0, max=65535, help="Listen port."),
+           port: int = typer.Option(8081, envvar="SUBSTRATE_WORKER_PORT", parser=port_parser(lowest=0),
+                                    help="Listen port (0: any free one)."),
            host: str = typer.Option("0.0.0.0", envvar="SUBSTRATE_WORKER_LISTEN_HOST", help="Listen address."),
            advertise: str = typer.Option(None, envvar="SUBSTRATE_POD_IP",
                                          help="Address registered for routers (the Pod IP, downward API)."),
@@ -410,7 +426,7 @@ def _serve_api(host: str, port: int) -> None:
 
 @app.command()
 def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
-           port: int = typer.Option(8080, min=1, max=65535, help="Listen port."),
+           port: int = typer.Option(8080, parser=port_parser(), help="Listen port."),
            kubernetes: bool = typer.Option(True, "--kubernetes/--files",
                                            help="Templates and pools from the Kubernetes API (default) or from "
                                                 "--config files.")) -> None:
@@ -430,7 +446,7 @@ def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
 
 @app.command()
 def controller(host: str = typer.Option("0.0.0.0", help="Probe/metrics listen address."),
-               port: int = typer.Option(8090, min=1, max=65535, help="Probe/metrics port.")) -> None:
+               port: int = typer.Option(8090, parser=port_parser(), help="Probe/metrics port.")) -> None:
     """Run the pool controller and state manager against the Kubernetes API (one leader through a
     coordination.k8s.io Lease; extra replicas wait as standbys)."""
     import importlib
@@ -500,7 +516,7 @@ def _sweep_killed_demos() -> None:
 
 
 @app.command()
-def demo(port: int = typer.Option(18080, min=1, max=65535, help="Port for the demo server."),
+def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for the demo server."),
          keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
     """Start the embedded default, create a counter session and invoke it, suspend it and wake it with
     the next invoke, then stop everything. The demo's runtime keeps its data (embedded Redis, snapshots,

@@ -124,7 +124,7 @@ def test_an_unreachable_external_redis_is_one_line_and_exit_2(tmp_path: Path, mo
     assert not (tmp_path / "workers").exists() and not (tmp_path / "redis").exists()  # nothing was started
 
 
-@pytest.mark.parametrize("port", ["0", "99999", "-1"])
+@pytest.mark.parametrize("port", ["0", "99999", "-1", "18535.0", "080", "1e4", " "])
 def test_a_demo_port_out_of_range_is_one_error_before_anything_starts(port: str, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh-user run: `substrate demo --port 99999` started the demo's server, which printed its own
@@ -204,3 +204,23 @@ def test_invoke_input_no_json_body_can_carry_is_one_error_and_nothing_is_sent(
     r = CliRunner().invoke(app, ["sessions", "invoke", "s-1", "--", arg])
     assert r.exit_code == 2 and why in r.output and "Traceback" not in r.output, r.output
     assert sent == []
+
+
+@pytest.mark.parametrize("command", [["up"], ["router", "--files"], ["controller"], ["worker", "--pool", "p"]])
+@pytest.mark.parametrize("port", ["18535.0", "080", "+80", "8O80"])
+def test_a_port_that_is_not_plain_digits_is_a_usage_error_on_every_command(command: list[str], port: str,
+                                                                           tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: `substrate up --port 18535.0` listened on 18535 and `--port 080` on 80 (typos
+    read as something else). Every command that takes a port refuses them before starting anything."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, [*command, "--port", port], env={"COLUMNS": "300"})  # one line, unwrapped
+    assert r.exit_code == 2, r.output
+    assert "is not a port" in r.output and "--port" in r.output
+    assert not (tmp_path / "redis").exists()
+
+
+def test_a_worker_port_from_the_environment_is_checked_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_WORKER_PORT", "8081.5")
+    r = CliRunner().invoke(app, ["worker", "--pool", "p"], env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "is not a port" in r.output, r.output
