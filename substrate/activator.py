@@ -490,6 +490,8 @@ class Activator:
             slot = await self.directory.claim_slot(w.id, sid)
             if slot >= 0:
                 w.freeSlots = max(0, w.freeSlots - 1)
+                if w.warmSlots:  # this placement takes one (the worker reports the rest at its next beat)
+                    w.warmSlots -= 1
                 return w, slot
             w.freeSlots = 0  # the view was stale: skip it until the next refresh
         return None

@@ -448,6 +448,12 @@ class WorkerRecord(BaseModel):
     activeSlots: int = 0
     #: epoch s of the latest slot claimed on this worker, by any router (``Directory.claim_slot``); None: never
     placedAt: float | None = None
+    #: free slots whose pre-started agent host has booted, as of the worker's last heartbeat (an activation
+    #: there starts at once; elsewhere it waits for a host to boot); None: not reported
+    warmSlots: int | None = None
+    #: slots taken (the slot table's size) when ``warmSlots`` was reported: ``Directory.list_workers``
+    #: subtracts the claims made since
+    warmSlotsAtUsed: int | None = None
     #: GPUs the worker sees and their total memory in bytes, from ``nvidia-smi`` (None: not reported)
     gpus: int | None = None
     gpuMemoryBytes: int | None = None

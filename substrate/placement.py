@@ -17,13 +17,21 @@ from substrate.models import WorkerRecord, WorkerState
 
 def candidates(workers: Iterable[WorkerRecord], pool: str, *, now: float | None = None,
                exclude: Iterable[str] = (), rng: random.Random | None = None) -> list[WorkerRecord]:
-    """Workers to try, best first: READY, in ``pool``, lease valid, ``freeSlots > 0``, not excluded."""
+    """Workers to try, best first: READY, in ``pool``, lease valid, ``freeSlots > 0``, not excluded.
+
+    Order: a worker with a warm slot (a free slot whose pre-started agent host has booted, ``warmSlots``;
+    None, not reported, counts as warm) before one without, then the most free slots (spreading load),
+    ties broken at random. A new worker registers with no warm slot while its first hosts boot, so a
+    wake goes to a worker where it starts at once rather than to the emptiest one, where it waited for
+    an interpreter to boot (GenTD26 11-26 at 200x: a wake's activation took a median of 233 ms on
+    workers up for under 3 s, 34 ms on the others). When no worker has a warm slot, the order is by
+    free slots as before."""
     now = time.time() if now is None else now
     skip = set(exclude)
     ok = [w for w in workers if w.pool == pool and w.state == WorkerState.READY and w.leaseExpiresAt > now
           and w.freeSlots > 0 and w.id not in skip]
     r = rng or random
-    ok.sort(key=lambda w: (-w.freeSlots, r.random()))
+    ok.sort(key=lambda w: (w.warmSlots is not None and w.warmSlots <= 0, -w.freeSlots, r.random()))
     return ok
 
 

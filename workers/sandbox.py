@@ -81,7 +81,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from substrate import sandbox_sweep
 from substrate.models import ActorTemplateSpec
@@ -478,6 +478,9 @@ class SandboxPool:
         self.name = name
         self.bwrap = bwrap
         self.prestart = prestart
+        #: called (no arguments) each time a pre-started host has booted: the worker then reports its
+        #: warm slots soon instead of at its next heartbeat
+        self.on_host_ready: Callable[[], None] | None = None
         self.refill_delay_s = refill_delay_s
         #: what a pre-started host is spawned with (its kind: sandboxed with network none, or not)
         self.prestart_limits = Limits() if require_sandbox else Limits(sandboxed=False)
@@ -538,6 +541,11 @@ class SandboxPool:
     def _spares(self) -> int:
         """Free slots whose pre-started host has booted and is alive."""
         return sum(1 for s in self.slots if not s.busy and s.ready is not None and s.ready.alive)
+
+    def warm_slots(self) -> int:
+        """Free slots an activation would start in at once: their pre-started host has booted (the
+        worker reports it with its heartbeat; placement prefers a worker that has one)."""
+        return self._spares()
 
     def _can_prestart(self) -> bool:
         return bool(self.prestart) and not self._closed and not (self.prestart_limits.sandboxed and self.unavailable)
@@ -797,6 +805,8 @@ class SandboxPool:
             await host.close()
             return
         slot.ready = host
+        if self.on_host_ready is not None:
+            self.on_host_ready()
 
     def _reset_workspace(self, slot: Slot) -> None:
         if slot.uid is not None:  # per-uid kernel state outlives the session's processes (seccomp bans it too)

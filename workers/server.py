@@ -235,6 +235,10 @@ async def _holding(lock: asyncio.Lock, wait_s: float | None, sid: str) -> AsyncI
         lock.release()
 
 
+#: the shortest gap between heartbeats brought forward by a host that booted (``Worker._host_ready``)
+_WARM_BEAT_MIN_S = 0.1
+
+
 class Worker:
     """The worker's state and behaviour; ``app()`` builds its aiohttp application."""
 
@@ -270,6 +274,15 @@ class Worker:
         #: those the control plane asks for over HTTP are audited by the caller
         self.audit = AuditLog(directory.redis, directory.keys, settings.audit)
         self.quotas = Quotas(directory.redis, directory.keys, settings.quota)
+        #: warm slots as last reported; a host booting while it is 0 makes the next heartbeat come soon
+        self._reported_warm = 0
+        self._beat_soon = asyncio.Event()
+        if sandboxes is not None:  # (unit tests of the HTTP layer build a worker without slots)
+            sandboxes.on_host_ready = self._host_ready
+
+    def _host_ready(self) -> None:
+        if self._reported_warm == 0:
+            self._beat_soon.set()
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def register(self, address: str) -> None:
@@ -281,6 +294,7 @@ class Worker:
         await self.directory.register_worker(WorkerRecord(
             id=self.id, pool=self.pool, address=address, slots=self.slots, state=WorkerState.READY,
             leaseExpiresAt=lease, startedAt=self.started_at, pid=os.getpid(),
+            warmSlots=self.sandboxes.warm_slots(),  # 0 while its first hosts boot: placement goes elsewhere
             gpus=inventory[0] if inventory else None, gpuMemoryBytes=inventory[1] if inventory else None))
         self.lease_expires_at = lease
         self._tasks = [asyncio.create_task(self._heartbeat_loop()),
@@ -317,7 +331,10 @@ class Worker:
                     active = sum(1 for a in self.activations.values()
                                  if a.lock.locked() or now - a.last_active < window)
                     lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
-                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active)
+                    self._beat_soon.clear()
+                    warm = self.sandboxes.warm_slots()
+                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active, warm)
+                    self._reported_warm = warm
                     if alive:
                         self.lease_expires_at = lease
                     for sid in touched:
@@ -333,7 +350,12 @@ class Worker:
                     break
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("heartbeat failed", exc_info=True)
-            await asyncio.sleep(self.settings.worker.heartbeat_s)
+            # the next beat at the interval, or sooner once a host has booted on a worker that reported
+            # no warm slot (a new worker's first hosts), at most every ``_WARM_BEAT_MIN_S``
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), self.settings.worker.heartbeat_s)
+            if self._beat_soon.is_set():
+                await asyncio.sleep(_WARM_BEAT_MIN_S)
 
     async def _reconcile_loop(self) -> None:
         while not self._closed:

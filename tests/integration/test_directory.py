@@ -293,3 +293,22 @@ async def test_a_failed_create_is_undone_unless_its_deadline_already_kept_it(dir
         from substrate.errors import NotFound
         with pytest.raises(NotFound):
             await directory.get_session(sid)
+
+
+async def test_warm_slots_reported_by_a_heartbeat_shrink_with_the_claims_made_since(directory):
+    """A worker reports ``warmSlots`` (free slots whose host has booted) with its heartbeat; every router
+    reads it through ``list_workers`` less the slots claimed since (each claim takes a warm host), never
+    below 0 nor above the free slots."""
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=4,
+                                                 leaseExpiresAt=now + 10, startedAt=now, warmSlots=0))
+    assert [w.warmSlots for w in await directory.list_workers()] == [0]
+    assert await directory.heartbeat("w1", now + 10, warm_slots=3)
+    assert [w.warmSlots for w in await directory.list_workers()] == [3]
+    assert await directory.claim_slot("w1", "a") >= 0
+    assert [w.warmSlots for w in await directory.list_workers()] == [2]
+    for sid in ("b", "c", "d"):
+        assert await directory.claim_slot("w1", sid) >= 0
+    assert [(w.warmSlots, w.freeSlots) for w in await directory.list_workers()] == [(0, 0)]
+    assert await directory.heartbeat("w1", now + 10)  # a beat without the figure leaves it
+    assert [w.warmSlots for w in await directory.list_workers()] == [0]

@@ -72,10 +72,10 @@ async def env(redis_url):
     await d.close()
 
 
-async def _worker(d: Directory, wid: str, slots: int = 2) -> None:
+async def _worker(d: Directory, wid: str, slots: int = 2, warm: int | None = None) -> None:
     now = time.time()
     await d.register_worker(WorkerRecord(id=wid, pool="default", address=f"http://{wid}", slots=slots,
-                                         leaseExpiresAt=now + 60, startedAt=now))
+                                         leaseExpiresAt=now + 60, startedAt=now, warmSlots=warm))
 
 
 async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None:
@@ -381,3 +381,22 @@ async def test_the_pool_controller_does_not_drain_a_worker_a_session_was_just_pl
     await pc.tick()
     await asyncio.sleep(0)
     assert drained == ["old"], "the least loaded worker was just placed on: the other one goes"
+
+
+async def test_placement_takes_a_booted_host_before_the_emptiest_worker_whose_hosts_still_boot(env):
+    """A new worker (all slots free, its hosts booting: it registers ``warmSlots`` 0) is not where a
+    wake goes while another worker has a free slot with a booted host; once those are taken (this
+    router counts its own claims at once), it is."""
+    d, act, workers = env
+    await _worker(d, "new", slots=6, warm=0)
+    await _worker(d, "old", slots=6)
+    for i in range(2):
+        await _idle_running(d, f"busy-{i}", "old", idle_s=0)
+    assert await d.heartbeat("old", time.time() + 60, warm_slots=1)  # one of its four free slots is warm
+    await act.view.refresh()
+    placed = []
+    for i in range(3):
+        rec = await act.create(_new(f"s{i}"), CATALOG.template("counter"))
+        placed.append(rec.worker)
+    # the warm slot first; then no worker has one and the emptiest wins (the view counted the claim)
+    assert placed == ["old", "new", "new"]

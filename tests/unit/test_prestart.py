@@ -307,3 +307,22 @@ async def test_a_new_worker_boots_its_hosts_a_few_at_a_time_not_all_at_once(tmp_
         assert 0 < peak <= _BOOT_CONCURRENCY
     finally:
         await pool.close()
+
+
+async def test_warm_slots_count_free_booted_hosts_and_each_boot_is_announced(tmp_path):
+    """What a worker reports as ``warmSlots`` (placement prefers a worker that has one): 0 while the hosts
+    boot, one per booted host in a free slot, one less per slot taken; ``on_host_ready`` is called once
+    per booted host, so the worker can report it before its next heartbeat."""
+    pool = _pool(tmp_path, 2, prestart=2)
+    announced: list[int] = []
+    pool.on_host_ready = lambda: announced.append(pool.warm_slots())
+    try:
+        assert pool.warm_slots() == 0
+        await pool.start()
+        await _until(lambda: all(s.ready is not None for s in pool.slots), "both slots pre-started")
+        assert pool.warm_slots() == 2 and sorted(announced) == [1, 2]
+        slot = await pool.acquire()
+        assert pool.warm_slots() == 1
+        await pool.release(slot, None)
+    finally:
+        await pool.close()
