@@ -233,7 +233,8 @@ def _redis_problem(url: str) -> str | None:
 
 
 def _client(server: str, token: Optional[str]) -> SubstrateClient:
-    return SubstrateClient(server, token=token)
+    """The SDK client for a CLI command; a token it refuses is one line and exit 1 (never the token)."""
+    return _run(lambda: SubstrateClient(server, token=token))
 
 
 def _print(obj: Any) -> None:

@@ -40,6 +40,23 @@ def _session_path(sid: str) -> str:
     return "/v1/sessions/" + quote(sid, safe="")
 
 
+def bearer_token(token: str | None) -> str | None:
+    """``token`` without surrounding whitespace (a key pasted with its newline or a CR), or None if that
+    leaves nothing. Raises ``ApiError`` 401 ``invalid_token`` if what is left has a character other
+    than visible ASCII (a control character, an inner space, a typographic quote): the message says
+    where and never echoes the token (an HTTP library's error would print it whole, secret included)."""
+    if token is None:
+        return None
+    token = token.strip()
+    for i, ch in enumerate(token):
+        if not "!" <= ch <= "~":
+            what = "a control character" if ord(ch) < 32 or ord(ch) == 127 else (
+                "a space" if ch.isspace() else f"the non-ASCII character U+{ord(ch):04X}")
+            raise ApiError(401, "invalid_token", f"the API token has {what} at position {i + 1} of "
+                           f"{len(token)}: an HTTP header cannot carry it (check how the key was copied)")
+    return token or None
+
+
 def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 300:
         return
@@ -61,6 +78,10 @@ class SubstrateClient:
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0,
                  retries: int = 3, retry_backoff_s: float = 0.2,
                  transport: httpx.BaseTransport | None = None) -> None:
+        """Raises ``ApiError`` 401 ``invalid_token`` (before any request) if ``token``, once stripped of
+        surrounding whitespace (a copied key's trailing newline), has a character an HTTP header cannot
+        carry; the message never contains the token."""
+        token = bearer_token(token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers,
                                  transport=transport)

@@ -39,3 +39,37 @@ def test_a_redirect_is_an_error_not_a_success() -> None:
     with pytest.raises(ApiError) as e:
         _client(seen, status=307).delete_session("abc")
     assert e.value.status == 307
+
+
+def test_a_token_pasted_with_its_newline_is_sent_without_it() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"id": "s1", "state": "RUNNING"})
+
+    with SubstrateClient("http://t", token="  sk_ab12_secret\r\n", transport=httpx.MockTransport(handler)) as c:
+        c.get_session("s1")
+    assert seen[0].headers["authorization"] == "Bearer sk_ab12_secret"
+
+
+@pytest.mark.parametrize("token", ["sk_ab12_sec ret", "sk_ab12_secr\x01et", "sk_ab12_s\u00e9cret", "sk_ab12_\u2019secret"])
+def test_a_token_a_header_cannot_carry_is_refused_without_echoing_it(token: str) -> None:
+    """A fresh-user run: a key with a CR inside printed ``Illegal header value b'Bearer sk_..._<secret>'``
+    (the whole secret, in a terminal or a CI log); a non-ASCII one, an 84-line traceback."""
+    with pytest.raises(ApiError) as e:
+        SubstrateClient("http://t", token=token)
+    assert e.value.status == 401 and e.value.code == "invalid_token"
+    assert "secr" not in str(e.value) and "cret" not in str(e.value) and "position" in e.value.message
+
+
+def test_the_cli_refuses_such_a_token_in_one_line_without_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from substrate.cli import app
+
+    monkeypatch.setenv("SUBSTRATE_TOKEN", "sk_ab12_topsecret\rX")
+    r = CliRunner().invoke(app, ["sessions", "get", "x", "--server", "http://127.0.0.1:1"], env={"COLUMNS": "300"})
+    assert r.exit_code == 1, r.output
+    assert "invalid_token" in r.output and "topsecret" not in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
