@@ -116,6 +116,11 @@ class _LostRace(Conflict):
     wake, this one must not (one record per transition)."""
 
 
+class _DeletedMeanwhile(NotFound):
+    """The session was deleted while this process woke it (the delete records itself; the wake that
+    lost to it leaves no record and answers 404 ``session_not_found`` like any call after a delete)."""
+
+
 def blames_tenant(e: SubstrateError) -> bool:
     """Whether a failed create or wake counts toward its tenant's circuit breaker. Not: a quota or
     fairness refusal (429), a fenced worker (the worker's lease), and an outage of the platform's own
@@ -912,11 +917,11 @@ class Activator:
         try:
             route, woke = await self._resume_held(rec, pin)
         except SubstrateError as e:
-            if audit_action and not isinstance(e, _LostRace):
+            if audit_action and not isinstance(e, (_LostRace, _DeletedMeanwhile)):
                 await self.record(audit_action, rec, result=e.code, reason=rec.reason or "")
             # a session whose own saved state cannot be loaded is its fault alone: counting it would let
             # one poisoned session close the breaker on every other session of its tenant
-            if not isinstance(e, (NoCapacity, Conflict, StateLoadFailed)) and blames_tenant(e):
+            if not isinstance(e, (NoCapacity, Conflict, StateLoadFailed, _DeletedMeanwhile)) and blames_tenant(e):
                 self.breaker.failure(rec.tenant, rec.actorTemplate)
             raise
         if audit_action and woke:  # a wake won by another process is recorded there
@@ -997,6 +1002,11 @@ class Activator:
             if adm is not None:
                 adm.latency_s = time.perf_counter() - activating
         except SnapshotCorrupt as e:
+            if await self._deleted_meanwhile(rec.id):
+                # the delete removed the snapshot under the restore: not a corrupt snapshot, and no
+                # record to fail (a fresh-user race: 500 snapshot_corrupt "object is missing" after a 204)
+                await self._abandon(rec.id, worker, slot, epoch)
+                raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
             await self._fail_corrupt(rec, epoch, worker, slot, e)
             raise
         except StateLoadFailed as e:
@@ -1039,6 +1049,16 @@ class Activator:
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
         return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant,
                      place_ms=(placed - t0) * 1000, activate_ms=(time.perf_counter() - activating) * 1000), True
+
+    async def _deleted_meanwhile(self, sid: str) -> bool:
+        """Whether ``sid`` was deleted (record gone or DELETED) since this call read it; False if the
+        directory cannot say (the caller then treats the failure as it is)."""
+        try:
+            return (await self.directory.get_session(sid)).state == SessionState.DELETED
+        except NotFound:
+            return True
+        except SubstrateError:
+            return False
 
     async def _abandon(self, sid: str, worker: WorkerRecord, slot: int, epoch: int) -> None:
         """Drop activation ``epoch`` of ``sid`` on ``worker`` (only that epoch or older) and free its

@@ -71,3 +71,41 @@ async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(direct
     with pytest.raises(NotFound):
         await d.get_session("s1")
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
+
+
+async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_snapshot(directory: Directory) -> None:
+    """A fresh-user race: resume (or invoke) a suspended session and DELETE it 0-30 ms later; the delete
+    answered 204 and removed the snapshot while the worker restored it, and the wake answered 500
+    ``snapshot_corrupt`` "object ... is missing", recorded a corrupt snapshot after the delete and counted
+    a failure against the tenant. It is the 404 ``session_not_found`` any call after a delete gets."""
+    from substrate.errors import SnapshotCorrupt
+    from substrate.models import SnapshotRef
+
+    d = directory
+    now = time.time()
+    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                         leaseExpiresAt=now + 60, startedAt=now))
+    ref = SnapshotRef(key="snapshots/s1/000000000001-x.tar.zst", sha256="0" * 64, sizeBytes=10, epoch=1,
+                      createdAt=now)
+    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
+                                         pool="default", tenant="team-a", epoch=1, snapshot=ref,
+                                         createdAt=now, updatedAt=now, lastActiveAt=now))
+    settings = Settings()
+    audit = AuditLog(d.redis, d.keys, settings.audit)
+    view = WorkerView(d, 60)
+    await view.refresh()
+
+    class Restoring(Workers):
+        async def activate(self, address: str, *, session: str, epoch: int, **_: Any) -> dict[str, Any]:
+            await router.delete(session)  # the DELETE lands mid-restore; its GC removes the object
+            raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"})
+
+    workers = Restoring()
+    router = Activator(settings, d, CATALOG, workers, view, audit=audit)  # type: ignore[arg-type]
+    with pytest.raises(NotFound) as e:
+        await router.wake("s1")
+    assert e.value.code == "session_not_found" and e.value.status == 404
+    # no wake record (the API records the delete itself; the wake that lost to it leaves none)
+    assert [ev["action"] for ev in (await audit.session_events("s1"))[0]] == []
+    assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
+    router.breaker.check("team-a", "counter")  # no failure counted against the tenant
