@@ -36,7 +36,7 @@ from substrate import metrics
 from substrate.apikeys import check_tenant
 from api.guard import Guard, request_id_of
 from substrate.envpolicy import check_session_env
-from substrate.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
+from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
 from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
@@ -445,6 +445,11 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         owner = _tenant_scope(request, tenant, verb="create") or _principal(request).tenant
         sid = _check_id(body.id) if body.id is not None else f"s-{uuid.uuid4().hex[:16]}"
         template = rt.catalog.template(body.actorTemplate)
+        if not (template.spec.entrypoint or template.spec.command):
+            # refused before a slot is claimed (the worker's own refusal came after placement, as an
+            # internal code: fresh-user run with a seed's container-only template)
+            raise BadRequest(f"template {template.name!r} has only spec.container: workers here run an agent's "
+                             "spec.entrypoint (module:Class) or spec.command; add one", code="unsupported_template")
         env = check_session_env(body.env, [e.name for e in template.spec.env])
         pool = rt.catalog.pool_for(template)
         now = time.time()

@@ -11,6 +11,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "bad_json": (400, "the body is not valid JSON (also a body that is not UTF-8 or starts with a byte order mark)"),
     "missing_input": (400, "invoke body lacks the `input` field"),
     "bad_request": (400, "a malformed request"),
+    "unsupported_template": (400, "a create of a template with only `spec.container`: workers run an agent's "
+                                  "`spec.entrypoint` or `spec.command`"),
     "unauthorized": (401, "no, unknown or revoked credentials (API key or JWT)"),
     "invalid_token": (401, "a JWT that fails verification (signature, issuer, audience, unknown key)"),
     "token_expired": (401, "an expired JWT"),

@@ -252,6 +252,8 @@ class ActorTemplateSpec(BaseModel):
     def model_post_init(self, __context: Any) -> None:
         if not (self.entrypoint or self.command or self.container):
             raise ValueError("an ActorTemplate needs one of spec.entrypoint, spec.command, spec.container")
+        if self.entrypoint and self.command:  # which one runs would be a guess (the command won, silently)
+            raise ValueError("an ActorTemplate sets spec.entrypoint or spec.command, not both")
 
 
 class ActorTemplate(BaseModel):

@@ -33,6 +33,12 @@ spec:
   entrypoint: workers.agents.shell:Shell
   env: [{name: SHELL_TIMEOUT_S, value: "60"}]
   isolation: {turnTimeout: 2s}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: image-only}
+spec:
+  container: {image: busybox}
 """
 
 FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
@@ -151,3 +157,17 @@ def test_a_streamed_turn_that_kills_its_agent_is_answered_on_retry_not_run_again
         assert len(restarts) == 1, [(ev["action"], ev["reason"], ev["epoch"]) for ev in _events(rt, sid)]
     finally:
         c.delete_session(sid)
+
+
+def test_a_container_only_template_is_refused_at_create_before_anything_is_placed(rt: RuntimeProc) -> None:
+    """A seed's template with only ``spec.container`` loads (it is the YAML users write), but workers here
+    run ``entrypoint``/``command`` agents: a create answered the worker's internal 400
+    ``unsupported_template`` after a slot was claimed (fresh-user run). It is refused up front now, with
+    the code the API documents, and nothing is created."""
+    with pytest.raises(ApiError) as e:
+        rt.client.create_session("image-only", id="img-1")
+    assert e.value.status == 400 and e.value.code == "unsupported_template", e.value
+    assert "spec.entrypoint" in e.value.message
+    with pytest.raises(ApiError) as gone:
+        rt.client.get_session("img-1")
+    assert gone.value.status == 404

@@ -160,3 +160,11 @@ def test_a_worker_with_a_warm_slot_comes_before_an_emptier_one_whose_hosts_still
     assert [x.id for x in candidates([new, busy, old], "p", now=1)] == ["old", "busy", "new"]
     cold = [w("a", 2, 0), w("b", 5, 0)]
     assert [x.id for x in candidates(cold, "p", now=1)] == ["b", "a"]
+
+
+def test_a_template_with_both_an_entrypoint_and_a_command_is_refused_at_load():
+    """Which one runs would be a guess (the command ran, silently: fresh-user run)."""
+    with pytest.raises(SpecError) as e:
+        load_documents([{"kind": "ActorTemplate", "metadata": {"name": "both"},
+                         "spec": {"entrypoint": "workers.agents.counter:Counter", "command": ["python3", "-u", "a.py"]}}])
+    assert "not both" in str(e.value)
