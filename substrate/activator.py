@@ -49,14 +49,14 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 
 from substrate import metrics
 from substrate.admission import ActivationLimiter, LimiterSettings, LimiterTimeout
 from substrate.audit import SYSTEM, Actor, AuditLog
 from substrate.demand import DemandBoard, PoolDemand
-from substrate.directory import Directory
+from substrate.directory import CasResult, Directory
 from substrate.errors import (
     Conflict,
     DirectoryUnavailable,
@@ -240,6 +240,8 @@ class Activator:
         self._wanted_at: dict[str, dict[str, int]] = {}
         #: sessions whose placement waits for a slot (a parked wake of one waits for a starting worker)
         self._placing: set[str] = set()
+        #: background repairs under way (``_background``): referenced so they are not collected mid-run
+        self._repairs: set[asyncio.Task[None]] = set()
         #: parked wakes whose wait for a slot or a permit has ended: ``perf_counter()`` then (the
         #: restore's park timeout counts from it; dropped when the wake ends)
         self._wait_ended: dict[str, float] = {}
@@ -1029,13 +1031,12 @@ class Activator:
             snapshotCreatedAt=rec.snapshot.createdAt if rec.snapshot else None,
             snapshotEpoch=rec.snapshot.epoch if rec.snapshot else None,
             reason=rec.reason or "resume", lostAfter=(lost_after or 0.0) if restored_what else None)
-        done = await self.directory.transition(
-            rec.id, from_states=[SessionState.RESUMING], epoch=epoch, to=SessionState.RUNNING,
-            # ``reason`` stays until a newer snapshot is committed (snapshot/commit.py clears it): if this
-            # activation is lost before any of its answers is acknowledged, the next wake still restores
-            # from the same snapshot and must still say so (chaos run: a loss reported only on answers the
-            # client never received)
-            set={"restoredFrom": restored, "lastActiveAt": time.time()})
+        # ``reason`` stays until a newer snapshot is committed (snapshot/commit.py clears it): if this
+        # activation is lost before any of its answers is acknowledged, the next wake still restores
+        # from the same snapshot and must still say so (chaos run: a loss reported only on answers the
+        # client never received)
+        done = await self._settle_running(rec.id, epoch, worker, slot, {"restoredFrom": restored,
+                                                                       "lastActiveAt": time.time()})
         if not done.ok:
             # a deadline roll (or a delete) got there first: the activation just made is not the
             # session's any more; drop it and give the slot back, or the worker holds it for good
@@ -1049,6 +1050,61 @@ class Activator:
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
         return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant,
                      place_ms=(placed - t0) * 1000, activate_ms=(time.perf_counter() - activating) * 1000), True
+
+    async def _settle_running(self, sid: str, epoch: int, worker: WorkerRecord, slot: int,
+                              fields: dict[str, object]) -> CasResult:
+        """RESUMING -> RUNNING for activation ``epoch`` (made on ``worker``), riding out a short Redis
+        outage: the step is retried with exponential back-off (50 ms doubling to 1 s) for up to half the
+        park timeout; a retry that finds the record already RUNNING at ``epoch`` on ``worker`` (the first
+        try's answer was lost) counts as done. Returns the transition result. If Redis stays away,
+        raises ``DirectoryUnavailable`` and leaves a background task that rolls the claim back (guarded
+        by the epoch) once Redis answers: a wake cut off by a Redis restart left the session RESUMING,
+        every call to it 503 ``resume_timeout``, until its 60 s deadline (fresh-user run)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.settings.api.park_timeout_s / 2
+        delay, tried = 0.05, False
+        while True:
+            try:
+                done = await self.directory.transition(sid, from_states=[SessionState.RESUMING], epoch=epoch,
+                                                       to=SessionState.RUNNING, set=fields)
+                if not done.ok and tried:
+                    cur = await self.directory.get_session(sid)
+                    if cur.state == SessionState.RUNNING and cur.epoch == epoch and cur.worker == worker.id:
+                        return CasResult(ok=True, state=SessionState.RUNNING, epoch=epoch)
+                return done
+            except DirectoryUnavailable:
+                tried = True
+                if loop.time() + delay > give_up:
+                    self._background(self._roll_back_when_reachable(sid, epoch, worker, slot))
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    async def _roll_back_when_reachable(self, sid: str, epoch: int, worker: WorkerRecord, slot: int) -> None:
+        """Undo claim ``epoch`` of ``sid`` (RESUMING -> SUSPENDED, then drop the activation and free the
+        slot) once Redis answers again, retrying for up to the transition deadline (after which the
+        state manager's deadline roll does the same)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.state.transition_deadline_s
+        delay = 0.1
+        while loop.time() < end:
+            try:
+                await self.directory.transition(sid, from_states=[SessionState.RESUMING], epoch=epoch,
+                                                to=SessionState.SUSPENDED, unset=("worker", "slot"))
+                await self._abandon(sid, worker, slot, epoch)
+                return
+            except DirectoryUnavailable:
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+            except Exception:  # noqa: BLE001 - a background repair never raises; the deadline roll is left
+                log.warning("rolling back a wake cut off by Redis failed", extra={"session": sid}, exc_info=True)
+                return
+
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
+        """Run ``coro`` as a task this activator keeps a reference to until it ends."""
+        task = asyncio.create_task(coro)
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
 
     async def _deleted_meanwhile(self, sid: str) -> bool:
         """Whether ``sid`` was deleted (record gone or DELETED) since this call read it; False if the
