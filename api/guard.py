@@ -25,7 +25,10 @@ every ``/v1/`` request:
    This is the Fetch Metadata / Origin check OWASP's CSRF cheat sheet describes; clients that are not
    browsers send neither header;
 5. a query parameter given more than once (``?limit=5&limit=7``) -> 422 ``invalid_input`` naming it:
-   every ``/v1/`` parameter takes one value, and FastAPI would silently keep one of them;
+   every ``/v1/`` parameter takes one value, and FastAPI would silently keep one of them; and one the
+   route does not take (``?stat=SUSPENDED``, ``?streem=1``) -> 422 ``invalid_input`` naming it and the
+   ones it takes (as the app's OpenAPI document lists them): a typo silently ignored listed every
+   session, or ran a turn unstreamed (fresh-user run);
 6. an encoded slash (``%2F``) in the path: the server decodes it before routing, so
    ``POST /v1/sessions/abc%2Finvoke`` ran a turn of session ``abc``. A session ID cannot hold ``/``: in the
    session ID's segment it is 422 ``invalid_session_id``, anywhere else 404 ``not_found`` (no route has
@@ -174,6 +177,39 @@ def repeated_param(query_string: bytes) -> str | None:
     return None
 
 
+class QueryNames:
+    """The query parameters each ``/v1/`` route takes, read once from the app's OpenAPI document (the
+    routes declare them there; the invoke route's ``stream`` too)."""
+
+    def __init__(self) -> None:
+        self._routes: list[tuple[str, re.Pattern[str], frozenset[str]]] | None = None
+
+    def _load(self, app: Any) -> list[tuple[str, re.Pattern[str], frozenset[str]]]:
+        out: list[tuple[str, re.Pattern[str], frozenset[str]]] = []
+        if not hasattr(app, "openapi"):  # not the API's app (a bare test app): nothing to check against
+            return out
+        for path, ops in app.openapi().get("paths", {}).items():
+            rx = re.compile("^" + re.sub(r"\\{[^/{}]+\\}", "[^/]+", re.escape(path)) + "$")
+            for method, op in ops.items():
+                names = frozenset(p["name"] for p in op.get("parameters", ()) if p.get("in") == "query")
+                out.append((method.upper(), rx, names))
+        return out
+
+    def unknown(self, app: Any, method: str, path: str, query_string: bytes) -> tuple[str, frozenset[str]] | None:
+        """(the first parameter ``method path`` does not take, the ones it takes), or None (all known,
+        or no such route: the app answers that)."""
+        if self._routes is None:
+            self._routes = self._load(app)
+        method = "GET" if method == "HEAD" else method
+        for m, rx, names in self._routes:
+            if m == method and rx.match(path):
+                for name, _ in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True):
+                    if name not in names:
+                        return name, names
+                return None
+        return None
+
+
 def encoded_slash(raw_path: bytes) -> tuple[int, str] | None:
     """The first segment of ``raw_path`` (the path as sent, before percent-decoding) that holds an encoded
     slash (``%2F``), as (its index in ``raw_path.split(b"/")``, the segment decoded); None if none does."""
@@ -195,6 +231,7 @@ class Guard:
     def __init__(self, app: ASGIApp, get_settings: Callable[[Scope], tuple[Any, Any]]) -> None:
         self.app = app
         self.get_settings = get_settings
+        self.query_names = QueryNames()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -225,6 +262,14 @@ class Guard:
         qs = scope.get("query_string") or b""
         if b"&" in qs and (name := repeated_param(qs)) is not None:  # one parameter cannot repeat: no parse
             msg = "given more than once: this parameter takes one value"
+            await _answer(send, 422, "invalid_input", f"query.{clip(name, 64, quote=False)}: {msg}", scope=scope,
+                          details={"errors": [{"loc": ["query", clip(name, 64, quote=False)], "msg": msg}]})
+            return
+        if qs and "app" in scope and (bad := self.query_names.unknown(scope["app"], scope.get("method", ""),
+                                                                      scope["path"], qs)) is not None:
+            name, known = bad
+            msg = ("this route takes no query parameter" if not known else
+                   "not a parameter of this route (it takes: " + ", ".join(sorted(known)) + ")")
             await _answer(send, 422, "invalid_input", f"query.{clip(name, 64, quote=False)}: {msg}", scope=scope,
                           details={"errors": [{"loc": ["query", clip(name, 64, quote=False)], "msg": msg}]})
             return
