@@ -111,7 +111,8 @@ class StoredAnswer:
 
     ``status``: HTTP status; ``text``: the JSON body; ``digest``: sha256 (hex) of the request body ("" if
     unknown); ``restored``/``restored_at``: the ``restored`` marker and ``restored_at`` of the activation
-    that *ran* the turn. A replay in a later activation sends those, not its own: the answer shows the
+    that *ran* the turn ("": it had lost nothing; None: kept by a version before the markers). A replay
+    in a later activation sends those, not its own: the answer shows the
     state of the activation that ran it (chaos run: a turn run right after a lossy restore and first
     acknowledged by its replay, after a clean suspend and resume, showed the loss with no restored
     header, or with the newer snapshot's time).
@@ -132,7 +133,7 @@ class StoredAnswer:
         """From ``dump``'s form; also the older ``[status, text(, digest)]``. Raises ``TypeError`` /
         ``ValueError`` / ``IndexError`` on anything else."""
         return cls(int(v[0]), str(v[1]), str(v[2]) if len(v) > 2 and v[2] is not None else "",
-                   str(v[3]) if len(v) > 3 and v[3] else None,
+                   str(v[3]) if len(v) > 3 and v[3] is not None else None,
                    float(v[4]) if len(v) > 4 and v[4] is not None else None)
 
 
@@ -949,7 +950,9 @@ class Worker:
     def _restored(act: Activation, stored: StoredAnswer | None = None) -> dict[str, str]:
         """``X-Substrate-Restored`` (and ``-Snapshot-At``) of an answer: the activation that ran the turn
         (``stored``, for a replay) says what its state had lost; else this activation."""
-        restored, at = (stored.restored, stored.restored_at) if stored is not None and stored.restored \
+        # "" : the turn ran on an activation that had lost nothing (its replay carries no marker, whatever
+        # this activation lost: fresh-user run); None: an answer kept before markers were (this one's)
+        restored, at = (stored.restored, stored.restored_at) if stored is not None and stored.restored is not None \
             else (act.restored, act.restored_at)
         if not restored:
             return {}
@@ -1004,7 +1007,7 @@ class Worker:
             await self._left_live("recover", act, reason="agent_restarted")
 
     def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str) -> None:
-        keep_answer(act.answers, key, StoredAnswer(status, text, digest, act.restored, act.restored_at),
+        keep_answer(act.answers, key, StoredAnswer(status, text, digest, act.restored or "", act.restored_at),
                     keys=self.settings.worker.idempotency_keys, budget=self.settings.worker.answer_keep_bytes)
 
     def _remember(self, act: Activation, key: str | None, digest: str, e: SubstrateError) -> SubstrateError:
@@ -1054,7 +1057,7 @@ class Worker:
                 self._store_answer(act, key, 200, b"".join(kept).decode(), digest)
             else:
                 keep_answer(act.answers, key, StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, size, budget), digest,
-                                                           act.restored, act.restored_at),
+                                                           act.restored or "", act.restored_at),
                             keys=self.settings.worker.idempotency_keys, budget=budget)
 
         try:

@@ -33,3 +33,28 @@ def test_a_replay_says_what_the_activation_that_ran_the_turn_had_lost():
         "X-Substrate-Restored": "activation_lost", "X-Substrate-Restored-Snapshot-At": "20.000000"}
     act.restored, act.restored_at = "worker_lost;snapshot=none", None
     assert Worker._restored(act) == {"X-Substrate-Restored": "worker_lost;snapshot=none"}
+
+
+def test_a_replay_of_a_turn_run_on_a_clean_activation_carries_no_marker_after_a_lossy_one():
+    """A fresh-user run: turn k1 ran in epoch 1 (nothing lost, no marker); after a kill -9 the session came
+    back ``worker_lost`` and k1's retry was answered from its kept answer with ``X-Substrate-Restored:
+    worker_lost``, a loss that answer never had. An answer of a clean activation is kept with the marker
+    "" (none), which survives a snapshot; only answers kept before markers existed take the current one."""
+    act = Activation.__new__(Activation)
+    act.restored, act.restored_at = "worker_lost", 20.0
+    clean = StoredAnswer.load(json.loads(json.dumps(StoredAnswer(200, "{}", "ab", "").dump())))
+    assert clean.restored == "" and Worker._restored(act, clean) == {}
+    assert Worker._restored(act, StoredAnswer.load([200, "{}", "ab"]))["X-Substrate-Restored"] == "worker_lost"
+
+
+def test_a_clean_activation_keeps_its_answers_with_the_empty_marker():
+    from collections import OrderedDict
+
+    from substrate.settings import Settings
+
+    worker = Worker.__new__(Worker)
+    worker.settings = Settings()
+    act = Activation.__new__(Activation)
+    act.restored, act.restored_at, act.answers = None, None, OrderedDict()
+    worker._store_answer(act, "k1", 200, '{"output": 1}', "ab")
+    assert act.answers["k1"].restored == ""
