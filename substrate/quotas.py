@@ -262,11 +262,14 @@ class Quotas:
                 "maxGpus": "suspended sessions hold none"}.get(name, "retry later")
         if lim == 0:
             hint = "this limit admits none"
-        raise TooManyRequests(
+        err = TooManyRequests(
             f"{name} quota of {where} is {lim}; {hint}",
             code=_LIMIT_CODES[name], retry_after_s=max(self.retry_after_s, math.ceil(retry)),
             details={"limit": name, "scope": "tenant" if scope == 1 else "template", "tenant": tenant,
                      "template": template.name, "max": lim})
+        if lim == 0:
+            err.retry_after_s = None  # no wait makes room (a fresh-user finding: it said Retry-After: 1)
+        raise err
 
     @translated
     async def release(self, tenant: str, template: str, sid: str, *, epoch: int | None = None,

@@ -334,3 +334,20 @@ async def test_audit_records_page_per_session_and_tenant(redis_prefix):
     assert seen == {"a": [f"req{i}" for i in range(5)], "b": ["b0", "b1", "b2"]}
     assert len((await log.session_events("s1", limit=100))[0]) == 8  # an admin sees both
     assert (await log.session_events("nope", tenant="a"))[0] == []
+
+
+async def test_a_limit_of_zero_is_refused_without_a_retry_after(redis_url, redis_prefix):
+    """A quota of 0 admits nothing: "this limit admits none", and no ``Retry-After`` (it said 1 s, which
+    a client would follow for ever)."""
+    _, keys, _ = redis_prefix
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    quotas = Quotas(client, keys, QuotaSettings(tenants={"zero": QuotaLimits(maxTotal=0), "one": QuotaLimits(maxTotal=1)}))
+    with pytest.raises(TooManyRequests) as e:
+        await quotas.acquire("zero", _template(), "s1", create=True)
+    assert e.value.code == "quota_max_total" and "admits none" in e.value.message
+    assert e.value.retry_after_s is None
+    await quotas.acquire("one", _template(), "s1", create=True)
+    with pytest.raises(TooManyRequests) as full:
+        await quotas.acquire("one", _template(), "s2", create=True)
+    assert full.value.retry_after_s is not None  # a full (non-zero) limit still says when to look again
+    await client.aclose()
