@@ -80,8 +80,12 @@ class SubstrateClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         """Raises ``ApiError`` 401 ``invalid_token`` (before any request) if ``token``, once stripped of
         surrounding whitespace (a copied key's trailing newline), has a character an HTTP header cannot
-        carry; the message never contains the token."""
+        carry (the message never contains the token), and 400 ``invalid_server_url`` if ``base_url`` has
+        no scheme."""
         token = bearer_token(token)
+        if "://" not in base_url:  # httpx read "localhost:8080" as scheme "localhost" (fresh-user run)
+            raise ApiError(400, "invalid_server_url", f"server URL {base_url!r} has no scheme: use "
+                           f"http://{base_url} (or https://)")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers,
                                  transport=transport)

@@ -73,3 +73,10 @@ def test_the_cli_refuses_such_a_token_in_one_line_without_the_secret(monkeypatch
     assert r.exit_code == 1, r.output
     assert "invalid_token" in r.output and "topsecret" not in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_server_url_without_a_scheme_says_which_to_use() -> None:
+    """A fresh-user run: ``--server localhost:19080`` gave ``UnsupportedProtocol ... 'localhost://'``."""
+    with pytest.raises(ApiError) as e:
+        SubstrateClient("localhost:19080")
+    assert e.value.code == "invalid_server_url" and "http://localhost:19080" in e.value.message
