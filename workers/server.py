@@ -973,7 +973,7 @@ class Worker:
         ``failed_key``: the key of a streamed turn that killed the agent, whose kept answer (its NDJSON lines,
         ending in the error) has the stream's status 200 and goes with them."""
         act.closing = True
-        moved = False
+        moved = deleted = False
         # ``failed_key``: a streamed turn that failed in-band (its kept answer's status is the stream's 200)
         carried = [[k, a.dump()] for k, a in act.answers.items() if a.status >= 400 or k == failed_key][-16:]
         for attempt in range(3):  # a short Redis pause must not leave the repair to a later request
@@ -987,13 +987,18 @@ class Worker:
                          **({"carriedAnswers": carried} if carried else {})},
                     unset=("worker", "slot"))
                 moved = cas.ok
+                deleted = not cas.ok and (not cas.found or cas.state == SessionState.DELETED)
                 break
             except Exception:  # noqa: BLE001 - retried, then left to the router's repair
                 log.warning("could not end the activation of a dead agent", extra={
                     "session": act.sid, "epoch": act.epoch, "attempt": attempt}, exc_info=True)
                 await asyncio.sleep(0.3)
-        log.warning("agent died: activation ended", extra={"session": act.sid, "epoch": act.epoch,
-                                                          "worker": self.id, "moved": moved, "why": what[:300]})
+        if deleted:  # the delete stopped the agent: nothing died that restarts (fresh-user run: a warning)
+            log.info("session deleted during a turn: activation ended", extra={
+                "session": act.sid, "epoch": act.epoch, "worker": self.id})
+        else:
+            log.warning("agent died: activation ended", extra={"session": act.sid, "epoch": act.epoch,
+                                                              "worker": self.id, "moved": moved, "why": what[:300]})
         await self._drop(act)
         if moved:
             try:

@@ -58,3 +58,35 @@ def test_a_clean_activation_keeps_its_answers_with_the_empty_marker():
     act.restored, act.restored_at, act.answers = None, None, OrderedDict()
     worker._store_answer(act, "k1", 200, '{"output": 1}', "ab")
     assert act.answers["k1"].restored == ""
+
+
+@pytest.mark.parametrize("found,state,level", [(False, None, "INFO"), (True, "DELETED", "INFO"),
+                                               (True, "SUSPENDED", "WARNING")])
+async def test_an_agent_stopped_by_a_delete_is_not_logged_as_a_death(found, state, level, caplog):
+    """A fresh-user run: a DELETE during a turn logged a WARNING that the agent died and "restarts from its
+    last snapshot"; nothing restarts. A record that is gone or DELETED is the delete's doing (info); one
+    another step moved is still a warning."""
+    import logging
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from substrate.directory import CasResult
+    from substrate.models import SessionState
+
+    async def transition(*_a, **_k):
+        return CasResult(ok=False, state=SessionState(state) if state else None, epoch=3, found=found)
+
+    async def nothing(*_a, **_k):
+        return None
+
+    worker = Worker.__new__(Worker)
+    worker.id = "w1"
+    worker.directory = SimpleNamespace(transition=transition)
+    worker._drop = nothing
+    worker._left_live = nothing
+    act = Activation.__new__(Activation)
+    act.sid, act.epoch, act.slot, act.answers, act.closing = "s1", 2, 0, OrderedDict(), False
+    with caplog.at_level(logging.INFO, logger="substrate"):
+        await worker._end_dead(act, "agent_crashed")
+    ended = [r for r in caplog.records if "activation ended" in r.getMessage()]
+    assert [r.levelname for r in ended] == [level]
