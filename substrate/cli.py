@@ -640,8 +640,14 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
            template: Optional[str] = None, limit: int = typer.Option(50, help="Page size."),
            all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
+           output: str = typer.Option("table", "--output", "-o",
+                                      help="table (IDs never cut, wide columns wrap), json (the API's page: "
+                                           "items and metadata.continue) or ids (one ID a line, for pipes)."),
            server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """List sessions as a table (an admin sees every tenant's, with a TENANT column)."""
+    """List sessions as a table (an admin sees every tenant's, with a TENANT column), JSON or IDs."""
+    if output not in ("table", "json", "ids"):
+        err.print(f"[red]error[/red]: --output {escape(output)!r} is none of table, json, ids")
+        raise typer.Exit(2)
     if state is not None:
         from substrate.models import LISTABLE_STATES
 
@@ -659,7 +665,18 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
         else:
             page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit, tenant=tenant))
             items, nxt = page["items"], page["metadata"]["continue"]
-    t = Table("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH")
+    if output == "json":
+        _print({"items": items, "metadata": {"continue": nxt}})
+        return
+    if output == "ids":  # plain lines: a pipe gets whole IDs whatever the terminal's width (fresh-user run)
+        for s in items:
+            print(s["id"])
+        return
+    t = Table()
+    # the ID column is never cut (it was, to "s-00bd36096e5e4…", on an 80-column terminal): others wrap
+    t.add_column("ID", no_wrap=True, min_width=max((len(s["id"]) for s in items), default=2))
+    for name in ("TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH"):
+        t.add_column(name, overflow="fold")
     for s in items:
         t.add_row(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
                   str(s["epoch"]))

@@ -43,3 +43,38 @@ def test_a_state_no_listing_shows_is_one_error_line_naming_the_valid_ones(seen: 
     assert len(lines) == 1 and lines[0].startswith("error:"), r.output
     assert "PENDING, STARTING, RUNNING, SUSPENDING, SUSPENDED, RESUMING, FAILED" in lines[0]
     assert "DELETED" not in lines[0].replace(repr(given), "")
+
+
+LONG = "s-00bd36096e5e4c0f8a1b2c3d4e5f6a7b8c9d0e1f"
+
+
+@pytest.fixture
+def long_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"items": [{"id": LONG, "state": "SUSPENDED", "actorTemplate": "a-long-template-name",
+                                                    "tenant": "team-with-a-long-name", "worker": "default-0123456789ab",
+                                                    "epoch": 12}], "metadata": {"continue": "c1"}})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+
+
+def test_the_table_never_cuts_an_id_on_a_narrow_terminal(long_ids: None) -> None:
+    """A fresh-user run: on an 80-column terminal (or a pipe) IDs came out as ``s-00bd36096e5e4…``."""
+    r = CliRunner().invoke(app, ["sessions", "list"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0 and LONG in r.output, r.output
+
+
+def test_ids_and_json_output_for_scripts(long_ids: None) -> None:
+    import json
+
+    r = CliRunner().invoke(app, ["sessions", "list", "-o", "ids"])
+    assert r.exit_code == 0 and r.output == LONG + "\n", r.output
+    r = CliRunner().invoke(app, ["sessions", "list", "--output", "json"])
+    page = json.loads(r.output)
+    assert page["items"][0]["id"] == LONG and page["metadata"]["continue"] == "c1"
+    r = CliRunner().invoke(app, ["sessions", "list", "-o", "yaml"])
+    assert r.exit_code == 2 and "table, json, ids" in r.output
