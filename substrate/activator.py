@@ -1068,7 +1068,10 @@ class Activator:
                 done = await self.directory.transition(sid, from_states=[SessionState.RESUMING], epoch=epoch,
                                                        to=SessionState.RUNNING, set=fields)
                 if not done.ok and tried:
-                    cur = await self.directory.get_session(sid)
+                    try:
+                        cur = await self.directory.get_session(sid)
+                    except NotFound:  # deleted meanwhile: the caller drops the activation
+                        return done
                     if cur.state == SessionState.RUNNING and cur.epoch == epoch and cur.worker == worker.id:
                         return CasResult(ok=True, state=SessionState.RUNNING, epoch=epoch)
                 return done
