@@ -93,3 +93,32 @@ async def test_a_longer_outage_fails_the_wake_and_rolls_its_claim_back_once_redi
             break
         await asyncio.sleep(0.05)
     assert await d.worker_slots("w1") == {}, "the claimed slot is free again"
+
+
+async def test_a_session_deleted_during_the_blip_has_its_new_activation_dropped(env):  # noqa: F811
+    from substrate.errors import Conflict
+
+    d, act, workers = env
+    await _worker(d, "w1", slots=2)
+    await act.view.refresh()
+    await _suspended(d, "s1")
+    real = d.transition
+    dropped: list[str] = []
+
+    async def deactivate(address, session, epoch=None):
+        dropped.append(session)
+
+    workers.deactivate = deactivate
+
+    async def blip_then_deleted(sid, **kw):
+        if kw.get("to") == SessionState.RUNNING and not dropped and not getattr(blip_then_deleted, "done", False):
+            blip_then_deleted.done = True
+            await d.redis.delete(d.keys.session(sid))  # the delete's end: the record is gone
+            raise DirectoryUnavailable("session directory (Redis) unavailable: Connection refused")
+        return await real(sid, **kw)
+
+    d.transition = blip_then_deleted
+    with pytest.raises((Conflict, Exception)):
+        await act.wake("s1")
+    assert dropped == ["s1"], "the activation made for a deleted session is dropped on its worker"
+    assert await d.worker_slots("w1") == {}
