@@ -92,10 +92,13 @@ class SnapshotManager:
             path.unlink(missing_ok=True)
 
     async def commit(self, sid: str, epoch: int, ref: SnapshotRef, *, suspend: bool = False,
-                     turns: int = 0, unreported_loss: float | None = None) -> bool:
+                     turns: int = 0, unreported_loss: float | None = None,
+                     suspend_reason: str | None = None) -> bool:
         """Point the session at ``ref`` if ``epoch`` is still current. With ``suspend`` the same atomic
         step moves the session to SUSPENDED and clears its worker and slot, and adds ``turns`` (the
-        activation's turns no heartbeat reported yet) to the record's count. Returns whether it committed.
+        activation's turns no heartbeat reported yet) to the record's count, and records
+        ``suspend_reason`` (one of ``models.SUSPEND_REASONS``) as the record's ``suspendReason``. Returns
+        whether it committed.
 
         ``unreported_loss``: set when the committing activation restored older state (a lossy recovery)
         and has answered no turn since, so no client has been told of the loss: the time (Unix s) its
@@ -111,9 +114,11 @@ class SnapshotManager:
                                                                           "carriedAnswers"]
         keep_loss = {"lostAfter": unreported_loss} if unreported_loss is not None else None
         if suspend:
+            why = {"suspendReason": suspend_reason} if suspend_reason else {}
             ok, dropped = await self.directory.commit_snapshot(
                 sid, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,), to=SessionState.SUSPENDED,
-                set=keep_loss, unset=("worker", "slot", *clear), retention=keep, add_turns=turns)
+                set={**(keep_loss or {}), **why} or None, unset=("worker", "slot", *clear), retention=keep,
+                add_turns=turns)
         else:
             ok, dropped = await self.directory.commit_snapshot(sid, epoch=epoch, ref=ref, retention=keep,
                                                                set=keep_loss, unset=clear)

@@ -951,7 +951,8 @@ class Activator:
         placed = time.perf_counter()
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
-            set={"worker": worker.id, "slot": slot}, deadline_s=self.settings.state.transition_deadline_s)
+            set={"worker": worker.id, "slot": slot}, unset=("suspendReason",),
+            deadline_s=self.settings.state.transition_deadline_s)
         if not cas.ok:  # another router won the activation: give the slot back and follow it
             await self.directory.release_slot(worker.id, slot, rec.id)
             settled = await self._wait_settled(rec.id, self.settings.api.park_timeout_s)
@@ -1185,7 +1186,8 @@ class Activator:
         auto = reason != "explicit"  # automatic: no API call records it, so this does (as the system)
         try:
             ref = await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant,
-                                      wait_s=self.settings.api.suspend_wait_s if reason == "explicit" else None)
+                                      wait_s=self.settings.api.suspend_wait_s if reason == "explicit" else None,
+                                      reason=reason)
         except SubstrateError as e:
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(rec.worker)

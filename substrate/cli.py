@@ -516,6 +516,18 @@ def _sweep_killed_demos() -> None:
         err.print(f"removed the data of a demo that was killed ({folder})")
 
 
+def _show_tail(log_file: Path, lines: int = 30) -> None:
+    """Print the last ``lines`` lines of a demo server's log to stderr (nothing if it is missing or empty)."""
+    try:
+        tail = log_file.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return
+    if tail:
+        err.print(f"last {len(tail)} lines of the demo server's log:")
+        for line in tail:
+            err.print(escape(line), soft_wrap=True, highlight=False)
+
+
 @app.command()
 def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for the demo server."),
          keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
@@ -526,6 +538,10 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
     import shutil
     import tempfile
     import uuid
+
+    def say(line: str) -> None:
+        # one line each, never wrapped at the terminal's width ("(state" / "RUNNING)" on 80 columns)
+        console.print(line, soft_wrap=True)
 
     from substrate.embedded import die_with_parent_hook
 
@@ -548,10 +564,15 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
     err.print(f"demo data in {data}" + (f" and under Redis key prefix {prefix}" if shared_redis else "")
               + "; removed when the demo ends")
     # SIGTERM to the server if the demo itself is killed, so no runtime outlives it
-    proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env,
-                            preexec_fn=die_with_parent_hook())
+    # the server's log (its audit records are JSON lines whatever the level) goes to a file, so it does
+    # not interleave with the demo's own lines (a fresh-user run); its tail is shown if the demo fails
+    server_log = data / "server.log"
+    with server_log.open("wb") as log_out:
+        proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env,
+                                stdout=log_out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent_hook())
     url = f"http://127.0.0.1:{port}"
     created: list[str] = []
+    ok = False
     try:
         with SubstrateClient(url) as c:
             try:
@@ -568,24 +589,26 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
                     time.sleep(0.1)
                 s = _run(lambda: c.create_session("counter"))
                 created.append(s["id"])
-                console.print(f"created session [bold]{s['id']}[/bold] on worker {s['worker']} (state {s['state']})")
+                say(f"created session [bold]{s['id']}[/bold] on worker {s['worker']} (state {s['state']})")
                 for _ in range(3):
-                    console.print(f"invoke increment -> {_run(lambda: c.invoke(s['id'], 'increment'))}")
+                    say(f"invoke increment -> {_run(lambda: c.invoke(s['id'], 'increment'))}")
                 st = _run(lambda: c.suspend(s["id"]))
-                console.print(f"suspended -> state {st['state']}, snapshot {st['snapshot']['sizeBytes']} bytes")
+                say(f"suspended ({st['suspendReason']}) -> state {st['state']}, "
+                    f"snapshot {st['snapshot']['sizeBytes']} bytes")
                 t0 = time.perf_counter()
                 out = _run(lambda: c.invoke(s["id"], "increment"))
-                console.print(f"invoke increment (woke it in {1000 * (time.perf_counter() - t0):.0f} ms) -> {out}")
+                say(f"invoke increment (woke it in {1000 * (time.perf_counter() - t0):.0f} ms) -> {out}")
                 st = _run(lambda: c.get_session(s["id"]))
-                console.print(f"state {st['state']} on worker {st['worker']}, epoch {st['epoch']}, "
-                              f"restoredFrom {st['restoredFrom']}")
+                say(f"state {st['state']} on worker {st['worker']}, epoch {st['epoch']}, "
+                    f"restoredFrom {st['restoredFrom']}")
                 nb = _run(lambda: c.create_session("notebook"))
                 created.append(nb["id"])
                 _run(lambda: c.invoke(nb["id"], "x = 6 * 7"))
                 _run(lambda: c.suspend(nb["id"]))
-                console.print(f"notebook after suspend/resume: x -> {_run(lambda: c.invoke(nb['id'], 'x'))}")
+                say(f"notebook after suspend/resume: x -> {_run(lambda: c.invoke(nb['id'], 'x'))}")
+                ok = True  # the demo ran through (a Ctrl-C under --keep is its normal end)
                 if keep:
-                    console.print(f"server at {url}; Ctrl-C stops (and removes the demo's data)")
+                    say(f"server at {url} (its log: {server_log}); Ctrl-C stops (and removes the demo's data)")
                     proc.wait()
             finally:
                 # through the API while the server runs: that also deletes their snapshots wherever the
@@ -608,6 +631,8 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
                 _drop_prefix(shared_redis, prefix)
             except Exception as e:  # noqa: BLE001 - say what is left rather than hide the demo's outcome
                 err.print(f"could not remove the demo's Redis keys (prefix {prefix}): {escape(str(e))}")
+        if not ok:
+            _show_tail(server_log)
         shutil.rmtree(data, ignore_errors=True)
         err.print(f"demo data removed ({data})")
 
@@ -622,6 +647,11 @@ def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. 
     bad = [x for x in label if "=" not in x or x.startswith("=")]
     if bad:
         err.print(f"[red]error[/red]: labels must be key=value, got {escape(', '.join(bad))}")
+        raise typer.Exit(2)
+    keys = [x.split("=", 1)[0] for x in label]
+    if dup := sorted({k for k in keys if keys.count(k) > 1}):
+        # the later one silently won before (a fresh-user run): say which keys, change nothing
+        err.print(f"[red]error[/red]: label key given twice: {escape(', '.join(dup))}")
         raise typer.Exit(2)
     labels = dict(x.split("=", 1) for x in label)
     with _client(server, token) as c:

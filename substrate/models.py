@@ -392,6 +392,10 @@ class RestoredFrom(BaseModel):
     lostAfter: float | None = None
 
 
+#: the values of ``SessionRecord.suspendReason``
+SUSPEND_REASONS = ("explicit", "idle", "pressure", "drain")
+
+
 class SessionRecord(BaseModel):
     """One session as the directory holds it. ``epoch`` is the activation fencing token."""
 
@@ -415,6 +419,10 @@ class SessionRecord(BaseModel):
     restoredFrom: RestoredFrom | None = None
     reason: str | None = None
     message: str | None = None
+    #: why a SUSPENDED session was suspended: ``explicit`` (the suspend API), ``idle`` (its idle
+    #: timeout), ``pressure`` (its slot was needed), ``drain`` (its worker went away gracefully); set by
+    #: the snapshot commit that suspends it, cleared by the wake. A recovery's reason is in ``reason``.
+    suspendReason: str | None = None
     #: with a lossy ``reason``: the time (Unix s) the state to be restored dates from, when the current
     #: ``snapshot`` was committed by an activation that restored older state and answered no turn (so no
     #: client was told of the loss yet, and the loss and its base stay for the next wake); 0: no state

@@ -111,15 +111,17 @@ class WorkerClient:
             **({"answers": answers} if answers else {})})
 
     async def suspend(self, address: str, session: str, epoch: int, *, idle_s: float | None = None,
-                      wait_s: float | None = None, tenant: str = "") -> SnapshotRef:
+                      wait_s: float | None = None, tenant: str = "", reason: str = "explicit") -> SnapshotRef:
         """Suspend ``session`` on its worker. ``idle_s``: only if idle that long (an idle or pressure
         suspend never waits for a turn); ``wait_s``: wait at most that long for a running turn to end,
-        else ``Conflict`` (``busy``); neither: wait for the turn (a drain)."""
+        else ``Conflict`` (``busy``); neither: wait for the turn (a drain). ``reason`` (one of
+        ``models.SUSPEND_REASONS``) becomes the record's ``suspendReason``."""
         params = {"idle_s": repr(idle_s)} if idle_s is not None else {}
+        params["reason"] = reason
         if wait_s is not None:
             params["wait_s"] = repr(wait_s)
         body = await self._call("POST", f"{address}/v1/activations/{session}/suspend", address=address,
-                                session=session, epoch=epoch, tenant=tenant, params=params or None)
+                                session=session, epoch=epoch, tenant=tenant, params=params)
         return SnapshotRef.model_validate(body["snapshot"])
 
     async def snapshot(self, address: str, session: str, epoch: int) -> SnapshotRef:

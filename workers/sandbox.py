@@ -147,6 +147,19 @@ class Limits:
         return out
 
 
+def _args_fd(options: list[str]) -> int:
+    """A new descriptor (close-on-exec; pass it with ``pass_fds``) holding ``options`` NUL-terminated,
+    from offset 0, for one ``bwrap --args FD`` (bwrap reads it to its end). Raises OSError."""
+    fd = os.memfd_create("substrate-bwrap-args")
+    try:
+        os.write(fd, b"".join(o.encode() + b"\0" for o in options))
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
@@ -906,17 +919,25 @@ class SandboxPool:
         # the seccomp filter (workers/syscalls.py, built once per worker): its own memfd per spawn, which
         # bwrap reads and closes before the agent starts
         seccomp_fd = syscalls.bpf_fd(self.bpf) if limits.sandboxed and self.bpf is not None else None
+        # bwrap's options (host paths of the slot, the venv, /etc files) go through ``--args FD``: the
+        # sandbox's PID 1 is a fork of bwrap, and its /proc/1/cmdline, readable by the agent, showed
+        # them all (a fresh-user run); now it shows ``bwrap --args N --seccomp M -- <agent host>``
+        args_fd = None
+        if limits.sandboxed:
+            cut = argv.index("--")
+            args_fd = _args_fd(argv[1:cut])
+            argv[1:cut] = ["--args", str(args_fd)]
         if seccomp_fd is not None:
-            argv[1:1] = ["--seccomp", str(seccomp_fd)]
+            argv[3:3] = ["--seccomp", str(seccomp_fd)]
+        fds = tuple(fd for fd in (args_fd, seccomp_fd) if fd is not None)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.launcher(slot, limits), *argv, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, close_fds=True,
-                pass_fds=(seccomp_fd,) if seccomp_fd is not None else (),
-                start_new_session=not limits.sandboxed, limit=self.read_limit)
+                pass_fds=fds, start_new_session=not limits.sandboxed, limit=self.read_limit)
         finally:
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
+            for fd in fds:
+                os.close(fd)
         host = HostProcess(proc=proc, slot=slot, limits=limits, sandboxed=limits.sandboxed)
         assert proc.stderr is not None
         host.stderr_task = asyncio.create_task(agentlog.drain(proc.stderr, host, slot.index))

@@ -86,7 +86,7 @@ from substrate.errors import (
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
 from substrate.loops import run_forever
-from substrate.models import ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
+from substrate.models import SUSPEND_REASONS, ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
 from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
 from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
@@ -473,7 +473,7 @@ class Worker:
                     if self.activations.get(act.sid) is not act:
                         return
                     try:
-                        await self.suspend(act.sid, act.epoch, None)
+                        await self.suspend(act.sid, act.epoch, None, reason="drain")
                         await self._left_live("suspend", act, reason="drain")
                         return
                     except SubstrateError as e:
@@ -683,13 +683,14 @@ class Worker:
             act.last_snapshot_at = time.time()
             return ref
 
-    async def suspend(self, sid: str, epoch: int, idle_s: float | None, wait_s: float | None = None) -> SnapshotRef:
+    async def suspend(self, sid: str, epoch: int, idle_s: float | None, wait_s: float | None = None,
+                      reason: str = "explicit") -> SnapshotRef:
         """Snapshot, commit with the move to SUSPENDED in one step, then free the slot (invariant 2).
 
         ``idle_s``: only if idle that long, never waiting for a turn; ``wait_s``: wait at most that long
         for a running turn to end; neither: wait for it (a drain). Raises ``Conflict`` (``busy``) when
         it would have to wait longer. If object storage fails the session goes back to RUNNING on this
-        slot and the error is raised.
+        slot and the error is raised. ``reason`` (``models.SUSPEND_REASONS``) becomes ``suspendReason``.
         """
         act = self._get(sid, epoch)
         if idle_s is not None and act.lock.locked():  # mid-turn: an idle/pressure suspend must not wait
@@ -722,7 +723,8 @@ class Worker:
             # lock is held): the suspend's answer counts every turn, and none is lost with the activation
             async with self._turns_lock:
                 committed = await self.snapshots.commit(sid, epoch, ref, suspend=True, turns=act.unreported_turns,
-                                                        unreported_loss=self._unreported_loss(act))
+                                                        unreported_loss=self._unreported_loss(act),
+                                                        suspend_reason=reason)
                 if committed:
                     act.unreported_turns = 0
             if not committed:
@@ -1103,9 +1105,13 @@ class Worker:
     async def _h_suspend(self, request: web.Request) -> web.Response:
         try:
             idle, wait = request.query.get("idle_s"), request.query.get("wait_s")
+            reason = request.query.get("reason", "explicit")
+            if reason not in SUSPEND_REASONS:
+                raise InvalidInput(f"reason must be one of {', '.join(SUSPEND_REASONS)}, not {reason[:40]!r}",
+                                   code="invalid_reason")
             sid = request.match_info["sid"]
             ref = await self.suspend(sid, (await self.authorize(request, sid)).epoch or 0,
-                                     float(idle) if idle else None, float(wait) if wait else None)
+                                     float(idle) if idle else None, float(wait) if wait else None, reason=reason)
             return web.json_response({"snapshot": ref.model_dump()})
         except SubstrateError as e:
             return _error(e)

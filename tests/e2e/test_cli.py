@@ -163,6 +163,10 @@ def _run_demo(cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "notebook after suspend/resume: x -> {'repr': '42'" in out.stdout, out.stdout
+    # one line per step on a pipe's 80 columns ("(state" / "RUNNING)" before), and none of the server's
+    # log (its audit JSON lines were interleaved with the demo's)
+    assert "(state RUNNING)" in out.stdout and "suspended (explicit) -> state SUSPENDED" in out.stdout, out.stdout
+    assert not [line for line in out.stdout.splitlines() + out.stderr.splitlines() if line.startswith("{")], out
     return out
 
 

@@ -37,9 +37,11 @@ def test_counter_counts_across_suspend_and_resume_on_another_worker(runtime_fact
         assert c.invoke(s["id"], "increment") == {"count": n}
         st = c.suspend(s["id"])
         assert st["state"] == "SUSPENDED" and st["worker"] is None and st["snapshot"]["epoch"] == st["epoch"]
+        assert st["suspendReason"] == "explicit"
         other = next(w for w in workers if w != where[-1])
         resumed = c.resume(s["id"], worker=other)
         assert resumed["state"] == "RUNNING" and resumed["worker"] == other
+        assert resumed["suspendReason"] is None, "a wake clears why the session was suspended"
         assert resumed["restoredFrom"]["snapshotKey"] == st["snapshot"]["key"]
         where.append(other)
     assert c.invoke(s["id"], "get") == {"count": 10}
@@ -105,6 +107,7 @@ def test_idle_sessions_are_suspended_automatically(runtime_factory):
     s = c.create_session("counter")
     c.invoke(s["id"], "increment")
     rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDED", timeout_s=15, what="idle suspend")
+    assert c.get_session(s["id"])["suspendReason"] == "idle", "GET says why (fresh-user finding: it said null)"
     assert rt.slots(s["worker"]) == {}, "the slot was given back"
     assert c.invoke(s["id"], "increment") == {"count": 2}
 

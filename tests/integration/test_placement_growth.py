@@ -33,6 +33,7 @@ class Workers:
         self.fence: set[str] = set()
         self.activated: list[tuple[str, str]] = []  # (address, session)
         self.suspended: list[str] = []
+        self.reasons: list[str] = []  # what each suspend told the worker (the record's suspendReason)
         self.activate_delay_s = 0.0  # how long an activation (a restore) takes
 
     async def activate(self, address, *, session, epoch, template, slot, env, snapshot, restored=None, tenant="", **_):
@@ -48,9 +49,10 @@ class Workers:
     async def deactivate(self, address, session, epoch=None):
         pass
 
-    async def suspend(self, address, session, epoch, *, idle_s=None, wait_s=None, tenant=""):
+    async def suspend(self, address, session, epoch, *, idle_s=None, wait_s=None, tenant="", reason="explicit"):
         # what a worker does: snapshot (skipped), SUSPENDED, slot freed
         self.suspended.append(session)
+        self.reasons.append(reason)
         rec = await self.d.get_session(session)
         await self.d.transition(session, from_states=[SessionState.RUNNING], epoch=epoch, to=SessionState.SUSPENDED,
                                 unset=("worker", "slot"))
@@ -173,6 +175,7 @@ async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     finally:
         ticking.cancel()
     assert w.id == "full" and workers.suspended[:1] == ["idle-1"]
+    assert workers.reasons[:1] == ["pressure"], "the record says why it was suspended"
 
 
 async def test_activations_beyond_the_limit_wait_for_a_permit_and_are_not_demand_for_new_workers(env):

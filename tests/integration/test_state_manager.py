@@ -45,7 +45,7 @@ class FakeWorkers:
     async def healthy(self, address, timeout_s=0.5):
         return self.is_healthy
 
-    async def suspend(self, address, session, epoch, *, idle_s=None, wait_s=None):
+    async def suspend(self, address, session, epoch, *, idle_s=None, wait_s=None, reason="explicit"):
         raise AssertionError("not expected")
 
 

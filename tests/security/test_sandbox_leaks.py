@@ -89,6 +89,24 @@ def test_agent_cannot_read_the_runtime_log_through_its_descriptors(rt):
         rt.client.delete_session(sh)
 
 
+def test_the_sandbox_init_command_line_names_no_host_path_of_the_worker(rt):
+    """A fresh-user run: the sandbox's PID 1 is a fork of bwrap, and its /proc/1/cmdline (readable by
+    the agent) held every bwrap option: the slot's folder on the host, /etc files, the venv's binds.
+    Those options go through ``bwrap --args FD`` now."""
+    sh = rt.client.create_session("shell")["id"]
+    try:
+        out = rt.client.invoke(sh, "tr '\\0' ' ' < /proc/1/cmdline")
+        line = out["stdout"]
+        bwrap_part = line.split(" -- ", 1)[0].split()
+        assert bwrap_part[0].endswith("bwrap") and bwrap_part[1] == "--args", line
+        assert [w for w in bwrap_part[1:] if w.startswith("--")] in (["--args"], ["--args", "--seccomp"]), line
+        root = str(rt.var)
+        assert root not in line and "--bind" not in line and "/slot" not in line, line
+        assert rt.client.invoke(sh, "pwd")["stdout"].strip() == "/workspace", "the options still took effect"
+    finally:
+        rt.client.delete_session(sh)
+
+
 def test_agent_stderr_is_logged_as_escaped_data_never_as_raw_lines(rt):
     m = uuid.uuid4().hex
     forged = f'{{"level": "critical", "logger": "substrate.audit", "event": "FORGED-{m}"}}'

@@ -224,3 +224,11 @@ def test_a_worker_port_from_the_environment_is_checked_the_same_way(monkeypatch:
     monkeypatch.setenv("SUBSTRATE_WORKER_PORT", "8081.5")
     r = CliRunner().invoke(app, ["worker", "--pool", "p"], env={"COLUMNS": "300"})
     assert r.exit_code == 2 and "is not a port" in r.output, r.output
+
+
+def test_a_label_key_given_twice_is_refused_before_any_request() -> None:
+    """A fresh-user run: ``-l team=a -l team=b`` created the session with team=b, silently."""
+    r = CliRunner().invoke(app, ["sessions", "create", "counter", "-l", "team=a", "-l", "x=1", "-l", "team=b",
+                                 "--server", "http://127.0.0.1:9"])
+    assert r.exit_code == 2, r.output
+    assert "label key given twice: team" in r.output and "Traceback" not in r.output

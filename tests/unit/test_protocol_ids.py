@@ -163,7 +163,7 @@ async def test_an_unexpected_error_in_a_worker_call_answers_json_internal(tmp_pa
     async def claims(request: object, sid: str, **_: object) -> SimpleNamespace:
         return SimpleNamespace(session=sid, epoch=1, tenant="")
 
-    async def broken(*_: object) -> None:
+    async def broken(*_: object, **__: object) -> None:
         raise KeyError("a bug")
 
     worker.authorize = claims  # type: ignore[method-assign]
@@ -175,6 +175,49 @@ async def test_an_unexpected_error_in_a_worker_call_answers_json_internal(tmp_pa
         assert body["code"] == "internal" and "KeyError" in body["message"]
         r = await client.get("/no/such/route", headers={"Authorization": "Bearer x"})
         assert r.status == 404  # aiohttp's own HTTP answers pass through
+    await directory.close()
+
+
+async def test_a_suspend_names_its_reason_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    """The router passes why it suspends (``suspendReason`` on the record); the worker refuses a reason it
+    does not know with 422 ``invalid_reason`` before it touches the session."""
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from snapshot.commit import SnapshotManager
+    from snapshot.store import make_store
+    from substrate.directory import Directory
+    from substrate.models import SnapshotRef
+    from substrate.settings import Settings
+    from workers.server import Worker
+
+    settings = Settings()
+    directory = Directory("redis://127.0.0.1:1/0", f"u{uuid.uuid4().hex[:8]}")  # never reached here
+    snaps = SnapshotManager(make_store(settings.snapshot), directory, settings.snapshot, tmp_path / "tmp")
+    worker = Worker(settings, directory, snaps, worker_id="w1", pool="default", slots=1, root=tmp_path,
+                    sandboxes=None)  # type: ignore[arg-type]
+    calls: list[str] = []
+
+    async def claims(request: object, sid: str, **_: object) -> SimpleNamespace:
+        return SimpleNamespace(session=sid, epoch=1, tenant="")
+
+    async def suspend(sid: str, epoch: int, idle_s: object, wait_s: object = None, reason: str = "?") -> SnapshotRef:
+        calls.append(reason)
+        return SnapshotRef(key="k", epoch=epoch, sizeBytes=1, createdAt=1.0, sha256="0" * 64)
+
+    worker.authorize = claims  # type: ignore[method-assign]
+    worker.suspend = suspend  # type: ignore[method-assign]
+    async with TestClient(TestServer(worker.app())) as client:
+        auth = {"Authorization": "Bearer x"}
+        for why in ("idle", "pressure", "drain"):
+            r = await client.post("/v1/activations/s1/suspend", params={"reason": why}, headers=auth)
+            assert r.status == 200, await r.text()
+        r = await client.post("/v1/activations/s1/suspend", headers=auth)
+        assert r.status == 200
+        r = await client.post("/v1/activations/s1/suspend", params={"reason": "whim"}, headers=auth)
+        assert r.status == 422 and (await r.json())["code"] == "invalid_reason"
+    assert calls == ["idle", "pressure", "drain", "explicit"], "the refused call never reached suspend"
     await directory.close()
 
 
