@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from snapshot.archive import pack, unpack_stream
@@ -58,18 +59,25 @@ def _pct(samples: list[float], q: float) -> float:
     return (percentile(samples, q) or 0.0) * 1000
 
 
-async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20),
+async def bench_resume(stores: Mapping[str, ObjectStore], sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20),
                        repeats: int = 10, *, work_dir: Path | None = None) -> list[dict[str, Any]]:
     """Time suspend (pack + ``put_file``) and resume (the restore's own path: ``read`` streamed into the
-    sha256-verified ``unpack_stream``, as ``SnapshotManager.restore`` does) per size.
+    sha256-verified ``unpack_stream``, as ``SnapshotManager.restore`` does) per store and size.
 
-    Each size: one workspace built by :func:`build_workspace`, ``repeats`` suspends (each to a new key) and
-    ``repeats`` resumes of one of them, each resume into a fresh directory (as a new activation does);
-    clean-up is outside the timed region. Returns one dict per size: ``sizeBytes``, ``files``,
-    ``archiveBytes``, ``resumeP50Ms``, ``resumeP95Ms``, ``suspendP50Ms``, ``suspendP95Ms``, ``repeats``
-    (percentiles by linear interpolation, the project's one definition).
+    The stores are measured **in alternation**, each repeat in the opposite order to the one before
+    (A B, B A, ...), so they see the same machine state. Measured one after the other (all of S3, then all
+    of the local store, as ``make bench`` did), the second store looked twice as slow: on this machine's
+    ext4 (mounted with ``discard``) every restore got slower as the run wrote and deleted hundreds of MiB,
+    whichever store served it (``docs/bench/2026-12-03-local-vs-s3.md``).
+
+    Each size: one workspace built by :func:`build_workspace`; per repeat and store one suspend (to a new
+    key) and one resume of that store's first key into a fresh directory (as a new activation does);
+    clean-up is outside the timed region. Returns one dict per (size, store): ``store``, ``sizeBytes``,
+    ``files``, ``archiveBytes``, ``resumeP50Ms``, ``resumeP95Ms``, ``suspendP50Ms``, ``suspendP95Ms``,
+    ``repeats`` (percentiles by linear interpolation, the project's one definition).
     """
     results: list[dict[str, Any]] = []
+    names = list(stores)
     for size in sizes_bytes:
         with tempfile.TemporaryDirectory(prefix="snapbench-", dir=work_dir) as tmp:
             root = Path(tmp)
@@ -77,35 +85,40 @@ async def bench_resume(store: ObjectStore, sizes_bytes: tuple[int, ...] = (1 << 
             ws.mkdir()
             files = build_workspace(ws, size)
             session = f"bench-{size}"
-            suspend_s: list[float] = []
-            keys: list[str] = []
-            sha = ""
+            suspend_s: dict[str, list[float]] = {n: [] for n in names}
+            resume_s: dict[str, list[float]] = {n: [] for n in names}
+            keys: dict[str, list[str]] = {n: [] for n in names}
+            sha: dict[str, str] = {}
             archive_bytes = 0
-            for i in range(repeats):
-                archive = root / f"out-{i}.tar.zst"
-                t0 = time.perf_counter()
-                _, archive_bytes, sha = await asyncio.to_thread(
-                    pack, ws, {"turn": i}, session=session, epoch=1, template="bench", out_path=archive)
-                key = snapshot_key("bench", session, 1, i)
-                await store.put_file(key, archive)
-                suspend_s.append(time.perf_counter() - t0)
-                keys.append(key)
-                archive.unlink()
-            resume_s: list[float] = []
-            for i in range(repeats):
-                dest = root / f"restored-{i}"
-                t0 = time.perf_counter()
-                await store.read(keys[-1], functools.partial(unpack_stream, workspace=dest, expect_session=session,
-                                                             expect_sha256=sha))
-                resume_s.append(time.perf_counter() - t0)
-                shutil.rmtree(dest)
-            for key in keys:
-                await store.delete(key)
-            results.append({
-                "sizeBytes": size, "files": files, "archiveBytes": archive_bytes, "repeats": repeats,
-                "resumeP50Ms": _pct(resume_s, 50), "resumeP95Ms": _pct(resume_s, 95),
-                "suspendP50Ms": _pct(suspend_s, 50), "suspendP95Ms": _pct(suspend_s, 95),
-            })
+            order = [names[::-1] if i % 2 else names for i in range(repeats)]
+            for i, turn in enumerate(order):
+                for name in turn:
+                    archive = root / f"out-{i}.tar.zst"
+                    t0 = time.perf_counter()
+                    _, archive_bytes, sha[name] = await asyncio.to_thread(
+                        pack, ws, {"turn": i}, session=session, epoch=1, template="bench", out_path=archive)
+                    key = snapshot_key("bench", session, 1, i)
+                    await stores[name].put_file(key, archive)
+                    suspend_s[name].append(time.perf_counter() - t0)
+                    keys[name].append(key)
+                    archive.unlink()
+            for i, turn in enumerate(order):
+                for name in turn:
+                    dest = root / f"restored-{name}-{i}"
+                    t0 = time.perf_counter()
+                    await stores[name].read(keys[name][-1], functools.partial(
+                        unpack_stream, workspace=dest, expect_session=session, expect_sha256=sha[name]))
+                    resume_s[name].append(time.perf_counter() - t0)
+                    shutil.rmtree(dest)
+            for name in names:
+                for key in keys[name]:
+                    await stores[name].delete(key)
+                results.append({
+                    "store": name, "sizeBytes": size, "files": files, "archiveBytes": archive_bytes,
+                    "repeats": repeats,
+                    "resumeP50Ms": _pct(resume_s[name], 50), "resumeP95Ms": _pct(resume_s[name], 95),
+                    "suspendP50Ms": _pct(suspend_s[name], 50), "suspendP95Ms": _pct(suspend_s[name], 95),
+                })
     return results
 
 
@@ -136,11 +149,10 @@ async def _main(sizes: tuple[int, ...], repeats: int) -> None:
         s3 = S3Store("snapshot-bench", endpoint_url=f"http://{host}:{port}", region="us-east-1",
                      access_key_id="bench", secret_access_key="bench")
         await s3.ensure_bucket()
-        rows += [("S3 (moto, loopback)", r) for r in await bench_resume(s3, sizes, repeats)]
-        s3.close()
         with tempfile.TemporaryDirectory(prefix="snapbench-store-") as d:
-            local = LocalDirStore(Path(d))
-            rows += [("local dir (fsync)", r) for r in await bench_resume(local, sizes, repeats)]
+            stores = {"S3 (moto, loopback)": s3, "local dir (fsync)": LocalDirStore(Path(d))}
+            rows += [(r["store"], r) for r in await bench_resume(stores, sizes, repeats)]
+        s3.close()
     finally:
         server.stop()
     print(markdown_table(rows))
