@@ -19,6 +19,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "jwks_unavailable": (401, "the OIDC issuer's keys could not be fetched to verify the JWT"),
     "forbidden": (403, "an admin-only request (e.g. another tenant's listing) by a non-admin"),
     "no_tenant": (403, "a valid JWT without a usable tenant claim"),
+    "host_not_allowed": (403, "open mode (no credentials) on a loopback address: the `Host` header names another "
+                         "host (a web page reaching the API by DNS rebinding); `SUBSTRATE_API__ALLOWED_HOSTS` "
+                         "adds names"),
     "cross_origin_request": (403, "a state-changing call a browser sent from another site or origin "
                                   "(`Sec-Fetch-Site`, `Origin`): a web page may not drive the API"),
     "not_found": (404, "no such route"),

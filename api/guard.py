@@ -24,6 +24,13 @@ every ``/v1/`` request:
    preflight, and the body rules (``proxy.check_json_content_type``) do not stop a request with no body.
    This is the Fetch Metadata / Origin check OWASP's CSRF cheat sheet describes; clients that are not
    browsers send neither header;
+4b. in open mode (no credentials configured), a request that reached the server on a loopback address
+   must name a loopback host in its ``Host`` header (``localhost``, ``127.x.y.z``, ``::1``, or one of
+   ``api.allowed_hosts``), else 403 ``host_not_allowed``, GETs included. A page that rebinds its own
+   name to 127.0.0.1 (DNS rebinding) is same-origin with the API in the browser's eyes, so item 4
+   passes it; its requests still carry its own name in ``Host`` (a fresh-user run created a shell
+   session and ran commands in it that way). The defence the Fetch standard's authors and OWASP name
+   for DNS rebinding: check ``Host`` against the names the server answers to;
 5. a query parameter given more than once (``?limit=5&limit=7``) -> 422 ``invalid_input`` naming it:
    every ``/v1/`` parameter takes one value, and FastAPI would silently keep one of them; and one the
    route does not take (``?stat=SUSPENDED``, ``?streem=1``) -> 422 ``invalid_input`` naming it and the
@@ -44,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import re
 import time
 from typing import Any, Awaitable, Callable
@@ -165,6 +173,35 @@ def cross_origin(method: str, headers: dict[bytes, bytes], scheme: str = "http")
     return f"Origin {origin.decode('latin-1')[:100]}"
 
 
+def _loopback(name: str) -> bool:
+    """Whether ``name`` (a host name or IP literal, lower-case, no port) is this machine's loopback."""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def rebinding(headers: dict[bytes, bytes], server: tuple[str, int] | None, allowed: frozenset[str]) -> str | None:
+    """For an open-mode request: the ``Host`` it names if that is not a loopback name although the request
+    came in on a loopback address (``server``: the ASGI scope's local address), else None. ``allowed``:
+    further names (lower-case) the server answers to. A request without ``Host`` (HTTP/1.0; no browser
+    sends one) passes."""
+    if not server or not _loopback(str(server[0]).lower()):
+        return None
+    raw = headers.get(b"host")
+    if raw is None:
+        return None
+    host = raw.decode("latin-1").strip().lower()
+    name = host[1:host.find("]")] if host.startswith("[") and "]" in host else host.rpartition(":")[0] or host
+    if host.count(":") > 1 and not host.startswith("["):  # a bare IPv6 literal without a port
+        name = host
+    if _loopback(name) or name in allowed:
+        return None
+    return host[:100]
+
+
 def repeated_param(query_string: bytes) -> str | None:
     """The first query parameter given more than once (``?limit=5&limit=7``), or None. Every ``/v1/``
     parameter takes one value, and FastAPI silently keeps one of the repeats: which one the client meant
@@ -246,6 +283,14 @@ class Guard:
             await _answer(send, 403, "cross_origin_request",
                           f"a browser sent this from another site ({why}): the API takes state-changing calls "
                           "only from clients that are not web pages, or from its own origin", scope=scope)
+            return
+        if not (auth.enabled if auth is not None else api.auth_token) and (
+                bad_host := rebinding(headers, scope.get("server"), api.allowed_host_names)) is not None:
+            await _answer(send, 403, "host_not_allowed",
+                          f"Host {bad_host!r} is not a name of this server: in open mode (no credentials) a "
+                          "server on a loopback address answers only to localhost, 127.0.0.1 and ::1 (a web "
+                          "page could otherwise reach it by DNS rebinding); SUBSTRATE_API__ALLOWED_HOSTS adds "
+                          "names", scope=scope)
             return
         if auth is not None:
             try:

@@ -149,6 +149,7 @@ async def test_guard_and_route_authenticate_once_per_request():
 
     class CountingAuth:
         calls = 0
+        enabled = True  # credentials configured (not open mode)
 
         async def authenticate(self, headers):
             CountingAuth.calls += 1
