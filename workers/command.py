@@ -232,6 +232,7 @@ class HostedAgent(Agent):
 
     # ------------------------------------------------------------------------------------ lifecycle
     async def _boot(self) -> None:
+        self._oom_baseline()  # an earlier session's OOM in this slot is not this one's
         self.host = await self.pool.host_for(self.slot, self.limits)
         self._started = True
         self.host.session, self.host.epoch = self.ctx.session_id, self.ctx.epoch  # labels its logged stderr
@@ -287,11 +288,19 @@ class HostedAgent(Agent):
             raise TurnFailed(f"agent failed to {what}: {reply.get('error', reply)}", "agent_start_failed")
 
     async def _ensure(self) -> None:
-        """Raise ``TurnFailed`` (``agent_crashed``) if the agent's process is gone (it is not restarted)."""
+        """Raise ``TurnFailed`` (``agent_crashed``) if the agent's process is gone (it is not restarted).
+        Before each call to the agent: a death during it is an OOM only if the slot's OOM count moved
+        during it (``SlotCgroup.mark_oom_baseline``; one small cgroupfs read, and only under a memory limit)."""
         if self.host is None or not self.host.alive:
             await self._kill()
             raise AgentGone("the agent process is not running (it died or was killed); the session comes "
                             "back from its last snapshot")
+        self._oom_baseline()
+
+    def _oom_baseline(self) -> None:
+        cg = self.slot.cgroup
+        if cg is not None and self.limits.memory_bytes:
+            cg.mark_oom_baseline()
 
     async def start(self, state: dict[str, Any] | None) -> None:
         self._state = state

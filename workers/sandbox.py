@@ -348,10 +348,18 @@ class SlotCgroup:
             return 0
 
     def new_oom_kill(self) -> bool:
-        """True once for each OOM kill since the last call."""
+        """True once for each OOM kill since the last call or :meth:`mark_oom_baseline`."""
         n = self.oom_kills()
         seen, self._oom_seen = self._oom_seen, n
         return n > seen
+
+    def mark_oom_baseline(self) -> None:
+        """Count OOM kills from now on only: called when a session's agent boots in the slot and at each of
+        its turns. A child the kernel killed for memory while the agent host lived (a shell's ``python``
+        over the limit: "Killed", exit 137) left the count ahead, and the next death of any host in the
+        slot, another session's ``kill -9`` or a DELETE, was reported as ``memory_limit_exceeded``
+        (fresh-user run)."""
+        self._oom_seen = self.oom_kills()
 
     def freeze(self, frozen: bool) -> None:
         self._write("freezer", "freezer.state", "FROZEN" if frozen else "THAWED")

@@ -251,6 +251,21 @@ def test_memory_limit_hits_only_the_session_that_went_over(rt):
         c.delete_session(sid)
 
 
+def test_a_child_killed_for_memory_does_not_make_a_later_death_an_oom(rt):
+    """A fresh-user run: a shell's child went over the limit ("Killed", exit 137, the agent host lived);
+    the next death of the agent host, by ``kill -9``, was then reported as ``memory_limit_exceeded``: the
+    slot's OOM count had moved before that turn, not during it."""
+    c = rt.client
+    sh = c.create_session("shell-lim")["id"]
+    out = c.invoke(sh, f"{sys.executable} -c \"b = bytearray(300 * 2**20); print('allocated')\"")
+    assert out["exitCode"] != 0 and "allocated" not in out["stdout"], out
+    with pytest.raises(ApiError) as e:
+        c.invoke(sh, "kill -9 2")  # PID 2: the agent host (PID 1 is the sandbox's init)
+    assert e.value.code == "agent_crashed", (e.value.code, e.value.message)
+    assert c.get_session(sh)["reason"] == "agent_restarted"
+    c.delete_session(sh)
+
+
 def test_fork_bomb_stops_at_max_processes(rt):
     c = rt.client
     neighbour = c.create_session("counter")["id"]
