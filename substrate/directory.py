@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from substrate.errors import Conflict, DirectoryUnavailable, NotFound
@@ -325,9 +328,17 @@ class Directory:
                 url, decode_responses=True, socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s, max_connections=256)
         else:
+            # one retry, on a new connection, of a command whose connection turned out closed: after Redis
+            # restarted (the embedded one is restarted when it dies), every pooled connection to the dead
+            # process failed its next command once, so up to a pool's worth of requests answered 503
+            # ``directory_unavailable`` while /readyz was green (fresh-user run: 21 of 60 creates, 15 s
+            # later). A timeout is not retried: only a closed connection, which a command that the server
+            # executed meets only if the server died between executing and answering it; the scripts' own
+            # compare-and-set then refuses the repeat (the caller sees a lost race, as for any retry)
             self.redis: aioredis.Redis = aioredis.from_url(
                 redis_url, decode_responses=True, socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s, health_check_interval=0, max_connections=256,
+                retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError],
             )
         self._cas = self.redis.register_script(_CAS)
         self._create = self.redis.register_script(_CREATE)
