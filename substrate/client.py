@@ -34,9 +34,14 @@ class ApiError(Exception):
 
 def _session_path(sid: str) -> str:
     """``/v1/sessions/<sid>`` with the ID percent-encoded; an empty ID is refused here (it would name the
-    collection, which answers a redirect, not an error). Raises ApiError 422 ``invalid_session_id``."""
+    collection, which answers a redirect, not an error), and so are ``.`` and ``..``: percent-encoding
+    leaves dots alone, and the HTTP library resolves them as path segments (``sessions get .`` listed
+    every session; ``sessions delete .`` answered 405; fresh-user run). Raises ApiError 422
+    ``invalid_session_id``."""
     if not isinstance(sid, str) or not sid:
         raise ApiError(422, "invalid_session_id", "a session ID must be a non-empty string")
+    if sid in (".", ".."):
+        raise ApiError(422, "invalid_session_id", f"{sid!r} is not a session ID (a path segment)")
     return "/v1/sessions/" + quote(sid, safe="")
 
 

@@ -19,11 +19,12 @@ def _client(seen: list[httpx.Request], status: int = 200) -> SubstrateClient:
     return SubstrateClient("http://test", transport=httpx.MockTransport(handler))
 
 
+@pytest.mark.parametrize("sid", ["", ".", ".."])  # dots: the HTTP library resolved them as path segments
 @pytest.mark.parametrize("call", ["get_session", "delete_session", "suspend", "resume"])
-def test_an_empty_session_id_is_refused_before_any_request(call: str) -> None:
+def test_an_empty_or_dot_session_id_is_refused_before_any_request(call: str, sid: str) -> None:
     seen: list[httpx.Request] = []
     with pytest.raises(ApiError) as e:
-        getattr(_client(seen), call)("")
+        getattr(_client(seen), call)(sid)
     assert e.value.status == 422 and e.value.code == "invalid_session_id"
     assert seen == [], "nothing was sent"
 
