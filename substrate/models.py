@@ -147,15 +147,22 @@ class Isolation(BaseModel):
     networkPolicy: str | None = None
     sandbox: bool = True
     network: Literal["none", "loopback", "egress"] = "none"
-    maxCpu: str | None = None
-    maxMemory: str | None = "1Gi"
-    maxDiskBytes: str | None = "1Gi"
+    #: quantities; a number is taken as one and kept as its string (the CRD: int-or-string)
+    maxCpu: str | int | None = None
+    maxMemory: str | int | None = "1Gi"
+    maxDiskBytes: str | int | None = "1Gi"
     maxProcesses: int | None = Field(256, ge=1, le=65536)
     turnTimeout: str | float | None = "300s"
 
-    @field_validator("maxCpu", "maxMemory", "maxDiskBytes")
+    @field_validator("maxCpu", "maxMemory", "maxDiskBytes", mode="before")
     @classmethod
     def _quantity(cls, v: Any, info: Any) -> Any:
+        # a plain number is a quantity too (``maxDiskBytes: 1073741824``, ``maxCpu: 2``), as Kubernetes
+        # takes it: it was refused with pydantic's "Input should be a valid string" (fresh-user run)
+        if isinstance(v, bool):  # YAML's yes/no/true: never a quantity
+            raise ValueError(f"isolation.{info.field_name} must be a quantity, not {v!r}")
+        if isinstance(v, (int, float)):
+            v = repr(v) if isinstance(v, float) else str(v)
         parse_quantity_value(v, f"isolation.{info.field_name}")
         return v
 

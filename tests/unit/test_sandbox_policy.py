@@ -63,6 +63,9 @@ def test_template_names_are_not_overridable_and_sizes_are_bounded():
     ({"maxMemory": "lots"}, False), ({"maxCpu": "-1"}, False), ({"maxDiskBytes": "1Zb"}, False),
     ({"maxProcesses": 0}, False), ({"network": "internet"}, False), ({"turnTimeout": "soon"}, False),
     ({"turnTimeout": "0"}, False), ({"network": "egress", "sandbox": False}, True),
+    # plain numbers are quantities too, as in Kubernetes (a fresh-user run: "Input should be a valid string")
+    ({"maxDiskBytes": 1073741824, "maxCpu": 2, "maxMemory": 268435456}, True), ({"maxCpu": 0.5}, True),
+    ({"maxMemory": -5}, False), ({"maxCpu": True}, False),
 ])
 def test_isolation_is_checked_when_the_template_is_loaded(iso, ok):
     doc = {"kind": "ActorTemplate", "metadata": {"name": "t"},
