@@ -48,7 +48,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_continue": (422, "a `continue` token not made by this API"),
     "invalid_tenant": (422, "a `tenant=` that is no tenant name (1-63 lower-case letters, digits and '-'; also an "
                             "empty `tenant=`)"),
-    "invalid_idempotency_key": (422, "an `Idempotency-Key` over 200 characters, or not printable ASCII"),
+    "invalid_idempotency_key": (422, "an `Idempotency-Key` that is empty, over 200 characters, sent twice, or not "
+                                     "printable ASCII"),
     "invalid_request_id": (422, "an `X-Request-ID` that is not 1-128 visible ASCII characters"),
     "idempotency_key_reused": (422, "the `Idempotency-Key` (without one, the `X-Request-ID`) was used before for a "
                                     "turn with another body"),

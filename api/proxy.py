@@ -397,6 +397,11 @@ async def invoke(request: Request) -> Response:
         if len(request.headers.getlist("idempotency-key")) > 1:  # which one a proxy or retry meant is unknown
             raise InvalidInput("Idempotency-Key is sent more than once: send one per turn",
                                code="invalid_idempotency_key")
+        if "idempotency-key" in request.headers and not request.headers["idempotency-key"].strip():
+            # an empty key fell back to the request ID silently (a fresh-user run): a client that meant to
+            # send one (a variable left empty) would get no retry safety across requests without knowing
+            raise InvalidInput("Idempotency-Key is empty: send a key unique per turn, or no header",
+                               code="invalid_idempotency_key")
         if not _IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidInput(
                 "Idempotency-Key is over 200 characters" if len(key) > 200 else

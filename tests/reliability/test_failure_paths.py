@@ -247,6 +247,10 @@ def test_a_retried_turn_is_answered_not_run_twice(shared_runtime):
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
                     headers=[(b"Idempotency-Key", b"a"), (b"Idempotency-Key", b"b")])  # which one? refused
     assert r.status_code == 422 and "more than once" in r.json()["message"]
+    for empty in (b"",):  # it fell back to the request ID silently (fresh-user run)
+        r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
+                        headers=[(b"Idempotency-Key", empty)])
+        assert r.status_code == 422 and "empty" in r.json()["message"], r.text
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "increment"},
                     headers={"Idempotency-Key": "turn 7 / user:42"})  # spaces and punctuation are fine
     assert r.json() == {"output": {"count": 2}}
