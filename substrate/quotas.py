@@ -258,8 +258,14 @@ class Quotas:
         lim = (t_lim if scope == 1 else c_lim).get(name)
         where = f"tenant {tenant!r}" if scope == 1 else f"tenant {tenant!r} for ActorTemplate {template.name!r}"
         # what makes room: a retry alone cannot while the limit is 0, or while sessions hold every place
-        hint = {"maxRunning": "suspended sessions hold none", "maxTotal": "delete sessions to make room",
-                "maxGpus": "suspended sessions hold none"}.get(name, "retry later")
+        # (a fresh-user run: a wake answered 429 with Retry-After 1 while the tenant's own idle sessions held
+        # every running place until their idle timeout; the quota does not suspend them: say how to)
+        hint = {"maxRunning": "suspended sessions hold none: suspend one of this tenant's running sessions "
+                              "(POST /v1/sessions/{id}/suspend) to make room; idle ones are suspended at "
+                              "their template's maxIdleTime",
+                "maxTotal": "delete sessions to make room",
+                "maxGpus": "suspended sessions hold none: suspend one of this tenant's running GPU sessions "
+                           "to make room"}.get(name, "retry later")
         if lim == 0:
             hint = "this limit admits none"
         err = TooManyRequests(

@@ -97,6 +97,7 @@ async def test_a_suspend_answering_after_a_resume_of_the_same_session_leaves_its
     with pytest.raises(TooManyRequests) as e:
         await act.create(_new("s2"), TEMPLATE)
     assert e.value.code == "quota_max_running"
+    assert "suspend one of this tenant's running sessions" in e.value.message, "says how to make room"
     # the place is given back when the resumed activation itself is suspended
     workers.hold = False
     await act.suspend(await d.get_session("s1"))
