@@ -702,17 +702,28 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
         for s in items:
             print(s["id"])
         return
-    t = Table()
-    # the ID column is never cut (it was, to "s-00bd36096e5e4…", on an 80-column terminal): others wrap
-    t.add_column("ID", no_wrap=True, min_width=max((len(s["id"]) for s in items), default=2))
-    for name in ("TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH"):
-        t.add_column(name, overflow="fold")
-    for s in items:
-        t.add_row(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
-                  str(s["epoch"]))
-    console.print(t)
-    if nxt:
-        console.print(f"more: --all, or the API's ?continue={nxt}")
+    header = ("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH")
+    rows = [(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
+             str(s["epoch"])) for s in items]
+    id_width = max((len(r[0]) for r in rows), default=2)
+    # a table whose ID column leaves the others under 8 characters each (19: its borders and padding)
+    # cannot show them: rich dropped them all (a 128-character ID, a fresh-user run); then plain aligned
+    # lines, as kubectl prints, which the terminal wraps whole
+    if id_width + 19 + 5 * 8 > console.width:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        for r in (header, *rows):
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    else:
+        t = Table()
+        # the ID column is never cut (it was, to "s-00bd36096e5e4…", on an 80-column terminal): others wrap
+        t.add_column("ID", no_wrap=True, min_width=id_width)
+        for name in header[1:]:
+            t.add_column(name, overflow="fold")
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+    if nxt:  # one line, never wrapped: the token is copied whole
+        console.print(f"more: --all, or the API's ?continue={nxt}", soft_wrap=True, highlight=False)
 
 
 @sessions.command("invoke")

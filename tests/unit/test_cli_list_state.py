@@ -68,6 +68,33 @@ def test_the_table_never_cuts_an_id_on_a_narrow_terminal(long_ids: None) -> None
     assert r.exit_code == 0 and LONG in r.output, r.output
 
 
+def test_a_very_long_id_leaves_every_column_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: with a 128-character ID the table showed only the ID column, on 80 and on 120
+    columns, and the continue token came out wrapped over several lines."""
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    huge, token = "s" * 128, "t" * 150
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"items": [
+            {"id": huge, "state": "SUSPENDED", "actorTemplate": "counter", "tenant": "default", "worker": None,
+             "epoch": 3},
+            {"id": "s-short", "state": "RUNNING", "actorTemplate": "shell", "tenant": "default", "worker": "w-1",
+             "epoch": 1}], "metadata": {"continue": token}})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    for columns in ("80", "120"):
+        r = CliRunner().invoke(app, ["sessions", "list"], env={"COLUMNS": columns})
+        assert r.exit_code == 0, r.output
+        lines = r.output.splitlines()
+        row = next(line for line in lines if line.startswith(huge))
+        assert row.split() == [huge, "default", "SUSPENDED", "counter", "-", "3"], row
+        assert any(line.split() == ["s-short", "default", "RUNNING", "shell", "w-1", "1"] for line in lines)
+        assert f"?continue={token}" in r.output, "the token on one line"
+
+
 def test_ids_and_json_output_for_scripts(long_ids: None) -> None:
     import json
 
