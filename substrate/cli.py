@@ -532,7 +532,7 @@ def _show_tail(log_file: Path, lines: int = 30) -> None:
 def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for the demo server."),
          keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
     """Start the embedded default, create a counter session and invoke it, suspend it and wake it with
-    the next invoke, then stop everything. The demo's runtime keeps its data (embedded Redis, snapshots,
+    the next invoke, do the same with a notebook session (its variables survive), then stop everything. The demo's runtime keeps its data (embedded Redis, snapshots,
     workspaces) in a fresh temporary folder, and under its own key prefix when SUBSTRATE_REDIS_URL names a
     Redis; at the end it deletes its sessions, that folder and those keys: nothing of it is left."""
     import shutil
@@ -641,21 +641,29 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
 def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. counter"),
              id: Optional[str] = typer.Option(None, "--id", help="Client-chosen session ID."),
              label: list[str] = typer.Option([], "--label", "-l", help="key=value, repeatable"),
+             env: list[str] = typer.Option([], "--env", "-e", help="NAME=value for the session's agent, "
+                                                                   "repeatable (values are never echoed back)"),
              tenant: Optional[str] = typer.Option(None, help="Admins: create it for this tenant."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create and start a session."""
-    bad = [x for x in label if "=" not in x or x.startswith("=")]
-    if bad:
-        err.print(f"[red]error[/red]: labels must be key=value, got {escape(', '.join(bad))}")
-        raise typer.Exit(2)
-    keys = [x.split("=", 1)[0] for x in label]
-    if dup := sorted({k for k in keys if keys.count(k) > 1}):
-        # the later one silently won before (a fresh-user run): say which keys, change nothing
-        err.print(f"[red]error[/red]: label key given twice: {escape(', '.join(dup))}")
-        raise typer.Exit(2)
-    labels = dict(x.split("=", 1) for x in label)
+    labels = _pairs(label, "label")
+    env_vars = _pairs(env, "env")
     with _client(server, token) as c:
-        _print(_run(lambda: c.create_session(template, id=id, labels=labels, tenant=tenant)))
+        _print(_run(lambda: c.create_session(template, id=id, labels=labels, env=env_vars or None, tenant=tenant)))
+
+
+def _pairs(given: list[str], what: str) -> dict[str, str]:
+    """``key=value`` options as a dict; exits 2 (nothing sent) on one without ``=`` or a key, or a key
+    given twice (the later one silently won before: a fresh-user run)."""
+    bad = [x for x in given if "=" not in x or x.startswith("=")]
+    if bad:
+        err.print(f"[red]error[/red]: {what}s must be key=value, got {escape(', '.join(bad))}")
+        raise typer.Exit(2)
+    keys = [x.split("=", 1)[0] for x in given]
+    if dup := sorted({k for k in keys if keys.count(k) > 1}):
+        err.print(f"[red]error[/red]: {what} key given twice: {escape(', '.join(dup))}")
+        raise typer.Exit(2)
+    return dict(x.split("=", 1) for x in given)
 
 
 @sessions.command("get")
@@ -773,10 +781,30 @@ def s_suspend(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt
 
 
 @sessions.command("resume")
-def s_resume(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+def s_resume(sid: str, worker: Optional[str] = typer.Option(None, help="Wake it on this worker only."),
+             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Wake a suspended session now."""
     with _client(server, token) as c:
-        _print(_run(lambda: c.resume(sid)))
+        _print(_run(lambda: c.resume(sid, worker=worker)))
+
+
+@sessions.command("events")
+def s_events(sid: str, limit: int = typer.Option(100, min=1, help="Page size."),
+             all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """The session's audit records, oldest first, as JSON lines (kept after a delete)."""
+    with _client(server, token) as c:
+        cont: Optional[str] = None
+        while True:
+            page = _run(lambda: c.session_events(sid, limit=limit, continue_=cont))
+            for item in page["items"]:
+                print(json.dumps(item, ensure_ascii=False))
+            cont = page["metadata"]["continue"]
+            if not cont:
+                return
+            if not all_pages:
+                err.print(f"more: --all, or the API's ?continue={cont}", soft_wrap=True, highlight=False)
+                return
 
 
 @sessions.command("delete")

@@ -1,0 +1,64 @@
+"""CLI commands a fresh-user run found missing though the API and SDK have them: ``sessions events``,
+``sessions resume --worker``, ``sessions create --env``. Requests checked against a mock transport."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from substrate.cli import app
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    got: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        got.append(request)
+        if request.url.path.endswith("/events"):
+            page = 1 if "continue" not in request.url.params else 2
+            return httpx.Response(200, json={"items": [{"action": f"a{page}", "session": "s1"}],
+                                             "metadata": {"continue": "c2" if page == 1 else None}})
+        return httpx.Response(201 if request.method == "POST" else 200,
+                              json={"id": "s1", "state": "RUNNING", "env": ["API_KEY"]})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    return got
+
+
+def test_events_prints_json_lines_and_follows_pages_with_all(seen: list[httpx.Request]) -> None:
+    r = CliRunner().invoke(app, ["sessions", "events", "s1"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.splitlines()[0]) == {"action": "a1", "session": "s1"}, r.output
+    assert "?continue=c2" in r.output and len(seen) == 1
+    r = CliRunner().invoke(app, ["sessions", "events", "s1", "--all", "--limit", "1"])
+    assert [json.loads(x)["action"] for x in r.output.splitlines()] == ["a1", "a2"], r.output
+    assert seen[-1].url.params["continue"] == "c2" and seen[-1].url.params["limit"] == "1"
+
+
+def test_resume_on_a_worker_and_create_with_env(seen: list[httpx.Request]) -> None:
+    r = CliRunner().invoke(app, ["sessions", "resume", "s1", "--worker", "w-7"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(seen[-1].content) == {"worker": "w-7"}
+    r = CliRunner().invoke(app, ["sessions", "create", "counter", "-e", "API_KEY=s3cret=x", "-l", "team=a"])
+    assert r.exit_code == 0, r.output
+    body = json.loads(seen[-1].content)
+    assert body["env"] == {"API_KEY": "s3cret=x"} and body["labels"] == {"team": "a"}
+    assert "s3cret" not in r.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-e", "NOVALUE"], "envs must be key=value"),
+    (["-e", "A=1", "-e", "A=2"], "env key given twice: A"),
+])
+def test_bad_env_options_send_nothing(seen: list[httpx.Request], args: list[str], message: str) -> None:
+    r = CliRunner().invoke(app, ["sessions", "create", "counter", *args])
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert seen == []
