@@ -742,7 +742,11 @@ def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as J
     value = _input_value(input)
     with _client(server, token) as c:
         if stream:
-            for chunk in _run(lambda: list(c.invoke_stream(sid, value))):
+            # each chunk as it arrives (``list(...)`` printed them all only after the turn ended: a
+            # fresh-user run); an error mid-stream is one line after the chunks before it
+            chunks = iter(c.invoke_stream(sid, value))
+            end = object()
+            while (chunk := _run(lambda: next(chunks, end))) is not end:
                 _print(chunk)
         else:
             _print(_run(lambda: c.invoke(sid, value)))

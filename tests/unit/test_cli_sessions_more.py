@@ -62,3 +62,28 @@ def test_bad_env_options_send_nothing(seen: list[httpx.Request], args: list[str]
     r = CliRunner().invoke(app, ["sessions", "create", "counter", *args])
     assert r.exit_code == 2 and message in r.output, r.output
     assert seen == []
+
+
+def test_invoke_stream_prints_each_chunk_as_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: ``sessions invoke --stream`` printed nothing until the turn ended."""
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    order: list[str] = []
+
+    def body():  # the server's NDJSON, line by line; records when each line is produced
+        for i in range(3):
+            order.append(f"sent {i}")
+            yield (json.dumps({"chunk": f"c{i}"}) + "\n").encode()
+        order.append("sent error")
+        yield b'{"error": {"code": "worker_unavailable", "message": "worker failed mid-stream"}}\n'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "application/x-ndjson"}, content=body())
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    monkeypatch.setattr(cli, "_print", lambda v: order.append(f"printed {v}"))
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s1", "go", "--stream"])
+    assert order[:6] == ["sent 0", "printed c0", "sent 1", "printed c1", "sent 2", "printed c2"], order
+    assert r.exit_code == 1 and "worker_unavailable" in r.output, r.output
