@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import unicodedata
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -55,6 +56,22 @@ LABELS_SCHEMA: dict[str, Any] = {
     "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE_CHARS}}
 
 
+#: the bidirectional embedding, override and isolate controls ("Trojan Source", CVE-2021-42574): they
+#: reorder how the text around them is displayed, in a table or a log line
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _unprintable(s: str) -> str | None:
+    """The first character of ``s`` that a label value may not hold, as ``U+XXXX``, or None: control
+    characters (Unicode category Cc: tab, newline, escape ...), line and paragraph separators (Zl, Zp)
+    and the bidi controls above (a fresh-user run set U+202E and U+2028 as label values, which the CLI's
+    table then printed as such)."""
+    for ch in s:
+        if ch in _BIDI_CONTROLS or unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
+            return f"U+{ord(ch):04X}"
+    return None
+
+
 def _text_ok(s: str) -> bool:
     """Valid Unicode text (no lone surrogate such as ``"\ud800"``, which JSON allows but UTF-8 cannot hold)."""
     try:
@@ -74,7 +91,8 @@ class CreateSession(BaseModel):
         default_factory=dict, json_schema_extra=LABELS_SCHEMA,
         description=f"at most {MAX_LABELS} labels; a key is 1-63 letters, digits, '-', '_', '.' or '/', starting "
                     f"and ending with a letter or digit; a value is at most {MAX_LABEL_VALUE_CHARS} characters "
-                    "(no NUL); anything else is 422 `invalid_input`")
+                    "(no control character, line or paragraph separator or bidi override); anything else is "
+                    "422 `invalid_input`")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
 
     @field_validator("labels")
@@ -90,6 +108,9 @@ class CreateSession(BaseModel):
                 raise ValueError(f"label {clip(k)} value is over {MAX_LABEL_VALUE_CHARS} characters")
             if not _text_ok(val) or "\0" in val:
                 raise ValueError(f"label {clip(k)} value is not valid Unicode text (lone surrogate or NUL)")
+            if bad := _unprintable(val):
+                raise ValueError(f"label {clip(k)} value holds {bad}, which changes how text around it is shown "
+                                 "(control characters, line or paragraph separators, bidi overrides)")
         return v
 
     @field_validator("actorTemplate", "id")

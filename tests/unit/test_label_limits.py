@@ -43,3 +43,18 @@ def test_the_stated_limits_are_the_checked_ones(labels_schema: dict) -> None:
     for k in ["a", "A9", "team", "app.kubernetes.io/name", "a-b_c", "k" * 63, "k" * 64, "", "-a", "a-", "a b", "é"]:
         stated = key.fullmatch(k) is not None and 1 <= len(k) <= 63
         assert stated == _ok({k: "v"}), k
+
+
+@pytest.mark.parametrize("value,ok", [
+    ("plain text, with spaces", True), ("Привет 世界 👨‍👩‍👧", True), ("فارسی\u200c", True),  # ZWJ/ZWNJ are text
+    ("evil\u202eexe.txt", False), ("a\u2066b", False), ("line\u2028break", False), ("para\u2029", False),
+    ("tab\there", False), ("new\nline", False), ("esc\x1b[31m", False), ("del\x7f", False),
+])
+def test_label_values_refuse_what_changes_how_text_is_shown(value: str, ok: bool) -> None:
+    """A fresh-user run set U+202E (right-to-left override) and U+2028 as label values; the CLI's table
+    printed them as such."""
+    assert _ok({"k": value}) is ok, value
+    if not ok:
+        with pytest.raises(ValidationError) as e:
+            CreateSession(actorTemplate="counter", labels={"k": value})
+        assert "U+" in str(e.value)
