@@ -54,7 +54,7 @@ import hmac
 import ipaddress
 import re
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 from urllib.parse import parse_qsl, unquote
 
 from starlette.datastructures import Headers
@@ -183,11 +183,11 @@ def _loopback(name: str) -> bool:
         return False
 
 
-def rebinding(headers: dict[bytes, bytes], server: tuple[str, int] | None, allowed: frozenset[str]) -> str | None:
+def rebinding(headers: dict[bytes, bytes], server: tuple[str, int] | None, allowed: Iterable[str]) -> str | None:
     """For an open-mode request: the ``Host`` it names if that is not a loopback name although the request
     came in on a loopback address (``server``: the ASGI scope's local address), else None. ``allowed``:
-    further names (lower-case) the server answers to. A request without ``Host`` (HTTP/1.0; no browser
-    sends one) passes."""
+    further names the server answers to (any case; read only for a non-loopback ``Host``). A request
+    without ``Host`` (HTTP/1.0; no browser sends one) passes."""
     if not server or not _loopback(str(server[0]).lower()):
         return None
     raw = headers.get(b"host")
@@ -197,7 +197,7 @@ def rebinding(headers: dict[bytes, bytes], server: tuple[str, int] | None, allow
     name = host[1:host.find("]")] if host.startswith("[") and "]" in host else host.rpartition(":")[0] or host
     if host.count(":") > 1 and not host.startswith("["):  # a bare IPv6 literal without a port
         name = host
-    if _loopback(name) or name in allowed:
+    if _loopback(name) or any(name == a.strip().lower() for a in allowed):
         return None
     return host[:100]
 
@@ -285,7 +285,7 @@ class Guard:
                           "only from clients that are not web pages, or from its own origin", scope=scope)
             return
         if not (auth.enabled if auth is not None else api.auth_token) and (
-                bad_host := rebinding(headers, scope.get("server"), api.allowed_host_names)) is not None:
+                bad_host := rebinding(headers, scope.get("server"), api.allowed_hosts)) is not None:
             await _answer(send, 403, "host_not_allowed",
                           f"Host {bad_host!r} is not a name of this server: in open mode (no credentials) a "
                           "server on a loopback address answers only to localhost, 127.0.0.1 and ::1 (a web "

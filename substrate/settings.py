@@ -109,11 +109,6 @@ class ApiSettings(_Section):
     #: credentials) answers to on a loopback address; any other ``Host`` is refused (403
     #: ``host_not_allowed``: the DNS-rebinding defence, api/guard.py). JSON list in the environment
     allowed_hosts: list[str] = Field(default_factory=list)
-
-    @property
-    def allowed_host_names(self) -> frozenset[str]:
-        """``allowed_hosts`` lower-cased, as the Host check compares them."""
-        return frozenset(h.strip().lower() for h in self.allowed_hosts)
     max_body_bytes: int = Field(1 * 1024 * 1024, gt=0)
     #: how long a request's body may take to arrive, counted from its headers (s): a client that trickles
     #: or never finishes its body gets 408 ``request_timeout`` and its connection is closed, instead of

@@ -147,19 +147,6 @@ class Limits:
         return out
 
 
-def _args_fd(options: list[str]) -> int:
-    """A new descriptor (close-on-exec; pass it with ``pass_fds``) holding ``options`` NUL-terminated,
-    from offset 0, for one ``bwrap --args FD`` (bwrap reads it to its end). Raises OSError."""
-    fd = os.memfd_create("substrate-bwrap-args")
-    try:
-        os.write(fd, b"".join(o.encode() + b"\0" for o in options))
-        os.lseek(fd, 0, os.SEEK_SET)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
 def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
@@ -924,20 +911,26 @@ class SandboxPool:
         # own stderr: an agent could reopen that (a log file) through /proc/<pid>/fd/2 and read or forge
         # log lines. close_fds: nothing else of the worker's reaches the sandbox
         argv = self.argv(slot, limits)
-        # the seccomp filter (workers/syscalls.py, built once per worker): its own memfd per spawn, which
-        # bwrap reads and closes before the agent starts
-        seccomp_fd = syscalls.bpf_fd(self.bpf) if limits.sandboxed and self.bpf is not None else None
         # bwrap's options (host paths of the slot, the venv, /etc files) go through ``--args FD``: the
         # sandbox's PID 1 is a fork of bwrap, and its /proc/1/cmdline, readable by the agent, showed
-        # them all (a fresh-user run); now it shows ``bwrap --args N --seccomp M -- <agent host>``
-        args_fd = None
+        # them all (a fresh-user run); now it shows ``bwrap --args N --seccomp M -- <agent host>``. The
+        # seccomp filter (workers/syscalls.py, built once per worker) gets its own memfd per spawn too;
+        # bwrap reads and closes both before the agent starts
+        fds: tuple[int, ...] = ()
         if limits.sandboxed:
             cut = argv.index("--")
-            args_fd = _args_fd(argv[1:cut])
+            args_fd = syscalls.memfd_with(b"".join(o.encode() + b"\0" for o in argv[1:cut]),
+                                          "substrate-bwrap-args")
             argv[1:cut] = ["--args", str(args_fd)]
-        if seccomp_fd is not None:
-            argv[3:3] = ["--seccomp", str(seccomp_fd)]
-        fds = tuple(fd for fd in (args_fd, seccomp_fd) if fd is not None)
+            fds = (args_fd,)
+            if self.bpf is not None:
+                try:
+                    seccomp_fd = syscalls.bpf_fd(self.bpf)
+                except OSError:
+                    os.close(args_fd)
+                    raise
+                argv[3:3] = ["--seccomp", str(seccomp_fd)]
+                fds += (seccomp_fd,)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.launcher(slot, limits), *argv, stdin=asyncio.subprocess.PIPE,

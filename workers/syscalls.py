@@ -123,17 +123,23 @@ class _Fd:
         return self.fd
 
 
-def bpf_fd(program: bytes) -> int:
-    """A new descriptor (close-on-exec; pass it with ``pass_fds``) holding ``program`` from offset 0,
-    for one ``bwrap --seccomp FD`` (bwrap reads it to its end, so each spawn needs its own)."""
-    fd = os.memfd_create("substrate-seccomp")
+def memfd_with(data: bytes, name: str) -> int:
+    """A new descriptor (close-on-exec; pass it with ``pass_fds``) holding ``data`` from offset 0, for one
+    bwrap option that reads a descriptor to its end (``--seccomp FD``, ``--args FD``), so each spawn needs
+    its own. Raises OSError."""
+    fd = os.memfd_create(name)
     try:
-        os.write(fd, program)
+        os.write(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
     except OSError:
         os.close(fd)
         raise
     return fd
+
+
+def bpf_fd(program: bytes) -> int:
+    """:func:`memfd_with` ``program``, for one ``bwrap --seccomp FD``."""
+    return memfd_with(program, "substrate-seccomp")
 
 
 _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
