@@ -19,13 +19,14 @@ import unicodedata
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
@@ -79,6 +80,32 @@ def _text_ok(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+#: a list's page size (``?limit=``): 1 to ``MAX_PAGE_LIMIT``, default ``DEFAULT_PAGE_LIMIT``
+DEFAULT_PAGE_LIMIT = 100
+MAX_PAGE_LIMIT = 1000
+_DIGITS = re.compile(r"[0-9]{1,12}")
+
+
+def _plain_digits(v: Any) -> Any:
+    """``?limit=`` as plain decimal digits only. Pydantic's lax int took ``1.0``, ``1e3``, `` 5`` and ``+5``
+    (a fresh-user run: ``?limit=1.0`` listed a page of one), which no client means as a count; the range is
+    the ``Query``'s ``ge``/``le``. Raises ``PydanticCustomError`` (FastAPI answers 422 ``invalid_input``
+    naming ``query.limit``) for any other text."""
+    if isinstance(v, str) and not _DIGITS.fullmatch(v):
+        raise PydanticCustomError(
+            "int_digits", "must be a whole number from 1 to {max} in plain decimal digits (no sign, decimal "
+            "point, exponent or space): got {got}", {"max": MAX_PAGE_LIMIT, "got": clip(v)})
+    return v
+
+
+#: the ``limit`` query parameter of every paginated list (sessions, a session's events, events); the
+#: validator sits in the ``Annotated`` with the ``Query`` (FastAPI drops it when the ``Query`` is the default)
+PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT,
+                                 description=f"page size, 1 to {MAX_PAGE_LIMIT} in plain decimal digits (`1.0`, "
+                                             "`1e3`, `+5` are 422 `invalid_input`)"),
+                      BeforeValidator(_plain_digits)]
 
 
 class CreateSession(BaseModel):
@@ -509,7 +536,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                             state: str | None = Query(None, description="one state (upper case)",
                                                       json_schema_extra={"enum": [s.value for s in LISTABLE_STATES]}),
                             template: str | None = None,
-                            limit: int = Query(100, ge=1, le=1000),
+                            limit: PageLimit = DEFAULT_PAGE_LIMIT,
                             continue_: str | None = Query(None, alias="continue"),
                             tenant: str | None = Query(None, description="admins: one tenant's sessions")
                             ) -> dict[str, Any]:
@@ -589,7 +616,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         return session_view(await _audited(rt, "resume", rec, op), rt)
 
     @app.get("/v1/sessions/{sid}/events", dependencies=v1, tags=["audit"])
-    async def session_events(sid: str, request: Request, limit: int = Query(100, ge=1, le=1000),
+    async def session_events(sid: str, request: Request, limit: PageLimit = DEFAULT_PAGE_LIMIT,
                              continue_: str | None = Query(None, alias="continue")) -> dict[str, Any]:
         """The session's audit records, oldest first (also after it was deleted, for
         ``audit.deleted_retention_s``); paginate with ``metadata.continue``."""
@@ -609,7 +636,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/v1/events", dependencies=v1, tags=["audit"])
     async def tenant_events(request: Request, tenant: str | None = Query(None, description="admins: whose"),
-                            limit: int = Query(100, ge=1, le=1000),
+                            limit: PageLimit = DEFAULT_PAGE_LIMIT,
                             continue_: str | None = Query(None, alias="continue")) -> dict[str, Any]:
         """The caller's tenant's audit records (admins: ``tenant``'s, default their own), oldest first."""
         rt = _rt(request)

@@ -39,8 +39,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unsupported_media_type": (415, "a body sent without `Content-Type: application/json` (none, or e.g. curl's "
                                     "default `application/x-www-form-urlencoded`): send that header"),
     "invalid_input": (422, "the body or a parameter fails validation (also invoke's `stream=` other than `1`, "
-                           "`true`, `0`, `false`, an unknown body field, invoke's top level included, or a query "
-                           "parameter given twice)"),
+                           "`true`, `0`, `false`, an unknown body field, invoke's top level included, a query "
+                           "parameter given twice, or a list's `limit=` that is not 1-1000 in plain decimal "
+                           "digits, e.g. `1.0`)"),
     "invalid_session_id": (422, "a malformed session ID"),
     "unknown_template": (422, "no such ActorTemplate"),
     "unknown_pool": (422, "the template names a WorkerPool that does not exist"),
