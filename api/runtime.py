@@ -76,7 +76,9 @@ class Runtime:
             if not await kube_catalog.wait_synced(30):
                 log.warning("WorkerPools/ActorTemplates not listed yet from the API server")
             catalog = kube_catalog.catalog
-        catalog = catalog or load_catalog(settings.config_dir)
+        # the embedded default's workers run this interpreter: an entrypoint module it cannot find is refused
+        # here (substrate.specs: not for a router, whose workers may run another image)
+        catalog = catalog or load_catalog(settings.config_dir, check_modules=embedded)
         view = WorkerView(directory, settings.api.worker_refresh_s)
         signing = SigningKeyRing(directory.redis, directory.keys, refresh_s=settings.auth.signing_refresh_s,
                                  pepper=settings.worker.internal_token)

@@ -289,7 +289,9 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     os.environ["SUBSTRATE_ROLE"] = "embedded"
     settings = _settings()
     try:
-        load_catalog(settings.config_dir)  # fail before starting anything, with the file and field
+        # fail before starting anything, with the file and field; an entrypoint module the workers (this
+        # interpreter) cannot import too (a user trial: only the first create failed, 500 agent_start_failed)
+        load_catalog(settings.config_dir, check_modules=True)
     except SpecError as e:
         err.print(f"[red]error[/red]: {escape(e.message)}" + ("" if config is not None else " (use --config DIR)"))
         raise typer.Exit(2) from None

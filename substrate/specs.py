@@ -3,12 +3,33 @@
 A folder holds any number of ``*.yaml``/``*.yml`` files, each with one or more documents of kind
 ``ActorTemplate`` or ``WorkerPool``; other kinds are ignored (so one file can also hold Kubernetes
 objects). Errors name the file, document index and field.
+
+**Entrypoint modules.** ``load_catalog(..., check_modules=True)`` also checks that the module of every
+template's ``spec.entrypoint`` (``module:Class``) can be found by this Python (``module_findable``: the
+import system's finders, without importing the module or any package above it, so no agent code runs in
+the control plane), and refuses the folder with ``SpecError`` code ``agent_module_not_found`` naming the
+file, the template and the module. A user trial's ``entrypoint: nosuch.module:Agent`` loaded fine and only
+failed at the first create, with 500 ``agent_start_failed``. Only the embedded default asks for the
+check (``substrate up``, and ``api.runtime`` when it builds an embedded runtime from files): there the
+workers are forked from the same interpreter and site-packages, so a module this process cannot find is
+one no agent host can import (the converse does not hold: a sandboxed host sees only site-packages and the
+``workers`` package, not the current folder). It is not made where the workers may run another image:
+templates read from the Kubernetes API (``substrate.k8s.controller.KubeCatalog``, which uses
+``load_documents``), ``substrate router --files`` and ``substrate convert`` (whose output is for
+``kubectl apply``): a WorkerPool's pod template may name an image built FROM ours that adds the agent's
+package (docs/kubernetes.md), which the router's and controller's image does not hold. There a missing
+module is still found at the first create (500 ``agent_start_failed``, the message naming the module).
+``spec.command`` and ``spec.container`` templates are not checked (a command is resolved by the worker's
+``PATH``, an image by the kubelet).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.machinery
+import importlib.util
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,8 +332,52 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
     return out, warnings
 
 
-def load_catalog(path: Path | str) -> Catalog:
-    """Read every YAML file in folder ``path`` (or the single file ``path``). Raises ``SpecError``."""
+def module_findable(name: str) -> bool:
+    """Whether the module ``name`` (dotted, as in an entrypoint) can be found on this interpreter's import
+    path, without importing it or any package above it: ``importlib.util.find_spec("a.b")`` imports ``a``
+    (running its ``__init__``), so each level below the top one is looked up with ``PathFinder`` in the
+    search locations of the level above. Modules already imported count as found. Never raises."""
+    parts = name.split(".")
+    if not all(parts):
+        return False
+    try:
+        if name in sys.modules:
+            return True
+        spec = importlib.util.find_spec(parts[0])  # the top level: no parent to import
+        for i in range(1, len(parts)):
+            if spec is None or spec.submodule_search_locations is None:  # missing, or a module, not a package
+                return False
+            full = ".".join(parts[: i + 1])
+            found = importlib.machinery.PathFinder.find_spec(full, list(spec.submodule_search_locations))
+            if found is None and ".".join(parts[:i]) in sys.modules:
+                found = importlib.util.find_spec(full)  # the parent is imported already: its own finders may know
+            spec = found
+    except (ImportError, ValueError, AttributeError, OSError):
+        return False
+    return spec is not None
+
+
+def check_entrypoint_modules(templates: dict[str, ActorTemplate], where: dict[str, Path | str]) -> None:
+    """Raise ``SpecError`` (code ``agent_module_not_found``) if the module of a template's
+    ``spec.entrypoint`` cannot be found by this Python (``module_findable``); the message names each such
+    template, its file (``where``, by template name) and the module. See the module docstring for where
+    this check is made and why not on Kubernetes."""
+    missing = []
+    for name, t in templates.items():
+        entry = t.spec.entrypoint
+        if entry and not module_findable(module := entry.partition(":")[0]):
+            missing.append(f"{where.get(name, '<memory>')}: ActorTemplate {name!r}: spec.entrypoint {entry!r}: "
+                           f"module {module!r} cannot be found by this Python ({sys.executable})")
+    if missing:
+        raise SpecError("; ".join(missing) + ": install the package that holds it into this environment (the "
+                        "workers run the same interpreter) or fix the name", code="agent_module_not_found")
+
+
+def load_catalog(path: Path | str, *, check_modules: bool = False) -> Catalog:
+    """Read every YAML file in folder ``path`` (or the single file ``path``). With ``check_modules``, also
+    check that every ``spec.entrypoint``'s module can be found (``check_entrypoint_modules``; only where
+    the workers share this interpreter: see the module docstring). Raises ``SpecError`` (code
+    ``invalid_spec``, ``unknown_pool`` or ``agent_module_not_found``)."""
     path = Path(path)
     if not path.exists():
         raise SpecError(f"spec path {str(path)!r} does not exist")
@@ -341,4 +406,6 @@ def load_catalog(path: Path | str) -> Catalog:
         raise
     except InvalidInput as e:  # an unknown workerPool: one line at start-up, like every other spec error
         raise SpecError(f"{path}: {e.message}", code=e.code) from None
+    if check_modules:
+        check_entrypoint_modules(cat.templates, {n: f for (what, n), f in where.items() if what == "ActorTemplate"})
     return cat

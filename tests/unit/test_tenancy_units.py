@@ -93,7 +93,8 @@ def test_resolve_env_tenant_first_then_shared(tmp_path):
 INTERNAL = {"not_active", "busy", "stale_epoch", "missing_token", "token_not_for_this_call", "epoch_mismatch",
             "no_signing_key", "api_key_not_found", "invalid_api_key_spec",
             "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
-            "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch", "invalid_reason"}
+            "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch", "invalid_reason",
+            "agent_module_not_found"}  # a config's start-up error (substrate.specs), never an API answer
 
 
 def test_every_error_code_is_documented():

@@ -1,0 +1,87 @@
+"""An ActorTemplate whose ``spec.entrypoint`` names a module that cannot be imported is refused when the
+embedded default loads its config (user trial: ``entrypoint: nosuch.module:Agent`` loaded, and only the
+first create failed, 500 ``agent_start_failed``). The check finds the module without importing it (no agent
+code runs in the control plane), and is not made for catalogs whose workers may run another image
+(Kubernetes, ``substrate router --files``): ``substrate.specs``' docstring says why."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from substrate.cli import app
+from substrate.settings import EXAMPLES_DIR
+from substrate.specs import SpecError, load_catalog, load_documents, module_findable
+
+POOL = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: default}\nspec: {replicas: 1, slots: 2}\n"
+TEMPLATE = "---\napiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: %s}\nspec: {entrypoint: '%s'}\n"
+
+
+def _config(tmp_path: Path, *templates: tuple[str, str]) -> Path:
+    cfg = tmp_path / "config"
+    cfg.mkdir()
+    (cfg / "pool.yaml").write_text(POOL)
+    (cfg / "templates.yaml").write_text("".join(TEMPLATE % t for t in templates))
+    return cfg
+
+
+def test_a_missing_entrypoint_module_is_refused_naming_the_file_template_and_module(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, ("counter", "workers.agents.counter:Counter"), ("broken", "nosuch.module:Agent"))
+    with pytest.raises(SpecError) as e:
+        load_catalog(cfg, check_modules=True)
+    assert e.value.code == "agent_module_not_found"
+    msg = e.value.message
+    assert str(cfg / "templates.yaml") in msg and "ActorTemplate 'broken'" in msg
+    assert "module 'nosuch.module' cannot be found" in msg and "counter" not in msg
+
+
+def test_without_the_check_the_catalog_loads_as_before(tmp_path: Path) -> None:
+    """Templates read from the Kubernetes API (``load_documents``) and a router's files are not checked:
+    the module may be in the workers' image only."""
+    cfg = _config(tmp_path, ("broken", "nosuch.module:Agent"))
+    assert "broken" in load_catalog(cfg).templates
+    doc = {"apiVersion": "substrate.agent.dev/v1", "kind": "ActorTemplate", "metadata": {"name": "broken"},
+           "spec": {"entrypoint": "nosuch.module:Agent"}}
+    assert "broken" in load_documents([doc]).templates
+
+
+def test_the_shipped_examples_pass_the_check() -> None:
+    assert "counter" in load_catalog(EXAMPLES_DIR, check_modules=True).templates
+
+
+def test_module_findable_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "agentpkg_probe"
+    (pkg / "sub").mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "sub" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "sub" / "agent.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_findable("agentpkg_probe.sub.agent")
+    assert module_findable("agentpkg_probe.sub")
+    assert not module_findable("agentpkg_probe.sub.nosuch")
+    assert not module_findable("agentpkg_probe.sub.agent.deeper")  # a module is no package
+    assert not marker.exists() and not any(m.startswith("agentpkg_probe") for m in sys.modules)
+    assert module_findable("workers.agents.counter") and module_findable("json.decoder")
+    for name in ("nosuch", "nosuch.module", "workers.nosuch", "", "a..b"):
+        assert not module_findable(name), name
+
+
+def test_up_with_such_a_config_is_one_error_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "var"))
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    cfg = _config(tmp_path, ("broken", "nosuch.module:Agent"))
+    with socket.socket() as s:  # a taken port: were the check missing, `up` would stop at the port check
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
+                                     "--config", str(cfg)])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[0].startswith("error: ") and "'broken'" in r.output and "'nosuch.module'" in r.output, r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "var").exists()  # nothing was started
