@@ -98,10 +98,13 @@ CODE_PATH = "/opt/substrate"
 READY_LINE = b'{"ready": true}'
 #: how long a pre-started host may take to boot before it is given up (a loaded machine: seconds)
 _BOOT_TIMEOUT_S = 30.0
-#: pre-started hosts booting at once: enough to refill a worker's slots in a few boot times (a boot is
-#: partly waiting: exec, mounts, page faults), few enough that a burst of freed slots (a drain, many
-#: suspends) does not start a storm of interpreters competing with the activations that follow
-_BOOT_CONCURRENCY = 4
+#: pre-started hosts booting at once: one per CPU this process may run on, at most 4. A boot is mostly
+#: CPU (an interpreter importing asyncio: ~85 ms), so more boots at once than CPUs only delay the first
+#: one: on 2 CPUs a new worker's first warm slot came a median 376 ms after its start with 4 at once and
+#: 276 ms with 2, all 6 slots warm at 538 vs 578 ms (6 starts each). At most 4: a burst of freed slots
+#: (a drain, many suspends) must not start a storm of interpreters competing with the activations that
+#: follow
+_BOOT_CONCURRENCY = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: files and folders of /etc an agent needs (loader cache, name service, TLS roots, time zone)
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "hosts", "resolv.conf", "localtime",
@@ -454,6 +457,8 @@ class Slot:
     booting: HostProcess | None = field(default=None, repr=False)
     #: set once ``_prestart``'s spawn has returned (or failed): ``booting`` is then known
     _spawned: asyncio.Future[None] | None = field(default=None, repr=False)
+    #: the workspace was made for this worker (``SandboxPool.start``): no host is pre-started before
+    prepared: bool = True
 
     @property
     def workspace(self) -> Path:
@@ -531,17 +536,33 @@ class SandboxPool:
         #: the warm-up task is still in its refill delay (a refill needed now may replace it)
         self._warmup_waiting = False
         self._freed = asyncio.Event()
+        #: a slot's workspace was made during ``start`` (the warm-up waits for it besides its boots)
+        self._prepared = asyncio.Event()
         #: the longest line read from a host's stdout (the protocol): a longer answer kills the host
         self.read_limit = read_limit
 
     # ---------------------------------------------------------------------------------- slot lifecycle
     async def start(self) -> None:
-        """Make every slot's workspace; pre-start the hosts one after another in the background (the
-        worker is ready at once; a create that comes first spawns its own)."""
+        """Make every slot's workspace; pre-start the hosts a few at a time in the background (the
+        worker is ready at once; a create that comes first spawns its own). The first slot's host starts
+        booting as soon as that slot is ready, while the others' workspaces are made (each clears its
+        uid's keyrings in a forked child: ~5-10 ms a slot, which delayed every boot of a new worker by
+        ~50 ms for 6 slots)."""
         for s in self.slots:
+            s.prepared = False
+        first, rest = self.slots[:1], self.slots[1:]
+        for s in first:
             await asyncio.to_thread(self._reset_workspace, s)
+            s.prepared = True
         if self._can_prestart():  # a few at a time (class docstring): the first hosts are ready sooner
             self._warmup = asyncio.create_task(self._prestart_all())
+
+        async def prepare(s: Slot) -> None:
+            await asyncio.to_thread(self._reset_workspace, s)
+            s.prepared = True
+            self._prepared.set()  # the warm-up may take it now
+
+        await asyncio.gather(*(prepare(s) for s in rest))
 
     def _warm(self) -> int:
         return sum(1 for s in self.slots if s.ready is not None or (s._prestart is not None and not s._prestart.done()))
@@ -582,14 +603,25 @@ class SandboxPool:
         while not self._closed and self._warm() < self.prestart:
             booting = [s._prestart for s in self.slots if s._prestart is not None and not s._prestart.done()]
             want = next((s for s in self.slots if not s.busy and s.ready is None and s.index not in tried
-                         and (s._prestart is None or s._prestart.done())), None)
+                         and s.prepared and (s._prestart is None or s._prestart.done())), None)
             if want is not None and len(booting) < concurrency:
                 tried.add(want.index)
                 want._prestart = asyncio.create_task(self._prestart(want))
                 continue
-            if not booting:
+            unprepared = any(not s.prepared for s in self.slots)
+            if not booting and not unprepared:
                 return
-            await asyncio.wait(booting, return_when=asyncio.FIRST_COMPLETED)
+            # wait for a boot to end, or (during start) for another slot's workspace
+            self._prepared.clear()
+            waits: set[asyncio.Future[Any]] = set(booting)
+            more = asyncio.ensure_future(self._prepared.wait()) if unprepared else None
+            if more is not None:
+                waits.add(more)
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if more is not None:
+                    more.cancel()
 
     def free(self) -> int:
         return sum(1 for s in self.slots if not s.busy)

@@ -34,6 +34,7 @@ argument).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from typing import Any
 
@@ -82,8 +83,11 @@ def _personality_rules() -> list[tuple[int, int]]:
     return rules
 
 
+@functools.cache
 def build_bpf() -> bytes:
-    """The filter as a BPF program (bytes, for ``bwrap --seccomp``). Build once per worker.
+    """The filter as a BPF program (bytes, for ``bwrap --seccomp``). Built once per process and cached
+    (it depends only on this module's rules and the machine's architecture): the local zygote builds it
+    before forking, so a forked worker pays nothing for it (~5 ms of a cold start otherwise).
 
     Raises ``SeccompUnavailable`` when libseccomp or ``pyseccomp`` is missing or refuses the filter."""
     try:

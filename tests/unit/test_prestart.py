@@ -326,3 +326,40 @@ async def test_warm_slots_count_free_booted_hosts_and_each_boot_is_announced(tmp
         await pool.release(slot, None)
     finally:
         await pool.close()
+
+
+async def test_start_boots_the_first_slot_while_the_others_workspaces_are_made(tmp_path):
+    """A new worker's first host starts booting right after slot 0's workspace is made, not after all of
+    them (each clears a uid's keyrings in a forked child); no host starts in a slot not yet made."""
+    import threading
+
+    pool = _pool(tmp_path, 3, prestart=3)
+    gate = threading.Event()
+    make = pool._reset_workspace
+
+    def slow_make(slot):  # slots 1 and 2 are made only once the gate opens
+        if slot.index > 0:
+            gate.wait(30)
+        make(slot)
+
+    pool._reset_workspace = slow_make  # type: ignore[method-assign]
+    spawned: list[tuple[int, bool]] = []
+    real_spawn = pool.spawn
+
+    async def spawn(slot, limits):
+        spawned.append((slot.index, slot.prepared))
+        return await real_spawn(slot, limits)
+
+    pool.spawn = spawn  # type: ignore[method-assign]
+    starting = asyncio.create_task(pool.start())
+    try:
+        await _until(lambda: bool(spawned), "the first host spawned")
+        await _until(lambda: pool.slots[0].ready is not None, "the first host booted")
+        assert spawned == [(0, True)] and not starting.done()
+        gate.set()
+        await asyncio.wait_for(starting, 30)
+        await _until(lambda: all(s.ready is not None for s in pool.slots), "every slot pre-started")
+        assert sorted(spawned) == [(0, True), (1, True), (2, True)]
+    finally:
+        gate.set()
+        await pool.close()
