@@ -297,7 +297,11 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
     """Documents as our API server takes them (``substrate convert``): WorkerPools/ActorTemplates
     normalised (seed spellings translated), v1alpha2 ResourceClasses -> v1 DeviceClasses, v1alpha2
     ResourceClaims folded into the pools that use them (``spec.accelerators``), other kinds unchanged.
-    Returns (documents, warnings). Raises ``SpecError``."""
+    A WorkerPool with ``spec.autoscaling`` gets no ``spec.replicas`` it did not have (the model's default,
+    2, was written next to ``autoscaling``: a user-trial finding), and loses the one it had when the
+    built-in autoscaler sizes it (the value is ignored then, ``normalize`` warns); with HPA ``metrics`` a
+    written ``replicas`` is kept (the pool's size until the HPA first writes ``/scale``) with a warning
+    that re-applying it resets the HPA's choice. Returns (documents, warnings). Raises ``SpecError``."""
     from substrate.k8s.dra import translate_v1alpha2_class
 
     cat = load_documents(docs, source)
@@ -310,7 +314,16 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
         name = (d.get("metadata") or {}).get("name")
         if kind in ("WorkerPool", "ActorTemplate"):
             obj = (cat.pools if kind == "WorkerPool" else cat.templates)[name]
-            out.append(_clean(obj.model_dump(mode="json", exclude={"status"}, exclude_none=True)))
+            dumped = _clean(obj.model_dump(mode="json", exclude={"status"}, exclude_none=True))
+            if isinstance(obj, WorkerPool) and obj.spec.autoscaling is not None:
+                written = (d.get("spec") or {}).get("replicas")
+                if obj.spec.autoscaling.metrics and written is not None:
+                    warnings.append(f"{source} WorkerPool {name}: spec.replicas ({written}) is kept as the pool's "
+                                    "size until the HorizontalPodAutoscaler first scales it; leave it out of what "
+                                    "you apply again, or each apply resets the HPA's choice")
+                else:
+                    dumped["spec"].pop("replicas", None)
+            out.append(dumped)
         elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClass":
             try:
                 out.append(translate_v1alpha2_class(d))

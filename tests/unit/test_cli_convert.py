@@ -1,11 +1,13 @@
 """`substrate convert` refuses what is not a Kubernetes-style document with exit 2 and a one-line error
-(fresh-user run: /etc/passwd printed nothing with exit 0; deeply nested input printed a traceback)."""
+(fresh-user run: /etc/passwd printed nothing with exit 0; deeply nested input printed a traceback), and
+writes no fixed ``replicas`` next to ``autoscaling`` (user trial: it added the default, ``replicas: 2``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from substrate.cli import app
@@ -45,3 +47,43 @@ def test_a_kind_nothing_here_acts_on_is_passed_through_with_a_warning(tmp_path: 
     assert "kind: Sandbox" in r.output and "kind: ConfigMap" in r.output  # both still passed through
     assert "Sandbox sb: agents.x-k8s.io/v1alpha1 Sandbox is not a kind of this runtime" in r.output
     assert "ConfigMap cm:" not in r.output, "no warning for a Kubernetes kind"
+
+
+POOL_DOC = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p}\nspec:\n"
+AUTOSCALING = "  autoscaling: {minReplicas: 1, maxReplicas: 20, targetUtilization: 70}\n"
+HPA = ("  autoscaling:\n    minReplicas: 2\n    maxReplicas: 20\n    metrics:\n    - type: Resource\n"
+       "      resource: {name: cpu, target: {type: Utilization, averageUtilization: 60}}\n")
+
+
+def _convert(tmp_path: Path, text: str) -> tuple[dict, str]:
+    f = tmp_path / "pool.yaml"
+    f.write_text(text)
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    # the warnings go to stderr, which CliRunner mixes into the output: the document starts at apiVersion
+    doc = yaml.safe_load(r.output[r.output.index("apiVersion:"):])
+    return doc, r.output
+
+
+@pytest.mark.parametrize("spec, replicas", [
+    (AUTOSCALING, None),                      # user trial: `replicas: 2` (the default) was added
+    ("  replicas: 100\n" + AUTOSCALING, None),  # the seed's 4.3 pool: ignored by the autoscaler, so left out
+    (HPA, None),                              # the HPA writes it through /scale: no default is added
+    ("  replicas: 200\n" + HPA, 200),         # the seed's 5.2 pool: its size until the HPA first scales it
+    ("  replicas: 3\n", 3),                   # no autoscaling: the fixed size stays
+])
+def test_a_pool_with_autoscaling_gets_no_fixed_replicas(tmp_path: Path, spec: str, replicas: int | None) -> None:
+    from substrate.pool import desired_replicas
+    from substrate.specs import load_documents
+
+    doc, output = _convert(tmp_path, POOL_DOC + spec)
+    assert doc["spec"].get("replicas") == replicas, output
+    if "autoscaling" in spec:
+        assert doc["spec"]["autoscaling"]["maxReplicas"] == 20
+    if replicas == 200:
+        assert "each apply resets the HPA's choice" in output
+    # what the converted document asks for is what the original asked for
+    before = load_documents([yaml.safe_load(POOL_DOC + spec)], log_warnings=False).pools["p"].spec
+    after = load_documents([doc], log_warnings=False).pools["p"].spec
+    for busy in (0, 5, 50, 500):
+        assert desired_replicas(after, busy) == desired_replicas(before, busy), busy
