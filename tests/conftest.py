@@ -5,6 +5,7 @@ processes, real HTTP). Each runtime gets its own Redis key prefix, so test runs 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -41,6 +42,40 @@ def _restore_environ() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+#: the loggers whose level ``substrate.logs.configure_logging`` sets (``""``: the root logger)
+_CONFIGURED_LOGGERS = ("", "substrate.audit", "aiohttp.access", "uvicorn.access", "botocore", "boto3", "urllib3",
+                       "s3transfer")
+
+
+def _on_closed_stream(handler: logging.Handler) -> bool:
+    return bool(getattr(getattr(handler, "stream", None), "closed", False))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Give every test the logging set-up it started with, and fail a test that leaves a root handler
+    writing to a closed stream. ``substrate up`` run in-process (``CliRunner``) calls ``configure_logging``,
+    which replaced the root handlers with one bound to the runner's stderr, closed when the command
+    returned: later CLI tests of the same process printed ``--- Logging error ---`` into their output. The
+    handler follows ``sys.stderr`` now (``substrate.logs.StderrHandler``); this removes the root handlers a
+    test installed (pytest's own capture handlers, which pytest adds and removes per phase, aside) and puts
+    back the levels ``configure_logging`` set (the root's INFO made every later test's records at INFO reach
+    the handlers)."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    levels = {name: logging.getLogger(name).level for name in _CONFIGURED_LOGGERS}
+    yield
+    closed = [h for h in root.handlers if _on_closed_stream(h)]
+    for h in list(root.handlers):
+        if h in closed or (h not in before and not type(h).__module__.startswith("_pytest")):
+            root.removeHandler(h)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    if closed:
+        pytest.fail(f"the test left root logging handlers writing to a closed stream: {closed} (every later "
+                    "record would print '--- Logging error ---' into another test's output)")
 
 
 @pytest.fixture(scope="session")

@@ -4,17 +4,21 @@
   tenant's API key is refused at start, because `substrate up` from a shell where the README once told CLI users
   to export their key made that key an admin;
 * ``--token`` works before the subcommand, like ``--server``;
-* a taken port is refused before Redis or any worker starts, in one line.
+* a taken port is refused before Redis or any worker starts, in one line;
+* `up` run in-process (as these tests run it) leaves no logging handler on the runner's closed stream, which
+  made later CLI tests of the same process print ``--- Logging error ---`` into their output (user trial).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
 
 import httpx
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from substrate.cli import app
@@ -232,3 +236,30 @@ def test_a_label_key_given_twice_is_refused_before_any_request() -> None:
                                  "--server", "http://127.0.0.1:9"])
     assert r.exit_code == 2, r.output
     assert "label key given twice: team" in r.output and "Traceback" not in r.output
+
+
+def test_up_in_process_leaves_later_commands_a_working_log_handler(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` configures logging (``configure_logging``) before its port check, under ``CliRunner``'s stderr,
+    which is closed when the command returns. The root handler follows ``sys.stderr`` instead of keeping
+    that stream: a later command's record reaches the later command's own stderr."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("SUBSTRATE_LOG_JSON", "false")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1])])
+    assert r.exit_code == 2, r.output
+    root = logging.getLogger()
+    assert root.handlers and not [h for h in root.handlers if getattr(h.stream, "closed", False)], root.handlers
+
+    later = typer.Typer()
+
+    @later.command()
+    def warn() -> None:
+        logging.getLogger("substrate.later").warning("a record of a later command")
+
+    r = CliRunner().invoke(later, [])
+    assert r.exit_code == 0, r.output
+    assert "Logging error" not in r.output and "a record of a later command" in r.output, r.output
