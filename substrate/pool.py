@@ -25,6 +25,11 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
   (its new session may not have run its first turn yet, so it looks idle; the slot claim stamps the
   worker record's ``placedAt`` in the same atomic step, so a controller in another process sees it). A worker whose active sessions plus the waiting placements would not
   fit in the free slots of the others is never drained (current demand needs its slots).
+* **taking back beats creating**: when demand returns while this controller drains a worker (it
+  still runs, with its booted hosts), the drain is called off and the worker is READY again at once,
+  instead of a new worker's cold start; sessions the drain already suspended stay suspended. A worker
+  stopping on its own (SIGTERM: it marks itself DRAINING), one drained for a rolling update or a deleted
+  pool, or one past its drain's last step is not taken.
 * **growing beats evicting**: while this process's controller starts a worker for a pool (or has not
   yet run a round since a placement found no slot), the activator's placements wait for it instead of
   lazy-suspending idle sessions (``Activator.may_make_room``); each round bumps
@@ -70,6 +75,8 @@ class WorkerObs:
     active: int | None = None
     #: a session was placed on it within the scale-down delay, by any router (``WorkerRecord.placedAt``)
     placed_recently: bool = False
+    #: DRAINING by this controller's scale-down, not yet being stopped: it can be taken back
+    reclaimable: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ class PoolPlan:
     create: int = 0
     drain: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
+    #: DRAINING workers taken back (READY again) instead of creating workers
+    reclaim: tuple[str, ...] = ()
     reason: str = ""
     #: slots wanted right now (the demand the plan was sized for)
     need: int = 0
@@ -134,7 +143,8 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
     call and only below the scale-down window's largest ``desired`` (``obs.recent_desired``: the
     demand must have stayed lower for the whole delay), never while a worker starts or another drain
     is still under way, and only a worker whose active sessions (plus the waiting placements) fit in
-    the free slots of the others; removes only empty DRAINING workers; counts STARTING workers and
+    the free slots of the others; below the demand, takes back reclaimable DRAINING workers
+    (``WorkerObs.reclaimable``) before creating any; removes only empty DRAINING workers; counts STARTING workers and
     expectations as capacity so it never over-creates. ``allow_scale_down=False`` forbids any drain."""
     alive = [w for w in obs.workers if w.alive]
     serving = [w for w in alive if w.state != WorkerState.DRAINING]
@@ -142,10 +152,17 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
     now_desired = desired_replicas(spec, need)
     hold = now_desired if obs.recent_desired is None else max(now_desired, obs.recent_desired)
     current = len(serving) + obs.starting
-    remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0)
     if current < now_desired:
-        return PoolPlan(now_desired, create=now_desired - current, remove=remove,
+        # a worker this controller is draining still runs, with its warm hosts: taking it back is
+        # instant where a new one takes a cold start (the most loaded first: fewest sessions to restore)
+        back = sorted((w for w in alive if w.state == WorkerState.DRAINING and w.reclaimable),
+                      key=lambda w: (-w.used, w.id))[:now_desired - current]
+        reclaim = tuple(w.id for w in back)
+        remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0
+                       and w.id not in reclaim)
+        return PoolPlan(now_desired, create=now_desired - current - len(reclaim), remove=remove, reclaim=reclaim,
                         reason=f"need={need} above capacity", need=need)
+    remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0)
     drain: tuple[str, ...] = ()
     # one drain at a time: a drain takes seconds (a snapshot per session) and while it runs the demand
     # it was sized for may come back; the next one is decided on what is left after it
@@ -243,6 +260,13 @@ class PoolController:
         self._state: dict[str, _PoolState] = {p: _PoolState() for p in catalog.pools}
         self._task: asyncio.Task[None] | None = None
         self._draining: set[str] = set()
+        #: drains of a scale-down (``reconcile``'s plan): the ones a reclaim may call off (a rolling
+        #: update's or a deleted pool's drain must go through)
+        self._scale_downs: set[str] = set()
+        #: drains called off by a reclaim (their loop stops at its next step and keeps the worker)
+        self._reclaimed: set[str] = set()
+        #: drains past the point of no return (the worker is being stopped): not reclaimable
+        self._stopping: set[str] = set()
         self._last_tick = time.monotonic()
         #: demand of router processes and the capacity note they read (``substrate.demand``); None when
         #: every placement runs in this process (the embedded default)
@@ -414,7 +438,10 @@ class PoolController:
                                     alive=w.leaseExpiresAt > now and w.id in running,
                                     active=w.activeSlots,
                                     placed_recently=w.placedAt is not None
-                                    and now - w.placedAt < self.scale_down_delay_s) for w in workers),
+                                    and now - w.placedAt < self.scale_down_delay_s,
+                                    reclaimable=w.id in self._draining and w.id in self._scale_downs
+                                    and w.id not in self._stopping and w.id not in self._reclaimed)
+                          for w in workers),
             starting=len(st.expectations) + unregistered,
             waiting=local.waiting + remote.waiting,
             in_flight=local.in_flight + remote.in_flight,
@@ -429,17 +456,21 @@ class PoolController:
                          allow_scale_down=not drain_running)
         st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
         st.desired = plan.desired
-        if plan.create or plan.drain:
+        if plan.create or plan.drain or plan.reclaim:
             log.info("pool scaling", extra={"pool": pool.name, "desired": plan.desired, "need": plan.need,
                                             "create": plan.create, "drain": list(plan.drain),
+                                            "reclaim": list(plan.reclaim),
                                             "waiting": obs.waiting, "inFlight": obs.in_flight,
                                             "ratePerS": round(obs.arrival_rate_per_s, 2)})
+        for wid in plan.reclaim:
+            await self._reclaim(wid)
         if plan.create:
             await self._create_workers(pool, st, plan.create)
         self._publish_starting(pool.name, st)
         for wid in plan.drain:
             if wid not in self._draining:
                 self._draining.add(wid)
+                self._scale_downs.add(wid)
                 asyncio.create_task(self._drain(wid))
         for wid in plan.remove:
             if wid in running and wid not in self._draining:
@@ -466,7 +497,7 @@ class PoolController:
             Condition(type="Ready", status="True" if ready else "False",
                       reason="WorkersReady" if ready else "NoReadyWorker",
                       message=f"{len(ready)} ready of {plan.desired} desired"),
-            Condition(type="Scaling", status="True" if plan.create or plan.drain else "False",
+            Condition(type="Scaling", status="True" if plan.create or plan.drain or plan.reclaim else "False",
                       reason=plan.reason),
         ]
 
@@ -498,17 +529,40 @@ class PoolController:
         if isinstance(starting, dict):
             starting[pool] = len(st.expectations)
 
+    async def _reclaim(self, wid: str) -> None:
+        """Call off this controller's drain of ``wid`` and make it READY again: the drain loop stops at
+        its next step (sessions it already suspended stay suspended; they wake anywhere)."""
+        if wid not in self._draining or wid not in self._scale_downs or wid in self._stopping:
+            return
+        self._reclaimed.add(wid)
+        try:
+            await self.directory.set_worker_state(wid, WorkerState.READY)
+        except SubstrateError:
+            log.warning("reclaiming a draining worker failed; its drain goes on", extra={"worker": wid},
+                        exc_info=True)
+            self._reclaimed.discard(wid)
+            return
+        if self.activator is not None:
+            freed = getattr(self.activator, "slot_freed", None)
+            if callable(freed):
+                freed()  # its free slots serve the waiting placements now
+
     async def _drain(self, wid: str) -> None:
-        """Mark DRAINING, suspend every session on the worker, then stop it (invariant 6)."""
+        """Mark DRAINING, suspend every session on the worker, then stop it (invariant 6). A reclaim
+        (``_reclaim``) stops it at any step before the stop."""
         try:
             await self.directory.set_worker_state(wid, WorkerState.DRAINING)
             # sessions still starting or resuming there settle (or roll back at their deadline) first
             deadline = time.monotonic() + self.settings.state.transition_deadline_s + 20
             while time.monotonic() < deadline:
+                if wid in self._reclaimed:
+                    return
                 sids = list((await self.directory.worker_slots(wid)).values())
                 if not sids:
                     break
                 for rec in await self.directory.get_sessions(sids):
+                    if wid in self._reclaimed:
+                        return
                     if rec.state == SessionState.RUNNING and rec.worker == wid and self.activator is not None:
                         try:
                             await self.activator.suspend(rec, reason="drain")  # type: ignore[attr-defined]
@@ -519,8 +573,14 @@ class PoolController:
                 log.warning("drain gave up; worker kept", extra={"worker": wid})
                 await self.directory.set_worker_state(wid, WorkerState.READY)
                 return
+            if wid in self._reclaimed:
+                return
+            self._stopping.add(wid)  # from here on it goes (no await between the check and this)
             await self.backend.delete(wid)
         except Exception:  # noqa: BLE001 - retried by a later reconcile
             log.warning("drain failed", extra={"worker": wid}, exc_info=True)
         finally:
             self._draining.discard(wid)
+            self._scale_downs.discard(wid)
+            self._reclaimed.discard(wid)
+            self._stopping.discard(wid)

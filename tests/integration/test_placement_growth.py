@@ -403,3 +403,60 @@ async def test_placement_takes_a_booted_host_before_the_emptiest_worker_whose_ho
         placed.append(rec.worker)
     # the warm slot first; then no worker has one and the emptiest wins (the view counted the claim)
     assert placed == ["old", "new", "new"]
+
+
+async def test_demand_that_returns_during_a_drain_takes_the_draining_worker_back_instead_of_creating(env):
+    """The 11-21 replay: a worker was drained after a quiet second and a new one created 0.5-1.5 s later
+    (a cold start: fork, boot its hosts). Taking back the worker being drained is instant: the drain
+    stops at its next step (what it suspended stays suspended), the worker is READY and not stopped, and
+    no worker is created. A worker that marks itself DRAINING (SIGTERM) is never taken back."""
+    from substrate.models import WorkerState
+    from substrate.pool import PoolController
+
+    d, act, workers = env
+    await _worker(d, "w")
+    await _idle_running(d, "idle-0", "w", idle_s=60)
+    await _idle_running(d, "idle-1", "w", idle_s=60)
+    backend = RecordingBackend(also_running=("w",))
+    deleted: list[str] = []
+
+    async def delete(wid: str) -> None:
+        deleted.append(wid)
+
+    backend.delete = delete  # type: ignore[method-assign]
+    pc = PoolController(act.settings, d, CATALOG, backend, act, scale_down_delay_s=30)
+    gate = asyncio.Event()
+    suspend = workers.suspend
+
+    async def slow_suspend(*a, **kw):  # the drain's first suspend takes until the gate opens
+        await gate.wait()
+        return await suspend(*a, **kw)
+
+    workers.suspend = slow_suspend  # type: ignore[method-assign]
+    pc._draining.add("w")
+    pc._scale_downs.add("w")  # as ``_reconcile_pool`` starts a scale-down's drain
+    drain = asyncio.create_task(pc._drain("w"))
+    for _ in range(200):
+        if [w.state for w in await d.list_workers()] == [WorkerState.DRAINING]:
+            break
+        await asyncio.sleep(0.01)
+    assert [w.state for w in await d.list_workers()] == [WorkerState.DRAINING]
+    await pc.tick()  # minReplicas 1 and the only worker drains: demand is back
+    assert backend.created == [], "the draining worker is taken back, not replaced by a cold one"
+    assert [w.state for w in await d.list_workers()] == [WorkerState.READY]
+    gate.set()
+    await asyncio.wait_for(drain, 10)
+    assert deleted == [] and pc._draining == set()
+    assert workers.suspended == ["idle-0"], "the suspend under way finished; the drain stopped there"
+    assert (await d.get_session("idle-1")).state == SessionState.RUNNING
+    assert [w.state for w in await d.list_workers()] == [WorkerState.READY]
+
+    # a worker stopping on its own (it marked itself DRAINING) is not this controller's to take back,
+    # nor one drained for a rolling update (not a scale-down)
+    pc._draining.add("w")
+    rolling = asyncio.create_task(pc._drain("w"))
+    await asyncio.sleep(0.05)
+    await pc.tick()
+    assert len(backend.created) == 1
+    assert [w.state for w in await d.list_workers() if w.id == "w"] == [WorkerState.DRAINING]
+    rolling.cancel()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -213,3 +215,21 @@ def test_a_worker_placed_on_within_the_delay_is_not_drained():
     assert plan.drain == ("older",)
     only_fresh = (WorkerObs("fresh", R, 6, 1, active=0, placed_recently=True), WorkerObs("b", R, 6, 6, active=6))
     assert reconcile(dense(), PoolObservation(workers=only_fresh, recent_desired=1)).drain == ()
+
+
+def test_a_reclaimable_draining_worker_is_taken_back_before_any_create():
+    s = dense()
+    obs = PoolObservation(workers=(WorkerObs("d", WorkerState.DRAINING, 6, 2, reclaimable=True),
+                                   WorkerObs("e", WorkerState.DRAINING, 6, 0, reclaimable=True)),
+                          waiting=8)
+    plan = reconcile(s, obs)
+    # 8 waiting on 6-slot workers: 2 wanted; both draining ones come back, the busier first
+    assert plan.reclaim == ("d", "e") and plan.create == 0 and plan.remove == ()
+    one = reconcile(s, replace(obs, waiting=3))
+    assert one.reclaim == ("d",) and one.create == 0 and one.remove == ("e",)
+
+
+def test_a_draining_worker_that_is_not_reclaimable_is_never_taken_back():
+    obs = PoolObservation(workers=(WorkerObs("d", WorkerState.DRAINING, 6, 2, reclaimable=False),), waiting=3)
+    plan = reconcile(dense(), obs)
+    assert plan.reclaim == () and plan.create == 1
