@@ -40,25 +40,33 @@ REACTIVE_SPARES = (0, 1)
 P99_SHARE = 0.01
 
 
-def ideal_schedule(turns: Iterable[Mapping[str, Any]]) -> tuple[list[float], list[tuple[float, float]]]:
-    """``(waits_s, intervals)`` of the ideal runtime: one wait per turn (start - scheduled arrival) and
-    the ``(start_s, end_s)`` each turn runs. ``turns`` carry ``session``, ``at_s``, ``work_s`` (records
-    without ``at_s`` or ``work_s`` are skipped); a session's turns run in arrival order, one at a time."""
-    by_session: dict[str, list[tuple[float, float]]] = {}
-    for t in turns:
+def ideal_runs(turns: Iterable[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], float, float]]:
+    """``(turn, start_s, end_s)`` of every turn on the ideal runtime: a session's turns run in arrival
+    order (ties by turn index ``i``), one at a time, each starting at ``max(at_s, end of the previous)``.
+    ``turns`` carry ``session``, ``at_s``, ``work_s`` (records without ``at_s`` or ``work_s`` are skipped)."""
+    by_session: dict[str, list[tuple[float, int, float, Mapping[str, Any]]]] = {}
+    for n, t in enumerate(turns):
         if t.get("at_s") is None or t.get("work_s") is None:
             continue  # not part of the plan's schedule
-        by_session.setdefault(str(t["session"]), []).append((float(t["at_s"]), max(0.0, float(t["work_s"]))))
-    waits, intervals = [], []
+        order = int(t["i"]) if t.get("i") is not None else n
+        by_session.setdefault(str(t["session"]), []).append(
+            (float(t["at_s"]), order, max(0.0, float(t["work_s"])), t))
+    out = []
     for items in by_session.values():
-        items.sort()
+        items.sort(key=lambda x: (x[0], x[1]))
         free_at = float("-inf")
-        for at, work in items:
+        for at, _, work, t in items:
             start = max(at, free_at)
-            waits.append(start - at)
             free_at = start + work
-            intervals.append((start, free_at))
-    return waits, intervals
+            out.append((t, start, free_at))
+    return out
+
+
+def ideal_schedule(turns: Iterable[Mapping[str, Any]]) -> tuple[list[float], list[tuple[float, float]]]:
+    """``(waits_s, intervals)`` of the ideal runtime (:func:`ideal_runs`): one wait per turn (start -
+    scheduled arrival) and the ``(start_s, end_s)`` each turn runs."""
+    runs = ideal_runs(turns)
+    return [start - float(t["at_s"]) for t, start, _ in runs], [(start, end) for _, start, end in runs]
 
 
 def others_running_at_starts(intervals: Sequence[tuple[float, float]]) -> list[int]:

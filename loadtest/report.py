@@ -24,7 +24,11 @@ see :data:`DEFINITIONS`):
   includes the session's create (first turn), the wait behind the session's previous turn, the client's
   concurrency cap and 503 retries (no coordinated omission). **Added latency** = that minus the turn's
   work. Errors and timeouts are in the tail as +inf (a p99 over a run with more than 1 % failures is
-  inf), never dropped. Router overhead (``make bench``) is the distribution of per-request **paired
+  inf), never dropped. **Added over the ideal runtime** = the answer's time minus the turn's end on an
+  ideal runtime (zero overhead, the same arrivals and work, a session's turns one at a time:
+  :func:`loadtest.bounds.ideal_runs`): what the runtime adds, including the delay it passed on to the
+  session's later turns, without the wait behind the previous turn that the trace itself causes (the
+  plan's inherent wait, which "added" keeps). Router overhead (``make bench``) is the distribution of per-request **paired
   differences** (routed - direct, interleaved), never a difference of percentiles.
 * **One percentile function** for the whole project: :func:`substrate.quantiles.percentile` (linear
   interpolation between closest ranks, numpy's default), re-exported here.
@@ -66,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_report import markdown_table
-from loadtest.bounds import plan_bounds, render_bounds
+from loadtest.bounds import ideal_runs, plan_bounds, render_bounds
 from substrate.quantiles import percentile
 
 __all__ = ["DEFINITIONS", "percentile", "latency_stats", "summarize_target", "compare", "render_markdown",
@@ -85,6 +89,9 @@ for L = 0, ours' idle timeout, 5 min, 30 min; no warm spare unless ours has one
 - density: time-averaged alive sessions per provisioned slot (sum of session lifetimes / slot-seconds)
 - latency: scheduled arrival -> answer (includes create, queueing behind the previous turn, retries); \
 added = latency - work; errors and timeouts count as +inf in the tail
+- added over the ideal runtime: answer time - the turn's end on an ideal runtime (zero overhead, same \
+arrivals and work, a session's turns one at a time): what the runtime adds, delays it passed on to the \
+session's later turns included, the trace's own wait behind the previous turn left out
 - router overhead: percentiles of per-request paired differences (routed - direct, interleaved)
 - percentiles: one function (linear interpolation between closest ranks, numpy's default)
 - bounds: the plan on an ideal runtime (zero overhead, a session's turns one at a time): the inherent \
@@ -222,6 +229,9 @@ def summarize_target(
     for t in failed:
         key = f"{t['status']}:{t.get('http') or '-'}"
         errors_by_kind[key] = errors_by_kind.get(key, 0) + 1
+    ideal_end = {id(t): end for t, _, end in ideal_runs(turns)}
+    over = {id(t): (float(t["done_s"]) - ideal_end[id(t)]) * 1000 for t in served
+            if id(t) in ideal_end and t.get("done_s") is not None}
     cost = cost_from_stats(samples)
     busy = busy_slot_seconds(turns)
     alive_s = alive_session_seconds(sessions, ended_s)
@@ -248,6 +258,12 @@ def summarize_target(
             "wake": latency_stats(wake),
             # every turn that ran: failures are +inf in the tail
             "all": latency_stats([t["added_ms"] for t in served] + [math.inf] * len(failed)),
+        },
+        # the answer's time minus the turn's end on the ideal runtime (the module docstring)
+        "over_ideal_ms": {
+            "warm": latency_stats(over[id(t)] for t in served if t.get("kind") == "warm" and id(t) in over),
+            "wake": latency_stats(over[id(t)] for t in served if t.get("kind") == "wake" and id(t) in over),
+            "all": latency_stats([over[id(t)] for t in served if id(t) in over] + [math.inf] * len(failed)),
         },
         # the same turns measured from when the client sent them (excludes the wait behind the session's
         # create or previous turn): shows how much of the added latency is queueing in the trace itself
@@ -369,6 +385,10 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("added ms warm p50 / p95 / p99", " / ".join(_ms(a["warm"][f"p{q}"]) for q in LATENCY_QUANTILES)),
         ("added ms wake p50 / p95 / p99", " / ".join(_ms(a["wake"][f"p{q}"]) for q in LATENCY_QUANTILES)),
         ("added ms all (failures = inf) p50 / p99", f"{_ms(a['all']['p50'])} / {_ms(a['all']['p99'])}"),
+        ("added over the ideal runtime ms warm p50 / p95 / p99", " / ".join(
+            _ms((summary.get("over_ideal_ms") or {}).get("warm", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("added over the ideal runtime ms wake p50 / p95 / p99", " / ".join(
+            _ms((summary.get("over_ideal_ms") or {}).get("wake", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("  of which queueing: turn wait s p50 / p95 / p99", " / ".join(
             _num(summary["queue_s"][f"p{q}"], "{:.3f}") for q in LATENCY_QUANTILES)),
         ("  send -> answer added ms warm p50 / p95 / p99", " / ".join(

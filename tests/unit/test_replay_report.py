@@ -441,3 +441,24 @@ def test_a_window_that_misses_the_trace_is_an_error_also_in_a_dry_run(capsys):
     """Fresh-user run: an Azure trace with a GenTD26 date printed "-> 0 turns" and exited 0."""
     assert main([str(FIXTURE), "--dry-run", "--start", "999999", "--duration", "60"]) == 2
     assert "the window holds none of the trace's 10 turns" in capsys.readouterr().err
+
+
+def test_added_over_the_ideal_runtime_keeps_passed_on_delay_and_leaves_out_the_traces_own_wait():
+    """Session a: turn 0 arrives at 0 s with 1 s of work and is answered at 1.3 s (its create took
+    0.3 s); turn 1 arrives at 0.5 s, 1 s of work, answered at 2.35 s. On the ideal runtime turn 1 would
+    wait for turn 0 anyway (until 1.0 s) and end at 2.0 s: 350 ms added over it (the 300 ms the create
+    passed on + 50 ms of its own), where "added" (latency - work) says 850 ms. A failed turn is +inf."""
+    def t(i, at, work, done, *, kind="warm", status="ok", http=200):
+        return {"session": "a", "i": i, "at_s": at, "sent_s": at, "done_s": done, "queue_s": 0.0, "work_s": work,
+                "status": status, "http": http, "kind": kind if http == 200 else None,
+                "added_ms": (done - at - work) * 1000 if http == 200 else None, "latency_ms": (done - at) * 1000}
+
+    turns = [t(0, 0.0, 1.0, 1.3), t(1, 0.5, 1.0, 2.35, kind="wake"), t(2, 9.0, 0.1, 9.5, status="error", http=500)]
+    s = rpt.summarize_target(turns, [], [], 10.0)
+    assert s["added_ms"]["wake"]["p50"] == pytest.approx(850.0)
+    assert s["over_ideal_ms"]["warm"]["p50"] == pytest.approx(300.0)
+    assert s["over_ideal_ms"]["wake"]["p50"] == pytest.approx(350.0)
+    assert s["over_ideal_ms"]["all"]["n"] == 3 and s["over_ideal_ms"]["all"]["max"] == math.inf
+    rows = dict(rpt.target_rows(s))
+    assert rows["added over the ideal runtime ms wake p50 / p95 / p99"] == "350 / 350 / 350"
+    assert "added over the ideal runtime" in rpt.DEFINITIONS
