@@ -223,6 +223,8 @@ class Activator:
         #: activations started since the process started, per pool (the arrival-rate forecast's counter)
         self.activations_total: dict[str, int] = {}
         self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
+        #: per pool, the background suspension that keeps ``pool.headroom_slots`` free (``_keep_headroom``)
+        self._headroom: dict[str, asyncio.Task[None]] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
@@ -365,6 +367,39 @@ class Activator:
 
     async def place(self, sid: str, template: ActorTemplate, *, worker: str | None = None,
                     tenant: str = "default") -> tuple[WorkerRecord, int]:
+        """:meth:`_place`, then keep the pool's headroom (:meth:`_keep_headroom`)."""
+        got = await self._place(sid, template, worker=worker, tenant=tenant)
+        self._keep_headroom(self.catalog.pool_for(template).name)
+        return got
+
+    def _keep_headroom(self, pool: str) -> None:
+        """After a placement: if the pool's free slots on READY workers (this process's view, no I/O)
+        are fewer than ``pool.headroom_slots``, suspend that many least recently used idle sessions
+        (idle at least ``api.pressure_min_idle_s``; anyone's: there is no requesting tenant) in the
+        background, one such task per pool at a time. Not while the pool grows or its controller has
+        yet to size it for a waiting placement (``may_make_room``): capacity it is creating is not taken
+        from sessions. Errors are logged; the next placement tries again."""
+        want = self.settings.pool.headroom_slots
+        if want <= 0 or not self.may_make_room(pool):
+            return
+        running = self._headroom.get(pool)
+        if running is not None and not running.done():
+            return
+        free = sum(w.freeSlots for w in self.view.workers.values()
+                   if w.pool == pool and w.state == WorkerState.READY)
+        if free >= want:
+            return
+
+        async def make_room() -> None:
+            try:
+                await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant="", count=want - free)
+            except Exception:  # noqa: BLE001 - a background helper; lazy suspension still serves need
+                log.warning("keeping free slots failed", extra={"pool": pool}, exc_info=True)
+
+        self._headroom[pool] = asyncio.create_task(make_room())
+
+    async def _place(self, sid: str, template: ActorTemplate, *, worker: str | None = None,
+                     tenant: str = "default") -> tuple[WorkerRecord, int]:
         """Claim a slot for ``sid`` in the template's pool (only on ``worker`` if given). With no free
         slot: wakes the pool controller, joins the pool's FIFO of waiters (``substrate.slotqueue``: served
         as slots free up, lazy-suspending idle sessions to make room, fair to ``tenant``) for up to

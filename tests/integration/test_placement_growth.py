@@ -460,3 +460,30 @@ async def test_demand_that_returns_during_a_drain_takes_the_draining_worker_back
     assert len(backend.created) == 1
     assert [w.state for w in await d.list_workers() if w.id == "w"] == [WorkerState.DRAINING]
     rolling.cancel()
+
+
+@pytest.mark.parametrize("case", ["headroom 1", "headroom 0", "pool growing"])
+async def test_a_placement_that_takes_the_last_free_slot_makes_room_for_the_next_in_the_background(env, case):
+    """The 11-21 replay: 27 % of creates and wakes waited for a pressure suspension on their own path.
+    With ``pool.headroom_slots`` 1, the placement that takes the pool's last free slot starts suspending
+    the least recently used idle session at once, so the next one finds a slot; never while the pool
+    grows (the capacity on its way is waited for), and not at all with 0 (only on need)."""
+    d, act, workers = env
+    act.settings.pool.headroom_slots = 0 if case == "headroom 0" else 1
+    act.settings.api.pressure_min_idle_s = 1.0
+    if case == "pool growing":
+        act.starting["default"] = 1  # this process's pool controller is starting a worker
+    await _worker(d, "w")
+    await _idle_running(d, "old", "w", idle_s=60)
+    await act.view.refresh()
+    await act.create(_new("new-1"), CATALOG.template("counter"))  # takes the last free slot
+    task = act._headroom.get("default")
+    if task is not None:
+        await asyncio.wait_for(task, 10)
+    if case == "headroom 1":
+        assert workers.suspended == ["old"] and workers.reasons == ["pressure"]
+        assert (await d.get_session("old")).state == SessionState.SUSPENDED
+        assert (await d.get_session("new-1")).state == SessionState.RUNNING, "the new session is never the victim"
+    else:
+        assert task is None and workers.suspended == []
+        assert (await d.get_session("old")).state == SessionState.RUNNING
