@@ -225,6 +225,8 @@ class Activator:
         self._queues: dict[str, SlotQueue[WorkerRecord]] = {}
         #: per pool, the background suspension that keeps ``pool.headroom_slots`` free (``_keep_headroom``)
         self._headroom: dict[str, asyncio.Task[None]] = {}
+        #: per pool, no headroom search before this (monotonic s): the last one found nobody to suspend
+        self._headroom_quiet_until: dict[str, float] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
@@ -380,7 +382,7 @@ class Activator:
         yet to size it for a waiting placement (``may_make_room``): capacity it is creating is not taken
         from sessions. Errors are logged; the next placement tries again."""
         want = self.settings.pool.headroom_slots
-        if want <= 0 or not self.may_make_room(pool):
+        if want <= 0 or time.monotonic() < self._headroom_quiet_until.get(pool, 0.0) or not self.may_make_room(pool):
             return
         running = self._headroom.get(pool)
         if running is not None and not running.done():
@@ -389,12 +391,18 @@ class Activator:
                    if w.pool == pool and w.state == WorkerState.READY)
         if free >= want:
             return
+        min_idle_s = self.settings.api.pressure_min_idle_s
 
         async def make_room() -> None:
             try:
-                await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant="", count=want - free)
+                freed = await self._suspend_lru(pool, min_idle_s, tenant="", count=want - free)
             except Exception:  # noqa: BLE001 - a background helper; lazy suspension still serves need
                 log.warning("keeping free slots failed", extra={"pool": pool}, exc_info=True)
+                freed = 0
+            if not freed:
+                # nobody idle long enough (a pool busy with turns): the search reads every session of the
+                # pool, so it is not repeated per placement; a session idle now qualifies after min_idle_s
+                self._headroom_quiet_until[pool] = time.monotonic() + max(min_idle_s, 0.1)
 
         self._headroom[pool] = asyncio.create_task(make_room())
 

@@ -487,3 +487,32 @@ async def test_a_placement_that_takes_the_last_free_slot_makes_room_for_the_next
     else:
         assert task is None and workers.suspended == []
         assert (await d.get_session("old")).state == SessionState.RUNNING
+
+
+async def test_a_headroom_search_that_finds_nobody_idle_is_not_repeated_per_placement(env):
+    """Keeping free slots reads every session of the pool; when nobody is idle long enough (a pool busy
+    with turns) the next placements do not search again until a session could qualify."""
+    d, act, workers = env
+    act.settings.pool.headroom_slots = 1
+    act.settings.api.pressure_min_idle_s = 30.0
+    await _worker(d, "w")
+    await _idle_running(d, "recent", "w", idle_s=1)  # idle, but not for 30 s
+    await act.view.refresh()
+    searches = 0
+    suspend_lru = act._suspend_lru
+
+    async def counting(*a, **kw):
+        nonlocal searches
+        searches += 1
+        return await suspend_lru(*a, **kw)
+
+    act._suspend_lru = counting  # type: ignore[method-assign]
+    for i in range(3):  # each create takes w's last free slot; its delete gives it back
+        await act.create(_new(f"new-{i}"), CATALOG.template("counter"))
+        task = act._headroom.get("default")
+        if task is not None:
+            await asyncio.wait_for(task, 10)
+        await act.delete(f"new-{i}")
+        await act.view.refresh()
+    assert workers.suspended == []
+    assert searches == 1, "one search found nobody idle for 30 s; the next placements did not repeat it"
