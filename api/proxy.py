@@ -508,9 +508,12 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         path = f"/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
                    "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
+        first = b""
         try:
             resp = await _post(runtime, route, path, body, headers, stream)
             sent = True
+            if stream and resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson"):
+                first = await _first_bytes(resp)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, WorkerHTTPError, _LeaseLost) as e:
             # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
             # and resend with the same key; the worker answers a turn it already ran from its cache.
@@ -582,8 +585,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         ctype = resp.headers.get("Content-Type", "")
         ndjson = ctype.startswith("application/x-ndjson")
         if stream and resp.status == 200 and ndjson:
-            return StreamingResponse(_relay(resp, runtime, sid), status_code=200, media_type="application/x-ndjson",
-                                     headers=extra)
+            return StreamingResponse(_relay(resp, runtime, sid, first), status_code=200,
+                                     media_type="application/x-ndjson", headers=extra)
         try:
             data = await resp.read()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
@@ -641,14 +644,44 @@ async def _exists(runtime: "Runtime", sid: str) -> bool:
     return True
 
 
-async def _relay(resp: aiohttp.ClientResponse, runtime: "Runtime", sid: str) -> AsyncIterator[bytes]:
-    """Pass a streamed turn's NDJSON lines through as they come. Its final ``{"error": ...}`` line of a
+async def _first_bytes(resp: aiohttp.ClientResponse) -> bytes:
+    """The first bytes of a streamed turn's body, waited for before the router answers 200: until then
+    nothing has reached the client, so a worker lost before its turn's first line is retried like a lost
+    plain turn (same key: the session's next worker runs it, or answers it from its kept answer). A stream
+    that ends empty is a lost worker too (a turn always ends with a line). Raises
+    ``aiohttp.ClientConnectionError`` when the worker is lost and ``TimeoutError`` at the invoke timeout
+    (the response released in both cases)."""
+    try:
+        first = await resp.content.readany()
+    except TimeoutError:  # the invoke timeout (aiohttp's ServerTimeoutError is one too): not a lost worker
+        resp.release()
+        raise
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+        resp.release()
+        raise aiohttp.ServerDisconnectedError() from None
+    if not first:
+        resp.release()
+        raise aiohttp.ServerDisconnectedError()
+    return first
+
+
+async def _relay(resp: aiohttp.ClientResponse, runtime: "Runtime", sid: str, first: bytes = b""
+                 ) -> AsyncIterator[bytes]:
+    """Pass a streamed turn's NDJSON lines through as they come (``first``: the bytes already read by
+    :func:`_first_bytes`). Its final ``{"error": ...}`` line of a
     5xx kind is checked as a plain turn's 5xx answer is: if the session is gone, a DELETE stopped the
     turn, and the line says ``session_deleted`` (a fresh-user run: ``agent_crashed``, "it restarts from
     its last snapshot", for a session that had been deleted)."""
     rest = b""
+
+    async def body() -> AsyncIterator[bytes]:
+        if first:
+            yield first
+        async for more in resp.content.iter_any():
+            yield more
+
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in body():
             data = rest + chunk
             cut = data.rfind(b"\n") + 1
             whole, rest = data[:cut], data[cut:]

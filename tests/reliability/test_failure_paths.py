@@ -8,6 +8,7 @@ request is the client's timeout: before the fix those requests hung or answered 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import sys
@@ -344,3 +345,37 @@ def test_the_sandbox_tmp_is_writable_by_the_agent(shared_runtime):
     out = c.invoke(s["id"], "f=$(mktemp) && echo hi > $f && cat $f")
     assert out["exitCode"] == 0 and out["stdout"] == "hi\n", out
     c.delete_session(s["id"])
+
+
+def test_a_streamed_turn_whose_worker_dies_before_its_first_line_is_retried_not_cut(runtime_factory):
+    """Fresh-user finding: the router answered a streamed turn 200 as soon as its worker accepted it, so a
+    worker killed before the turn's first line left the client a stream ending in ``worker_unavailable``.
+    The router now waits for the first bytes before its 200: a worker lost before them is retried like a
+    plain turn (same key), on the session restored elsewhere, and the client gets the turn's stream."""
+    import threading
+    import time
+
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    out: dict[str, httpx.Response] = {}
+
+    def turn() -> None:  # 6 s of work before the turn's only line
+        out["r"] = httpx.post(f"{rt.url}/v1/sessions/{s['id']}/invoke?stream=1", timeout=120,
+                              json={"input": {"op": "increment", "work_s": 6}},
+                              headers={"Idempotency-Key": "stream-lost-1", "Host": "localhost"})
+
+    t = threading.Thread(target=turn)
+    t.start()
+    rt.wait_for(lambda: any(a.get("session") == s["id"] and a.get("busy", True)
+                            for a in rt.worker_activations(s["worker"])), what="the turn reached its worker")
+    time.sleep(1.0)  # the worker has sent the stream's headers; the line comes after 6 s of work
+    rt.kill_worker(s["worker"])
+    t.join(120)
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    assert "worker_unavailable" not in r.text, r.text
+    assert [json.loads(line) for line in r.text.splitlines() if line.strip()] == [{"chunk": {"count": 1}},
+                                                                                  {"done": True}], r.text
+    assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none"
+    assert r.headers["x-substrate-worker"] != s["worker"]
