@@ -12,8 +12,10 @@ file, the template and the module. A user trial's ``entrypoint: nosuch.module:Ag
 failed at the first create, with 500 ``agent_start_failed``. Only the embedded default asks for the
 check (``substrate up``, and ``api.runtime`` when it builds an embedded runtime from files): there the
 workers are forked from the same interpreter and site-packages, so a module this process cannot find is
-one no agent host can import (the converse does not hold: a sandboxed host sees only site-packages and the
-``workers`` package, not the current folder). It is not made where the workers may run another image:
+one no agent host can import. For a sandboxed template (the default) the module is looked up only where
+its sandbox looks: the installed packages and our ``workers`` package (``sandbox_import_path``), not the
+current folder or a project folder an editable install puts on this process's path (a user trial's
+``myagent.py`` beside the checkout passed a check on the whole path and failed every create). It is not made where the workers may run another image:
 templates read from the Kubernetes API (``substrate.k8s.controller.KubeCatalog``, which uses
 ``load_documents``), ``substrate router --files`` and ``substrate convert`` (whose output is for
 ``kubectl apply``): a WorkerPool's pod template may name an image built FROM ours that adds the agent's
@@ -29,6 +31,7 @@ import copy
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,24 +348,51 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
     return out, warnings
 
 
-def module_findable(name: str) -> bool:
+#: the package of ours an agent host sees inside its sandbox (``workers.sandbox``: bound at ``CODE_PATH``)
+_SANDBOX_PACKAGE = "workers"
+
+
+def sandbox_import_path() -> list[str]:
+    """The entries of this interpreter's ``sys.path`` that a sandboxed agent host also has: those inside
+    the interpreter's installation (``sys.prefix``, ``sys.base_prefix``: the stdlib and site-packages,
+    which ``workers.sandbox`` binds read-only). Not the current folder, nor a project folder that an
+    editable install's ``.pth`` adds (a user trial: ``entrypoint: myagent:MyAgent`` beside the checkout
+    passed the check and failed every create with ``ModuleNotFoundError`` in the sandbox)."""
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    out = []
+    for p in sys.path:
+        real = os.path.realpath(p or ".")
+        if any(real == r or real.startswith(r + os.sep) for r in roots):
+            out.append(p)
+    return out
+
+
+def module_findable(name: str, *, sandboxed: bool = False) -> bool:
     """Whether the module ``name`` (dotted, as in an entrypoint) can be found on this interpreter's import
-    path, without importing it or any package above it: ``importlib.util.find_spec("a.b")`` imports ``a``
-    (running its ``__init__``), so each level below the top one is looked up with ``PathFinder`` in the
-    search locations of the level above. Modules already imported count as found. Never raises."""
+    path (``sandboxed``: only on the part a sandboxed agent host has, :func:`sandbox_import_path`, plus
+    our ``workers`` package), without importing it or any package above it: ``importlib.util.find_spec("a.b")``
+    imports ``a`` (running its ``__init__``), so each level below the top one is looked up with
+    ``PathFinder`` in the search locations of the level above. Modules already imported count as found
+    (unsandboxed only). Never raises."""
     parts = name.split(".")
     if not all(parts):
         return False
     try:
-        if name in sys.modules:
+        if sandboxed and parts[0] != _SANDBOX_PACKAGE:
+            if parts[0] in sys.builtin_module_names:
+                spec = importlib.util.find_spec(parts[0])
+            else:
+                spec = importlib.machinery.PathFinder.find_spec(parts[0], sandbox_import_path())
+        elif name in sys.modules:
             return True
-        spec = importlib.util.find_spec(parts[0])  # the top level: no parent to import
+        else:
+            spec = importlib.util.find_spec(parts[0])  # the top level: no parent to import
         for i in range(1, len(parts)):
             if spec is None or spec.submodule_search_locations is None:  # missing, or a module, not a package
                 return False
             full = ".".join(parts[: i + 1])
             found = importlib.machinery.PathFinder.find_spec(full, list(spec.submodule_search_locations))
-            if found is None and ".".join(parts[:i]) in sys.modules:
+            if found is None and not sandboxed and ".".join(parts[:i]) in sys.modules:
                 found = importlib.util.find_spec(full)  # the parent is imported already: its own finders may know
             spec = found
     except (ImportError, ValueError, AttributeError, OSError):
@@ -378,9 +408,12 @@ def check_entrypoint_modules(templates: dict[str, ActorTemplate], where: dict[st
     missing = []
     for name, t in templates.items():
         entry = t.spec.entrypoint
-        if entry and not module_findable(module := entry.partition(":")[0]):
+        sandboxed = t.spec.isolation.sandbox
+        if entry and not module_findable(module := entry.partition(":")[0], sandboxed=sandboxed):
             missing.append(f"{where.get(name, '<memory>')}: ActorTemplate {name!r}: spec.entrypoint {entry!r}: "
-                           f"module {module!r} cannot be found by this Python ({sys.executable})")
+                           f"module {module!r} cannot be found by this Python ({sys.executable})"
+                           + (" in what its sandbox sees (the installed packages and `workers`; not the "
+                              "current folder or a project folder)" if sandboxed else ""))
     if missing:
         raise SpecError("; ".join(missing) + ": install the package that holds it into this environment (the "
                         "workers run the same interpreter) or fix the name", code="agent_module_not_found")

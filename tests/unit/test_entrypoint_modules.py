@@ -85,3 +85,24 @@ def test_up_with_such_a_config_is_one_error_line_and_exit_2(tmp_path: Path, monk
     assert lines[0].startswith("error: ") and "'broken'" in r.output and "'nosuch.module'" in r.output, r.output
     assert "Traceback" not in r.output
     assert not (tmp_path / "var").exists()  # nothing was started
+
+
+def test_a_module_only_the_runtime_can_import_is_refused_for_a_sandboxed_template(tmp_path: Path, monkeypatch) -> None:
+    """User trial: ``myagent.py`` in the checkout (on the runtime's path through the editable install)
+    passed the check, and every create failed with ModuleNotFoundError inside the sandbox, which sees
+    only the installed packages and ``workers``. A template that opts out of the sandbox runs its host
+    with the runtime's path, so the module is found for it."""
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "myagent_fu.py").write_text("class MyAgent: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mod"))
+    assert module_findable("myagent_fu") and not module_findable("myagent_fu", sandboxed=True)
+    assert module_findable("workers.agents.counter", sandboxed=True)
+    assert module_findable("json", sandboxed=True) and module_findable("sys", sandboxed=True)
+    cfg = _config(tmp_path, ("mine", "myagent_fu:MyAgent"))
+    with pytest.raises(SpecError) as e:
+        load_catalog(cfg, check_modules=True)
+    assert e.value.code == "agent_module_not_found" and "sandbox" in e.value.message
+    (cfg / "templates.yaml").write_text("---\napiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\n"
+                                        "metadata: {name: mine}\nspec: {entrypoint: 'myagent_fu:MyAgent', "
+                                        "isolation: {sandbox: false}}\n")
+    assert "mine" in load_catalog(cfg, check_modules=True).templates
