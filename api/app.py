@@ -199,8 +199,10 @@ async def _owned(rt: Runtime, sid: str, principal: Principal) -> SessionRecord:
     return rec
 
 
-async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any) -> Any:
-    """Run ``op()`` (a coroutine factory) and leave one audit record of its outcome."""
+async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, reason: str = "") -> Any:
+    """Run ``op()`` (a coroutine factory) and leave one audit record of its outcome (``reason``: as the
+    automatic records of the same action say it, e.g. ``explicit`` for a suspend, the session's
+    ``suspendReason``)."""
     try:
         result = await op()
     except SubstrateError as e:
@@ -208,11 +210,11 @@ async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any) -> Any
         # trail that says otherwise cannot be matched to the answer (fresh-user run)
         await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
                               worker=rec.worker, epoch=rec.epoch, result=proxy.public_error(e).code,
-                              gpus=_gpus(rt, rec))
+                              gpus=_gpus(rt, rec), reason=reason)
         raise
     after = result if isinstance(result, SessionRecord) else rec
     await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
-                          worker=after.worker or rec.worker, epoch=after.epoch, gpus=_gpus(rt, rec))
+                          worker=after.worker or rec.worker, epoch=after.epoch, gpus=_gpus(rt, rec), reason=reason)
     return result
 
 
@@ -593,7 +595,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             finally:
                 if rec.state == SessionState.RUNNING:  # the route read may name a gone activation now
                     rt.routes.drop(sid)
-        return session_view(await _audited(rt, "suspend", rec, op), rt)
+        return session_view(await _audited(rt, "suspend", rec, op, reason="explicit"), rt)
 
     @app.post("/v1/sessions/{sid}/resume", dependencies=[*v1, Depends(_json_body)], tags=["sessions"])
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:

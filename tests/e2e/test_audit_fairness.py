@@ -278,7 +278,7 @@ def test_one_tenants_burst_of_wakes_takes_at_most_its_share_of_parked_places(run
             b.delete_session(sid)
         assert [f.result(timeout=60) for f in futs] == [{"count": 0}, {"count": 0}]
         assert fut_b.result(timeout=60) == {"count": 0}
-    assert _actions(a, mine[2]) == [("create", "", "ok"), ("suspend", "", "ok")], "no record of a refused wake"
+    assert _actions(a, mine[2]) == [("create", "", "ok"), ("suspend", "explicit", "ok")], "no record of a refused wake"
 
 
 # ---------------------------------------------------------------------------- fairness: the breaker
