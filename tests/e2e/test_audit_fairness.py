@@ -203,10 +203,10 @@ def test_deadline_rollback_of_a_suspend_leaves_one_record(runtime_factory, moto_
     assert r.status_code == 503 and r.json()["code"] == "suspend_timeout", r.text
     time.sleep(1.0)  # two state-manager scans: a second roll would be recorded by now
     assert _actions(a, s["id"]) == [("create", "", "ok"), ("deadline", "SUSPENDING->RUNNING", "ok"),
-                                    ("suspend", "", "suspend_timeout")], "the call answers after the roll"
+                                    ("suspend", "explicit", "suspend_timeout")], "the call answers after the roll"
     _system(_one(a, s["id"], "deadline", "SUSPENDING->RUNNING"), tenant="team-a", worker=s["worker"],
             epoch=s["epoch"])
-    call = _one(a, s["id"], "suspend", "")
+    call = _one(a, s["id"], "suspend", "explicit")
     assert call["who"].startswith("apikey:") and call["epoch"] == s["epoch"]
     assert a.invoke(s["id"], "get") == {"count": 1}
 
@@ -231,7 +231,7 @@ def test_deadline_rollback_of_a_wake_leaves_one_record(runtime_factory, moto_pro
     rt.wait_for(lambda: any(e[0] == "wake" for e in _actions(a, s["id"])), timeout_s=60, what="wake record")
     time.sleep(1.0)
     got = _actions(a, s["id"])  # the wake's record may come before or after the roll's
-    assert [x for x in got if x[0] != "wake"] == [("create", "", "ok"), ("suspend", "", "ok"),
+    assert [x for x in got if x[0] != "wake"] == [("create", "", "ok"), ("suspend", "explicit", "ok"),
                                                   ("deadline", "RESUMING->SUSPENDED", "ok")], got
     assert len(got) == 4, got
     wake = _one(a, s["id"], "wake", "")

@@ -363,7 +363,7 @@ spec:
 
     ev = a.session_events(sid)["items"]  # still readable by its tenant after the delete
     got = [(e["action"], e["reason"], e["result"]) for e in ev]
-    assert got == [("create", "", "ok"), ("suspend", "", "ok"), ("wake", "", "ok"), ("suspend", "", "ok"),
+    assert got == [("create", "", "ok"), ("suspend", "explicit", "ok"), ("wake", "", "ok"), ("suspend", "explicit", "ok"),
                    ("resume", "", "ok"), ("recover", "worker_lost", "ok"), ("delete", "", "ok")], got
     assert all(e["tenant"] == "team-a" and e["session"] == sid and e["template"] == "counter" for e in ev)
     assert ev[0]["who"].startswith("apikey:") and ev[5]["who"].startswith("system:")
