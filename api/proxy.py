@@ -512,7 +512,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         try:
             resp = await _post(runtime, route, path, body, headers, stream)
             sent = True
-            if stream and resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson"):
+            if _streamed(resp, stream):
                 first = await _first_bytes(resp)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, WorkerHTTPError, _LeaseLost) as e:
             # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
@@ -582,9 +582,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 extra["X-Substrate-Restored"] = restored
         # the worker's content type: a replayed answer comes in the form its turn first ran (a streamed
         # turn's NDJSON lines, a plain turn's JSON), whichever this call asked for
-        ctype = resp.headers.get("Content-Type", "")
-        ndjson = ctype.startswith("application/x-ndjson")
-        if stream and resp.status == 200 and ndjson:
+        ndjson = resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
+        if _streamed(resp, stream):
             return StreamingResponse(_relay(resp, runtime, sid, first), status_code=200,
                                      media_type="application/x-ndjson", headers=extra)
         try:
@@ -642,6 +641,12 @@ async def _exists(runtime: "Runtime", sid: str) -> bool:
     except SubstrateError:
         return True
     return True
+
+
+def _streamed(resp: aiohttp.ClientResponse | Answer, stream: bool) -> bool:
+    """Whether the worker's answer is relayed as a stream: asked for, 200, and NDJSON (a replayed plain
+    turn comes back as JSON whatever was asked)."""
+    return stream and resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
 
 
 async def _first_bytes(resp: aiohttp.ClientResponse) -> bytes:
