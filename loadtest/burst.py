@@ -2,12 +2,19 @@
 invokes of those sessions, recording every status and error code and sampling ``/v1/stats`` and
 ``/v1/workerpools`` every ``sample_s`` while it runs.
 
-    uv run python -m loadtest.burst --url http://127.0.0.1:PORT --n 120 [--out burst.json]
+    uv run python -m loadtest.burst --url http://127.0.0.1:PORT --n 120 [--wake] [--out burst.json]
 
-Prints a JSON summary: counts of ``status code`` per phase, phase durations (s), the samples over time
-(workers, slots, slotsUsed, sessions by state, parked), and the load average at start and end.
-Bounded: every request has a timeout (``--timeout-s``), and the run makes exactly ``2 n`` requests
-(plus the samples). Errors are counted, never retried, so the figures are what a client sees.
+``--wake`` adds a wake burst: every session is suspended (``POST .../suspend``), the run waits until all
+are SUSPENDED and the pool has at most ``--idle-workers`` workers (or ``--idle-wait-s`` passed), then
+invokes all of them at once: ``n`` concurrent wakes from the object store onto a pool that must grow
+(the fresh-user burst of issue 11).
+
+Prints a JSON summary: counts of ``status code`` per phase, phase durations (s), per-request latency
+p50/p99/max (ms, ``substrate.quantiles``; a request without an answer counts as infinite), the peak
+worker count, the samples over time (workers, slots, slotsUsed, sessions by state, parked), and the load
+average at start and end. Bounded: every request has a timeout (``--timeout-s``), and the run makes
+``2 n`` requests (``4 n`` with ``--wake``, plus the samples and the state polls). Errors are counted,
+never retried, so the figures are what a client sees.
 """
 
 from __future__ import annotations
@@ -16,21 +23,59 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import time
 from typing import Any
 
 import aiohttp
 
+from substrate.quantiles import percentile
 
-async def _one(http: aiohttp.ClientSession, method: str, url: str, body: dict[str, Any]) -> tuple[str, Any]:
+
+async def _one(http: aiohttp.ClientSession, method: str, url: str, body: dict[str, Any] | None,
+               took_ms: list[float] | None = None) -> tuple[str, Any]:
+    """One request: (``"status"`` or ``"status code"`` or ``"client_error Name"``, the JSON body). Appends
+    the latency (ms; ``inf`` without an answer or with a 5xx) to ``took_ms`` when given."""
+    t = time.perf_counter()
     try:
         async with http.request(method, url, json=body) as r:
             data = await r.json(content_type=None)
             code = data.get("code") if isinstance(data, dict) and r.status >= 400 else None
+            if took_ms is not None:
+                took_ms.append((time.perf_counter() - t) * 1e3 if r.status < 500 else math.inf)
             return (f"{r.status} {code}" if code else str(r.status)), data
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        if took_ms is not None:
+            took_ms.append(math.inf)
         return f"client_error {type(e).__name__}", None
+
+
+def _latency(took_ms: list[float]) -> dict[str, float | None]:
+    """p50, p99 and max of ``took_ms`` (ms, rounded; ``inf`` when an error reached the quantile)."""
+    out = {f"p{q}": percentile(took_ms, q) for q in (50, 99)}
+    out["max"] = max(took_ms, default=None)
+    return {k: (round(v, 1) if v is not None and math.isfinite(v) else v) for k, v in out.items()}
+
+
+async def _wait_idle(http: aiohttp.ClientSession, url: str, sids: list[str], max_workers: int,
+                     wait_s: float) -> dict[str, Any]:
+    """Poll until every session in ``sids`` is SUSPENDED and the runtime runs at most ``max_workers``
+    workers, or ``wait_s`` passed; returns what was seen last."""
+    deadline = time.monotonic() + wait_s
+    seen: dict[str, Any] = {}
+    while True:
+        states: collections.Counter[str] = collections.Counter()
+        for sid in sids:
+            _, d = await _one(http, "GET", f"{url}/v1/sessions/{sid}", None)
+            states[d.get("state", "?") if isinstance(d, dict) else "?"] += 1
+        _, stats = await _one(http, "GET", f"{url}/v1/stats", None)
+        workers = stats.get("workers") if isinstance(stats, dict) else None
+        seen = {"states": dict(states), "workers": workers}
+        if (states.get("SUSPENDED", 0) == len(sids) and isinstance(workers, int) and workers <= max_workers) \
+                or time.monotonic() >= deadline:
+            return seen
+        await asyncio.sleep(0.5)
 
 
 async def _sampler(http: aiohttp.ClientSession, url: str, t0: float, every_s: float,
@@ -53,8 +98,8 @@ async def _sampler(http: aiohttp.ClientSession, url: str, t0: float, every_s: fl
             pass
 
 
-async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float, settle_s: float
-              ) -> dict[str, Any]:
+async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float, settle_s: float,
+              *, wake: bool = False, idle_workers: int = 0, idle_wait_s: float = 60.0) -> dict[str, Any]:
     """The burst (see the module docstring); returns the summary."""
     t0 = time.monotonic()
     samples: list[dict[str, Any]] = []
@@ -72,10 +117,27 @@ async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float
         if settle_s:
             await asyncio.sleep(settle_s)
         ts = time.monotonic()
+        took: list[float] = []
         invoked = await asyncio.gather(*(_one(http, "POST", f"{url}/v1/sessions/{sid}/invoke",
-                                              {"input": "increment"}) for sid in sids))
+                                              {"input": "increment"}, took) for sid in sids))
         result["invoke_s"] = round(time.monotonic() - ts, 2)
         result["invoke"] = dict(collections.Counter(c for c, _ in invoked))
+        result["invoke_ms"] = _latency(took)
+        if wake:
+            suspended = await asyncio.gather(*(_one(http, "POST", f"{url}/v1/sessions/{sid}/suspend", None)
+                                               for sid in sids))
+            result["suspend"] = dict(collections.Counter(c for c, _ in suspended))
+            result["idle"] = await _wait_idle(http, url, sids, idle_workers, idle_wait_s)
+            ts = time.monotonic()
+            took = []
+            woken = await asyncio.gather(*(_one(http, "POST", f"{url}/v1/sessions/{sid}/invoke",
+                                                {"input": "increment"}, took) for sid in sids))
+            result["wake_s"] = round(time.monotonic() - ts, 2)
+            result["wake"] = dict(collections.Counter(c for c, _ in woken))
+            result["wake_ms"] = _latency(took)
+            # the counter's state survived: the second increment of each session answers 2
+            result["wake_state_lost"] = sum(1 for c, d in woken if c == "200" and isinstance(d, dict)
+                                            and (d.get("output") or {}).get("count") not in (None, 2))
         await asyncio.sleep(2 * sample_s)
         stop.set()
         await sampler
@@ -86,6 +148,7 @@ async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
     result["loadavg_end"] = os.getloadavg()
+    result["peak_workers"] = max((x["workers"] for x in samples), default=None)
     result["samples"] = samples
     return result
 
@@ -98,9 +161,16 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--sample-s", type=float, default=1.0)
     ap.add_argument("--settle-s", type=float, default=0.0, help="pause between creates and invokes")
+    ap.add_argument("--wake", action="store_true", help="then suspend all and wake all at once")
+    ap.add_argument("--idle-workers", type=int, default=0,
+                    help="with --wake: wait until the pool runs at most this many workers")
+    ap.add_argument("--idle-wait-s", type=float, default=60.0, help="with --wake: wait at most this long")
     ap.add_argument("--out")
     a = ap.parse_args()
-    res = asyncio.run(run(a.url.rstrip("/"), a.n, a.template, a.timeout_s, a.sample_s, a.settle_s))
+    if a.n < 1 or a.n > 2000:
+        ap.error("--n must be within 1..2000")
+    res = asyncio.run(run(a.url.rstrip("/"), a.n, a.template, a.timeout_s, a.sample_s, a.settle_s,
+                          wake=a.wake, idle_workers=a.idle_workers, idle_wait_s=a.idle_wait_s))
     text = json.dumps(res, indent=1)
     if a.out:
         with open(a.out, "w") as f:

@@ -15,7 +15,9 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
   ``round(rate x lead_time)``, the activations expected to arrive while a new worker starts, where
   ``rate`` is the arrival rate of activations (creates + wakes) over a sliding window
   (``pool.forecast_window_s``) and ``lead_time`` the measured create-to-READY time of this pool's
-  workers (an exponentially weighted mean);
+  workers (an exponentially weighted mean). The pending ones (waiting + in flight) and the forecast
+  overlap (the pending are the arrivals the rate was read from), so the larger of the two counts:
+  ``need = active + max(waiting + in_flight, forecast)``;
 * **up at once**: ``desired = clamp(max(ceil(need / (S x target%)), ceil(need / S) + warmPool), min, max)``;
 * **down with hysteresis**: the pool shrinks only below the largest ``desired`` of the last
   ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one drain at a
@@ -122,7 +124,7 @@ def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
 
 
 def demand(obs: PoolObservation) -> int:
-    """Slots wanted now (see the module docstring): active + waiting + in flight + forecast."""
+    """Slots wanted now (see the module docstring): active + max(waiting + in flight, forecast)."""
     alive = [w for w in obs.workers if w.alive]
     active = sum(w.used if w.active is None else min(w.active, w.used) for w in alive)
     # every activation in flight (slot claimed or about to be, not RUNNING yet) is demand: its claimed
@@ -135,7 +137,15 @@ def demand(obs: PoolObservation) -> int:
     # expected arrivals while a new worker starts, rounded to the nearest slot (a trickle of one
     # activation a minute does not hold a worker forever)
     forecast = math.floor(max(0.0, obs.arrival_rate_per_s) * max(0.0, obs.lead_time_s) + 0.5)
-    return active + max(0, obs.waiting) + in_flight + forecast
+    # the activations still pending (waiting or in flight) are the arrivals the rate was read from:
+    # adding both counted a burst twice, once as itself and once as a rate projected to go on for a
+    # lead time (30 wakes at once on an idle pool read 30/s over a 1 s window and started 11 workers
+    # for 5 workers' worth of sessions; on 2 cores their cold starts pushed the wakes to 4-6 s, past
+    # the 5 s park timeout: fresh-user run, issue 11). A sustained stream keeps few pending, so the
+    # forecast leads; a burst is counted once, as what waits (Knative's KPA likewise sizes its panic
+    # mode from observed concurrency, not from a projected rate).
+    pending = max(0, obs.waiting) + in_flight
+    return active + max(pending, forecast)
 
 
 def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: bool = True) -> PoolPlan:

@@ -102,11 +102,21 @@ def dense(max_replicas: int = 64) -> WorkerPoolSpec:
                                                            targetUtilization=100))
 
 
-def test_demand_counts_active_waiting_in_flight_and_the_forecast():
-    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 2, active=2),), waiting=3, in_flight=1,
-                          arrival_rate_per_s=10.0, lead_time_s=0.25)
-    # 2 active + 3 waiting + 1 in flight + round(10/s x 0.25 s) = 3 expected while a worker starts
-    assert demand(obs) == 2 + 3 + 1 + 3
+def test_demand_counts_active_and_the_larger_of_pending_and_the_forecast():
+    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 2, active=2),), waiting=1, in_flight=1,
+                          arrival_rate_per_s=20.0, lead_time_s=0.25)
+    # 2 active + round(20/s x 0.25 s) = 5 expected while a worker starts, more than the 2 pending
+    assert demand(obs) == 2 + 5
+    more = replace(obs, waiting=6)
+    assert demand(more) == 2 + 6 + 1, "more pending than the forecast: the pending count"
+
+
+def test_a_burst_is_counted_once_not_also_as_a_projected_rate():
+    # the fresh-user burst (issue 11): 30 wakes at once on an idle pool, read as 30/s over a 1 s window
+    # with a 1 s lead time; counting both started 11 six-slot workers for 30 sessions
+    burst = PoolObservation(workers=(), waiting=30, arrival_rate_per_s=30.0, lead_time_s=1.0)
+    assert demand(burst) == 30
+    assert reconcile(dense(), burst).create == 5
     # an activation in flight is demand although its claimed slot shows as used but not active yet
     claimed = PoolObservation(workers=(WorkerObs("a", R, 6, 3, active=2),), in_flight=1)
     assert demand(claimed) == 3
