@@ -18,7 +18,12 @@ included, so it does no I/O in the steady state:
 * **Open mode**: with no key in Redis, none by file or env, no issuer and no shared token, every caller
   is ``Principal(tenant="default")`` (the embedded default as it always was). As soon as a key exists
   (e.g. created by ``substrate keys create`` while routers run) every ``/v1`` call needs one, and it
-  stays so when the last key is revoked (fail closed: revoking keys never opens the API).
+  stays so when the last key is revoked (fail closed: revoking keys never opens the API). While Redis
+  cannot say whether keys exist (at start-up, or after its connection was lost), a call without a token
+  gets 503 ``directory_unavailable`` (fail closed, but not "401: keys were used": nobody knows yet); the
+  follower re-reads every half second until Redis answers, then the API is open again if no key ever
+  existed. (It used to stay closed for good after one failed read: an embedded Redis killed and
+  restarted locked every open-mode caller out until ``substrate up`` restarted; fresh-user run, issue 11.)
 """
 
 from __future__ import annotations
@@ -165,7 +170,10 @@ class Authenticator:
         self.redis = redis
         self.jwt = JwksVerifier(settings, http) if settings.auth.oidc_issuer else None
         self.shared_token = settings.api.auth_token
+        #: Redis said keys exist or existed (sticky: revoking the last key never opens the API)
         self.have_keys = False
+        #: Redis could not be read since the last successful read: whether keys exist is unknown
+        self.keys_unknown = False
         self._cache: dict[str, tuple[Principal | None, float]] = {}
         self._task: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
@@ -173,7 +181,7 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         """Whether callers must authenticate (see "Open mode")."""
-        return self.have_keys or self.jwt is not None or bool(self.shared_token)
+        return self.have_keys or self.keys_unknown or self.jwt is not None or bool(self.shared_token)
 
     async def start(self) -> None:
         """Import keys given by file/env, count keys, and follow key changes (pub/sub)."""
@@ -184,8 +192,9 @@ class Authenticator:
             await self.store.import_specs(specs)  # also revokes file/env keys no longer given
             self.have_keys = bool(specs) or await self.store.ever_configured()
         except (RedisError, OSError) as e:
-            # fail closed: if keys may exist we cannot tell, so demand them until Redis answers
-            self.have_keys = True
+            # fail closed: if keys may exist we cannot tell, so demand them until Redis answers (the
+            # follower re-reads until it does)
+            self.keys_unknown = True
             log.warning("could not read API keys at start-up; authentication required", exc_info=e)
         self._task = asyncio.create_task(self._follow())
         try:
@@ -222,11 +231,16 @@ class Authenticator:
                     pass
 
     async def _reset(self) -> None:
+        """Clear the cache and re-read whether keys exist. Raises the Redis error after marking the
+        answer unknown (the follower then retries after a pause)."""
         self._cache.clear()
         try:
-            self.have_keys = self.have_keys or await self.store.ever_configured()
+            configured = await self.store.ever_configured()
         except (RedisError, OSError):
-            self.have_keys = True
+            self.keys_unknown = True
+            raise
+        self.have_keys = self.have_keys or configured
+        self.keys_unknown = False
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         """The caller of a request with ``headers``. Raises ``Unauthorized`` (401, ``WWW-Authenticate``
@@ -235,6 +249,9 @@ class Authenticator:
             return ANONYMOUS
         h = headers.get("authorization") or ""
         if not h[:7].lower() == "bearer ":
+            if self.keys_unknown and not (self.have_keys or self.jwt is not None or self.shared_token):
+                raise DirectoryUnavailable("cannot tell whether this API needs a bearer token: its Redis did not "
+                                           "answer (API keys live there); retry when it is back")
             raise Unauthorized("this API needs a bearer token (Authorization: Bearer <API key or JWT>); once API "
                                "keys have been used with its Redis it never falls back open, even with every "
                                "key revoked: `substrate keys create TENANT` makes one", code="unauthorized")

@@ -193,6 +193,50 @@ async def test_open_mode_without_keys(redis_prefix):
         await auth.stop()
 
 
+async def test_open_mode_comes_back_when_a_restarted_redis_answers_and_no_key_exists(tmp_path):
+    """The fresh-user finding (issue 11): the embedded Redis was killed and restarted; the follower's
+    re-read failed once and the API answered 401 to every open-mode call until `substrate up` restarted."""
+    from substrate.embedded import EmbeddedRedis
+    from substrate.errors import DirectoryUnavailable
+
+    with EmbeddedRedis(tmp_path / "redis", watch_interval_s=0.1) as srv:
+        r = aioredis.from_url(srv.url, decode_responses=True, socket_timeout=1)
+        keys = Keys("t-restart")
+        auth = Authenticator(Settings(redis={"key_prefix": "t-restart"}), r, keys)
+        await auth.start()
+        try:
+            assert not auth.enabled
+            assert srv.proc is not None
+            srv.proc.kill()
+            # unknown while Redis is away: a call without a token is told why (503), never "keys were used"
+            for _ in range(100):
+                if auth.keys_unknown:
+                    break
+                await asyncio.sleep(0.05)
+            assert auth.keys_unknown and not auth.have_keys
+            with pytest.raises(DirectoryUnavailable):
+                await auth.authenticate({})
+            # the watcher restarts the server on its port; the follower re-reads and opens the API again
+            for _ in range(200):
+                if not auth.enabled:
+                    break
+                await asyncio.sleep(0.05)
+            assert srv.restarts >= 1
+            assert not auth.enabled
+            assert (await auth.authenticate({})).tenant == "default"
+            # and a key made afterwards still closes it (sticky, as before)
+            await ApiKeyStore(r, keys).create("t1")
+            for _ in range(100):
+                if auth.have_keys:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(Unauthorized):
+                await auth.authenticate({})
+        finally:
+            await auth.stop()
+            await r.aclose()
+
+
 # ------------------------------------------------------------------------------ activation tokens
 async def test_activation_tokens_bind_session_epoch_worker_and_survive_rotation(redis_prefix):
     r, keys, _ = redis_prefix
