@@ -92,11 +92,15 @@ def _plain_digits(v: Any) -> Any:
     """``?limit=`` as plain decimal digits only. Pydantic's lax int took ``1.0``, ``1e3``, `` 5`` and ``+5``
     (a fresh-user run: ``?limit=1.0`` listed a page of one), which no client means as a count; the range is
     the ``Query``'s ``ge``/``le``. Raises ``PydanticCustomError`` (FastAPI answers 422 ``invalid_input``
-    naming ``query.limit``) for any other text."""
+    naming ``query.limit``) for any other text or a number outside 1 to ``MAX_PAGE_LIMIT``."""
     if isinstance(v, str) and not _DIGITS.fullmatch(v):
         raise PydanticCustomError(
             "int_digits", "must be a whole number from 1 to {max} in plain decimal digits (no sign, decimal "
             "point, exponent or space): got {got}", {"max": MAX_PAGE_LIMIT, "got": clip(v)})
+    # the range in the same words (pydantic's own said "Input should be greater than or equal to 1")
+    if isinstance(v, str) and not 1 <= int(v) <= MAX_PAGE_LIMIT:
+        raise PydanticCustomError("int_range", "must be a whole number from 1 to {max}: got {got}",
+                                  {"max": MAX_PAGE_LIMIT, "got": clip(v)})
     return v
 
 

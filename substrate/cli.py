@@ -677,8 +677,11 @@ def s_get(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) ->
 
 @sessions.command("list")
 def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ... (any case)"),
-           template: Optional[str] = None, limit: int = typer.Option(50, help="Page size."),
+           template: Optional[str] = None,
+           limit: int = typer.Option(50, min=1, max=1000, help="Page size (1 to 1000)."),
            all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+           continue_: Optional[str] = typer.Option(None, "--continue",
+                                                   help="Start after the page that printed this token."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
            output: str = typer.Option("table", "--output", "-o",
                                       help="table (IDs never cut, wide columns wrap), json (the API's page: "
@@ -700,10 +703,12 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
         state = state.strip().upper()
     with _client(server, token) as c:
         if all_pages:
-            items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit, tenant=tenant)))
+            items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit, tenant=tenant,
+                                                      continue_=continue_)))
             nxt = None
         else:
-            page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit, tenant=tenant))
+            page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit, tenant=tenant,
+                                                continue_=continue_))
             items, nxt = page["items"], page["metadata"]["continue"]
     if output == "json":
         _print({"items": items, "metadata": {"continue": nxt}})
@@ -711,6 +716,10 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
     if output == "ids":  # plain lines: a pipe gets whole IDs whatever the terminal's width (fresh-user run)
         for s in items:
             print(s["id"])
+        # on stderr, so the pipe gets IDs only but nobody mistakes a first page for all (`-o ids | xargs
+        # ... delete` handled 50 of 158 sessions without a word: fresh-user run)
+        if nxt:
+            err.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
         return
     header = ("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH")
     rows = [(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
@@ -733,7 +742,7 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
             t.add_row(*r)
         console.print(t)
     if nxt:  # one line, never wrapped: the token is copied whole
-        console.print(f"more: --all, or the API's ?continue={nxt}", soft_wrap=True, highlight=False)
+        console.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
 
 
 @sessions.command("invoke")
@@ -795,12 +804,14 @@ def s_resume(sid: str, worker: Optional[str] = typer.Option(None, help="Wake it 
 
 
 @sessions.command("events")
-def s_events(sid: str, limit: int = typer.Option(100, min=1, help="Page size."),
+def s_events(sid: str, limit: int = typer.Option(100, min=1, max=1000, help="Page size (1 to 1000)."),
              all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+             continue_: Optional[str] = typer.Option(None, "--continue",
+                                                     help="Start after the page that printed this token."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """The session's audit records, oldest first, as JSON lines (kept after a delete)."""
     with _client(server, token) as c:
-        cont: Optional[str] = None
+        cont: Optional[str] = continue_
         while True:
             page = _run(lambda: c.session_events(sid, limit=limit, continue_=cont))
             for item in page["items"]:
@@ -809,7 +820,7 @@ def s_events(sid: str, limit: int = typer.Option(100, min=1, help="Page size."),
             if not cont:
                 return
             if not all_pages:
-                err.print(f"more: --all, or the API's ?continue={cont}", soft_wrap=True, highlight=False)
+                err.print(f"more: --all, or --continue {cont}", soft_wrap=True, highlight=False)
                 return
 
 

@@ -136,8 +136,8 @@ class SubstrateClient:
         return self._req("GET", "/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
-        """Every session matching ``filters``, following ``continue`` tokens."""
-        token = None
+        """Every session matching ``filters``, following ``continue`` tokens (from ``continue_``, if given)."""
+        token = filters.pop("continue_", None)
         while True:
             page = self.list_sessions(continue_=token, **filters)
             yield from page["items"]

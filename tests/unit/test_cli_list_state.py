@@ -92,16 +92,33 @@ def test_a_very_long_id_leaves_every_column_shown(monkeypatch: pytest.MonkeyPatc
         row = next(line for line in lines if line.startswith(huge))
         assert row.split() == [huge, "default", "SUSPENDED", "counter", "-", "3"], row
         assert any(line.split() == ["s-short", "default", "RUNNING", "shell", "w-1", "1"] for line in lines)
-        assert f"?continue={token}" in r.output, "the token on one line"
+        assert f"--continue {token}" in r.output, "the token on one line"
 
 
 def test_ids_and_json_output_for_scripts(long_ids: None) -> None:
     import json
 
     r = CliRunner().invoke(app, ["sessions", "list", "-o", "ids"])
-    assert r.exit_code == 0 and r.output == LONG + "\n", r.output
+    # the IDs alone on stdout; on stderr, that more pages follow (a pipe took the first page for all)
+    assert r.exit_code == 0 and r.stdout == LONG + "\n", r.output
+    assert "more: --all, or --continue c1" in r.stderr
     r = CliRunner().invoke(app, ["sessions", "list", "--output", "json"])
     page = json.loads(r.output)
     assert page["items"][0]["id"] == LONG and page["metadata"]["continue"] == "c1"
     r = CliRunner().invoke(app, ["sessions", "list", "-o", "yaml"])
     assert r.exit_code == 2 and "table, json, ids" in r.output
+
+
+def test_continue_and_limit_reach_the_api_and_a_limit_out_of_range_is_refused_here(seen: list[httpx.Request]) -> None:
+    r = CliRunner().invoke(app, ["sessions", "list", "--continue", "tok-1", "--limit", "7"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].url.params["continue"] == "tok-1" and seen[-1].url.params["limit"] == "7"
+    r = CliRunner().invoke(app, ["sessions", "events", "s-a", "--continue", "tok-2"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].url.path.endswith("/s-a/events") and seen[-1].url.params["continue"] == "tok-2"
+    n = len(seen)
+    for cmd in (["sessions", "list"], ["sessions", "events", "s-a"]):
+        for bad in ("0", "1001"):
+            r = CliRunner().invoke(app, [*cmd, "--limit", bad])
+            assert r.exit_code == 2 and "--limit" in r.output, r.output
+    assert len(seen) == n, "nothing was sent"
