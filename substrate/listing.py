@@ -83,9 +83,11 @@ async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int
                 p.hgetall(keys.session(m))
             raws = await p.execute()
         stale = []
+        looked = 0
         for (m, s), raw in zip(fresh, raws):
             after = (s, m)
             scanned += 1
+            looked += 1
             if not raw or "actorTemplate" not in raw or raw.get("state") == SessionState.DELETED.value:
                 if not raw:
                     stale.append(m)
@@ -97,9 +99,11 @@ async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int
                     break
         if stale:
             await redis.zrem(index, *stale)
+        # the index ends within this batch and every entry of it was looked at: no cursor (a page that
+        # ended exactly on the last session gave one, and the next request an empty page: fresh-user run)
+        if len(rows) < batch and looked == len(fresh):
+            return items, None
         if len(items) == limit:
             break
-        if len(rows) < batch:  # the index ends within this batch and every entry was looked at
-            return items, None
     assert after is not None
     return items, encode_cursor(after[0], after[1])

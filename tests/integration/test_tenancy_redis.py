@@ -74,6 +74,16 @@ async def test_keyset_listing_skips_no_survivor_when_items_are_deleted_between_p
         assert seen == sorted(seen), "oldest first, ties by ID"
         other, _ = await list_page(r, keys, keys.tenant_sessions("b"), limit=7)
         assert other == []
+        # a page that ends exactly on the last session says so (no cursor to an empty page)
+        left = len((await list_page(r, keys, keys.tenant_sessions("a"), limit=1000))[0])
+        if left % 2:  # two pages of equal size
+            await d.delete_session(survivors[0])
+            left -= 1
+        first, cur = await list_page(r, keys, keys.tenant_sessions("a"), limit=left // 2)
+        last, end = await list_page(r, keys, keys.tenant_sessions("a"), limit=left // 2, cursor=cur)
+        assert cur is not None and end is None and len(first) + len(last) == left, (left, cur, end)
+        whole, end = await list_page(r, keys, keys.tenant_sessions("a"), limit=left)
+        assert len(whole) == left and end is None
         with pytest.raises(Exception) as e:
             await list_page(r, keys, keys.tenant_sessions("a"), cursor="%%%")
         assert getattr(e.value, "code", "") == "invalid_continue"
