@@ -615,8 +615,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 raise InvalidInput(f"unknown worker {clip(pin)}", code="unknown_worker")
 
         async def op() -> SessionRecord:
-            route, _ = await rt.activator.wake(sid, worker=pin, tenant=None if p.admin else p.tenant,
-                                               audit_action=None)
+            # woken again if the worker chosen for it dies while restoring it, as an invoke's wake is
+            route, _ = await rt.activator.wake_retrying(sid, worker=pin, tenant=None if p.admin else p.tenant,
+                                                        audit_action=None)
             rt.routes.put(sid, route)
             return await rt.directory.get_session(sid)
         return session_view(await _audited(rt, "resume", rec, op), rt)

@@ -42,12 +42,10 @@ from substrate import audit, metrics
 from substrate.activator import Route
 from substrate.errors import (
     BadRequest,
-    Conflict,
     InvalidInput,
     NotFound,
     PayloadTooLarge,
     SessionDeleted,
-    StaleEpoch,
     SubstrateError,
     UnsupportedMediaType,
     WorkerUnavailable,
@@ -487,18 +485,14 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         if route is None:
             t0 = time.perf_counter()
             try:
-                route, woke = await act.wake(sid, tenant=None if principal.admin else principal.tenant)
+                # woken again if it moved meanwhile (a deadline roll, another router) or the worker
+                # chosen for it died while restoring it
+                route, woke = await act.wake_retrying(sid, tenant=None if principal.admin else principal.tenant,
+                                                      deadline=deadline)
             except NotFound as e:
                 if sent and e.code == "session_not_found":
                     raise _deleted(sid) from e
                 raise
-            except (StaleEpoch, Conflict, WorkerUnavailable) as e:
-                if e.code not in ("stale_epoch", "conflict", "worker_unavailable"):
-                    raise
-                # the session moved while it was being woken (a deadline roll, another router), or the
-                # worker chosen for it died while restoring it: wake it again
-                await asyncio.sleep(min(0.05 * attempt, 0.5))
-                continue
             if woke:
                 woke_ms = (time.perf_counter() - t0) * 1000
                 # this activation's own marker: one from an earlier attempt's wake may be stale (a commit

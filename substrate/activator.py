@@ -63,6 +63,7 @@ from substrate.errors import (
     NoCapacity,
     NotFound,
     SnapshotCorrupt,
+    StaleEpoch,
     StateLoadFailed,
     StoreUnavailable,
     SubstrateError,
@@ -824,6 +825,37 @@ class Activator:
             return await self._park(sid, rec, worker, audit_action)
         finally:
             self.parked_share.leave(rec.tenant)
+
+    async def wake_retrying(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
+                            audit_action: str | None = "wake", deadline: float | None = None
+                            ) -> tuple[Route, bool]:
+        """``wake``, woken again when the session moved while it was being woken.
+
+        Retries StaleEpoch and Conflict with codes ``stale_epoch``/``conflict`` (a deadline roll, another
+        router's wake) and WorkerUnavailable ``worker_unavailable`` (the worker chosen for it died while
+        restoring it; not when ``worker`` pins the placement: that worker is the answer). At most 12
+        attempts, until ``deadline`` (``time.monotonic()`` seconds; default: ``park_timeout_s + lease_s +
+        lease_grace_s`` from now, time for a dead worker's lease to lapse), sleeping 0.05 s x attempt
+        (at most 0.5 s) between them. Raises what ``wake`` raises, and WorkerUnavailable
+        ``session_moving`` when the attempts run out.
+        """
+        s = self.settings
+        if deadline is None:
+            deadline = time.monotonic() + s.api.park_timeout_s + s.worker.lease_s + s.worker.lease_grace_s
+        retried = ("stale_epoch", "conflict") if worker is not None else ("stale_epoch", "conflict",
+                                                                           "worker_unavailable")
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self.wake(sid, worker=worker, tenant=tenant, audit_action=audit_action)
+            except (StaleEpoch, Conflict, WorkerUnavailable) as e:
+                if e.code not in retried:
+                    raise
+                if time.monotonic() > deadline or attempt >= 12:
+                    raise WorkerUnavailable(f"session {sid!r} kept moving between workers; retry",
+                                            code="session_moving", retry_after_s=s.api.retry_after_s) from e
+                await asyncio.sleep(min(0.05 * attempt, 0.5))
 
     async def _park(self, sid: str, rec: SessionRecord, worker: str | None, audit_action: str | None
                     ) -> tuple[Route, bool]:
