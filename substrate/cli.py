@@ -248,6 +248,18 @@ def _run(fn: Any) -> Any:
         err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}")
         raise typer.Exit(1) from None
     except Exception as e:  # noqa: BLE001 - connection errors etc. as one clear line
+        import httpx
+
+        if isinstance(e, httpx.TransportError):
+            # name the server: "Connection refused" alone did not say which URL was tried (fresh-user run)
+            try:
+                where = f"{e.request.url.scheme}://{e.request.url.netloc.decode()}"
+            except RuntimeError:  # no request attached
+                where = "the server"
+            err.print(f"[red]error[/red]: cannot reach the API at {escape(where)}: {e.__class__.__name__}: "
+                      f"{escape(str(e))} (is `substrate up` running there? --server or SUBSTRATE_SERVER "
+                      "names another)")
+            raise typer.Exit(1) from None
         err.print(f"[red]error[/red]: {e.__class__.__name__}: {escape(str(e))}")
         raise typer.Exit(1) from None
 

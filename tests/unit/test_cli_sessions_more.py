@@ -37,7 +37,7 @@ def test_events_prints_json_lines_and_follows_pages_with_all(seen: list[httpx.Re
     r = CliRunner().invoke(app, ["sessions", "events", "s1"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.splitlines()[0]) == {"action": "a1", "session": "s1"}, r.output
-    assert "?continue=c2" in r.output and len(seen) == 1
+    assert "--continue c2" in r.output and len(seen) == 1
     r = CliRunner().invoke(app, ["sessions", "events", "s1", "--all", "--limit", "1"])
     assert [json.loads(x)["action"] for x in r.output.splitlines()] == ["a1", "a2"], r.output
     assert seen[-1].url.params["continue"] == "c2" and seen[-1].url.params["limit"] == "1"
@@ -87,3 +87,18 @@ def test_invoke_stream_prints_each_chunk_as_it_arrives(monkeypatch: pytest.Monke
     r = CliRunner().invoke(app, ["sessions", "invoke", "s1", "go", "--stream"])
     assert order[:6] == ["sent 0", "printed c0", "sent 1", "printed c1", "sent 2", "printed c2"], order
     assert r.exit_code == 1 and "worker_unavailable" in r.output, r.output
+
+
+def test_an_unreachable_server_is_one_line_naming_its_url() -> None:
+    """Connection refused said only "[Errno 111] Connection refused" (fresh-user run): which URL?"""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = CliRunner().invoke(app, ["sessions", "list", "--server", f"http://127.0.0.1:{port}"],
+                           env={"COLUMNS": "400"})
+    assert r.exit_code == 1
+    out = r.output.strip()
+    assert f"cannot reach the API at http://127.0.0.1:{port}" in out and "Traceback" not in out, out
+    assert len(out.splitlines()) == 1, out
