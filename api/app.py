@@ -253,7 +253,7 @@ async def _json_body(request: Request) -> None:
 
 
 async def _no_body(request: Request) -> None:
-    """For calls that take no body (suspend): none, or JSON ``{}``/``null`` (what clients send by default).
+    """For calls that take no body (suspend, delete): none, or JSON ``{}``/``null`` (what clients send by default).
     Anything else is refused before anything is done, so a client that meant to pass options learns that
     none are read: a body that is not JSON is 400 ``bad_json`` (or 415 by its label, as ``_json_body``),
     any other JSON value 422 ``invalid_input``."""
@@ -574,7 +574,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         """One session: state, template, tenant, worker, epoch, snapshot, restoredFrom ..."""
         return JSONResponse(session_view(await _owned(_rt(request), sid, _principal(request)), _rt(request)))
 
-    @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=v1, tags=["sessions"])
+    @app.delete("/v1/sessions/{sid}", status_code=204, dependencies=[*v1, Depends(_no_body)], tags=["sessions"])
     async def delete_session(sid: str, request: Request) -> Response:
         """End the session wherever it is and delete its record and snapshots. Not idempotent: a session
         already deleted is 404 ``session_not_found``, and of concurrent DELETEs exactly one answers 204."""

@@ -332,6 +332,9 @@ def check_invoke_body(body: bytes) -> None:
     try:
         doc = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
+        if not text:  # told as create tells it (fresh-user run: two messages for one mistake)
+            raise BadRequest('the body is empty: send a JSON object such as {"input": ...}',
+                             code="bad_json") from None
         raise BadRequest(f"body is not valid JSON: {_json_error(e)}", code="bad_json") from None
     if not isinstance(doc, dict) or "input" not in doc:
         raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")

@@ -130,6 +130,15 @@ def test_bad_create_json_gets_400_bad_json_and_creates_nothing(rt, raw, says):
     assert sessions(rt) == before
 
 
+def test_an_empty_invoke_body_is_told_as_create_tells_it(rt):
+    s = rt.client.create_session("counter")
+    r = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=b"",
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "bad_json", r.text
+    assert r.json()["message"].startswith("the body is empty: send a JSON object"), r.text
+    rt.client.delete_session(s["id"])
+
+
 def test_a_number_of_over_4300_digits_in_an_invoke_is_told_plainly(rt):
     s = rt.client.create_session("counter")
     r = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=b'{"input": ' + b"9" * 5000 + b"}",
@@ -201,6 +210,21 @@ def test_a_suspend_with_a_body_it_does_not_read_is_refused_and_suspends_nothing(
                                 headers={"Content-Type": "application/json"} if ok else {})
         assert r.status_code == 202 and r.json()["state"] == "SUSPENDED", (ok, r.text)
     rt.client.delete_session(s["id"])
+
+
+@pytest.mark.parametrize("raw, status, code", [
+    (b'{"force": true}', 422, "invalid_input"),  # fresh-user run: accepted, and the session deleted
+    (b"garbage", 400, "bad_json"),
+])
+def test_a_delete_with_a_body_it_does_not_read_is_refused_and_deletes_nothing(rt, raw, status, code):
+    s = rt.client.create_session("counter")
+    r = rt.client.http.request("DELETE", f"/v1/sessions/{s['id']}", content=raw,
+                               headers={"Content-Type": "application/json"})
+    assert r.status_code == status and r.json()["code"] == code, r.text
+    assert rt.client.get_session(s["id"])["state"] == "RUNNING", "nothing was deleted"
+    r = rt.client.http.request("DELETE", f"/v1/sessions/{s['id']}", content=b"{}",
+                               headers={"Content-Type": "application/json"})
+    assert r.status_code == 204, r.text
 
 
 @pytest.mark.parametrize("headers", [
