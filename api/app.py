@@ -604,7 +604,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     @app.post("/v1/sessions/{sid}/resume", dependencies=[*v1, Depends(_json_body)], tags=["sessions"])
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:
         """Wake a suspended (or FAILED) session now instead of on its next request. ``worker`` pins the
-        placement to one worker (like a Pod's ``nodeName``): 503 if it has no free slot."""
+        placement to one worker (like a Pod's ``nodeName``): 503 if it has no free slot. A worker that dies
+        while restoring the session is replaced by another, as on invoke, unless ``worker`` pins it (502)."""
         rt = _rt(request)
         p = _principal(request)
         rec = await _owned(rt, sid, p)
