@@ -605,7 +605,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:
         """Wake a suspended (or FAILED) session now instead of on its next request. ``worker`` pins the
         placement to one worker (like a Pod's ``nodeName``): 503 if it has no free slot. A worker that dies
-        while restoring the session is replaced by another, as on invoke, unless ``worker`` pins it (502)."""
+        while restoring the session is replaced by another, as on invoke, unless ``worker`` pins it (502). A
+        concurrent suspend that takes the session right after this call woke it: 409 ``conflict`` with
+        ``details.state`` (``Activator.resume_explicit``)."""
         rt = _rt(request)
         p = _principal(request)
         rec = await _owned(rt, sid, p)
@@ -617,10 +619,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
         async def op() -> SessionRecord:
             # woken again if the worker chosen for it dies while restoring it, as an invoke's wake is
-            route, _ = await rt.activator.wake_retrying(sid, worker=pin, tenant=None if p.admin else p.tenant,
-                                                        audit_action=None)
+            route, cur = await rt.activator.resume_explicit(sid, worker=pin, tenant=None if p.admin else p.tenant)
             rt.routes.put(sid, route)
-            return await rt.directory.get_session(sid)
+            return cur
         return session_view(await _audited(rt, "resume", rec, op), rt)
 
     @app.get("/v1/sessions/{sid}/events", dependencies=v1, tags=["audit"])

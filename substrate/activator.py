@@ -857,6 +857,22 @@ class Activator:
                                             code="session_moving", retry_after_s=s.api.retry_after_s) from e
                 await asyncio.sleep(min(0.05 * attempt, 0.5))
 
+    async def resume_explicit(self, sid: str, *, worker: str | None = None, tenant: str | None = None
+                              ) -> tuple[Route, SessionRecord]:
+        """The explicit resume (``POST /v1/sessions/{id}/resume``): ``wake_retrying`` (the caller records
+        the audit record), then the record, which must be RUNNING. Returns (route, record). Raises what
+        ``wake_retrying`` raises, and Conflict ``conflict`` (409, ``details.state``/``epoch``) when a
+        concurrent suspend took the session between the wake and the read: a 200 naming SUSPENDING told
+        the caller a resume had held that did not (fresh-user race: 15 of 80 resumes), and a suspend that
+        meets a concurrent resume is 409 the same way (``_moved_on``)."""
+        route, _ = await self.wake_retrying(sid, worker=worker, tenant=tenant, audit_action=None)
+        cur = await self.directory.get_session(sid)
+        if cur.state != SessionState.RUNNING:
+            raise Conflict(f"session {sid!r} was suspended by a concurrent call right after this resume woke it "
+                           f"(it is {cur.state.value} now, epoch {cur.epoch}); retry",
+                           code="conflict", details={"state": cur.state.value, "epoch": cur.epoch})
+        return route, cur
+
     async def _park(self, sid: str, rec: SessionRecord, worker: str | None, audit_action: str | None
                     ) -> tuple[Route, bool]:
         from substrate.errors import ResumeTimeout

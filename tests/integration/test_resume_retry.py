@@ -70,3 +70,31 @@ async def test_a_pinned_resume_is_not_moved_to_another_worker(directory: Directo
     fake: DiesOnFirstRestore = act.client  # type: ignore[assignment]
     assert fake.activated == [("http://w1", 4)]
     assert (await directory.get_session("s1")).state == SessionState.SUSPENDED
+
+
+async def test_a_resume_overtaken_by_a_concurrent_suspend_is_409_not_200_naming_suspending(
+        directory: Directory) -> None:
+    """A suspend that takes the session between the resume's wake and its read of the record: the resume
+    answered 200 with state SUSPENDING (fresh-user race, 15 of 80 resumes); it is 409 ``conflict``."""
+    from substrate.errors import Conflict
+
+    act = await _setup(directory)
+    wake = act.wake_retrying
+
+    async def wake_then_suspended_meanwhile(*a: Any, **kw: Any) -> Any:
+        got = await wake(*a, **kw)
+        rec = await directory.get_session("s1")
+        assert rec.state == SessionState.RUNNING
+        await directory.transition("s1", from_states=[SessionState.RUNNING], epoch=rec.epoch,
+                                   to=SessionState.SUSPENDING)
+        return got
+
+    act.wake_retrying = wake_then_suspended_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(Conflict) as e:
+        await act.resume_explicit("s1", tenant="team-a")
+    assert e.value.code == "conflict" and e.value.details["state"] == "SUSPENDING", e.value.details
+    # without the race the same call answers the RUNNING record
+    await directory.transition("s1", from_states=[SessionState.SUSPENDING], to=SessionState.RUNNING)
+    act.wake_retrying = wake  # type: ignore[method-assign]
+    route, rec = await act.resume_explicit("s1", tenant="team-a")
+    assert rec.state == SessionState.RUNNING and rec.epoch == route.epoch
