@@ -264,12 +264,23 @@ def _run(fn: Any) -> Any:
         raise typer.Exit(1) from None
 
 
+def _fit_output() -> None:
+    """Output to a pipe or a file (no terminal, no ``COLUMNS``) is not wrapped at rich's default 80 columns:
+    ``sessions delete ID > f`` split a long ID over three lines and ``sessions list | ...`` wrapped the
+    WORKER column (fresh-user run); each line is as long as its content then. A terminal keeps its width."""
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width, console.soft_wrap = 4096, True
+    else:
+        console.width, console.soft_wrap = None, False  # the module's console outlives one invocation
+
+
 @app.callback()
 def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Base URL of the API for the "
                                                "client commands (also accepted after the subcommand)."),
           token: Optional[str] = typer.Option(None, "--token", help="API key or JWT for the client commands "
                                               "(also accepted after the subcommand; env SUBSTRATE_TOKEN).")) -> None:
     """Agent session runtime: many bursty, stateful agent sessions on few warm workers."""
+    _fit_output()
     if server:
         os.environ["SUBSTRATE_SERVER"] = server
     if token:

@@ -122,3 +122,29 @@ def test_continue_and_limit_reach_the_api_and_a_limit_out_of_range_is_refused_he
             r = CliRunner().invoke(app, [*cmd, "--limit", bad])
             assert r.exit_code == 2 and "--limit" in r.output, r.output
     assert len(seen) == n, "nothing was sent"
+
+
+def test_a_pipe_gets_whole_lines_not_wrapped_at_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: ``sessions delete ID > file`` split a 128-character ID over three lines and
+    ``sessions list | ...`` wrapped the WORKER column at rich's default 80 columns."""
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    sid = "s" + "0123456789abcdef" * 7 + "x" * 15  # 128 characters
+    worker = "default-55caf1f851fb-with-a-very-long-pool-name"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(200, json={"items": [{"id": sid, "state": "RUNNING", "actorTemplate": "counter",
+                                                    "worker": worker, "epoch": 1}], "metadata": {"continue": None}})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    r = CliRunner().invoke(app, ["sessions", "delete", sid])
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 1 and sid in r.output, r.output
+    r = CliRunner().invoke(app, ["sessions", "list"])
+    assert r.exit_code == 0, r.output
+    rows = [ln for ln in r.output.splitlines() if sid in ln]
+    assert len(rows) == 1 and worker in rows[0], r.output
