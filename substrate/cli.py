@@ -702,7 +702,7 @@ def s_get(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) ->
 def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ... (any case)"),
            template: Optional[str] = None,
            limit: int = typer.Option(50, min=1, max=1000, help="Page size (1 to 1000)."),
-           all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+           all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end (from --continue TOKEN if given)."),
            continue_: Optional[str] = typer.Option(None, "--continue",
                                                    help="Start after the page that printed this token."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
@@ -828,7 +828,7 @@ def s_resume(sid: str, worker: Optional[str] = typer.Option(None, help="Wake it 
 
 @sessions.command("events")
 def s_events(sid: str, limit: int = typer.Option(100, min=1, max=1000, help="Page size (1 to 1000)."),
-             all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end."),
+             all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end (from --continue TOKEN if given)."),
              continue_: Optional[str] = typer.Option(None, "--continue",
                                                      help="Start after the page that printed this token."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
