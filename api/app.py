@@ -203,13 +203,26 @@ async def _owned(rt: Runtime, sid: str, principal: Principal) -> SessionRecord:
     return rec
 
 
-async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, reason: str = "") -> Any:
+async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, reason: str = "",
+                   early: bool = False) -> Any:
     """Run ``op()`` (a coroutine factory) and leave one audit record of its outcome (``reason``: as the
     automatic records of the same action say it, e.g. ``explicit`` for a suspend, the session's
-    ``suspendReason``)."""
+    ``suspendReason``). ``early``: ``op`` is called as ``op(ok)`` and may await ``ok()`` to write the
+    success record at the moment it succeeded (before its clean-up), which is then its only record."""
+    written = False
+
+    async def ok() -> None:
+        nonlocal written
+        written = True
+        await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
+                              worker=rec.worker, epoch=rec.epoch, gpus=_gpus(rt, rec), reason=reason)
     try:
-        result = await op()
+        result = await (op(ok) if early else op())
+        if written:
+            return result
     except SubstrateError as e:
+        if written:
+            raise
         # the code the client gets (a worker-internal ``busy`` is answered 409 ``conflict``): an audit
         # trail that says otherwise cannot be matched to the answer (fresh-user run)
         await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
@@ -580,7 +593,10 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         already deleted is 404 ``session_not_found``, and of concurrent DELETEs exactly one answers 204."""
         rt = _rt(request)
         rec = await _owned(rt, sid, _principal(request))
-        await _audited(rt, "delete", rec, lambda: rt.activator.delete(sid, snapshot_gc=rt.snapshot_gc))
+        # the record is written when the session has ended, before its record goes: a concurrent DELETE
+        # that lost answers (and records) 404 only after that (``Activator.delete``)
+        await _audited(rt, "delete", rec, lambda ok: rt.activator.delete(sid, snapshot_gc=rt.snapshot_gc,
+                                                                         before_removal=ok), early=True)
         rt.routes.drop(sid)
         return Response(status_code=204)
 

@@ -100,6 +100,9 @@ _LOSSY = ("worker_lost", "deadline", "activation_lost", "agent_restarted", "snap
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
 #: every state but DELETED: what a delete may move to DELETED (``Activator.delete``)
 _NOT_DELETED = tuple(s for s in SessionState if s != SessionState.DELETED)
+#: how long a delete that lost to a concurrent one waits for that one to remove the record (s); the
+#: record stays DELETED longer only if the process that marked it died (the state manager's scans repair it)
+DELETE_WAIT_S = 5.0
 #: codes of an automatic suspend that was skipped, not attempted (mid-turn, moved on, gone): no audit record
 _SKIPPED = ("busy", "invalid_state", "not_active", "stale_epoch", "conflict")
 
@@ -302,6 +305,13 @@ class Activator:
     @translated
     async def _exists(self, sid: str) -> bool:
         return bool(await self.directory.redis.exists(self.directory.keys.session(sid)))
+
+    async def _wait_removed(self, sid: str) -> None:
+        """Wait (at most ``DELETE_WAIT_S``, polling every 20 ms) until ``sid``'s record is gone: one marked
+        DELETED is a delete (or an undone create) still under way. Returns at once if there is none."""
+        gone_by = time.monotonic() + DELETE_WAIT_S
+        while await self._exists(sid) and time.monotonic() < gone_by:
+            await asyncio.sleep(0.02)
 
     async def release_quota(self, rec: SessionRecord, *, epoch: int | None, total: bool = False) -> None:
         """Give back ``rec``'s running place held for activation ``epoch`` or older (None: whatever it
@@ -1418,14 +1428,26 @@ class Activator:
             self._suspend_failing.popitem(last=False)
         await self.record("suspend", rec, reason=reason, result=code, who=SYSTEM)
 
-    async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None) -> None:
+    async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None, *,
+                     before_removal: Callable[[], Awaitable[None]] | None = None) -> None:
         """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``).
         Of concurrent deletes one does it and the others get ``NotFound``, as a delete after it does (the
         move to DELETED is a compare-and-set from any other state: both of two deletes that read the
-        record before either marked it answered 204, and each released its slot and quota)."""
-        rec = await self.directory.get_session(sid)
+        record before either marked it answered 204, and each released its slot and quota).
+
+        ``before_removal``: awaited by the delete that does it after the session's activation ended and
+        before its record goes (the API writes its audit record there). A concurrent delete that lost
+        the compare-and-set answers ``NotFound`` only once the record is gone (at most
+        ``DELETE_WAIT_S``), so its own record follows the winner's: the losers' ``session_not_found``
+        records came before the winner's ``ok`` in the trail (fresh-user run, 6 of 6)."""
+        try:
+            rec = await self.directory.get_session(sid)
+        except NotFound:
+            await self._wait_removed(sid)
+            raise
         cas = await self.directory.transition(sid, from_states=_NOT_DELETED, to=SessionState.DELETED, bump=True)
         if not cas.ok:  # gone, or marked DELETED by a concurrent delete (or an undone create)
+            await self._wait_removed(sid)
             raise NotFound(f"session {sid!r} not found", code="session_not_found")
         if rec.worker:
             address = await self._worker_address(rec.worker)
@@ -1439,6 +1461,8 @@ class Activator:
             if rec.slot is not None:
                 await self.directory.release_slot(rec.worker, rec.slot, sid)
                 self.slot_freed(rec.pool or None)
+        if before_removal is not None:
+            await before_removal()
         await self.directory.delete_session(sid)
         await self.release_quota(rec, epoch=None, total=True)
         await self._index(rec.tenant, sid, None)
