@@ -28,11 +28,8 @@ class Workers:
         self.deactivated.append((session, epoch))
 
 
-async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(directory: Directory) -> None:
-    """Both deletes read the record RUNNING before either marks it DELETED (the window the fresh-user run
-    hit): the second one's move to DELETED must fail, not bump the epoch again, deactivate again and
-    release the slot and quota a second time."""
-    d = directory
+async def _running_session(d: Directory) -> None:
+    """Worker ``w1`` and session ``s1`` RUNNING on one of its slots, epoch 2."""
     now = time.time()
     await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
                                          leaseExpiresAt=now + 60, startedAt=now))
@@ -40,6 +37,14 @@ async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(direct
     await d.create_session(SessionRecord(id="s1", state=SessionState.RUNNING, actorTemplate="counter",
                                          pool="default", tenant="team-a", epoch=2, worker="w1", slot=slot,
                                          createdAt=now, updatedAt=now, lastActiveAt=now))
+
+
+async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(directory: Directory) -> None:
+    """Both deletes read the record RUNNING before either marks it DELETED (the window the fresh-user run
+    hit): the second one's move to DELETED must fail, not bump the epoch again, deactivate again and
+    release the slot and quota a second time."""
+    d = directory
+    await _running_session(d)
     settings = Settings()
     audit = AuditLog(d.redis, d.keys, settings.audit)
     workers = Workers()
@@ -109,3 +114,35 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     assert [ev["action"] for ev in (await audit.session_events("s1"))[0]] == []
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
     router.breaker.check("team-a", "counter")  # no failure counted against the tenant
+
+
+class SlowDeactivate:
+    """Deactivate takes a while, as a worker ending a busy activation does."""
+
+    async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
+        await asyncio.sleep(0.3)
+
+
+async def test_losers_of_concurrent_deletes_are_recorded_after_the_winner(directory: Directory) -> None:
+    """The losers answer 404 only after the winner's success is on record (fresh-user run: the trail held
+    ``delete session_not_found`` records before the winner's ``delete ok``, in 6 of 6 runs)."""
+    d = directory
+    await _running_session(d)
+    view = WorkerView(d, 60)
+    await view.refresh()
+    act = Activator(Settings(), d, CATALOG, SlowDeactivate(), view)  # type: ignore[arg-type]
+    trail: list[str] = []
+
+    async def ok() -> None:
+        trail.append("ok")
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(0.01 * i)  # the first one wins; the others meet its delete under way
+        try:
+            await act.delete("s1", before_removal=ok)
+        except NotFound as e:
+            trail.append(e.code)
+
+    await asyncio.gather(*(one(i) for i in range(6)))
+    assert trail == ["ok"] + ["session_not_found"] * 5, trail
+    assert not await d.redis.exists(d.keys.session("s1"))

@@ -14,12 +14,7 @@ from substrate.directory import Directory
 from substrate.errors import WorkerUnavailable
 from substrate.models import SessionRecord, SessionState, WorkerRecord
 from substrate.settings import Settings
-from substrate.specs import load_documents
-
-CATALOG = load_documents([
-    {"kind": "WorkerPool", "metadata": {"name": "default"}, "spec": {"replicas": 2, "slots": 4}},
-    {"kind": "ActorTemplate", "metadata": {"name": "counter"},
-     "spec": {"entrypoint": "workers.agents.counter:Counter"}}])
+from tests.integration.test_audit_once import CATALOG
 
 
 class DiesOnFirstRestore:
