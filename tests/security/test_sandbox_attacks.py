@@ -225,6 +225,16 @@ def test_cannot_signal_the_worker_or_another_session(rt, attackers):
 
 
 # ---------------------------------------------------------------------------------------- limits
+def test_a_shell_command_is_what_the_oom_killer_takes_first(rt):
+    """The command runs with ``oom_score_adj`` 1000, so a command over the limit is killed, not the agent
+    host (the memory test below once failed under load with the host taken for its child)."""
+    c = rt.client
+    sh = c.create_session("shell-lim")["id"]
+    out = c.invoke(sh, "cat /proc/self/oom_score_adj")
+    assert out["stdout"] == "1000\n", out
+    c.delete_session(sh)
+
+
 def test_memory_limit_hits_only_the_session_that_went_over(rt):
     c = rt.client
     neighbour = c.create_session("counter")["id"]

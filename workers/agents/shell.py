@@ -58,12 +58,25 @@ def sweep_namespace(max_passes: int = 50) -> int:
     return n
 
 
+def _oom_first() -> None:
+    """In the command's process before it runs: ``oom_score_adj`` 1000 (any process may raise its own), so
+    that a command over the slot's memory limit is what the kernel's OOM killer takes, never the agent host
+    while the command lives: under load the host was once taken for a child's 300 MiB and the turn
+    answered ``memory_limit_exceeded`` (a suite run beside a fresh-user trial)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # no writable /proc: the kernel's own choice stands
+        pass
+
+
 class Shell(Agent):
     def _run(self, command: str, timeout_s: float) -> dict[str, Any]:
         env = {**os.environ, "HOME": str(self.ctx.workspace)}
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=self.ctx.workspace, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                    preexec_fn=_oom_first)
             timed_out = False
             try:
                 code = proc.wait(timeout_s)
