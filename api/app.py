@@ -28,10 +28,12 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.routing import Match, Route
 
 from api import proxy
 from api.auth import Principal
+from api.hotpath import INVOKE_PATH, SubstrateAPI, endpoint
 from api.errors_doc import DEFAULT_STATUSES, ROUTE_STATUSES, openapi_error_schema, responses_for
 from api.runtime import Runtime
 from substrate import metrics
@@ -280,6 +282,15 @@ async def _no_body(request: Request) -> None:
                            code="invalid_input")
 
 
+async def _unexpected(request: Request, e: Exception) -> Response:
+    """The answer to an error no code was made for: 500 ``internal`` in JSON like every error (Starlette
+    answered a plain-text "Internal Server Error"), counted. The server still logs the traceback: the
+    error is raised again after this answer is sent (Starlette's ``ServerErrorMiddleware``, outermost in
+    FastAPI's stack and in the invoke hot path's, ``api.hotpath``)."""
+    metrics.ERRORS_TOTAL.labels(code="internal").inc()
+    return _error(500, "internal", f"an unexpected error ({e.__class__.__name__}); it is logged")
+
+
 def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None,
            headers: dict[str, str] | None = None) -> Response:
     """An error answer built here rather than raised, written as every error body is
@@ -413,7 +424,8 @@ INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
 }
 
 
-def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, embedded: bool = True, runtime: Runtime | None = None
+               ) -> SubstrateAPI:
     """Build the ASGI app. The runtime is built in the lifespan unless one is passed."""
     settings = settings or get_settings()
 
@@ -430,26 +442,27 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     # redirect_slashes off: ``/v1/sessions/`` answered 307 with an empty body, and a client following it
     # turned ``DELETE /v1/sessions/`` into a call on the collection; it is 404 ``not_found`` now
-    app = FastAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
-                  description="Runs many bursty, stateful agent sessions on few warm workers.")
+    app = SubstrateAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
+                       description="Runs many bursty, stateful agent sessions on few warm workers.")
     app.add_middleware(RequestCounter, routes=app.router.routes)
-    # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection)
-    app.router.routes.insert(0, Route("/v1/sessions/{sid}/invoke", proxy.invoke, methods=["POST"]))
+    # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection),
+    # registered for the OpenAPI document and 405's Allow; a turn is dispatched ahead of the whole stack
+    # (api/hotpath.py) through the same Guard and RequestCounter
+    route = Route(INVOKE_PATH, proxy.invoke, methods=["POST"])
+    app.router.routes.insert(0, route)
     # authentication and the body size limit before any body is read (chunked bodies too): api/guard.py
     app.add_middleware(Guard, get_settings=lambda scope: _guard_settings(scope, settings))
+    app.invoke_route = route
+    app.hot_path = ServerErrorMiddleware(
+        Guard(RequestCounter(endpoint(proxy.invoke), routes=[route]),
+              get_settings=lambda scope: _guard_settings(scope, settings)), handler=_unexpected)
 
     @app.exception_handler(SubstrateError)
     async def _substrate_error(request: Request, e: SubstrateError) -> Response:
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()
         return proxy.error_response(e)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> Response:
-        # an error no code was made for: 500 ``internal`` in JSON like every error (Starlette answered a
-        # plain-text "Internal Server Error"); the server still logs the traceback (the error is re-raised
-        # after this answer is sent)
-        metrics.ERRORS_TOTAL.labels(code="internal").inc()
-        return _error(500, "internal", f"an unexpected error ({e.__class__.__name__}); it is logged")
+    app.add_exception_handler(Exception, _unexpected)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
