@@ -348,6 +348,8 @@ class RequestCounter:
         self.app = app
         #: routes to match when the router did not record one in the scope (plain Starlette routes)
         self.routes = routes if routes is not None else []
+        #: the counter of each (route, status) seen: ``labels()`` checks and locks on every call
+        self._counters: dict[tuple[str, int], Any] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -372,7 +374,10 @@ class RequestCounter:
             route = getattr(scope.get("route"), "path", None)
             if route is None:
                 route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "unmatched")
-            metrics.REQUESTS_TOTAL.labels(route=route, code=str(status)).inc()
+            counter = self._counters.get((route, status))
+            if counter is None:  # bounded: the routes' templates (and "unmatched") times the statuses sent
+                counter = self._counters[(route, status)] = metrics.REQUESTS_TOTAL.labels(route=route, code=str(status))
+            counter.inc()
 
 
 #: a request header of every /v1 operation (``api.proxy.request_id`` checks it), as the README describes it

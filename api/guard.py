@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import ipaddress
 import re
@@ -173,6 +174,7 @@ def cross_origin(method: str, headers: dict[bytes, bytes], scheme: str = "http")
     return f"Origin {origin.decode('latin-1')[:100]}"
 
 
+@functools.lru_cache(maxsize=256)  # asked on every open-mode call, mostly for the same two or three names
 def _loopback(name: str) -> bool:
     """Whether ``name`` (a host name or IP literal, lower-case, no port) is this machine's loopback."""
     if name == "localhost":

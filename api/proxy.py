@@ -28,8 +28,9 @@ import asyncio
 import codecs
 import json
 import re
+import itertools
+import os
 import time
-import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -148,14 +149,37 @@ def error_response(e: SubstrateError) -> Response:
 from api.guard import _REQUEST_ID_RE, MAX_REQUEST_ID_CHARS  # noqa: E402
 
 
+class _RequestIds:
+    """The IDs the router makes for requests that bring none: 32 hex digits, 16 drawn at random once per
+    process (again in a forked child) and then a counter. Unique across routers and restarts by the
+    random half, as a UUID4 is by its 122 random bits, without a ``getrandom`` call and a ``UUID`` object
+    per request (about 2 % of a saturated router's CPU, 2026-12-04). The ID is the turn's idempotency
+    key when the client sends none: two routers drawing the same 64 bits is the only way two turns
+    could share one (about 1 in 10^19 for a pair of processes)."""
+
+    def __init__(self) -> None:
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count(int.from_bytes(os.urandom(6), "big"))
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._counter) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+new_request_id = _RequestIds()
+
+
 def request_id(headers: Any) -> str:
-    """The request's ID: the client's ``X-Request-ID`` if it follows the rule above, a fresh UUID (hex)
-    when it is absent or empty. Raises ``InvalidInput`` (422 ``invalid_request_id``) for any other value:
+    """The request's ID: the client's ``X-Request-ID`` if it follows the rule above, a new one of 32 hex
+    digits (``new_request_id``) when it is absent or empty. Raises ``InvalidInput`` (422 ``invalid_request_id``) for any other value:
     an ID that cannot be stored as sent is refused, not silently replaced, so the client's correlation
     never breaks unnoticed."""
     rid = headers.get("x-request-id")
     if not rid:
-        return uuid.uuid4().hex
+        return new_request_id()
     if not _REQUEST_ID_RE.fullmatch(rid):
         # say what is wrong: the length, or the first byte that is not visible ASCII (headers arrive as
         # latin-1, one character per byte, so a UTF-8 letter shows as its first byte)
