@@ -105,10 +105,12 @@ spec:
 
 
 class Server:
-    """``substrate up`` in a child process with a temporary config."""
+    """``substrate up`` in a child process with a temporary config; with ``checkout``, the runtime of that
+    checkout (its ``.venv``'s Python, run from its folder: ``make install`` there first)."""
 
     def __init__(self, replicas: int = 0, slots: int = 0, *, config: Path | None = None,
-                 env: dict[str, str] | None = None, yaml_text: str | None = None) -> None:
+                 env: dict[str, str] | None = None, yaml_text: str | None = None,
+                 checkout: Path | None = None) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="substrate-bench-")
         cfg = Path(self.tmp.name) / "config"
         cfg.mkdir()
@@ -126,8 +128,10 @@ class Server:
                "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
                "SUBSTRATE_WORKER__ROOT_DIR": f"{self.tmp.name}/workers",
                "SUBSTRATE_SNAPSHOT__LOCAL_DIR": f"{self.tmp.name}/snapshots", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(self.port)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        python = str(checkout / ".venv" / "bin" / "python") if checkout is not None else sys.executable
+        self.proc = subprocess.Popen([python, "-m", "substrate.cli", "up", "--port", str(self.port)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     cwd=checkout)
 
     async def ready(self, http: aiohttp.ClientSession, replicas: int) -> None:
         for _ in range(600):

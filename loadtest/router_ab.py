@@ -1,0 +1,125 @@
+"""Router CPU per turn, two checkouts side by side: ``python -m loadtest.router_ab A_DIR B_DIR``.
+
+A change to the router's request path is judged by the CPU the router process spends per turn, which
+a shared 2-core machine shows only as a ratio: run one after the other, two runs of the same code
+differ by up to 2x here (2026-12-04). So both runtimes (``substrate up`` of each checkout, one worker
+of 16 slots, one RUNNING ``counter`` session each, 300 warm-up turns) are loaded **at the same time**,
+by two ``wrk`` processes with the same connections and duration, and each round reads each router
+process's CPU time (``/proc``, user + system) over the same window. Reported per round and as
+medians: turns/s, router CPU microseconds per turn, and B's CPU per turn over A's in the same round
+(the paired ratio). What it leaves out: the workers', Redis's and wrk's CPU (they share the cores;
+a turn's worker is the same code in both unless the checkouts differ there too), and latency.
+
+``wrk`` (Debian package ``wrk``) is the load generator: a C client whose own cost per request is small
+next to a Python one, so more of the cores go to the runtimes. Traffic goes to loopback only; every
+round is bounded by ``--seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest.bench import Server, _post, process_cpu_s
+
+_BODY = '{"input": "get"}'
+
+
+async def _start(checkout: Path, http: aiohttp.ClientSession) -> tuple[Server, str]:
+    srv = Server(replicas=1, slots=16, checkout=checkout)
+    await srv.ready(http, 1)
+    status, s, _ = await _post(http, f"{srv.url}/v1/sessions", {"actorTemplate": "counter"})
+    if status != 201:
+        raise RuntimeError(f"{checkout}: create answered {status}: {s}")
+    url = f"{srv.url}/v1/sessions/{s['id']}/invoke"
+    for _ in range(300):
+        await _post(http, url, {"input": "get"})
+    return srv, url
+
+
+def parse_wrk(out: str) -> tuple[int, float]:
+    """(requests answered, seconds taken) from ``wrk``'s report ``out``. Raises ``RuntimeError`` if any
+    answer was not 2xx or a socket failed (``Non-2xx``, ``Socket errors``), or the count is missing."""
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise RuntimeError(f"wrk saw errors:\n{out}")
+    m = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m)\b", out)
+    if m is None:
+        raise RuntimeError(f"wrk printed no request count:\n{out}")
+    return int(m.group(1)), float(m.group(2)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(3)]
+
+
+async def _wrk(url: str, conc: int, seconds: int, script: Path) -> tuple[int, float]:
+    proc = await asyncio.create_subprocess_exec(
+        "wrk", "-t1", f"-c{conc}", f"-d{seconds}s", "-s", str(script), url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    return parse_wrk((await proc.communicate())[0].decode())
+
+
+async def run(a: Path, b: Path, rounds: int, conc: int, seconds: int) -> dict[str, Any]:
+    """Both runtimes up, ``rounds`` paired rounds; returns the rows and the medians (module doc)."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not installed: apt-get install wrk (Debian) or your system's package")
+    for c in (a, b):
+        if not (c / ".venv" / "bin" / "python").exists():
+            raise SystemExit(f"{c} has no .venv: run `make install` in it first")
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "turn.lua"
+        script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{_BODY}'\n"
+                          "wrk.headers[\"Content-Type\"] = \"application/json\"\n")
+        async with aiohttp.ClientSession() as http:
+            servers: list[Server] = []
+            try:
+                sa, ua = await _start(a, http)
+                servers.append(sa)
+                sb, ub = await _start(b, http)
+                servers.append(sb)
+                rows = []
+                for i in range(rounds):
+                    cpu0 = (process_cpu_s(sa.proc.pid), process_cpu_s(sb.proc.pid))
+                    (na, ta), (nb, tb) = await asyncio.gather(_wrk(ua, conc, seconds, script),
+                                                              _wrk(ub, conc, seconds, script))
+                    cpu_a, cpu_b = (process_cpu_s(sa.proc.pid) - cpu0[0], process_cpu_s(sb.proc.pid) - cpu0[1])
+                    row = {"round": i + 1, "a_per_s": na / ta, "b_per_s": nb / tb,
+                           "a_router_us_per_turn": cpu_a / na * 1e6, "b_router_us_per_turn": cpu_b / nb * 1e6}
+                    row["b_over_a"] = row["b_router_us_per_turn"] / row["a_router_us_per_turn"]
+                    rows.append(row)
+                    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)
+            finally:
+                for s in servers:
+                    s.stop()
+    medians = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "round"}
+    return {"a": str(a), "b": str(b), "conc": conc, "seconds": seconds, "rows": rows, "medians": medians}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", type=Path, help="checkout A (the baseline), with its .venv (make install)")
+    ap.add_argument("b", type=Path, help="checkout B (the change), with its .venv")
+    ap.add_argument("--rounds", type=int, default=8, help="paired rounds (default 8)")
+    ap.add_argument("--conc", type=int, default=16, help="connections per wrk (default 16)")
+    ap.add_argument("--seconds", type=int, default=5, help="length of a round in whole seconds (default 5)")
+    ap.add_argument("--out", type=Path, help="write the rows and medians here as JSON")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.conc < 1 or not 1 <= args.seconds <= 60:
+        ap.error("--rounds and --conc must be >= 1, --seconds 1-60")
+    res = asyncio.run(run(args.a.resolve(), args.b.resolve(), args.rounds, args.conc, args.seconds))
+    m = res["medians"]
+    print(f"medians: A {m['a_per_s']:.0f} turns/s, {m['a_router_us_per_turn']:.0f} us router CPU per turn; "
+          f"B {m['b_per_s']:.0f} turns/s, {m['b_router_us_per_turn']:.0f} us; B/A paired {m['b_over_a']:.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
