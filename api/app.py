@@ -372,12 +372,25 @@ class RequestCounter:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", None)
-            if route is None:
-                route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "unmatched")
+            if route is None:  # answered before routing (the front door), or a path no route serves
+                route = self._match(scope)
             counter = self._counters.get((route, status))
             if counter is None:  # bounded: the routes' templates (and "unmatched") times the statuses sent
                 counter = self._counters[(route, status)] = metrics.REQUESTS_TOTAL.labels(route=route, code=str(status))
             counter.inc()
+
+
+    def _match(self, scope: dict[str, Any]) -> str:
+        """The template of the route ``scope``'s path belongs to: one that takes it, else one whose path
+        matches with another method (a 405 or an OPTIONS is that route's), else ``unmatched``."""
+        partial = None
+        for r in self.routes:
+            match = r.matches(scope)[0]
+            if match == Match.FULL:
+                return str(r.path)
+            if match == Match.PARTIAL and partial is None:
+                partial = str(r.path)
+        return partial or "unmatched"
 
 
 #: a request header of every /v1 operation (``api.proxy.request_id`` checks it), as the README describes it
@@ -449,18 +462,19 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     # turned ``DELETE /v1/sessions/`` into a call on the collection; it is 404 ``not_found`` now
     app = SubstrateAPI(title="Agent session runtime", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                        description="Runs many bursty, stateful agent sessions on few warm workers.")
-    app.add_middleware(RequestCounter, routes=app.router.routes)
     # the hot path: a plain Starlette route ahead of FastAPI's (no pydantic, no dependency injection),
     # registered for the OpenAPI document and 405's Allow; a turn is dispatched ahead of the whole stack
-    # (api/hotpath.py) through the same Guard and RequestCounter
+    # (api/hotpath.py) through the same RequestCounter and Guard
     route = Route(INVOKE_PATH, proxy.invoke, methods=["POST"])
     app.router.routes.insert(0, route)
-    # authentication and the body size limit before any body is read (chunked bodies too): api/guard.py
+    # authentication and the body size limit before any body is read (chunked bodies too): api/guard.py;
+    # inside the request counter, so that its refusals are counted too (added last = outermost)
     app.add_middleware(Guard, get_settings=lambda scope: _guard_settings(scope, settings))
+    app.add_middleware(RequestCounter, routes=app.router.routes)
     app.invoke_route = route
     app.hot_path = ServerErrorMiddleware(
-        Guard(RequestCounter(endpoint(proxy.invoke), routes=[route]),
-              get_settings=lambda scope: _guard_settings(scope, settings)), handler=_unexpected)
+        RequestCounter(Guard(endpoint(proxy.invoke), get_settings=lambda scope: _guard_settings(scope, settings)),
+                       routes=[route]), handler=_unexpected)
 
     @app.exception_handler(SubstrateError)
     async def _substrate_error(request: Request, e: SubstrateError) -> Response:

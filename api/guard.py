@@ -40,6 +40,11 @@ every ``/v1/`` request:
    ``POST /v1/sessions/abc%2Finvoke`` ran a turn of session ``abc``. A session ID cannot hold ``/``: in the
    session ID's segment it is 422 ``invalid_session_id``, anywhere else 404 ``not_found`` (no route has
    one), and nothing is done. The check costs the hot path one byte search (``%`` in the raw path);
+0. (before all of the above) the request's ID: the client's ``X-Request-ID`` if valid, else a new
+   unpredictable one (``new_request_id``), kept in the request's state, so every answer, a refusal
+   included, carries ``X-Request-ID``; an invalid one is 422 ``invalid_request_id`` (after item 1). A
+   request carrying ``Host``, ``Authorization`` or ``X-Request-ID`` twice is refused: 400
+   ``bad_request`` (RFC 9112 3.2 for ``Host``), 422 ``invalid_request_id`` for the ID;
 7. a request still in the app when the server stops and its graceful-shutdown time is over is cancelled
    by uvicorn, which would answer a plain-text 500 (a fresh-user run: SIGTERM during a 25 s shell turn);
    it gets 503 ``router_stopping`` in JSON with ``Retry-After`` instead: the turn may have run, and a
@@ -53,6 +58,7 @@ import contextlib
 import functools
 import hmac
 import ipaddress
+import os
 import re
 import time
 from typing import Any, Awaitable, Callable, Iterable
@@ -60,7 +66,7 @@ from urllib.parse import parse_qsl, unquote
 
 from starlette.datastructures import Headers
 
-from substrate.errors import SubstrateError, clip, error_json
+from substrate.errors import InvalidInput, SubstrateError, clip, error_json
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -73,6 +79,93 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: characters or non-ASCII): it goes into audit records, logs, the worker call and the answer's headers
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
+
+
+class _RequestIds:
+    """The IDs the router makes for requests that bring none: 16 bytes of the OS's random source as 32 hex
+    digits, the block read 4 KiB at a time (one ``getrandom`` call per 256 IDs, where ``uuid4`` made one
+    and a ``UUID`` object per request: about 2 % of a saturated router's CPU, 2026-12-04).
+
+    Unpredictable on purpose: the ID is the turn's idempotency key when the client sends no
+    ``Idempotency-Key``, so a caller who could guess the next one could send a turn under it first and
+    have the next key-less request answered with that turn's kept answer, never run (a fresh-user run did
+    exactly that against a counter-based ID). A forked child drops the block it inherited. Not
+    thread-safe: the router makes IDs on its event loop only."""
+
+    BLOCK_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._drop()
+        os.register_at_fork(after_in_child=self._drop)
+
+    def _drop(self) -> None:
+        self._block = b""
+        self._pos = 0
+
+    def __call__(self) -> str:
+        pos = self._pos
+        if pos + 16 > len(self._block):
+            self._block, pos = os.urandom(self.BLOCK_BYTES), 0
+        self._pos = pos + 16
+        return self._block[pos:pos + 16].hex()
+
+
+new_request_id = _RequestIds()
+
+
+def bad_request_id(rid: str) -> str | None:
+    """What is wrong with a client's non-empty ``X-Request-ID`` (the message of 422
+    ``invalid_request_id``), or None if it follows the rule: the length, or the first byte that is not
+    visible ASCII (headers arrive as latin-1, one character per byte, so a UTF-8 letter shows as its
+    first byte)."""
+    if _REQUEST_ID_RE.fullmatch(rid):
+        return None
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        why = f"it has {len(rid)} bytes"
+    else:
+        i, c = next((i, c) for i, c in enumerate(rid) if not "\x21" <= c <= "\x7e")
+        what = "a space" if c == " " else f"byte 0x{ord(c):02x}" + (" (non-ASCII)" if ord(c) > 0x7f else "")
+        why = f"{what} at position {i}"
+    return (f"X-Request-ID must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters "
+            f"('!' to '~'; no spaces, control characters or non-ASCII): {why}")
+
+
+def request_id(headers: Any) -> str:
+    """The request's ID from its headers (anything with ``get``): the client's ``X-Request-ID`` if it
+    follows the rule above, a new one (``new_request_id``) when it is absent or empty. Raises
+    ``InvalidInput`` (422 ``invalid_request_id``) for any other value: an ID that cannot be stored as sent
+    is refused, not silently replaced, so the client's correlation never breaks unnoticed. (``Guard``
+    does the same from the raw headers, for every /v1 call, before anything else.)"""
+    rid = headers.get("x-request-id")
+    if not rid:
+        return new_request_id()
+    why = bad_request_id(rid)
+    if why is not None:
+        raise InvalidInput(why, code="invalid_request_id")
+    return str(rid)
+
+
+#: the challenge of every 401 (RFC 9110 11.6.1 requires one; RFC 6750: shared tokens, API keys and JWTs
+#: are all bearer tokens here)
+WWW_AUTHENTICATE = 'Bearer realm="substrate"'
+
+#: request headers a request carries at most once: a second ``Host`` must be refused (RFC 9112 3.2), and
+#: of two ``Authorization`` or ``X-Request-ID`` headers one was used and the other dropped silently
+#: (fresh-user run). ``Idempotency-Key`` is checked by invoke (422 ``invalid_idempotency_key``) and a
+#: second ``Content-Length`` by the HTTP parser (400)
+_ONCE_HEADERS = frozenset({b"host", b"authorization", b"x-request-id"})
+
+
+def repeated_header(raw_headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The first of ``_ONCE_HEADERS`` (lower-case bytes, as in an ASGI scope) that ``raw_headers`` carry
+    more than once, or None."""
+    seen: set[bytes] = set()
+    for k, _ in raw_headers:
+        if k in _ONCE_HEADERS:
+            if k in seen:
+                return k
+            seen.add(k)
+    return None
 
 
 def request_id_of(scope: Scope) -> str | None:
@@ -93,11 +186,19 @@ def request_id_of(scope: Scope) -> str | None:
 async def _answer(send: Send, status: int, code: str, message: str,
                   extra: list[tuple[bytes, bytes]] | None = None, *, scope: Scope | None = None,
                   details: dict[str, Any] | None = None) -> None:
+    """Answer ``status`` with the error body every error has, the request's ID and, for 401, the scheme to
+    authenticate with (RFC 9110 11.6.1: ``WWW-Authenticate``). The connection is closed after it when the
+    request may have a body left unread (a ``Content-Length`` above 0 or a chunked one): reading it to
+    keep the connection would read whatever an unauthenticated or refused client sends; a request
+    without a body keeps its connection (a fresh-user run found some refusals closing and others not)."""
     body = error_json({"code": code, "message": message, **({"details": details} if details else {})}).encode()
     rid = request_id_of(scope) if scope is not None else None
+    close = scope is None or any((k == b"content-length" and v.strip() != b"0") or k == b"transfer-encoding"
+                                 for k, v in scope.get("headers") or ())
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *(extra or []),
+                            *([(b"connection", b"close")] if close else []), *(extra or []),
+                            *([(b"www-authenticate", WWW_AUTHENTICATE.encode())] if status == 401 else []),
                             *([(b"x-request-id", rid.encode("latin-1"))] if rid else [])]})
     await send({"type": "http.response.body", "body": body})
 
@@ -280,7 +381,22 @@ class Guard:
         api = settings.api
         # the body's time runs from here (the headers are in): authentication is part of the wait
         deadline = time.monotonic() + float(api.body_read_timeout_s)
-        headers = dict(scope["headers"])  # later duplicates win; both checks below refuse odd values
+        # the request's ID first, so that every answer carries one, refusals included (0.)
+        state = scope.setdefault("state", {})
+        sent_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
+        bad_id = bad_request_id(sent_id) if sent_id else None
+        state["request_id"] = sent_id if sent_id and bad_id is None else new_request_id()
+        if (twice := repeated_header(scope["headers"])) is not None:
+            name = {b"host": "Host", b"authorization": "Authorization", b"x-request-id": "X-Request-ID"}[twice]
+            if twice == b"x-request-id":
+                state["request_id"] = new_request_id()  # which one the client meant is unknown: echo neither
+                await _answer(send, 422, "invalid_request_id",
+                              "X-Request-ID is sent more than once: send one per request", scope=scope)
+            else:
+                await _answer(send, 400, "bad_request", f"{name} is sent more than once: a request carries one "
+                              f"{name} header", scope=scope)
+            return
+        headers = dict(scope["headers"])  # one Host and one Authorization (above); checks below refuse odd values
         if why := cross_origin(scope.get("method", ""), headers, scope.get("scheme", "http")):
             await _answer(send, 403, "cross_origin_request",
                           f"a browser sent this from another site ({why}): the API takes state-changing calls "
@@ -305,6 +421,9 @@ class Guard:
                 return
         elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
             await _answer(send, 401, "unauthorized", "missing or wrong bearer token", scope=scope)
+            return
+        if bad_id is not None:  # after authentication, where the route used to check it
+            await _answer(send, 422, "invalid_request_id", bad_id, scope=scope)
             return
         qs = scope.get("query_string") or b""
         if b"&" in qs and (name := repeated_param(qs)) is not None:  # one parameter cannot repeat: no parse

@@ -28,7 +28,6 @@ import asyncio
 import codecs
 import json
 import re
-import os
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -37,6 +36,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from api.guard import WWW_AUTHENTICATE
 from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 from substrate import audit, metrics
 from substrate.activator import Route
@@ -139,68 +139,15 @@ def error_response(e: SubstrateError) -> Response:
     body of the API is written this way (``substrate.errors.error_json``: compact JSON)."""
     e = public_error(e)
     headers = dict(_JSON)
+    if e.status == 401:
+        headers["WWW-Authenticate"] = WWW_AUTHENTICATE
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
     return Response(e.to_json(), status_code=e.status, headers=headers)
 
 
-# the X-Request-ID rule lives with the front door (``api.guard``), which echoes a valid one on its own answers
-from api.guard import _REQUEST_ID_RE, MAX_REQUEST_ID_CHARS  # noqa: E402
-
-
-class _RequestIds:
-    """The IDs the router makes for requests that bring none: 16 bytes of the OS's random source as 32 hex
-    digits, the block read 4 KiB at a time (one ``getrandom`` call per 256 IDs, where ``uuid4`` made one
-    and a ``UUID`` object per request: about 2 % of a saturated router's CPU, 2026-12-04).
-
-    Unpredictable on purpose: the ID is the turn's idempotency key when the client sends no
-    ``Idempotency-Key``, so a caller who could guess the next one could send a turn under it first and
-    have the next key-less request answered with that turn's kept answer, never run (a fresh-user run did
-    exactly that against a counter-based ID). A forked child drops the block it inherited. Not
-    thread-safe: the router makes IDs on its event loop only."""
-
-    BLOCK_BYTES = 4096
-
-    def __init__(self) -> None:
-        self._drop()
-        os.register_at_fork(after_in_child=self._drop)
-
-    def _drop(self) -> None:
-        self._block = b""
-        self._pos = 0
-
-    def __call__(self) -> str:
-        pos = self._pos
-        if pos + 16 > len(self._block):
-            self._block, pos = os.urandom(self.BLOCK_BYTES), 0
-        self._pos = pos + 16
-        return self._block[pos:pos + 16].hex()
-
-
-new_request_id = _RequestIds()
-
-
-def request_id(headers: Any) -> str:
-    """The request's ID: the client's ``X-Request-ID`` if it follows the rule above, a new one of 32 hex
-    digits (``new_request_id``) when it is absent or empty. Raises ``InvalidInput`` (422 ``invalid_request_id``) for any other value:
-    an ID that cannot be stored as sent is refused, not silently replaced, so the client's correlation
-    never breaks unnoticed."""
-    rid = headers.get("x-request-id")
-    if not rid:
-        return new_request_id()
-    if not _REQUEST_ID_RE.fullmatch(rid):
-        # say what is wrong: the length, or the first byte that is not visible ASCII (headers arrive as
-        # latin-1, one character per byte, so a UTF-8 letter shows as its first byte)
-        if len(rid) > MAX_REQUEST_ID_CHARS:
-            why = f"it has {len(rid)} bytes"
-        else:
-            i, c = next((i, c) for i, c in enumerate(rid) if not "\x21" <= c <= "\x7e")
-            what = "a space" if c == " " else f"byte 0x{ord(c):02x}" + (" (non-ASCII)" if ord(c) > 0x7f else "")
-            why = f"{what} at position {i}"
-        raise InvalidInput(f"X-Request-ID must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters "
-                           f"('!' to '~'; no spaces, control characters or non-ASCII): {why}",
-                           code="invalid_request_id")
-    return str(rid)
+# the request ID is the front door's (``api.guard``): it makes or checks one for every /v1 call first
+from api.guard import new_request_id, request_id  # noqa: E402,F401  (re-exported: routes and tests use them)
 
 
 async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
@@ -212,7 +159,8 @@ async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
     principal = getattr(request.state, "principal", None)
     if principal is None:
         principal = await runtime.auth.authenticate(request.headers)
-    rid = request_id(request.headers)
+    # the front door made or checked it already (api.guard.Guard); an app without one checks it here
+    rid = getattr(request.state, "request_id", None) or request_id(request.headers)
     request.state.request_id = rid
     request.state.principal = principal
     audit.actor.set(audit.Actor(principal.subject, principal.tenant, rid))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import re
 
-from api import proxy
+from api import guard, proxy
 from api.guard import _REQUEST_ID_RE
 
 
 def test_made_ids_are_32_hex_digits_follow_the_header_rule_and_share_no_part() -> None:
-    n = 3 * proxy._RequestIds.BLOCK_BYTES // 16  # across several random blocks
+    n = 3 * guard._RequestIds.BLOCK_BYTES // 16  # across several random blocks
     ids = [proxy.request_id({}) for _ in range(n)] + [proxy.request_id({"x-request-id": ""})]
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) and _REQUEST_ID_RE.fullmatch(i) for i in ids)
     # nothing carries over from one ID to the next: no shared prefix, no counter in the low half

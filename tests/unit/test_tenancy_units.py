@@ -113,7 +113,8 @@ def test_every_error_code_is_documented():
 def test_request_id_rule():
     """X-Request-ID: 1-128 visible ASCII characters kept as sent; absent or empty -> a fresh ID; any
     other value -> 422 invalid_request_id (never stored or echoed)."""
-    from api.proxy import MAX_REQUEST_ID_CHARS, request_id
+    from api.guard import MAX_REQUEST_ID_CHARS
+    from api.proxy import request_id
     from substrate.errors import InvalidInput
 
     assert request_id({"x-request-id": "a" * MAX_REQUEST_ID_CHARS}) == "a" * MAX_REQUEST_ID_CHARS

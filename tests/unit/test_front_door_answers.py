@@ -1,0 +1,104 @@
+"""What the front door (``api.guard.Guard``) answers itself, on invoke's hot path and on FastAPI's routes
+alike (fresh-user run, 2026-12-04): every answer carries an ``X-Request-ID`` (a refusal included, and a
+new one when the client's is invalid), every refusal is counted in ``agent_substrate_requests_total``
+under its route's template (a 405 too), a 401 names its scheme (``WWW-Authenticate``), a request with
+two ``Host``, ``Authorization`` or ``X-Request-ID`` headers is refused instead of one being used
+silently, and a refusal keeps the connection when the request has no body left unread."""
+
+from __future__ import annotations
+
+import re
+import httpx
+import pytest
+
+from api.app import create_app
+from api.hotpath import INVOKE_PATH
+from substrate import metrics
+from substrate.settings import Settings
+
+_ID = re.compile(r"[0-9a-f]{32}")
+_JSON = {"Content-Type": "application/json"}
+_TURN = b'{"input": "get"}'
+
+
+@pytest.fixture
+def client() -> httpx.AsyncClient:
+    settings = Settings()
+    settings.api.auth_token = "sekret"
+    settings.api.max_body_bytes = 64
+    app = create_app(settings)  # no lifespan: the front door's own answers need no runtime
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
+
+
+def _count(route: str, code: int) -> float:
+    return metrics.REQUESTS_TOTAL.labels(route=route, code=str(code))._value.get()
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+CASES: list[tuple[str, str, str, dict[str, str], bytes, int, str]] = [
+    # (case, method, path, headers, body, status, code)
+    ("no token", "POST", "/v1/sessions/s-1/invoke", _JSON, _TURN, 401, "unauthorized"),
+    ("cross-origin", "POST", "/v1/sessions/s-1/invoke", {**AUTH, **_JSON, "Origin": "http://evil.example"}, _TURN,
+     403, "cross_origin_request"),
+    ("body over the limit", "POST", "/v1/sessions/s-1/invoke", {**AUTH, **_JSON}, b"x" * 100, 413,
+     "payload_too_large"),
+    ("unknown query parameter", "POST", "/v1/sessions/s-1/invoke?streem=1", {**AUTH, **_JSON}, _TURN, 422,
+     "invalid_input"),
+    ("encoded slash", "POST", "/v1/sessions/a%2Fb/invoke", {**AUTH, **_JSON}, _TURN, 422, "invalid_session_id"),
+    ("bad X-Request-ID", "POST", "/v1/sessions/s-1/invoke", {**AUTH, **_JSON, "X-Request-ID": "has space"}, _TURN,
+     422, "invalid_request_id"),
+    ("wrong method", "GET", "/v1/sessions/s-1/invoke", AUTH, b"", 405, "method_not_allowed"),
+]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+async def test_every_refusal_carries_a_request_id_and_is_counted_under_its_route(
+        client: httpx.AsyncClient, case: str) -> None:
+    _, method, path, headers, body, status, code = next(c for c in CASES if c[0] == case)
+    # a decoded %2F makes a path no route serves: counted, as unmatched
+    route = "unmatched" if "%2F" in path else INVOKE_PATH
+    before = _count(route, status)
+    async with client as c:
+        r = await c.request(method, path, headers=headers, content=body)
+    assert r.status_code == status and r.json()["code"] == code, r.text
+    assert _ID.fullmatch(r.headers.get("x-request-id", "")), r.headers  # made for it: none valid was sent
+    assert _count(route, status) == before + 1  # under the template, also for the 405
+
+
+async def test_a_valid_request_id_is_echoed_on_a_refusal_and_401_names_its_scheme(client: httpx.AsyncClient) -> None:
+    async with client as c:
+        r = await c.post("/v1/sessions/s-1/invoke", content=_TURN, headers={**_JSON, "X-Request-ID": "trace-7"})
+    assert r.status_code == 401 and r.headers["x-request-id"] == "trace-7"
+    assert r.headers["www-authenticate"] == 'Bearer realm="substrate"'
+
+
+@pytest.mark.parametrize("name,status,code", [("Host", 400, "bad_request"), ("Authorization", 400, "bad_request"),
+                                              ("X-Request-ID", 422, "invalid_request_id")])
+async def test_a_header_that_must_come_once_is_refused_when_it_comes_twice(
+        client: httpx.AsyncClient, name: str, status: int, code: str) -> None:
+    values = {"Host": ("localhost", "evil.example"), "Authorization": ("Bearer sekret", "Bearer other"),
+              "X-Request-ID": ("dup-a", "dup-b")}[name]
+    auth = [] if name == "Authorization" else list(AUTH.items())
+    headers = [*auth, *_JSON.items(), (name, values[0]), (name, values[1])]
+    async with client as c:
+        r = await c.post("/v1/sessions/s-1/invoke", content=_TURN, headers=headers)
+    assert r.status_code == status and r.json()["code"] == code, r.text
+    assert f"{name} is sent more than once" in r.json()["message"]
+    assert _ID.fullmatch(r.headers["x-request-id"])  # neither of two X-Request-IDs is echoed
+
+
+async def test_a_refusal_closes_the_connection_only_when_a_body_may_be_left_unread(client: httpx.AsyncClient) -> None:
+    async with client as c:
+        no_body = await c.post("/v1/sessions/s-1/suspend")  # 401, nothing unread
+        with_body = await c.post("/v1/sessions/s-1/invoke", content=_TURN, headers=_JSON)  # 401, body unread
+    assert no_body.status_code == with_body.status_code == 401
+    assert "connection" not in no_body.headers
+    assert with_body.headers["connection"] == "close"
+
+
+async def test_a_path_no_route_serves_is_counted_as_unmatched(client: httpx.AsyncClient) -> None:
+    before = _count("unmatched", 404)
+    async with client as c:
+        r = await c.get("/v1/nope", headers=AUTH)
+    assert r.status_code == 404 and _ID.fullmatch(r.headers["x-request-id"])
+    assert _count("unmatched", 404) == before + 1
