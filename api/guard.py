@@ -136,7 +136,7 @@ def request_id(headers: Any) -> str:
     ``InvalidInput`` (422 ``invalid_request_id``) for any other value: an ID that cannot be stored as sent
     is refused, not silently replaced, so the client's correlation never breaks unnoticed. (``Guard``
     does the same from the raw headers, for every /v1 call, before anything else.)"""
-    rid = headers.get("x-request-id")
+    rid = (headers.get("x-request-id") or "").strip(" \t")
     if not rid:
         return new_request_id()
     why = bad_request_id(rid)
@@ -149,11 +149,22 @@ def request_id(headers: Any) -> str:
 #: are all bearer tokens here)
 WWW_AUTHENTICATE = 'Bearer realm="substrate"'
 
+
+def www_authenticate(code: str) -> str:
+    """The ``WWW-Authenticate`` value of a 401 with error ``code``: the bearer challenge, with RFC 6750
+    3.1's ``error="invalid_token"`` when a token was sent and refused (``invalid_token``,
+    ``token_expired``)."""
+    if code in ("invalid_token", "token_expired"):
+        return WWW_AUTHENTICATE + ', error="invalid_token"'
+    return WWW_AUTHENTICATE
+
 #: request headers a request carries at most once: a second ``Host`` must be refused (RFC 9112 3.2), and
-#: of two ``Authorization`` or ``X-Request-ID`` headers one was used and the other dropped silently
-#: (fresh-user run). ``Idempotency-Key`` is checked by invoke (422 ``invalid_idempotency_key``) and a
+#: of two ``Authorization``, ``X-Request-ID`` or ``Content-Type`` headers one was used and the other
+#: dropped silently (fresh-user runs). ``Idempotency-Key`` is checked by invoke (422 ``invalid_idempotency_key``) and a
 #: second ``Content-Length`` by the HTTP parser (400)
-_ONCE_HEADERS = frozenset({b"host", b"authorization", b"x-request-id"})
+_ONCE_HEADERS = frozenset({b"host", b"authorization", b"x-request-id", b"content-type"})
+_ONCE_NAMES = {b"host": "Host", b"authorization": "Authorization", b"x-request-id": "X-Request-ID",
+               b"content-type": "Content-Type"}
 
 
 def repeated_header(raw_headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -198,7 +209,7 @@ async def _answer(send: Send, status: int, code: str, message: str,
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *([(b"connection", b"close")] if close else []), *(extra or []),
-                            *([(b"www-authenticate", WWW_AUTHENTICATE.encode())] if status == 401 else []),
+                            *([(b"www-authenticate", www_authenticate(code).encode())] if status == 401 else []),
                             *([(b"x-request-id", rid.encode("latin-1"))] if rid else [])]})
     await send({"type": "http.response.body", "body": body})
 
@@ -383,11 +394,12 @@ class Guard:
         deadline = time.monotonic() + float(api.body_read_timeout_s)
         # the request's ID first, so that every answer carries one, refusals included (0.)
         state = scope.setdefault("state", {})
-        sent_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
+        # optional whitespace around a field's value is not part of it (RFC 9110 5.5); the parser keeps it
+        sent_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1").strip(" \t")
         bad_id = bad_request_id(sent_id) if sent_id else None
         state["request_id"] = sent_id if sent_id and bad_id is None else new_request_id()
         if (twice := repeated_header(scope["headers"])) is not None:
-            name = {b"host": "Host", b"authorization": "Authorization", b"x-request-id": "X-Request-ID"}[twice]
+            name = _ONCE_NAMES[twice]
             if twice == b"x-request-id":
                 state["request_id"] = new_request_id()  # which one the client meant is unknown: echo neither
                 await _answer(send, 422, "invalid_request_id",
@@ -397,6 +409,10 @@ class Guard:
                               f"{name} header", scope=scope)
             return
         headers = dict(scope["headers"])  # one Host and one Authorization (above); checks below refuse odd values
+        if b"host" not in headers and scope.get("http_version") not in ("1.0", "0.9"):
+            # RFC 9112 3.2: an HTTP/1.1 request without Host is answered 400 (HTTP/1.0 had none: it passes)
+            await _answer(send, 400, "bad_request", "an HTTP/1.1 request carries a Host header", scope=scope)
+            return
         if why := cross_origin(scope.get("method", ""), headers, scope.get("scheme", "http")):
             await _answer(send, 403, "cross_origin_request",
                           f"a browser sent this from another site ({why}): the API takes state-changing calls "
@@ -417,7 +433,9 @@ class Guard:
                 # route is authenticated here too: its body is read below, and only for a known caller
                 scope.setdefault("state", {})["principal"] = await auth.authenticate(_Headers(scope))
             except SubstrateError as e:
-                await _answer(send, e.status, e.code, e.message, scope=scope)
+                retry = [(b"retry-after", str(max(1, int(round(e.retry_after_s)))).encode())] \
+                    if e.retry_after_s is not None else None
+                await _answer(send, e.status, e.code, e.message, retry, scope=scope)
                 return
         elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):
             await _answer(send, 401, "unauthorized", "missing or wrong bearer token", scope=scope)

@@ -36,7 +36,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from api.guard import WWW_AUTHENTICATE
+from api.guard import www_authenticate
 from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 from substrate import audit, metrics
 from substrate.activator import Route
@@ -140,7 +140,7 @@ def error_response(e: SubstrateError) -> Response:
     e = public_error(e)
     headers = dict(_JSON)
     if e.status == 401:
-        headers["WWW-Authenticate"] = WWW_AUTHENTICATE
+        headers["WWW-Authenticate"] = www_authenticate(e.code)
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
     return Response(e.to_json(), status_code=e.status, headers=headers)

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from substrate import metrics
 from substrate.errors import error_json
 
 #: a stop signal repeated within this many seconds of the first is the same stop request
@@ -85,10 +86,18 @@ class Server(uvicorn.Server):
             _exit(FORCED_EXIT_CODE)
 
 
+#: the ``route`` label of requests refused before they were parsed (a malformed request, a head over the
+#: limit or too slow): no route can be told
+UNPARSED_ROUTE = "unparsed"
+
+
 def _closing_answer(status: bytes, code: str, message: str) -> bytes:
+    """An error answer written by the protocol itself, with a new request ID as every API answer has
+    (random, as the API's own: ``api.guard.new_request_id``), closing the connection."""
     body = error_json({"code": code, "message": message}).encode()
     return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            b"content-length: " + str(len(body)).encode() + b"\r\nx-request-id: " + os.urandom(16).hex().encode()
+            + b"\r\nconnection: close\r\n\r\n" + body)
 
 
 def _timeout_answer(timeout_s: float) -> bytes:
@@ -205,6 +214,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._discarding:
             return
         self._discarding = True
+        # counted as every answer is (api.app.RequestCounter), under a route of its own
+        metrics.REQUESTS_TOTAL.labels(route=UNPARSED_ROUTE, code=answer[9:12].decode()).inc()
         self.transport.write(answer)
         try:
             self.transport.write_eof()

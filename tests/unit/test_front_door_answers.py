@@ -7,13 +7,18 @@ silently, and a refusal keeps the connection when the request has no body left u
 
 from __future__ import annotations
 
+import json
 import re
+from types import SimpleNamespace
+from typing import Any
+
 import httpx
 import pytest
 
 from api.app import create_app
 from api.hotpath import INVOKE_PATH
 from substrate import metrics
+from substrate.errors import DirectoryUnavailable
 from substrate.settings import Settings
 
 _ID = re.compile(r"[0-9a-f]{32}")
@@ -102,3 +107,59 @@ async def test_a_path_no_route_serves_is_counted_as_unmatched(client: httpx.Asyn
         r = await c.get("/v1/nope", headers=AUTH)
     assert r.status_code == 404 and _ID.fullmatch(r.headers["x-request-id"])
     assert _count("unmatched", 404) == before + 1
+
+
+async def test_content_type_twice_is_refused_and_spaces_around_a_request_id_are_not_part_of_it(
+        client: httpx.AsyncClient) -> None:
+    async with client as c:
+        r = await c.post("/v1/sessions/s-1/invoke", content=_TURN,
+                         headers=[*AUTH.items(), ("Content-Type", "application/json"), ("Content-Type", "text/plain")])
+        assert r.status_code == 400 and "Content-Type is sent more than once" in r.json()["message"], r.text
+        r = await c.post("/v1/sessions/s-1/invoke", content=_TURN, headers={**_JSON, "X-Request-ID": "  trace-8\t"})
+    assert r.status_code == 401 and r.headers["x-request-id"] == "trace-8"
+
+
+async def _asgi(app: Any, scope: dict[str, Any], body: bytes = b"") -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request straight through the ASGI app (a scope httpx cannot make: no Host)."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], dict(sent[0]["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def _scope(path: str, headers: list[tuple[bytes, bytes]], http_version: str = "1.1") -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": http_version, "method": "GET",
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": headers, "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080), "state": {}}
+
+
+async def test_an_http11_request_without_host_is_400_and_http10_passes() -> None:
+    app = create_app(Settings())  # open mode
+    status, headers, body = await _asgi(app, _scope("/v1/nope", []))
+    assert status == 400 and json.loads(body)["code"] == "bad_request" and b"Host" in body
+    assert _ID.fullmatch(headers[b"x-request-id"].decode())
+    status, _, _ = await _asgi(app, _scope("/v1/nope", [], http_version="1.0"))
+    assert status == 404  # no Host in HTTP/1.0: passed on (no browser sends such a request)
+
+
+class _DownAuth:
+    enabled = True
+
+    async def authenticate(self, headers: Any) -> Any:
+        raise DirectoryUnavailable("cannot check the API key: Redis is away")
+
+
+async def test_a_503_of_the_front_doors_authentication_says_when_to_retry() -> None:
+    settings = Settings()
+    app = create_app(settings)
+    app.state.runtime = SimpleNamespace(settings=settings, auth=_DownAuth())  # what the lifespan would set
+    status, headers, body = await _asgi(app, _scope("/v1/sessions", [(b"host", b"localhost"),
+                                                                     (b"authorization", b"Bearer sk_x")]))
+    assert status == 503 and json.loads(body)["code"] == "directory_unavailable"
+    assert headers[b"retry-after"] == b"1"

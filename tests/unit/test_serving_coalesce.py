@@ -128,3 +128,27 @@ async def test_writes_of_one_turn_are_joined_and_ending_the_connection_sends_or_
     await asyncio.sleep(0)
     assert t3.writes == []
     assert c3.get_extra_info("peername") == ("127.0.0.1", 50000)  # everything else is the transport's
+
+
+async def test_a_request_refused_before_it_is_parsed_gets_a_request_id_and_is_counted() -> None:
+    from substrate import metrics
+    from substrate.serving import UNPARSED_ROUTE
+
+    cfg = uvicorn.Config(_app, lifespan="off", log_config=None, access_log=False)
+    cfg.load()
+    before = metrics.REQUESTS_TOTAL.labels(route=UNPARSED_ROUTE, code="400")._value.get()
+    ids = []
+    for _ in range(2):
+        proto = header_timeout_protocol(5.0)(config=cfg, server_state=ServerState(), app_state={},
+                                             _loop=asyncio.get_running_loop())
+        t = Recording()
+        t.protocol = proto
+        proto.connection_made(t)
+        proto.data_received(b"GET /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+        await _settle()
+        head = b"".join(t.writes).partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 400 ") and b"connection: close" in head, head
+        ids.append(next(line.split(b": ")[1] for line in head.split(b"\r\n") if line.startswith(b"x-request-id:")))
+        proto.connection_lost(None)
+    assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids)
+    assert metrics.REQUESTS_TOTAL.labels(route=UNPARSED_ROUTE, code="400")._value.get() == before + 2

@@ -119,12 +119,13 @@ def test_request_id_rule():
 
     assert request_id({"x-request-id": "a" * MAX_REQUEST_ID_CHARS}) == "a" * MAX_REQUEST_ID_CHARS
     assert request_id({"x-request-id": "00-4bf92f3577b34da6-01:trace/x=y"}) == "00-4bf92f3577b34da6-01:trace/x=y"
-    for absent in ({}, {"x-request-id": ""}):
+    assert request_id({"x-request-id": " trace-9\t"}) == "trace-9"  # whitespace around a value is not part of it
+    for absent in ({}, {"x-request-id": ""}, {"x-request-id": "  "}):
         rid = request_id(absent)
         assert re.fullmatch(r"[0-9a-f]{32}", rid)
     # the message names what is wrong (fresh-user run: "bad id" was told "got 6 characters")
     for bad, says in (("a" * (MAX_REQUEST_ID_CHARS + 1), "it has 129 bytes"), ("has space", "a space at position 3"),
-                      ("line\nbreak", "byte 0x0a at position 4"), ("tab\t", "byte 0x09 at position 3"),
+                      ("line\nbreak", "byte 0x0a at position 4"), ("ta\tb", "byte 0x09 at position 2"),
                       ("caf\u00c3\u00a9", "byte 0xc3 (non-ASCII) at position 3"), ("\x7f", "byte 0x7f at position 0")):
         with pytest.raises(InvalidInput) as e:
             request_id({"x-request-id": bad})
