@@ -130,19 +130,32 @@ def bad_request_id(rid: str) -> str | None:
             f"('!' to '~'; no spaces, control characters or non-ASCII): {why}")
 
 
-def request_id(headers: Any) -> str:
-    """The request's ID from its headers (anything with ``get``): the client's ``X-Request-ID`` if it
-    follows the rule above, a new one (``new_request_id``) when it is absent or empty. Raises
-    ``InvalidInput`` (422 ``invalid_request_id``) for any other value: an ID that cannot be stored as sent
-    is refused, not silently replaced, so the client's correlation never breaks unnoticed. (``Guard``
-    does the same from the raw headers, for every /v1 call, before anything else.)"""
-    rid = (headers.get("x-request-id") or "").strip(" \t")
+def id_of(sent: str | None) -> tuple[str, str | None]:
+    """(the request's ID, what is wrong with the one sent or None) for the ``X-Request-ID`` value ``sent``
+    (None: no header): the client's if it follows the rule above, else a new one (``new_request_id``),
+    with the reason when one was sent and broke the rule. Whitespace around a field's value is not part
+    of it (RFC 9110 5.5; the parser keeps it)."""
+    rid = (sent or "").strip(" \t")
     if not rid:
-        return new_request_id()
+        return new_request_id(), None
     why = bad_request_id(rid)
+    return (rid, None) if why is None else (new_request_id(), why)
+
+
+def request_id(headers: Any) -> str:
+    """The request's ID from its headers (anything with ``get``; see ``id_of``). Raises ``InvalidInput``
+    (422 ``invalid_request_id``) for an ID that breaks the rule: an ID that cannot be stored as sent is
+    refused, not silently replaced, so the client's correlation never breaks unnoticed. (``Guard`` does
+    the same from the raw headers, for every /v1 call, before anything else.)"""
+    rid, why = id_of(headers.get("x-request-id"))
     if why is not None:
         raise InvalidInput(why, code="invalid_request_id")
-    return str(rid)
+    return rid
+
+
+def retry_after(seconds: float) -> str:
+    """A ``Retry-After`` value (whole seconds, at least 1) for a wait of ``seconds``."""
+    return str(max(1, int(round(seconds))))
 
 
 #: the challenge of every 401 (RFC 9110 11.6.1 requires one; RFC 6750: shared tokens, API keys and JWTs
@@ -162,9 +175,9 @@ def www_authenticate(code: str) -> str:
 #: of two ``Authorization``, ``X-Request-ID`` or ``Content-Type`` headers one was used and the other
 #: dropped silently (fresh-user runs). ``Idempotency-Key`` is checked by invoke (422 ``invalid_idempotency_key``) and a
 #: second ``Content-Length`` by the HTTP parser (400)
-_ONCE_HEADERS = frozenset({b"host", b"authorization", b"x-request-id", b"content-type"})
 _ONCE_NAMES = {b"host": "Host", b"authorization": "Authorization", b"x-request-id": "X-Request-ID",
                b"content-type": "Content-Type"}
+_ONCE_HEADERS = frozenset(_ONCE_NAMES)
 
 
 def repeated_header(raw_headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -394,10 +407,9 @@ class Guard:
         deadline = time.monotonic() + float(api.body_read_timeout_s)
         # the request's ID first, so that every answer carries one, refusals included (0.)
         state = scope.setdefault("state", {})
-        # optional whitespace around a field's value is not part of it (RFC 9110 5.5); the parser keeps it
-        sent_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1").strip(" \t")
-        bad_id = bad_request_id(sent_id) if sent_id else None
-        state["request_id"] = sent_id if sent_id and bad_id is None else new_request_id()
+        headers = dict(scope["headers"])  # a repeated Host, Authorization or ID is refused just below
+        sent_id = headers.get(b"x-request-id")
+        state["request_id"], bad_id = id_of(sent_id.decode("latin-1") if sent_id is not None else None)
         if (twice := repeated_header(scope["headers"])) is not None:
             name = _ONCE_NAMES[twice]
             if twice == b"x-request-id":
@@ -408,7 +420,6 @@ class Guard:
                 await _answer(send, 400, "bad_request", f"{name} is sent more than once: a request carries one "
                               f"{name} header", scope=scope)
             return
-        headers = dict(scope["headers"])  # one Host and one Authorization (above); checks below refuse odd values
         if b"host" not in headers and scope.get("http_version") not in ("1.0", "0.9"):
             # RFC 9112 3.2: an HTTP/1.1 request without Host is answered 400 (HTTP/1.0 had none: it passes)
             await _answer(send, 400, "bad_request", "an HTTP/1.1 request carries a Host header", scope=scope)
@@ -433,8 +444,8 @@ class Guard:
                 # route is authenticated here too: its body is read below, and only for a known caller
                 scope.setdefault("state", {})["principal"] = await auth.authenticate(_Headers(scope))
             except SubstrateError as e:
-                retry = [(b"retry-after", str(max(1, int(round(e.retry_after_s)))).encode())] \
-                    if e.retry_after_s is not None else None
+                retry = (None if e.retry_after_s is None
+                         else [(b"retry-after", retry_after(e.retry_after_s).encode())])
                 await _answer(send, e.status, e.code, e.message, retry, scope=scope)
                 return
         elif api.auth_token and not bearer_ok(headers.get(b"authorization"), api.auth_token):

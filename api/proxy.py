@@ -36,7 +36,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from api.guard import www_authenticate
+from api.guard import retry_after, www_authenticate
 from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 from substrate import audit, metrics
 from substrate.activator import Route
@@ -142,7 +142,7 @@ def error_response(e: SubstrateError) -> Response:
     if e.status == 401:
         headers["WWW-Authenticate"] = www_authenticate(e.code)
     if e.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, int(round(e.retry_after_s))))
+        headers["Retry-After"] = retry_after(e.retry_after_s)
     return Response(e.to_json(), status_code=e.status, headers=headers)
 
 
