@@ -246,6 +246,38 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def descendants(root: int) -> list[int]:
+    """The pids of every process now running under ``root`` (children, their children, ...), ``root``
+    excluded, from each process's parent in ``/proc/<pid>/stat`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                ppid = int(f.read().rpartition(b")")[2].split()[1])
+        except (OSError, ValueError, IndexError):  # gone since the scan began
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def tree_cpu_s(pids: list[int]) -> dict[int, float]:
+    """``process_cpu_s`` of each of ``pids`` still running (those gone are left out)."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = process_cpu_s(pid)
+        except OSError:
+            pass
+    return out
+
+
 def machine_busy_cpu_s() -> float:
     """CPU seconds all cores have spent busy so far (``/proc/stat``'s first line less idle and iowait)."""
     with open("/proc/stat", "rb") as f:

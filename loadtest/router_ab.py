@@ -7,8 +7,10 @@ of 16 slots, one RUNNING ``counter`` session each, 300 warm-up turns) are loaded
 by two ``wrk`` processes with the same connections and duration, and each round reads each router
 process's CPU time (``/proc``, user + system) over the same window. Reported per round and as
 medians: turns/s, router CPU microseconds per turn, and B's CPU per turn over A's in the same round
-(the paired ratio). What it leaves out: the workers', Redis's and wrk's CPU (they share the cores;
-a turn's worker is the same code in both unless the checkouts differ there too), and latency.
+(the paired ratio); and the same for the rest of each runtime, every process under its router (the
+worker, its agent hosts, the embedded Redis), so that a change to the worker is measured too. What it
+leaves out: wrk's CPU, the CPU of a runtime process that started or ended within a round (none does in
+a steady round: the session's agent host lives throughout), and latency.
 
 ``wrk`` (Debian package ``wrk``) is the load generator: a C client whose own cost per request is small
 next to a Python one, so more of the cores go to the runtimes. Traffic goes to loopback only; every
@@ -30,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.bench import Server, _post, process_cpu_s
+from loadtest.bench import Server, _post, descendants, process_cpu_s, tree_cpu_s
 
 _BODY = '{"input": "get"}'
 
@@ -65,6 +67,11 @@ async def _wrk(url: str, conc: int, seconds: int, script: Path) -> tuple[int, fl
     return parse_wrk((await proc.communicate())[0].decode())
 
 
+def _rest_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the processes in both ``before`` and ``after`` (pid -> CPU s) used between the two."""
+    return sum(after[p] - before[p] for p in before.keys() & after.keys())
+
+
 async def run(a: Path, b: Path, rounds: int, conc: int, seconds: int) -> dict[str, Any]:
     """Both runtimes up, ``rounds`` paired rounds; returns the rows and the medians (module doc)."""
     if shutil.which("wrk") is None:
@@ -85,13 +92,18 @@ async def run(a: Path, b: Path, rounds: int, conc: int, seconds: int) -> dict[st
                 servers.append(sb)
                 rows = []
                 for i in range(rounds):
+                    rest0 = (tree_cpu_s(descendants(sa.proc.pid)), tree_cpu_s(descendants(sb.proc.pid)))
                     cpu0 = (process_cpu_s(sa.proc.pid), process_cpu_s(sb.proc.pid))
                     (na, ta), (nb, tb) = await asyncio.gather(_wrk(ua, conc, seconds, script),
                                                               _wrk(ub, conc, seconds, script))
                     cpu_a, cpu_b = (process_cpu_s(sa.proc.pid) - cpu0[0], process_cpu_s(sb.proc.pid) - cpu0[1])
+                    rest_a, rest_b = (_rest_s(rest0[0], tree_cpu_s(list(rest0[0]))),
+                                      _rest_s(rest0[1], tree_cpu_s(list(rest0[1]))))
                     row = {"round": i + 1, "a_per_s": na / ta, "b_per_s": nb / tb,
-                           "a_router_us_per_turn": cpu_a / na * 1e6, "b_router_us_per_turn": cpu_b / nb * 1e6}
+                           "a_router_us_per_turn": cpu_a / na * 1e6, "b_router_us_per_turn": cpu_b / nb * 1e6,
+                           "a_rest_us_per_turn": rest_a / na * 1e6, "b_rest_us_per_turn": rest_b / nb * 1e6}
                     row["b_over_a"] = row["b_router_us_per_turn"] / row["a_router_us_per_turn"]
+                    row["b_over_a_rest"] = row["b_rest_us_per_turn"] / row["a_rest_us_per_turn"]
                     rows.append(row)
                     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
@@ -117,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     m = res["medians"]
     print(f"medians: A {m['a_per_s']:.0f} turns/s, {m['a_router_us_per_turn']:.0f} us router CPU per turn; "
           f"B {m['b_per_s']:.0f} turns/s, {m['b_router_us_per_turn']:.0f} us; B/A paired {m['b_over_a']:.3f}")
+    print(f"rest of the runtime (worker, agent host, Redis): A {m['a_rest_us_per_turn']:.0f} us CPU per turn, "
+          f"B {m['b_rest_us_per_turn']:.0f} us; B/A paired {m['b_over_a_rest']:.3f}")
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
 

@@ -182,8 +182,10 @@ class HostedAgent(Agent):
         assert host is not None and host.proc.stdout is not None
         self._reading = True
         try:
-            line = await asyncio.wait_for(host.proc.stdout.readline(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: wait_for ran each line's read in a Task of its own (3.11)
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                line = await host.proc.stdout.readline()
+        except TimeoutError:
             await self._kill()
             raise TurnFailed(f"turn ran over isolation.turnTimeout ({self.limits.turn_timeout_s:g} s); every "
                              "process of the session was killed and it restarts from its last snapshot",

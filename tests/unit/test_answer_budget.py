@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import replace
 
-from workers.server import NOT_KEPT_STATUS, StoredAnswer, keep_answer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.server import NOT_KEPT_STATUS, AnswerLog, StoredAnswer, _not_kept, keep_answer
 
 
 def test_an_answer_over_the_budget_leaves_a_marker():
-    a: OrderedDict[str, StoredAnswer] = OrderedDict()
+    a = AnswerLog()
     keep_answer(a, "k", StoredAnswer(200, "x" * 5000, "d", "worker_lost", 1.0), keys=4, budget=1000)
     status, text, digest = a["k"].status, a["k"].text, a["k"].digest
     assert a["k"].restored == "worker_lost", "a marker keeps the restored marker of the turn"
@@ -18,7 +22,7 @@ def test_an_answer_over_the_budget_leaves_a_marker():
 
 
 def test_the_sum_stays_under_the_budget_and_every_recent_key_stays_known():
-    a: OrderedDict[str, StoredAnswer] = OrderedDict()
+    a = AnswerLog()
     for i in range(10):
         keep_answer(a, f"k{i}", StoredAnswer(200, "y" * 400, f"d{i}"), keys=8, budget=1000)
         assert sum(len(v.text) for v in a.values() if v.status == 200) <= 1000
@@ -27,3 +31,39 @@ def test_the_sum_stays_under_the_budget_and_every_recent_key_stays_known():
     assert full == ["k8", "k9"], "the newest answers are kept whole"
     assert sum(len(a[k].text) for k in full) <= 1000
     assert all(a[k].status == NOT_KEPT_STATUS for k in list(a)[:-2])
+
+
+def _reference(answers: OrderedDict[str, StoredAnswer], key: str, answer: StoredAnswer, *, keys: int,
+               budget: int) -> None:
+    """The rule as it was written before ``kept_bytes`` (every kept answer summed on each call)."""
+    if len(answer.text) > budget:
+        answer = replace(answer, status=NOT_KEPT_STATUS, text=_not_kept(answer.status, len(answer.text), budget))
+    answers[key] = answer
+    answers.move_to_end(key)
+    while len(answers) > keys:
+        answers.popitem(last=False)
+    total = sum(len(v.text) for v in answers.values() if v.status != NOT_KEPT_STATUS)
+    for k, old in list(answers.items()):
+        if total <= budget:
+            break
+        if old.status == NOT_KEPT_STATUS:
+            continue
+        answers[k] = replace(old, status=NOT_KEPT_STATUS, text=_not_kept(old.status, len(old.text), budget))
+        total -= len(old.text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.integers(0, 6), budget=st.integers(0, 2000),
+       calls=st.lists(st.tuples(st.integers(0, 9), st.sampled_from([200, 422, 500, NOT_KEPT_STATUS]),
+                                st.integers(0, 1500)), max_size=40))
+def test_the_running_byte_count_keeps_the_same_answers_as_summing_them_all(keys, budget, calls):
+    """``AnswerLog.kept_bytes`` is kept up to date instead of summing every kept answer on each turn: the
+    answers kept are exactly those of the summing rule, and the count is the sum, after every call (keys
+    given again included)."""
+    ours, ref = AnswerLog(), OrderedDict()
+    for key, status, size in calls:
+        answer = StoredAnswer(status, "z" * size, f"d{key}")
+        keep_answer(ours, f"k{key}", answer, keys=keys, budget=budget)
+        _reference(ref, f"k{key}", answer, keys=keys, budget=budget)
+        assert list(ours.items()) == list(ref.items())
+        assert ours.kept_bytes == sum(len(v.text) for v in ours.values() if v.status != NOT_KEPT_STATUS)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from workers.server import Activation, StoredAnswer, Worker
+from workers.server import Activation, AnswerLog, StoredAnswer, Worker
 
 
 def test_a_stored_answer_round_trips_through_a_snapshot_with_its_marker():
@@ -48,14 +48,12 @@ def test_a_replay_of_a_turn_run_on_a_clean_activation_carries_no_marker_after_a_
 
 
 def test_a_clean_activation_keeps_its_answers_with_the_empty_marker():
-    from collections import OrderedDict
-
     from substrate.settings import Settings
 
     worker = Worker.__new__(Worker)
     worker.settings = Settings()
     act = Activation.__new__(Activation)
-    act.restored, act.restored_at, act.answers = None, None, OrderedDict()
+    act.restored, act.restored_at, act.answers = None, None, AnswerLog()
     worker._store_answer(act, "k1", 200, '{"output": 1}', "ab")
     assert act.answers["k1"].restored == ""
 
@@ -67,7 +65,6 @@ async def test_an_agent_stopped_by_a_delete_is_not_logged_as_a_death(found, stat
     last snapshot"; nothing restarts. A record that is gone or DELETED is the delete's doing (info); one
     another step moved is still a warning."""
     import logging
-    from collections import OrderedDict
     from types import SimpleNamespace
 
     from substrate.directory import CasResult
@@ -85,7 +82,7 @@ async def test_an_agent_stopped_by_a_delete_is_not_logged_as_a_death(found, stat
     worker._drop = nothing
     worker._left_live = nothing
     act = Activation.__new__(Activation)
-    act.sid, act.epoch, act.slot, act.answers, act.closing = "s1", 2, 0, OrderedDict(), False
+    act.sid, act.epoch, act.slot, act.answers, act.closing = "s1", 2, 0, AnswerLog(), False
     with caplog.at_level(logging.INFO, logger="substrate"):
         await worker._end_dead(act, "agent_crashed")
     ended = [r for r in caplog.records if "activation ended" in r.getMessage()]
