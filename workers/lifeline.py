@@ -9,6 +9,11 @@ deregister, exit), and SIGKILLs itself if that has not finished ``escalate_after
 that would have escalated is gone. The sandbox reaper (``substrate/sandbox_sweep.py``) then cleans up
 after the worker as after any other death.
 
+Given a log file, the worker first moves its standard output and error there: the runtime's terminal
+is its user's again (``substrate up`` forced out by a second Ctrl-C has printed its one line and
+returned), and a graceful stop with the embedded Redis gone warns for seconds (a fresh-user run: about
+50 lines with tracebacks in the shell after the prompt came back).
+
 Why a pipe and not ``PR_SET_PDEATHSIG``: a zygote-forked worker's parent is the zygote, not the runtime,
 so a parent-death signal would fire on the zygote's death (taking healthy workers down with it) and not
 on the runtime's. A pipe needs no pid (no pid reuse), works through any number of forks, and a runtime
@@ -18,11 +23,14 @@ tie the sandbox reaper has to its worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +38,30 @@ log = logging.getLogger(__name__)
 ENV = "SUBSTRATE_LIFELINE_FD"
 
 
-def _wait_and_stop(fd: int, escalate_after_s: float) -> None:
+def _redirect_output(path: Path) -> None:
+    """Point descriptors 1 and 2 at ``path`` (appended to, made with its folder if missing), or at
+    ``/dev/null`` if it cannot be opened: the logging handlers write through them."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    os.close(fd)
+
+
+def _wait_and_stop(fd: int, escalate_after_s: float, log_path: Path | None) -> None:
     try:
         while os.read(fd, 1):  # nothing is ever written; a byte would be a bug, not a reason to stop
             pass
     except OSError:
         pass  # EBADF etc.: treat as the runtime gone too, rather than leave the worker unwatched
+    if log_path is not None:
+        for stream in (sys.stdout, sys.stderr):  # what was written before goes where it was meant to
+            with contextlib.suppress(Exception):
+                stream.flush()
+        _redirect_output(log_path)
     log.warning("the runtime that started this worker is gone; stopping gracefully")
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(escalate_after_s)
@@ -43,12 +69,13 @@ def _wait_and_stop(fd: int, escalate_after_s: float) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def watch_from_env(escalate_after_s: float) -> bool:
+def watch_from_env(escalate_after_s: float, log_path: Path | None = None) -> bool:
     """Start watching the descriptor named by ``SUBSTRATE_LIFELINE_FD``, if set (a worker of the local
     backend; a Kubernetes worker has none and is not affected).
 
     ``escalate_after_s``: seconds between the SIGTERM and the SIGKILL the worker sends itself once the
-    runtime is gone. The variable is removed from the environment and the descriptor made
+    runtime is gone. ``log_path``: where the worker's standard output and error go from then on (see the
+    module docstring; None: they stay). The variable is removed from the environment and the descriptor made
     non-inheritable, so the worker's own children (sandboxes, reaper) are not tied to the runtime.
     Returns True if a watch was started; a malformed value is logged and ignored (False).
     """
@@ -61,5 +88,6 @@ def watch_from_env(escalate_after_s: float) -> bool:
     except (ValueError, OSError):
         log.warning("ignoring %s=%r: not an open descriptor", ENV, raw)
         return False
-    threading.Thread(target=_wait_and_stop, args=(fd, escalate_after_s), name="lifeline", daemon=True).start()
+    threading.Thread(target=_wait_and_stop, args=(fd, escalate_after_s, log_path), name="lifeline",
+                     daemon=True).start()
     return True

@@ -1223,10 +1223,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     settings = get_settings()
     configure_logging(settings.log_level, settings.log_json)
-    # a local worker stops with the runtime that started it, even one killed by SIGKILL (no-op elsewhere);
-    # it escalates after the same grace the runtime's backend would have given it
-    lifeline.watch_from_env(settings.worker.shutdown_grace_s + 5.0)
     wid = args.worker_id or f"{args.pool}-{uuid.uuid4().hex[:8]}"
+    # a local worker stops with the runtime that started it, even one killed by SIGKILL (no-op elsewhere);
+    # it escalates after the same grace the runtime's backend would have given it, and says what it does
+    # then in a file of its own, not on the terminal the runtime has given back
+    lifeline.watch_from_env(settings.worker.shutdown_grace_s + 5.0,
+                            log_path=settings.worker.root_dir / f"{wid}.after-runtime-exit.log")
     try:
         import uvloop
         uvloop.install()

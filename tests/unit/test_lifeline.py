@@ -12,20 +12,22 @@ from tests.conftest import ROOT
 
 #: the child: a "worker" whose graceful stop hangs (SIGTERM only noted), watching the lifeline
 CHILD = textwrap.dedent("""
-    import signal, sys, time
+    import logging, pathlib, signal, sys, time
     from workers import lifeline
+    logging.basicConfig(level=logging.WARNING)  # to stderr, through descriptor 2, as the worker's logging
     signal.signal(signal.SIGTERM, lambda *_: print("sigterm", flush=True))
-    print(lifeline.watch_from_env(float(sys.argv[1])), flush=True)
+    log_path = pathlib.Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    print(lifeline.watch_from_env(float(sys.argv[1]), log_path=log_path), flush=True)
     time.sleep(600)
 """)
 
 
-def _child(fd: int | None, escalate_after_s: float) -> subprocess.Popen[str]:
+def _child(fd: int | None, escalate_after_s: float, *log_path: str, **kw: object) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "SUBSTRATE_LIFELINE_FD"}
     if fd is not None:
         env["SUBSTRATE_LIFELINE_FD"] = str(fd)
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(escalate_after_s)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, pass_fds=() if fd is None else (fd,))
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(escalate_after_s), *log_path], cwd=ROOT, env=env,
+                            text=True, stdout=subprocess.PIPE, pass_fds=() if fd is None else (fd,), **kw)  # type: ignore[call-overload]
 
 
 def test_the_runtime_gone_means_sigterm_then_sigkill_after_the_grace() -> None:
@@ -64,3 +66,26 @@ def test_without_a_lifeline_nothing_is_watched() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_once_the_runtime_is_gone_the_worker_writes_to_its_own_file_not_the_terminal(tmp_path) -> None:
+    """A fresh-user run: after a forced exit of ``substrate up`` its workers, stopping on their own, printed
+    about 50 warning lines into the shell that had its prompt back. From the runtime's end on, what a
+    worker writes (its log records, anything on standard output or error) goes to its own file."""
+    log_path = tmp_path / "logs" / "w1.after-runtime-exit.log"
+    r, w = os.pipe()
+    p = _child(r, 1.0, str(log_path), stderr=subprocess.PIPE)
+    os.close(r)
+    try:
+        assert p.stdout is not None and p.stderr is not None and p.stdout.readline().strip() == "True"
+        os.close(w)
+        assert p.wait(60) == -signal.SIGKILL
+        assert p.stdout.read() == "", "nothing more on the terminal's standard output"
+        assert p.stderr.read() == "", "nor on its standard error"
+        text = log_path.read_text()
+        assert "the runtime that started this worker is gone" in text and "sigterm" in text, text
+        assert "graceful stop did not finish" in text, text
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
