@@ -11,11 +11,11 @@ install:
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
 	$(UV) sync --frozen --all-extras --compile-bytecode
 
-demo: install          ## start the embedded default, create + invoke + suspend + wake a session, stop
-	$(UV) run substrate demo
+demo: install          ## start the embedded default, create + invoke + suspend + wake a session, stop (PORT=18080)
+	$(UV) run substrate demo $(if $(PORT),--port $(PORT))
 
-dev: install           ## run the embedded default on 127.0.0.1:8080 until Ctrl-C
-	$(UV) run substrate up
+dev: install           ## run the embedded default on 127.0.0.1:8080 (PORT=...) until Ctrl-C
+	$(UV) run substrate up $(if $(PORT),--port $(PORT))
 
 lint: install
 	$(UV) run lint-imports

@@ -53,7 +53,7 @@ from substrate.errors import (
     error_json,
 )
 from substrate.models import SESSION_ID_RE
-from substrate.workerclient import IDEMPOTENCY_HEADER
+from substrate.workerclient import IDEMPOTENCY_HEADER, KEY_ORIGIN_HEADER
 
 if TYPE_CHECKING:
     from api.auth import Principal
@@ -388,8 +388,9 @@ async def invoke(request: Request) -> Response:
                 "Idempotency-Key is over 200 characters" if len(key) > 200 else
                 "Idempotency-Key must be printable ASCII (space to ~; no control characters or non-ASCII bytes)",
                 code="invalid_idempotency_key")
-        return await _forward(runtime, sid, body, stream, rid, key, principal,
-                              key_is_request_id=not request.headers.get("idempotency-key"))
+        keyless = not request.headers.get("idempotency-key")
+        return await _forward(runtime, sid, body, stream, rid, key, principal, key_is_request_id=keyless,
+                              key_by_router=keyless and "x-request-id" not in request.headers)
     except SubstrateError as e:
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
@@ -443,7 +444,8 @@ async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, header
 
 
 async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,
-                   principal: "Principal", *, key_is_request_id: bool = False) -> Response:
+                   principal: "Principal", *, key_is_request_id: bool = False,
+                   key_by_router: bool = False) -> Response:
     cache = runtime.routes
     t_start = time.perf_counter()
     act = runtime.activator
@@ -485,6 +487,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         path = f"/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
                    "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
+        if key_by_router:  # only this router's own retry can send the key again (the worker evicts it first)
+            headers[KEY_ORIGIN_HEADER] = "router"
         first = b""
         try:
             resp = await _post(runtime, route, path, body, headers, stream)

@@ -21,6 +21,9 @@ from substrate.tokens import TokenMinter
 
 EPOCH_HEADER = "X-Substrate-Epoch"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: value ``router``: the turn's idempotency key is a request ID the router made (the client sent neither
+#: ``Idempotency-Key`` nor ``X-Request-ID``); the worker lets such answers make room first
+KEY_ORIGIN_HEADER = "X-Substrate-Key-Origin"
 
 _BY_CODE: dict[str, type[E.SubstrateError]] = {
     "stale_epoch": E.StaleEpoch, "not_active": E.NotFound, "snapshot_corrupt": E.SnapshotCorrupt,

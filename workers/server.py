@@ -101,6 +101,9 @@ log = logging.getLogger("substrate.worker")
 
 EPOCH_HEADER = "X-Substrate-Epoch"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: sent by the router, value ``router``, when the turn's idempotency key is a request ID it made itself (the
+#: client sent neither ``Idempotency-Key`` nor ``X-Request-ID``): only the router's own retry can use it
+KEY_ORIGIN_HEADER = "X-Substrate-Key-Origin"
 #: where the worker keeps its own data (the idempotency answers) inside a snapshot's state
 _STATE_KEY = "__substrate__"
 
@@ -123,10 +126,13 @@ class StoredAnswer:
     digest: str = ""
     restored: str | None = None
     restored_at: float | None = None
+    #: the key is a request ID the router made (``KEY_ORIGIN_HEADER``): no client can send it again, only
+    #: the router's own retry of the turn, so such answers make room first (``keep_answer``)
+    routers: bool = False
 
     def dump(self) -> list[Any]:
         """The JSON form kept in a snapshot."""
-        return [self.status, self.text, self.digest, self.restored, self.restored_at]
+        return [self.status, self.text, self.digest, self.restored, self.restored_at, self.routers]
 
     @classmethod
     def load(cls, v: Any) -> "StoredAnswer":
@@ -134,7 +140,8 @@ class StoredAnswer:
         ``ValueError`` / ``IndexError`` on anything else."""
         return cls(int(v[0]), str(v[1]), str(v[2]) if len(v) > 2 and v[2] is not None else "",
                    str(v[3]) if len(v) > 3 and v[3] is not None else None,
-                   float(v[4]) if len(v) > 4 and v[4] is not None else None)
+                   float(v[4]) if len(v) > 4 and v[4] is not None else None,
+                   len(v) > 5 and v[5] is True)
 
 
 @dataclass
@@ -185,9 +192,13 @@ class AnswerLog(OrderedDict[str, StoredAnswer]):
     and ``kept_bytes``: the bytes of its whole answers (markers excluded). Change it only through
     :func:`keep_answer`, which keeps ``kept_bytes`` up to date, so that keeping a turn's answer costs the
     same whatever the number of answers kept (it summed all of them on every turn: about 3 % of a busy
-    worker's CPU at the default 64 keys, 2026-12-04)."""
+    worker's CPU at the default 64 keys, 2026-12-04). ``routers``: the keys of the answers with
+    ``StoredAnswer.routers``, oldest first (the first to make room)."""
 
-    kept_bytes: int = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept_bytes = 0
+        self.routers: OrderedDict[str, None] = OrderedDict()
 
 
 def _whole_bytes(answer: "StoredAnswer") -> int:
@@ -207,11 +218,21 @@ def keep_answer(answers: AnswerLog, key: str, answer: "StoredAnswer", *, keys: i
     replaced = answers.get(key)
     if replaced is not None:
         answers.kept_bytes -= _whole_bytes(replaced)
+        answers.routers.pop(key, None)
     answers[key] = answer
     answers.move_to_end(key)
     answers.kept_bytes += _whole_bytes(answer)
+    if answer.routers:
+        answers.routers[key] = None
     while len(answers) > keys:
-        answers.kept_bytes -= _whole_bytes(answers.popitem(last=False)[1])
+        # the router's own keys go first: a client's key stays answerable for its next ``keys`` keyed
+        # turns, whatever number of turns without a key run in between (a fresh-user run: 70 keyless
+        # turns, and a retry of a keyed turn before them ran it again)
+        if answers.routers:
+            gone = answers.pop(answers.routers.popitem(last=False)[0])
+        else:
+            gone = answers.popitem(last=False)[1]
+        answers.kept_bytes -= _whole_bytes(gone)
     # whole answers count against the budget; markers (a few hundred bytes, at most ``keys``) do not
     if answers.kept_bytes <= budget:
         return
@@ -892,6 +913,7 @@ class Worker:
                 raise BadRequest("body must be a JSON object with an 'input' field", code="missing_input")
             stream = request.query.get("stream") in ("1", "true")
             key = request.headers.get(IDEMPOTENCY_HEADER)
+            routers = request.headers.get(KEY_ORIGIN_HEADER) == "router"
             async with act.lock:
                 if act.closing:  # suspended or dropped while this request waited for the turn
                     raise NotFound(f"session {sid!r} is not active", code="not_active")
@@ -915,16 +937,17 @@ class Worker:
                 act.ran_turn = True
                 try:
                     if stream:
-                        return await self._stream_turn(request, act, body["input"], key, digest)
+                        return await self._stream_turn(request, act, body["input"], key, digest, routers=routers)
                     try:
                         output = await act.agent.invoke(body["input"])
                     except AgentError as e:
-                        raise self._remember(act, key, digest, SubstrateError(str(e), code="agent_error")) from e
+                        raise self._remember(act, key, digest, SubstrateError(str(e), code="agent_error"),
+                                             routers=routers) from e
                     except AgentGone as e:  # died before this turn reached it: it runs in the next activation
                         await self._end_dead(act, f"{e.code}: {e}")
                         raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
                     except TurnFailed as e:  # timeout, memory limit, crash of the agent's process
-                        self._remember(act, key, digest, e)
+                        self._remember(act, key, digest, e, routers=routers)
                         if act.agent.dead:
                             # its state since the last snapshot is gone: end the activation (the next turn
                             # brings the session back from that snapshot under a new epoch and says so); this
@@ -938,12 +961,12 @@ class Worker:
                             "session": sid, "epoch": act.epoch, "worker": self.id,
                             "request_id": request.headers.get("X-Request-ID")})
                         raise self._remember(act, key, digest, SubstrateError(
-                            f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed")) from e
+                            f"agent raised {e.__class__.__name__}: {e}", code="agent_crashed"), routers=routers) from e
                     act.dirty_turns += 1
                     act.unreported_turns += 1
                     text = json.dumps({"output": output})
                     if key is not None:
-                        self._store_answer(act, key, 200, text, digest)
+                        self._store_answer(act, key, 200, text, digest, routers=routers)
                     # past the lease now (paused mid-turn)? the session may live elsewhere: do not
                     # acknowledge; a retry with the same key gets this answer if this activation stays
                     self._check_serving()
@@ -1033,19 +1056,22 @@ class Worker:
             # repaired (and recorded) by the router as ``activation_lost``
             await self._left_live("recover", act, reason="agent_restarted")
 
-    def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str) -> None:
-        keep_answer(act.answers, key, StoredAnswer(status, text, digest, act.restored or "", act.restored_at),
+    def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str, *,
+                      routers: bool = False) -> None:
+        keep_answer(act.answers, key, StoredAnswer(status, text, digest, act.restored or "", act.restored_at,
+                                                   routers),
                     keys=self.settings.worker.idempotency_keys, budget=self.settings.worker.answer_keep_bytes)
 
-    def _remember(self, act: Activation, key: str | None, digest: str, e: SubstrateError) -> SubstrateError:
+    def _remember(self, act: Activation, key: str | None, digest: str, e: SubstrateError, *,
+                  routers: bool = False) -> SubstrateError:
         """Record an agent's failed turn as the answer of ``key`` (it ran: a retry must not run it again)."""
         if key is not None:
             status = 422 if e.code == "agent_error" else e.status
-            self._store_answer(act, key, status, error_json(e.to_dict()), digest)
+            self._store_answer(act, key, status, error_json(e.to_dict()), digest, routers=routers)
         return e
 
     async def _stream_turn(self, request: web.Request, act: Activation, input: Any, key: str | None,  # noqa: A002
-                           digest: str) -> web.StreamResponse:
+                           digest: str, *, routers: bool = False) -> web.StreamResponse:
         """Run one turn as NDJSON lines (``{"chunk": ...}``..., then ``{"done": true}`` or ``{"error": ...}``)
         and keep those lines as the answer of ``key``, as a plain turn's answer is kept: a retry with the
         same key is answered with them (``X-Substrate-Replayed``), never run again (a fresh-user run: a
@@ -1081,10 +1107,10 @@ class Worker:
                 return
             kept_once = True
             if size <= budget:
-                self._store_answer(act, key, 200, b"".join(kept).decode(), digest)
+                self._store_answer(act, key, 200, b"".join(kept).decode(), digest, routers=routers)
             else:
                 keep_answer(act.answers, key, StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, size, budget), digest,
-                                                           act.restored or "", act.restored_at),
+                                                           act.restored or "", act.restored_at, routers),
                             keys=self.settings.worker.idempotency_keys, budget=budget)
 
         try:

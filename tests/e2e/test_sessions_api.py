@@ -121,6 +121,29 @@ def test_a_streamed_turn_retried_with_its_key_is_answered_never_run_twice(shared
     rt.client.delete_session(sid)
 
 
+def test_turns_without_a_key_do_not_push_a_keyed_turn_out_of_its_retry_window(shared_runtime):
+    """Fresh-user run: a turn sent with ``Idempotency-Key: E1``, then 70 turns without any key, then E1
+    again: the turn ran a second time. The router keys a keyless turn with a request ID of its own, and
+    those answers took the 64 places of the session's kept answers. Now they make room first, across a
+    suspend and wake too: E1 is replayed, and each turn ran once."""
+    rt = shared_runtime
+    sid = rt.client.create_session("counter")["id"]
+    url = f"{rt.url}/v1/sessions/{sid}/invoke"
+    inc = {"input": "increment"}
+    with httpx.Client(timeout=30) as h:
+        first = h.post(url, json=inc, headers={"Idempotency-Key": "E1"})
+        assert first.json() == {"output": {"count": 1}}, first.text
+        for i in range(70):
+            r = h.post(url + ("?stream=1" if i % 10 == 0 else ""), json=inc)  # neither key nor request ID
+            assert r.status_code == 200, r.text
+        assert h.post(f"{rt.url}/v1/sessions/{sid}/suspend").status_code == 202
+        again = h.post(url, json=inc, headers={"Idempotency-Key": "E1"})
+        assert again.status_code == 200 and again.headers.get("x-substrate-replayed") == "1", again.text
+        assert again.json() == first.json()
+        assert h.post(url, json={"input": "get"}).json() == {"output": {"count": 71}}, "each turn ran once"
+    rt.client.delete_session(sid)
+
+
 def test_a_streamed_turn_stopped_by_a_delete_says_session_deleted(shared_runtime):
     """Fresh-user run: DELETE during a streamed turn ended the stream with ``agent_crashed`` ("it restarts
     from its last snapshot") for a session that was gone; a plain turn answers 410 ``session_deleted``."""

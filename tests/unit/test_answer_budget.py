@@ -35,13 +35,13 @@ def test_the_sum_stays_under_the_budget_and_every_recent_key_stays_known():
 
 def _reference(answers: OrderedDict[str, StoredAnswer], key: str, answer: StoredAnswer, *, keys: int,
                budget: int) -> None:
-    """The rule as it was written before ``kept_bytes`` (every kept answer summed on each call)."""
+    """The rule written plainly: every kept answer summed on each call, the router's keys found by a scan."""
     if len(answer.text) > budget:
         answer = replace(answer, status=NOT_KEPT_STATUS, text=_not_kept(answer.status, len(answer.text), budget))
     answers[key] = answer
     answers.move_to_end(key)
-    while len(answers) > keys:
-        answers.popitem(last=False)
+    while len(answers) > keys:  # the oldest of the router's own keys, else the oldest
+        answers.pop(next((k for k, v in answers.items() if v.routers), next(iter(answers))))
     total = sum(len(v.text) for v in answers.values() if v.status != NOT_KEPT_STATUS)
     for k, old in list(answers.items()):
         if total <= budget:
@@ -55,15 +55,31 @@ def _reference(answers: OrderedDict[str, StoredAnswer], key: str, answer: Stored
 @settings(max_examples=300, deadline=None)
 @given(keys=st.integers(0, 6), budget=st.integers(0, 2000),
        calls=st.lists(st.tuples(st.integers(0, 9), st.sampled_from([200, 422, 500, NOT_KEPT_STATUS]),
-                                st.integers(0, 1500)), max_size=40))
+                                st.integers(0, 1500), st.booleans()), max_size=40))
 def test_the_running_byte_count_keeps_the_same_answers_as_summing_them_all(keys, budget, calls):
-    """``AnswerLog.kept_bytes`` is kept up to date instead of summing every kept answer on each turn: the
-    answers kept are exactly those of the summing rule, and the count is the sum, after every call (keys
-    given again included)."""
+    """``AnswerLog.kept_bytes`` and ``AnswerLog.routers`` are kept up to date instead of summing and
+    scanning every kept answer on each turn: the answers kept are exactly those of the plain rule, and the
+    count is the sum, after every call (keys given again, by the router or a client, included)."""
     ours, ref = AnswerLog(), OrderedDict()
-    for key, status, size in calls:
-        answer = StoredAnswer(status, "z" * size, f"d{key}")
+    for key, status, size, routers in calls:
+        answer = StoredAnswer(status, "z" * size, f"d{key}", routers=routers)
         keep_answer(ours, f"k{key}", answer, keys=keys, budget=budget)
         _reference(ref, f"k{key}", answer, keys=keys, budget=budget)
         assert list(ours.items()) == list(ref.items())
         assert ours.kept_bytes == sum(len(v.text) for v in ours.values() if v.status != NOT_KEPT_STATUS)
+        assert list(ours.routers) == [k for k, v in ours.items() if v.routers]
+
+
+def test_the_routers_own_keys_make_room_first_and_survive_a_snapshot():
+    """A client's key outlives any number of turns keyed by the router (a fresh-user run: 70 keyless turns
+    pushed a keyed turn out, and its retry ran it again); a snapshot keeps which keys are the router's."""
+    a = AnswerLog()
+    keep_answer(a, "E1", StoredAnswer(200, "one", "d"), keys=4, budget=1000)
+    for i in range(70):
+        keep_answer(a, f"r{i}", StoredAnswer(200, "x", f"d{i}", routers=True), keys=4, budget=1000)
+    assert list(a) == ["E1", "r67", "r68", "r69"]
+    for i in range(4):
+        keep_answer(a, f"c{i}", StoredAnswer(200, "y", "d"), keys=4, budget=1000)
+    assert list(a) == ["c0", "c1", "c2", "c3"], "client keys: the window of the last `keys`"
+    back = StoredAnswer.load(StoredAnswer(200, "x", "d", "", 1.0, routers=True).dump())
+    assert back.routers and not StoredAnswer.load([200, "x", "d", "", 1.0]).routers, "an older snapshot's form"

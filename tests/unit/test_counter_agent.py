@@ -30,3 +30,17 @@ async def test_a_good_work_s_still_counts(tmp_path: Path) -> None:
     await c.start(None)
     assert await c.invoke({"op": "increment", "work_s": 0.001}) == {"count": 1}
     assert await c.invoke({"op": "increment", "work_s": 0}) == {"count": 2}
+
+
+@pytest.mark.parametrize("bad", [{"input": "get"}, {"a": 1}, {"op": "get", "wrok_s": 1}])
+async def test_an_input_object_with_an_unknown_field_is_an_agent_error_and_counts_nothing(bad: object,
+                                                                                        tmp_path: Path) -> None:
+    """A fresh-user run: ``substrate sessions invoke ID '{"input":"get"}'`` (the REST body pasted as the
+    CLI's INPUT) counted one up: any object was an increment. Now an unknown field is refused, naming it
+    and the forms the agent takes."""
+    c = _counter(tmp_path)
+    await c.start({"count": 7})
+    with pytest.raises(AgentError, match="unknown field.*op.*increment"):
+        await c.invoke(bad)
+    assert await c.invoke("get") == {"count": 7}
+    assert await c.invoke({}) == {"count": 8}, "an empty object is still an increment (op's default)"

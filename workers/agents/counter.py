@@ -2,7 +2,8 @@
 
 Input ``"increment"`` adds one and answers ``{"count": N}``; ``"get"`` answers the count. A dict
 ``{"op": "increment"|"get", "work_s": 0.2, "burn": false}`` does the same after sleeping (or burning
-CPU, ``burn: true``) ``work_s`` seconds, which the load tests use to model a turn's run time.
+CPU, ``burn: true``) ``work_s`` seconds, which the load tests use to model a turn's run time. Any other
+field of such an object, or another input, is the caller's error (422 ``agent_error``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import time
 from typing import Any
 
 from workers.handler import Agent, AgentError
+
+#: the fields an input object may have
+_FIELDS = frozenset({"op", "work_s", "burn"})
 
 
 class Counter(Agent):
@@ -23,6 +27,11 @@ class Counter(Agent):
     async def invoke(self, input: Any) -> Any:  # noqa: A002
         op, work_s, burn = input, 0.0, False
         if isinstance(input, dict):
+            extra = sorted(str(k) for k in input if k not in _FIELDS)
+            if extra:  # {"input": "get"} pasted as the CLI's INPUT counted one up (a fresh-user run)
+                shown = ", ".join(repr(k[:40]) for k in extra[:5])
+                raise AgentError(f"unknown field(s) {shown} in the input object: use 'increment', 'get' or "
+                                 '{"op": "increment"|"get", "work_s": seconds, "burn": true|false}')
             op = input.get("op", "increment")
             raw = input.get("work_s", 0) or 0
             # a bad input is the caller's error (422 agent_error), not a crash of the agent (500):
@@ -46,7 +55,8 @@ class Counter(Agent):
             shown = repr(op)
             if len(shown) > 80:  # an error echoes a bounded copy of the input (fresh-user: 900 KB came back)
                 shown = f"{shown[:60]}... ({len(shown)} characters)"
-            raise AgentError(f"unknown input {shown}: use 'increment' or 'get'")
+            raise AgentError(f"unknown input {shown}: use 'increment', 'get' or "
+                             '{"op": "increment"|"get", "work_s": seconds, "burn": true|false}')
         return {"count": self.count}
 
     async def snapshot(self) -> dict[str, Any]:
