@@ -148,6 +148,30 @@ async def test_an_http11_request_without_host_is_400_and_http10_passes() -> None
     assert status == 404  # no Host in HTTP/1.0: passed on (no browser sends such a request)
 
 
+@pytest.mark.parametrize("host,why", [(b"localhost:abc", b"is not host[:port]"),
+                                      (b"localhost:99999", b"above 65535"), (b"evil.example/x", b"host[:port]"),
+                                      (b"a b", b"host[:port]"), (b"[::1", b"host[:port]"),
+                                      (b"localhost:80:80", b"host[:port]")])
+@pytest.mark.parametrize("token", [None, "sekret"])
+async def test_a_malformed_host_is_400_in_every_mode(host: bytes, why: bytes, token: str | None) -> None:
+    """A fresh-user run: ``Host: localhost:abc`` and ``localhost:99999`` were served in open mode. RFC 9112
+    3.2: a request with an invalid Host is answered 400, whatever the mode, before anything is done."""
+    settings = Settings()
+    settings.api.auth_token = token
+    app = create_app(settings)
+    headers = [(b"host", host)] + ([(b"authorization", b"Bearer sekret")] if token else [])
+    status, answer_headers, body = await _asgi(app, _scope("/v1/stats", headers))
+    assert status == 400 and json.loads(body)["code"] == "bad_request" and why in body, body
+    assert _ID.fullmatch(answer_headers[b"x-request-id"].decode())
+
+
+@pytest.mark.parametrize("host", [b"localhost", b"localhost:8080", b"127.0.0.1:1", b"[::1]:8080", b"[::1]",
+                                  b"localhost:"])
+async def test_a_well_formed_host_passes(host: bytes) -> None:
+    status, _, _ = await _asgi(create_app(Settings()), _scope("/v1/nope", [(b"host", host)]))
+    assert status == 404  # past the front door, to the routes
+
+
 class _DownAuth:
     enabled = True
 
