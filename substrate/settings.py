@@ -82,6 +82,10 @@ MAX_FLOAT_SETTING = 1e9
 MAX_INT_SETTING = 10**15
 
 
+#: ``RedisSettings.key_prefix``
+_KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,62}[A-Za-z0-9._-])?")
+
+
 class RedisSettings(_Section):
     """Where the directory lives. ``url=None`` means: start an embedded Redis server (persistent: AOF
     in ``data_dir``). A Redis Cluster: ``redis+cluster://host:port/0``."""
@@ -98,8 +102,20 @@ class RedisSettings(_Section):
     #: data folder of the embedded Redis (append-only file), so a restart keeps every session; unset:
     #: ``<Settings.data_dir>/redis``
     data_dir: Path = Path("var/redis")
+    #: every key is ``<key_prefix>:{<session>}:...`` (substrate/keys.py): one deployment or test run each
     key_prefix: str = "substrate"
     socket_timeout_s: float = Field(2.0, gt=0)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _a_key_prefix(cls, v: str) -> str:
+        # a trailing ':' doubled the separator (``x::{s1}:session``; a fresh-user run), and a '{' or '}'
+        # would make the prefix a Redis Cluster hash tag, putting every key in one slot
+        if not _KEY_PREFIX_RE.fullmatch(v):
+            raise ValueError(f"{v[:80]!r} is not a key prefix: use 1-64 letters, digits, '.', '_', '-' or ':', "
+                             "starting with a letter or digit and not ending with ':' (keys are "
+                             "'<prefix>:{<session>}:...')")
+        return v
 
 
 class ApiSettings(_Section):

@@ -74,6 +74,11 @@ def _one_error_line(output: str) -> str:
     # 1e300 passed every bound, then Redis refused the EXPIRE made from it on every delete
     ("SUBSTRATE_AUDIT__DELETED_RETENTION_S", "1e300", "implausibly large"),
     ("SUBSTRATE_API__RETRY_AFTER_S", "99999999999999999999999", "implausibly large"),
+    # a fresh-user run: 'x:' made keys 'x::{s1}:session'; a brace would be a Redis Cluster hash tag
+    ("SUBSTRATE_REDIS__KEY_PREFIX", "fresh14x:", "not ending with ':'"),
+    ("SUBSTRATE_REDIS__KEY_PREFIX", "a{b}", "is not a key prefix"),
+    ("SUBSTRATE_REDIS__KEY_PREFIX", "", "is not a key prefix"),
+    ("SUBSTRATE_REDIS__KEY_PREFIX", "x" * 65, "1-64 letters"),
 ])
 def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
