@@ -100,7 +100,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "no_capacity": (503, "no free slot; retry after `Retry-After`"),
     "directory_unavailable": (503, "Redis is unreachable"),
     "snapshot_store_unavailable": (503, "object storage is unreachable"),
-    "resume_timeout": (503, "the session's restore did not end within `api.park_timeout_s` of its placement (a wait for a slot or a permit before it is bounded by `api.start_wait_s`)"),
+    "resume_timeout": (503, "the session's restore did not end within `api.park_timeout_s` (plus `api.restore_s_per_file` for each file of its snapshot) of its placement (a wait for a slot or a permit before it is bounded by `api.start_wait_s`)"),
     "worker_fenced": (503, "the worker chosen was past its own lease; the router placed the call on other workers and they were fenced too; retry"),
     "too_many_parked": (503, "too many requests wait for resumes in this router"),
     "no_workers": (503, "/readyz: a pool lacks its ready workers"),

@@ -87,7 +87,8 @@ class SnapshotManager:
             metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="pack").observe(t1 - t0)
             metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="upload").observe(t2 - t1)
             metrics.SNAPSHOT_BYTES.labels(template=template).observe(size)
-            return SnapshotRef(key=key, epoch=epoch, createdAt=manifest.createdAt, sizeBytes=size, sha256=sha)
+            return SnapshotRef(key=key, epoch=epoch, createdAt=manifest.createdAt, sizeBytes=size, sha256=sha,
+                               files=manifest.files)
         finally:
             path.unlink(missing_ok=True)
 

@@ -913,9 +913,10 @@ class Activator:
         self.parked += 1
         metrics.PARKED_REQUESTS.set(self.parked)
         t0 = time.perf_counter()
+        budget_s = self.restore_budget_s(rec)
         try:
             try:
-                route = await asyncio.wait_for(asyncio.shield(fut), self.settings.api.park_timeout_s)
+                route = await asyncio.wait_for(asyncio.shield(fut), budget_s)
             except asyncio.TimeoutError:
                 # a wake still waiting for a permit or a slot has its own bounds (the slot queue's,
                 # start_wait_s): waited for; the park timeout is for the restore once it is placed,
@@ -923,16 +924,16 @@ class Activator:
                 # (an e2e burst under load: 503 resume_timeout for wakes that waited for a new worker)
                 ended = self._wait_ended.get(sid)
                 if self._waits_for_start(sid, rec.pool):
-                    route = await self._wait_for_start(sid, rec.pool, fut, t0)
+                    route = await self._wait_for_start(sid, rec.pool, fut, t0, budget_s)
                 elif ended is not None and ended > t0:
-                    left = ended + self.settings.api.park_timeout_s - time.perf_counter()
+                    left = ended + budget_s - time.perf_counter()
                     if left <= 0:
                         raise
                     route = await asyncio.wait_for(asyncio.shield(fut), left)
                 else:
                     raise
         except asyncio.TimeoutError:
-            raise ResumeTimeout(f"session {sid!r} did not resume within {self.settings.api.park_timeout_s}s",
+            raise ResumeTimeout(f"session {sid!r} did not resume within {budget_s:g}s (its wake goes on: retry)",
                                 retry_after_s=self.settings.api.retry_after_s) from None
         finally:
             self.parked -= 1
@@ -955,10 +956,20 @@ class Activator:
         for the callers' shape."""
         return sid in self._gated or sid in self._placing
 
-    async def _wait_for_start(self, sid: str, pool: str, fut: asyncio.Future[Route], t0: float) -> Route:
+    def restore_budget_s(self, rec: SessionRecord) -> float:
+        """How long (s) a request parked on ``rec``'s wake waits for its restore once placed:
+        ``api.park_timeout_s``, plus ``api.restore_s_per_file`` for each file of the snapshot it restores
+        (``SnapshotRef.files``; a restore's time grows with its files, not its bytes: a 60,000-file
+        workspace took ~7 s and its first call got 503 ``resume_timeout`` while the wake went on)."""
+        files = rec.snapshot.files if rec.snapshot is not None else 0
+        return self.settings.api.park_timeout_s + files * self.settings.api.restore_s_per_file
+
+    async def _wait_for_start(self, sid: str, pool: str, fut: asyncio.Future[Route], t0: float,
+                              budget_s: float) -> Route:
         """Wait on a parked wake's future while it waits for a starting worker, until
-        ``api.start_wait_s`` after ``t0`` (perf_counter); raises ``TimeoutError`` after."""
-        limit = t0 + max(self.settings.api.start_wait_s, self.settings.api.park_timeout_s)
+        ``api.start_wait_s`` after ``t0`` (perf_counter); raises ``TimeoutError`` after. Once placed, the
+        restore has ``budget_s`` (``restore_budget_s``)."""
+        limit = t0 + max(self.settings.api.start_wait_s, budget_s)
         while True:
             left = limit - time.perf_counter()
             if left <= 0:
@@ -966,7 +977,7 @@ class Activator:
             if not self._waits_for_start(sid, pool):
                 # placed on the new worker (restoring now): the restore gets one park timeout, as a
                 # wake that found a slot at once does
-                return await asyncio.wait_for(asyncio.shield(fut), min(left, self.settings.api.park_timeout_s))
+                return await asyncio.wait_for(asyncio.shield(fut), min(left, budget_s))
             try:  # look again each second whether it still waits for the worker (not a tight poll)
                 return await asyncio.wait_for(asyncio.shield(fut), min(left, 1.0))
             except asyncio.TimeoutError:

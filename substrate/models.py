@@ -383,6 +383,9 @@ class SnapshotRef(BaseModel):
     createdAt: float
     sizeBytes: int
     sha256: str
+    #: regular files and symlinks in the workspace it holds (its manifest's ``files``): a restore's time
+    #: grows with them (``api.restore_s_per_file``); 0 in a snapshot committed before this field
+    files: int = Field(0, ge=0)
 
 
 class RestoredFrom(BaseModel):

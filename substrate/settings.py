@@ -140,8 +140,13 @@ class ApiSettings(_Section):
     #: closing at that instant got ``ServerDisconnectedError`` on a POST it cannot safely retry (the
     #: 11-26 replay at 400x, and a fresh-user burst). nginx's default is 75 s as well
     keep_alive_timeout_s: float = Field(75.0, gt=0, le=3600)
-    #: how long a request for a SUSPENDED session may wait for its resume
+    #: how long a request for a SUSPENDED session may wait for its resume (once placed), plus
+    #: ``restore_s_per_file`` for each file of the snapshot it restores
     park_timeout_s: float = Field(5.0, ge=0)
+    #: the restore's extra time per file of the snapshot (s): a workspace of 60,000 small files took
+    #: ~7 s to wake, and its first call got 503 ``resume_timeout`` while the wake went on (file
+    #: creation, not bytes, bounds such a restore: about 30-120 us a file here)
+    restore_s_per_file: float = Field(0.0002, ge=0, le=1)
     #: cap on requests parked at once in one router process
     max_parked: int = Field(1000, ge=0)
     #: how long a request waits for a free slot before 503 (0 = answer at once), counted from the

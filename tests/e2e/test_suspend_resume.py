@@ -233,6 +233,28 @@ def test_s3_down_during_resume_is_503_and_stays_suspended(runtime_factory):
         moto.stop()
 
 
+@pytest.mark.parametrize("per_file_s,woken", [("0.01", True), ("0", False)])
+def test_a_wake_gets_more_time_for_each_file_it_restores(runtime_factory, per_file_s: str, woken: bool):
+    """A fresh-user run: a workspace of 60,000 small files took ~7 s to wake, and its first call got 503
+    ``resume_timeout`` after the 5 s park timeout while the wake went on. The restore's time grows with
+    the snapshot's files (``SnapshotRef.files``), so a parked call waits ``api.restore_s_per_file`` more
+    for each. Here a park timeout of 10 ms, which no wake meets, and 500 files: with 10 ms a file the call
+    is answered by the woken session; with none, 503 ``resume_timeout`` as before."""
+    rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_API__PARK_TIMEOUT_S": "0.01",
+                                                   "SUBSTRATE_API__RESTORE_S_PER_FILE": per_file_s})
+    c = rt.client
+    sid = c.create_session("shell")["id"]
+    c.invoke(sid, "mkdir many && cd many && seq 500 | xargs touch && ls | wc -l")
+    assert c.suspend(sid)["snapshot"]["files"] >= 500, "the committed snapshot counts its files"
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "ls many | wc -l"})
+    if woken:
+        assert r.status_code == 200 and r.headers.get("x-substrate-woke") == "1", r.text
+        assert "500" in json.dumps(r.json()), r.text
+    else:
+        assert r.status_code == 503 and r.json()["code"] == "resume_timeout", r.text
+        rt.wait_for(lambda: c.get_session(sid)["state"] == "RUNNING", timeout_s=30, what="the wake went on")
+
+
 def test_chaos_sigkill_workers_under_load(runtime_factory):
     """Workers are SIGKILLed while sessions take turns. Every session must come back with state no older
     than its last snapshot, and the counter must never skip or repeat within one activation."""
