@@ -682,6 +682,44 @@ class Activator:
             freed += sum(await asyncio.gather(*(one(sid) for sid in batch)))
         return freed
 
+    async def _with_running_room(self, rec: SessionRecord, template: ActorTemplate,
+                                 take: Callable[[], Awaitable[None]]) -> None:
+        """``take()`` (a quota check or take for ``rec``); if it is refused by a full ``maxRunning``
+        (429 ``quota_max_running``, the tenant's or ``template``'s) and ``quota.suspend_idle_for_running``
+        is on, suspend the tenant's least recently used session idle at least ``api.pressure_min_idle_s``
+        (reason ``pressure``; of ``template`` for the template's limit) and ``take()`` once more. Raises
+        the refusal if no session could be suspended, and whatever the second ``take()`` raises (another
+        call may have taken the freed place first). A fresh-user run: a tenant at its limit got 429 while
+        its own sessions sat idle, until their maxIdleTime; slot pressure suspends idle sessions, the
+        running quota did not."""
+        try:
+            await take()
+        except TooManyRequests as e:
+            if e.code != "quota_max_running" or not self.settings.quota.suspend_idle_for_running:
+                raise
+            only = template.name if (e.details or {}).get("scope") == "template" else None
+            if not await self._suspend_for_running(rec.tenant, only, exclude=rec.id):
+                raise
+            await take()
+
+    async def _suspend_for_running(self, tenant: str, template: str | None, *, exclude: str) -> bool:
+        """Suspend one of ``tenant``'s sessions holding a running place (of ``template``, if given), least
+        recently used first among those idle at least ``api.pressure_min_idle_s`` (never ``exclude``);
+        True once one is suspended, False if none could be."""
+        assert self.quotas is not None
+        min_idle_s = self.settings.api.pressure_min_idle_s
+        sids = [s for s in await self.quotas.running(tenant, template) if s != exclude]
+        recs = [r for r in await self.directory.get_sessions(sids) if r.tenant == tenant]
+        by_id = {r.id: r for r in recs}
+        for sid in lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
+                               min_idle_s=min_idle_s):
+            try:
+                await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
+                return True
+            except SubstrateError as e:  # busy since it was read, or moved: the next one
+                log.info("quota suspend skipped", extra={"session": sid, "code": e.code})
+        return False
+
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
         """Create and start a session in three directory round trips: claim a slot; write the record
@@ -711,7 +749,9 @@ class Activator:
         # over maxRunning 5 took every slot and 11 got 503 no_capacity instead of 429). A second create
         # of an ID whose create is under way is refused here (409), so it holds no place to give back
         if self.quotas is not None:
-            await self.quotas.acquire(rec.tenant, template, rec.id, create=True)
+            quotas = self.quotas
+            await self._with_running_room(rec, template, lambda: quotas.acquire(rec.tenant, template, rec.id,
+                                                                                create=True))
         placing = False
         try:
             async with self._admitted(self.catalog.pool_for(template).name, rec.id) as adm:
@@ -1050,7 +1090,9 @@ class Activator:
         lazy-suspend anyone for its slot); the binding take follows the claim (``_resume_placed``)."""
         template = self.catalog.template(rec.actorTemplate)
         if self.quotas is not None:
-            await self.quotas.acquire(rec.tenant, template, rec.id, create=False, epoch=rec.epoch + 1, dry=True)
+            quotas = self.quotas
+            await self._with_running_room(rec, template, lambda: quotas.acquire(
+                rec.tenant, template, rec.id, create=False, epoch=rec.epoch + 1, dry=True))
         pool = self.catalog.pool_for(template).name
         with self._activation(pool):
             t0 = time.perf_counter()  # the wake's place phase includes the wait for a permit

@@ -261,8 +261,10 @@ class Quotas:
         # (a fresh-user run: a wake answered 429 with Retry-After 1 while the tenant's own idle sessions held
         # every running place until their idle timeout; the quota does not suspend them: say how to)
         hint = {"maxRunning": "suspended sessions hold none: suspend one of this tenant's running sessions "
-                              "(POST /v1/sessions/{id}/suspend) to make room; idle ones are suspended at "
-                              "their template's maxIdleTime",
+                              "(POST /v1/sessions/{id}/suspend) to make room" + (
+                                  " (none was idle long enough to be suspended for this call)"
+                                  if self.settings.suspend_idle_for_running else
+                                  "; idle ones are suspended at their template's maxIdleTime"),
                 "maxTotal": "delete sessions to make room",
                 "maxGpus": "suspended sessions hold none: suspend one of this tenant's running GPU sessions "
                            "to make room"}.get(name, "retry later")
@@ -287,6 +289,13 @@ class Quotas:
         res = await self._release(keys=self._release_keys(tenant, template),
                                   args=[sid, "" if epoch is None else int(epoch), "1" if total else "0"])
         return bool(int(res))
+
+    @translated
+    async def running(self, tenant: str, template: str | None = None) -> list[str]:
+        """The IDs of the sessions holding a running place of ``tenant`` (of its ``template``, if given)."""
+        what = "running" if template is None else f"running:{template}"
+        return sorted(str(m.decode() if isinstance(m, bytes) else m)
+                      for m in await self.redis.smembers(self.keys.quota(tenant, what)))
 
     @translated
     async def usage(self, tenant: str) -> Usage:

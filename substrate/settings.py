@@ -335,6 +335,11 @@ class QuotaSettings(_Section):
                 raise ValueError(f"tenant {tenant!r} has two quota entries")
             out[tenant] = limits
         return out
+    #: a create or wake refused by a full ``maxRunning`` (the tenant's, or its template's) first suspends
+    #: the tenant's least recently used session idle at least ``api.pressure_min_idle_s`` (of that
+    #: template, for the template's limit) and takes the freed place; 429 ``quota_max_running`` only if
+    #: none is idle. False: refuse at once (the client suspends one itself)
+    suspend_idle_for_running: bool = True
     #: share of ``api.max_parked`` one tenant's parked requests may take (fairness under a full pool)
     tenant_parked_share: float = Field(0.5, gt=0, le=1)
     #: circuit breaker: this many failed activations of one tenant within the window open it ...

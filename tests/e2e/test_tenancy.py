@@ -257,7 +257,9 @@ def test_quotas_hold_under_100_concurrent_creates_on_two_routers(tmp_path, redis
     quota = {"team-a": {"maxRunning": 5, "maxTotal": 7}}
     rt = RuntimeProc(tmp_path, redis_url, replicas=2, slots=8,
                      env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(), "SUBSTRATE_QUOTA__TENANTS": json.dumps(quota),
-                          "SUBSTRATE_API__SLOT_WAIT_S": "0"})
+                          "SUBSTRATE_API__SLOT_WAIT_S": "0",
+                          # the limit as a refusal (the default first suspends an idle session of the tenant)
+                          "SUBSTRATE_QUOTA__SUSPEND_IDLE_FOR_RUNNING": "false"})
     router = Router(rt, tmp_path)
     try:
         urls = [rt.url, router.url]
@@ -456,12 +458,46 @@ spec:
     assert os.environ.get("MODEL_KEY") is None
 
 
+def test_a_full_running_quota_suspends_the_tenants_idle_session_instead_of_refusing(runtime_factory):
+    """A fresh-user run: a tenant at ``maxRunning`` got 429 for a create or a wake while its own sessions
+    sat idle, until their maxIdleTime. Now the least recently used of them, idle at least
+    ``api.pressure_min_idle_s``, is suspended (reason ``pressure``) and the call goes on; a session in
+    a turn, or active more recently than that, is never taken, and then the call is 429 as before."""
+    rt = runtime_factory(replicas=1, slots=8, env={"SUBSTRATE_QUOTA__DEFAULT": json.dumps({"maxRunning": 2}),
+                                                   "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.5"})
+    c = rt.client  # open mode: the tenant "default"
+    a, b = (c.create_session("counter")["id"] for _ in range(2))
+    c.invoke(a, "increment")
+    time.sleep(0.6)  # both idle long enough; a is the more recently used
+    c.invoke(a, "increment")
+    time.sleep(0.6)
+    third = c.create_session("counter")["id"]
+    assert c.get_session(b)["state"] == "SUSPENDED" and c.get_session(b)["suspendReason"] == "pressure"
+    assert c.get_session(a)["state"] == "RUNNING", "the least recently used one went"
+    assert {c.get_session(x)["state"] for x in (a, third)} == {"RUNNING"}
+    # a wake at the limit makes room the same way, and nothing is lost
+    time.sleep(0.6)
+    c.invoke(third, "increment")
+    assert c.invoke(b, "get") == {"count": 0} and c.get_session(a)["state"] == "SUSPENDED"
+    time.sleep(0.6)
+    c.invoke(b, "get")
+    assert c.invoke(a, "get") == {"count": 2}, "the suspended session comes back with its state"
+    assert c.get_session(third)["state"] == "SUSPENDED"
+    # nobody idle long enough (both running ones were just used): refused as before, nothing suspended
+    c.invoke(b, "get")
+    with pytest.raises(ApiError) as e:
+        c.create_session("counter")
+    assert e.value.status == 429 and e.value.code == "quota_max_running"
+    assert [c.get_session(x)["state"] for x in (a, b, third)] == ["RUNNING", "RUNNING", "SUSPENDED"]
+
+
 def test_racing_suspends_and_resumes_keep_the_running_quota_exact(runtime_factory):
     """Fresh-user run: ``resume & suspend & resume`` of one session, repeated, left RUNNING sessions
     outside the tenant's running set (16 RUNNING, 11 counted), and with ``maxRunning`` 2 a third session
     was created. After bounded rounds of that race the set must equal the live sessions and a create
     beyond the limit must still be refused."""
-    rt = runtime_factory(replicas=1, slots=8, env={"SUBSTRATE_QUOTA__DEFAULT": json.dumps({"maxRunning": 2})})
+    rt = runtime_factory(replicas=1, slots=8, env={"SUBSTRATE_QUOTA__DEFAULT": json.dumps({"maxRunning": 2}),
+                                                   "SUBSTRATE_QUOTA__SUSPEND_IDLE_FOR_RUNNING": "false"})
     c = rt.client  # open mode: the tenant "default"
     ids = [c.create_session("counter", id=f"qb{i}")["id"] for i in (1, 2)]
     with pytest.raises(ApiError) as e:
