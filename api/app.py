@@ -405,7 +405,8 @@ IDEMPOTENCY_KEY_PARAM: dict[str, Any] = {
     "name": "Idempotency-Key", "in": "header", "required": False,
     "description": "Anything unique per turn; makes the turn safe to retry: a retry with the same key is answered "
                    "again (`X-Substrate-Replayed: 1`), never run twice (the worker keeps the answers of the last "
-                   "64 keys per session; a retry whose answer was too big to keep gets 410 `answer_not_kept`). "
+                   "`SUBSTRATE_WORKER__IDEMPOTENCY_KEYS` keys per session, 64 by default: a retry after that many "
+                   "later keyed turns runs again; a retry whose answer was too big to keep gets 410 `answer_not_kept`). "
                    "Without one, the `X-Request-ID` is the key. Printable ASCII; over 200 characters or any other byte: 422 "
                    "`invalid_idempotency_key`; used before for a turn with another body: 422 "
                    "`idempotency_key_reused`.",

@@ -302,7 +302,7 @@ def cross_origin(method: str, headers: dict[bytes, bytes], scheme: str = "http")
 #: ``Host`` = uri-host [ ":" port ] (RFC 9110 7.2, RFC 3986 3.2.2-3.2.3): an IP literal in brackets
 #: (IPv6, with an optional zone), or a reg-name / IPv4 address of unreserved, sub-delims and %-escapes;
 #: the port is decimal digits (empty allowed by the grammar)
-_HOST_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+(?:%25[A-Za-z0-9._~-]+)?\]|(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)"
+_HOST_RE = re.compile(r"(?:\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%25[A-Za-z0-9._~-]+)?\]|(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)"
                       r"(?::([0-9]*))?")
 
 
@@ -310,7 +310,7 @@ _HOST_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+(?:%25[A-Za-z0-9._~-]+)?\]|(?:[A-Za-z
 def malformed_host(raw: bytes) -> str | None:
     """Why the ``Host`` header value ``raw`` is not ``host[:port]`` (see ``_HOST_RE``; a port above 65535
     too), or None if it is. RFC 9112 3.2: a request with an invalid ``Host`` is answered 400."""
-    m = _HOST_RE.fullmatch(raw.decode("latin-1"))
+    m = _HOST_RE.fullmatch(raw.decode("latin-1").strip(" \t"))  # RFC 9110 5.5: whitespace around a value
     if m is None:
         return "is not host[:port]"
     if m.group(1) and int(m.group(1)) > 65535:
@@ -441,11 +441,12 @@ class Guard:
             return
         if b"host" not in headers and scope.get("http_version") not in ("1.0", "0.9"):
             # RFC 9112 3.2: an HTTP/1.1 request without Host is answered 400 (HTTP/1.0 had none: it passes)
-            await _answer(send, 400, "bad_request", "an HTTP/1.1 request carries a Host header", scope=scope)
+            await _answer(send, 400, "bad_request", "an HTTP/1.1 request must carry a Host header", scope=scope)
             return
         if (raw_host := headers.get(b"host")) is not None and (why := malformed_host(raw_host)) is not None:
             # RFC 9112 3.2: an invalid Host is answered 400 (a fresh-user run: localhost:abc was served)
-            await _answer(send, 400, "bad_request", f"Host {clip(raw_host.decode('latin-1'))} {why}", scope=scope)
+            await _answer(send, 400, "bad_request", f"Host {clip(raw_host.decode('utf-8', 'replace'))} {why}",
+                          scope=scope)
             return
         if why := cross_origin(scope.get("method", ""), headers, scope.get("scheme", "http")):
             await _answer(send, 403, "cross_origin_request",

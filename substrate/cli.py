@@ -771,6 +771,10 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
 @sessions.command("invoke")
 def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as JSON if it is JSON, else a string"),
              stream: bool = typer.Option(False, help="Stream chunks."),
+             idempotency_key: Optional[str] = typer.Option(
+                 None, "--idempotency-key", "-k",
+                 help="The turn's Idempotency-Key: the same command again with the same key is answered "
+                      "from the kept answer, never run twice (default: a new key per command)"),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Invoke a session (wakes it if suspended)."""
     value = _input_value(input)
@@ -778,12 +782,12 @@ def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as J
         if stream:
             # each chunk as it arrives (``list(...)`` printed them all only after the turn ended: a
             # fresh-user run); an error mid-stream is one line after the chunks before it
-            chunks = iter(c.invoke_stream(sid, value))
+            chunks = iter(c.invoke_stream(sid, value, idempotency_key=idempotency_key))
             end = object()
             while (chunk := _run(lambda: next(chunks, end))) is not end:
                 _print(chunk)
         else:
-            _print(_run(lambda: c.invoke(sid, value)))
+            _print(_run(lambda: c.invoke(sid, value, idempotency_key=idempotency_key)))
 
 
 def _not_json_constant(name: str) -> Any:

@@ -52,6 +52,16 @@ def redis_url_problem(url: str) -> str | None:
         return f"not a Redis URL (no socket path): {usage}"
     if u.scheme != "unix" and not u.hostname:
         return f"not a Redis URL (no host): {usage}"
+    # redis-py reads a database that is not a number as database 0, silently (a fresh-user run wrote
+    # into database 0 of a shared Redis through ``/abc``)
+    from urllib.parse import parse_qs
+
+    dbs = parse_qs(u.query).get("db", [])
+    if u.scheme in ("redis", "rediss") and u.path.strip("/"):
+        dbs.append(u.path.strip("/"))
+    for db in dbs:
+        if not (db.isascii() and db.isdigit()):
+            return f"not a Redis URL (database {db[:40]!r} is not a number): {usage}"
     return None
 
 
@@ -81,6 +91,10 @@ class _Section(BaseModel):
 MAX_FLOAT_SETTING = 1e9
 MAX_INT_SETTING = 10**15
 
+
+#: an ``ApiSettings.allowed_hosts`` entry that is not an IP address: a DNS name (a trailing dot allowed)
+_ALLOWED_HOST_RE = re.compile(r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.)*"
+                              r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.?")
 
 #: ``RedisSettings.key_prefix``
 _KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,62}[A-Za-z0-9._-])?")
@@ -125,6 +139,28 @@ class ApiSettings(_Section):
     #: credentials) answers to on a loopback address; any other ``Host`` is refused (403
     #: ``host_not_allowed``: the DNS-rebinding defence, api/guard.py). JSON list in the environment
     allowed_hosts: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, v: list[str]) -> list[str]:
+        # an entry no Host can match ("bad host", "example.com:8080") was accepted silently (a fresh-user
+        # run): a name, or an IP address (an IPv6 one with or without brackets), without a port
+        import ipaddress
+
+        out = []
+        for name in v:
+            bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+            try:
+                out.append(str(ipaddress.ip_address(bare)))  # as the Host check compares it: no brackets
+                continue
+            except ValueError:
+                pass
+            if not _ALLOWED_HOST_RE.fullmatch(name):
+                raise ValueError(f"{name[:80]!r} is not a host name: give a name (letters, digits, '-', '.') or "
+                                 "an IP address, without a port")
+            out.append(name)
+        return out
+
     max_body_bytes: int = Field(1 * 1024 * 1024, gt=0)
     #: how long a request's body may take to arrive, counted from its headers (s): a client that trickles
     #: or never finishes its body gets 408 ``request_timeout`` and its connection is closed, instead of
@@ -229,7 +265,7 @@ class WorkerSettings(_Section):
     #: on SIGTERM (or ``substrate up`` stopping) a worker suspends every session within this bound
     shutdown_grace_s: float = Field(20.0, ge=0)
     #: answers of recent turns kept per activation (and in its snapshot), by idempotency key
-    idempotency_keys: int = Field(64, ge=0)
+    idempotency_keys: int = Field(64, ge=1)
     #: bytes of those answers kept per activation (and in its snapshot), in the worker's memory outside any
     #: sandbox: an answer over it, or the oldest once the sum is over it, is replaced by a small marker
     #: that answers a retry 410 ``answer_not_kept`` (the turn ran; it is never run again)
@@ -473,8 +509,17 @@ class Settings(BaseSettings):
     catalog_source: Literal["files", "kubernetes"] = "files"
     #: what ``api.main:app`` runs: ``embedded`` (substrate up) or ``router`` (API + proxy only)
     role: Literal["embedded", "router"] = "embedded"
+    #: one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)
     log_level: str = "INFO"
     log_json: bool = True
+
+    @field_validator("log_level")
+    @classmethod
+    def _a_log_level(cls, v: str) -> str:
+        # an unknown level was a 49-line traceback from logging at start-up (a fresh-user run)
+        if v.strip().upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"{v[:40]!r} is not a log level: use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return v.strip().upper()
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,8 @@ after the worker as after any other death.
 Given a log file, the worker first moves its standard output and error there: the runtime's terminal
 is its user's again (``substrate up`` forced out by a second Ctrl-C has printed its one line and
 returned), and a graceful stop with the embedded Redis gone warns for seconds (a fresh-user run: about
-50 lines with tracebacks in the shell after the prompt came back).
+50 lines with tracebacks in the shell after the prompt came back). There each kind of record is written
+at most three times (``_FirstFew``).
 
 Why a pipe and not ``PR_SET_PDEATHSIG``: a zygote-forked worker's parent is the zygote, not the runtime,
 so a parent-death signal would fire on the zygote's death (taking healthy workers down with it) and not
@@ -51,6 +52,22 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
+class _FirstFew(logging.Filter):
+    """Passes each kind of record (its logger and message template) at most ``limit`` times: a worker
+    stopping with its Redis gone warned about every heartbeat and call, ~150 KB in seconds (a fresh-user
+    run), where the first few of each say all there is."""
+
+    def __init__(self, limit: int = 3) -> None:
+        super().__init__()
+        self.limit = limit
+        self.seen: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        n = self.seen[key] = self.seen.get(key, 0) + 1
+        return n <= self.limit
+
+
 def _wait_and_stop(fd: int, escalate_after_s: float, log_path: Path | None) -> None:
     try:
         while os.read(fd, 1):  # nothing is ever written; a byte would be a bug, not a reason to stop
@@ -62,6 +79,9 @@ def _wait_and_stop(fd: int, escalate_after_s: float, log_path: Path | None) -> N
             with contextlib.suppress(Exception):
                 stream.flush()
         _redirect_output(log_path)
+        few = _FirstFew()
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(few)
     log.warning("the runtime that started this worker is gone; stopping gracefully")
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(escalate_after_s)

@@ -213,7 +213,8 @@ def keep_answer(answers: AnswerLog, key: str, answer: "StoredAnswer", *, keys: i
     budget, and then the oldest answers while the sum is over it, become a small marker (status 410
     ``answer_not_kept``), so a retry of any of the last ``keys`` turns is answered and never runs the turn
     again. Markers keep the digest and restored marker of the turn."""
-    if len(answer.text) > budget:
+    if len(answer.text) > budget and answer.status != NOT_KEPT_STATUS:  # a marker stays as it is: made
+        # again it named itself (410) and its own size (a fresh-user run, with a budget under ~300 bytes)
         answer = replace(answer, status=NOT_KEPT_STATUS, text=_not_kept(answer.status, len(answer.text), budget))
     replaced = answers.get(key)
     if replaced is not None:

@@ -36,7 +36,7 @@ def test_the_sum_stays_under_the_budget_and_every_recent_key_stays_known():
 def _reference(answers: OrderedDict[str, StoredAnswer], key: str, answer: StoredAnswer, *, keys: int,
                budget: int) -> None:
     """The rule written plainly: every kept answer summed on each call, the router's keys found by a scan."""
-    if len(answer.text) > budget:
+    if len(answer.text) > budget and answer.status != NOT_KEPT_STATUS:
         answer = replace(answer, status=NOT_KEPT_STATUS, text=_not_kept(answer.status, len(answer.text), budget))
     answers[key] = answer
     answers.move_to_end(key)
@@ -83,3 +83,12 @@ def test_the_routers_own_keys_make_room_first_and_survive_a_snapshot():
     assert list(a) == ["c0", "c1", "c2", "c3"], "client keys: the window of the last `keys`"
     back = StoredAnswer.load(StoredAnswer(200, "x", "d", "", 1.0, routers=True).dump())
     assert back.routers and not StoredAnswer.load([200, "x", "d", "", 1.0]).routers, "an older snapshot's form"
+
+
+def test_a_marker_over_a_tiny_budget_is_kept_as_it_is():
+    """A fresh-user run: with a 100-byte budget a streamed turn's marker (made by the worker, over the
+    budget itself) was wrapped again and said the turn "answered 410" with the marker's own size."""
+    a = AnswerLog()
+    marker = StoredAnswer(NOT_KEPT_STATUS, _not_kept(200, 355, 100), "d")
+    keep_answer(a, "k", marker, keys=4, budget=100)
+    assert a["k"] == marker and "answered 200" in a["k"].text and "355-byte" in a["k"].text

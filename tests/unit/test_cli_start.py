@@ -200,6 +200,26 @@ def test_invoke_sends_json_input_as_json_and_anything_else_as_a_string(arg: str,
     assert bodies == [{"input": sent}]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_invoke_sends_the_idempotency_key_given(stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: retry safety could not be used from the CLI (every command made a new key)."""
+    keys: list[str | None] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        keys.append(req.headers.get("idempotency-key"))
+        if stream:
+            return httpx.Response(200, content=b'{"chunk": "ok"}\n{"done": true}\n',
+                                  headers={"content-type": "application/x-ndjson"})
+        return httpx.Response(200, json={"output": "ok"})
+
+    _mock_client(monkeypatch, handler)
+    for _ in range(2):
+        r = CliRunner().invoke(app, ["sessions", "invoke", "s-1", "get", "-k", "turn-7", *(["--stream"] if stream else [])])
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s-1", "get", *(["--stream"] if stream else [])])
+    assert keys[:2] == ["turn-7", "turn-7"] and keys[2] != "turn-7", keys
+
+
 @pytest.mark.parametrize(("arg", "why"), [('"\\ud800"', "lone surrogate"), ("1e999", "out of range")])
 def test_invoke_input_no_json_body_can_carry_is_one_error_and_nothing_is_sent(
         arg: str, why: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,3 +44,20 @@ async def test_an_input_object_with_an_unknown_field_is_an_agent_error_and_count
         await c.invoke(bad)
     assert await c.invoke("get") == {"count": 7}
     assert await c.invoke({}) == {"count": 8}, "an empty object is still an increment (op's default)"
+
+
+@pytest.mark.parametrize("bad,says", [({"op": "get", "burn": "yes"}, 'burn must be true or false, got "yes"'),
+                                      ({"burn": 1}, "burn must be true or false, got 1"),
+                                      ({"work_s": None}, "work_s must be a number of seconds, got null"),
+                                      ({"op": "GET"}, 'unknown op "GET"'),
+                                      ({"op": None}, "unknown op null"),
+                                      (["get"], 'unknown input ["get"]')])
+async def test_each_bad_input_is_named_as_json_and_counts_nothing(bad: object, says: str, tmp_path: Path) -> None:
+    """A fresh-user run: ``"burn": "yes"`` and ``1`` were taken as true, ``"work_s": null`` as 0, and the
+    messages showed Python values (``None``, ``True``) and called a bad ``op`` an unknown input."""
+    c = _counter(tmp_path)
+    await c.start({"count": 2})
+    with pytest.raises(AgentError) as e:
+        await c.invoke(bad)
+    assert says in str(e.value), str(e.value)
+    assert await c.invoke({"op": "get", "burn": True}) == {"count": 2}

@@ -151,7 +151,7 @@ async def test_an_http11_request_without_host_is_400_and_http10_passes() -> None
 @pytest.mark.parametrize("host,why", [(b"localhost:abc", b"is not host[:port]"),
                                       (b"localhost:99999", b"above 65535"), (b"evil.example/x", b"host[:port]"),
                                       (b"a b", b"host[:port]"), (b"[::1", b"host[:port]"),
-                                      (b"localhost:80:80", b"host[:port]")])
+                                      (b"localhost:80:80", b"host[:port]"), (b"[127.0.0.1]", b"host[:port]")])
 @pytest.mark.parametrize("token", [None, "sekret"])
 async def test_a_malformed_host_is_400_in_every_mode(host: bytes, why: bytes, token: str | None) -> None:
     """A fresh-user run: ``Host: localhost:abc`` and ``localhost:99999`` were served in open mode. RFC 9112
@@ -166,7 +166,7 @@ async def test_a_malformed_host_is_400_in_every_mode(host: bytes, why: bytes, to
 
 
 @pytest.mark.parametrize("host", [b"localhost", b"localhost:8080", b"127.0.0.1:1", b"[::1]:8080", b"[::1]",
-                                  b"localhost:"])
+                                  b"localhost:", b"localhost \t", b"[0:0:0:0:0:0:0:1]:80"])
 async def test_a_well_formed_host_passes(host: bytes) -> None:
     status, _, _ = await _asgi(create_app(Settings()), _scope("/v1/nope", [(b"host", host)]))
     assert status == 404  # past the front door, to the routes

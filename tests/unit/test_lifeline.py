@@ -15,7 +15,12 @@ CHILD = textwrap.dedent("""
     import logging, pathlib, signal, sys, time
     from workers import lifeline
     logging.basicConfig(level=logging.WARNING)  # to stderr, through descriptor 2, as the worker's logging
-    signal.signal(signal.SIGTERM, lambda *_: print("sigterm", flush=True))
+    def on_term(*_):
+        print("sigterm", flush=True)
+        for i in range(10):  # a stopping worker's repeated warnings
+            logging.getLogger("w").warning("heartbeat failed %d", i)
+
+    signal.signal(signal.SIGTERM, on_term)
     log_path = pathlib.Path(sys.argv[2]) if len(sys.argv) > 2 else None
     print(lifeline.watch_from_env(float(sys.argv[1]), log_path=log_path), flush=True)
     time.sleep(600)
@@ -85,6 +90,8 @@ def test_once_the_runtime_is_gone_the_worker_writes_to_its_own_file_not_the_term
         text = log_path.read_text()
         assert "the runtime that started this worker is gone" in text and "sigterm" in text, text
         assert "graceful stop did not finish" in text, text
+        assert [f"heartbeat failed {i}" in text for i in range(10)] == [True] * 3 + [False] * 7, \
+            "each kind of record at most three times"
     finally:
         if p.poll() is None:
             p.kill()

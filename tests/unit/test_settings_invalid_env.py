@@ -79,6 +79,14 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_REDIS__KEY_PREFIX", "a{b}", "is not a key prefix"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "", "is not a key prefix"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "x" * 65, "1-64 letters"),
+    # a fresh-user run: redis-py reads a database that is not a number as 0 (it wrote into a shared db 0)
+    ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:6379/abc", "database 'abc' is not a number"),
+    ("SUBSTRATE_REDIS__URL", "redis://127.0.0.1:6379?db=x1", "database 'x1' is not a number"),
+    ("SUBSTRATE_REDIS__URL", "unix:///tmp/r.sock?db=abc", "database 'abc' is not a number"),
+    ("SUBSTRATE_LOG_LEVEL", "loud", "'loud' is not a log level"),
+    ("SUBSTRATE_WORKER__IDEMPOTENCY_KEYS", "0", "greater than or equal to 1"),
+    ("SUBSTRATE_API__ALLOWED_HOSTS", '["bad host"]', "'bad host' is not a host name"),
+    ("SUBSTRATE_API__ALLOWED_HOSTS", '["example.com:8080"]', "without a port"),
 ])
 def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
