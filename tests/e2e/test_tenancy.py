@@ -491,6 +491,30 @@ def test_a_full_running_quota_suspends_the_tenants_idle_session_instead_of_refus
     assert [c.get_session(x)["state"] for x in (a, b, third)] == ["RUNNING", "RUNNING", "SUSPENDED"]
 
 
+def test_a_templates_full_running_quota_suspends_only_a_session_of_that_template(runtime_factory):
+    """The make-room path for a template's ``spec.quota.maxRunning``: the victim is the tenant's least
+    recently used idle session of that template, not an older idle session of another template (whose
+    suspension would free no place the call needs)."""
+    extra = """---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: counter-q}
+spec:
+  entrypoint: workers.agents.counter:Counter
+  stateManagement: {snapshotInterval: 0, maxIdleTime: 0}
+  quota: {maxRunning: 1}
+"""
+    rt = runtime_factory(replicas=1, slots=8, extra_yaml=extra, env={"SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.5"})
+    c = rt.client
+    other = c.create_session("counter")["id"]  # idle the longest, but of another template
+    time.sleep(0.3)
+    first = c.create_session("counter-q")["id"]
+    time.sleep(0.6)
+    second = c.create_session("counter-q")["id"]
+    assert c.get_session(first)["state"] == "SUSPENDED" and c.get_session(first)["suspendReason"] == "pressure"
+    assert c.get_session(other)["state"] == "RUNNING" and c.get_session(second)["state"] == "RUNNING"
+
+
 def test_racing_suspends_and_resumes_keep_the_running_quota_exact(runtime_factory):
     """Fresh-user run: ``resume & suspend & resume`` of one session, repeated, left RUNNING sessions
     outside the tenant's running set (16 RUNNING, 11 counted), and with ``maxRunning`` 2 a third session
