@@ -487,7 +487,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         path = f"/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
         headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
                    "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
-        if key_by_router:  # only this router's own retry can send the key again (the worker evicts it first)
+        if key_by_router:  # made for this router's own retry (the client learns it only from the answer):
+            # the worker evicts such keys first
             headers[KEY_ORIGIN_HEADER] = "router"
         first = b""
         try:

@@ -102,7 +102,7 @@ log = logging.getLogger("substrate.worker")
 EPOCH_HEADER = "X-Substrate-Epoch"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: sent by the router, value ``router``, when the turn's idempotency key is a request ID it made itself (the
-#: client sent neither ``Idempotency-Key`` nor ``X-Request-ID``): only the router's own retry can use it
+#: client sent neither ``Idempotency-Key`` nor ``X-Request-ID``): made for the router's own retry
 KEY_ORIGIN_HEADER = "X-Substrate-Key-Origin"
 #: where the worker keeps its own data (the idempotency answers) inside a snapshot's state
 _STATE_KEY = "__substrate__"
@@ -126,8 +126,8 @@ class StoredAnswer:
     digest: str = ""
     restored: str | None = None
     restored_at: float | None = None
-    #: the key is a request ID the router made (``KEY_ORIGIN_HEADER``): no client can send it again, only
-    #: the router's own retry of the turn, so such answers make room first (``keep_answer``)
+    #: the key is a request ID the router made (``KEY_ORIGIN_HEADER``) for its own retry; a client learns
+    #: it only from the answer's ``X-Request-ID``, so such answers make room first (``keep_answer``)
     routers: bool = False
 
     def dump(self) -> list[Any]:
