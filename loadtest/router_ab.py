@@ -32,7 +32,8 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.bench import Server, _post, descendants, process_cpu_s, tree_cpu_s
+from loadtest.bench import Server, _post
+from loadtest.proctree import descendants, process_cpu_s, tree_cpu_s
 
 _BODY = '{"input": "get"}'
 

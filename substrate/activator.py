@@ -659,6 +659,14 @@ class Activator:
         only = victim_filter(tenant, held, pool_slots)
         if only is not None:
             recs = [r for r in recs if r.tenant == only]
+        return await self._suspend_victims(recs, count, min_idle_s, skipped="pressure suspend skipped")
+
+    async def _suspend_victims(self, recs: list[SessionRecord], count: int, min_idle_s: float, *,
+                               skipped: str) -> int:
+        """Suspend up to ``count`` of ``recs``, least recently used first among the RUNNING ones idle at
+        least ``min_idle_s`` (``substrate.placement.lru_victims``), reason ``pressure``; a session that
+        refuses (busy since it was read, or moved) is logged as ``skipped`` and the next one is tried.
+        Returns how many were suspended."""
         order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
                             min_idle_s=min_idle_s)
         by_id = {r.id: r for r in recs}
@@ -668,7 +676,7 @@ class Activator:
                 await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
                 return True
             except SubstrateError as e:
-                log.info("pressure suspend skipped", extra={"session": sid, "code": e.code})
+                log.info(skipped, extra={"session": sid, "code": e.code})
                 return False
 
         # ``count`` distinct victims at once (a queue of waiters needs as many slots; suspending them one
@@ -710,15 +718,7 @@ class Activator:
         min_idle_s = self.settings.api.pressure_min_idle_s
         sids = [s for s in await self.quotas.running(tenant, template) if s != exclude]
         recs = [r for r in await self.directory.get_sessions(sids) if r.tenant == tenant]
-        by_id = {r.id: r for r in recs}
-        for sid in lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
-                               min_idle_s=min_idle_s):
-            try:
-                await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
-                return True
-            except SubstrateError as e:  # busy since it was read, or moved: the next one
-                log.info("quota suspend skipped", extra={"session": sid, "code": e.code})
-        return False
+        return await self._suspend_victims(recs, 1, min_idle_s, skipped="quota suspend skipped") > 0
 
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:

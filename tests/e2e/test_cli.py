@@ -18,6 +18,7 @@ from typing import Callable
 import httpx
 import redis
 
+from loadtest.proctree import descendants
 from tests.conftest import ROOT
 from substrate.keys import Keys
 
@@ -45,23 +46,8 @@ def _alive(pid: int) -> bool:
 
 def _descendants(root: int) -> dict[int, str]:
     """pid -> command line of every live process below ``root`` (from /proc, as it is now)."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(") ", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, pp in parent.items():
-            if pp in found and pid not in found:
-                found.add(pid)
-                grew = True
     out = {}
-    for pid in found - {root}:
+    for pid in descendants(root):
         try:
             out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:

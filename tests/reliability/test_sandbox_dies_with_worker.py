@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.proctree import descendants
 from substrate import sandbox_sweep
 from substrate.settings import Settings, WorkerSettings
 from workers.sandbox import SlotCgroup, cgroup_v1_writable, find_bwrap
@@ -94,23 +95,6 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                stat = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(stat[1]), []).append(int(p))
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
 def _living(pids: set[int]) -> dict[int, str]:
     """The processes of ``pids`` that still exist and are not zombies (a zombie runs nothing), with state."""
     return {p: s for p in pids if (s := _state(p)) not in (None, "Z", "X")}
@@ -168,7 +152,7 @@ def test_a_sigkilled_worker_leaves_no_process_of_its_sandboxes(tmp_path, cleanup
     info = json.loads(line)
     cleanup.insert(0, ("uids", info["uids"]))
     cleanup.insert(0, ("cgroups", info["cgroups"]))
-    sandbox = _descendants(worker.pid)
+    sandbox = set(descendants(worker.pid))
     assert info["outer"] in sandbox and len(_living(set(sandbox_sweep.pids_of_uids(set(info["uids"]))))) >= 4
     if frozen:
         freezer = next(c for c in info["cgroups"] if "/freezer/" in c)
@@ -356,7 +340,7 @@ def test_a_real_worker_sigkilled_with_its_slots_frozen_leaves_nothing(runtime_fa
     pid = int(rt.workers()[wid]["pid"])
     worker_dirs = [str(sandbox_sweep.CGROUP_ROOT / c_ / "substrate" / wid) for c_ in sandbox_sweep.CONTROLLERS]
     cleanup.append(("cgroups", worker_dirs))
-    sandbox = _descendants(pid)
+    sandbox = set(descendants(pid))
     uids = sorted({u for p in sandbox if (st := sandbox_sweep._status(str(p))) for u in st[0] if u})
     assert uids, "the session's agent runs as a slot uid"
     slots = sorted(Path(worker_dirs[sandbox_sweep.CONTROLLERS.index("freezer")]).glob("slot-*"))

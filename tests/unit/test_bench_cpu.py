@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loadtest.bench import machine_busy_cpu_s, process_cpu_s
+from loadtest.proctree import machine_busy_cpu_s, process_cpu_s
 
 
 def _burn() -> None:

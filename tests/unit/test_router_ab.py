@@ -43,7 +43,7 @@ def test_the_rest_of_a_runtime_is_every_process_under_its_router() -> None:
     import subprocess
     import time
 
-    from loadtest.bench import descendants
+    from loadtest.proctree import descendants
     from loadtest.router_ab import _rest_s
 
     root = subprocess.Popen(["bash", "-c", "bash -c 'sleep 30 & wait' & sleep 30 & wait"])
