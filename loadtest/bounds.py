@@ -17,7 +17,9 @@ runs one turn at a time, so a turn that arrives while its session's previous tur
   ``k``. A turn whose start finds all of them busy needed a scale-up (with real workers: a cold start).
   For each ``(d, k)`` the report gives the utilization and the share of turns that needed a scale-up:
   high utilization is only reachable with capacity that shrinks within ``d`` of a turn's end, and then
-  many turns find no free slot.
+  many turns find no free slot. The same rows are given for **workers of ``S`` slots** (capacity comes
+  and goes a whole worker at a time: ``S x ceil((most running + k) / S)`` slots), for ``S`` = 1 and the
+  replayed pool's slots per worker: what that worker size allows any autoscaler, before any latency.
 
 All times are wall seconds on the replay clock (the plan is already compressed). The arithmetic is
 exact for the inherent wait and the fixed-capacity share; the reactive figures use a grid of
@@ -120,17 +122,22 @@ def plan_bounds(
     delays_s: Sequence[float] = REACTIVE_DELAYS_S,
     spares: Sequence[int] = REACTIVE_SPARES,
     grid_s: float = 0.001,
+    worker_slots: Sequence[int] = (1,),
 ) -> dict[str, Any] | None:
     """The bounds of the module docstring for a plan's turns (records with ``session``, ``at_s``,
     ``work_s``; ``loadtest.replay`` turn records qualify). None for an empty plan.
 
     -> ``{"turns", "busy_s", "span_s", "mean_busy_slots", "inherent_wait_ms": {p50, p95, p99},
     "waiting_share", "fixed": [{"slots", "no_free_slot_share", "utilization_max"}...], "c99",
-    "c99_utilization_max", "reactive": [{"delay_s", "spare", "utilization", "scale_up_share"}...]}``.
-    Raises ValueError for ``grid_s <= 0``.
+    "c99_utilization_max", "reactive": [{"delay_s", "spare", "worker_slots", "utilization",
+    "scale_up_share"}...]}`` (reactive rows for each of ``worker_slots``, the slots per worker ``S``).
+    Raises ValueError for ``grid_s <= 0`` or a worker size below 1.
     """
     if grid_s <= 0:
         raise ValueError("grid_s must be > 0")
+    sizes = sorted(set(worker_slots))
+    if not sizes or sizes[0] < 1:
+        raise ValueError("worker_slots must be >= 1")
     waits, intervals = ideal_schedule(turns)
     if not intervals:
         return None
@@ -156,15 +163,19 @@ def plan_bounds(
         conc = _concurrency_grid(intervals, t0, cells, grid_s)
         for d in delays_s:
             wmax = _window_max(conc, max(1, int(round(d / grid_s)) + 1))
-            for k in spares:
-                provisioned = (sum(wmax) + k * cells) * grid_s
-                need = 0
-                for (s, _), o in zip(intervals, others, strict=True):
-                    j = int((s - t0) / grid_s) - 1  # the last cell that ends at or before the start
-                    if o >= (wmax[j] if j >= 0 else 0) + k:
-                        need += 1
-                reactive.append({"delay_s": d, "spare": k, "utilization": busy / provisioned if provisioned else None,
-                                 "scale_up_share": need / n})
+            for size in sizes:
+                for k in spares:
+                    # whole workers: the most turns running in the last d, plus the spare, rounded up
+                    slots = [size * -(-(w + k) // size) for w in wmax]
+                    provisioned = sum(slots) * grid_s
+                    need = 0
+                    for (s, _), o in zip(intervals, others, strict=True):
+                        j = int((s - t0) / grid_s) - 1  # the last cell that ends at or before the start
+                        if o >= (slots[j] if j >= 0 else size * -(-k // size)):
+                            need += 1
+                    reactive.append({"delay_s": d, "spare": k, "worker_slots": size,
+                                     "utilization": busy / provisioned if provisioned else None,
+                                     "scale_up_share": need / n})
     return {
         "turns": n,
         "busy_s": busy,
@@ -177,6 +188,13 @@ def plan_bounds(
         "c99_utilization_max": (busy / (c99 * span)) if (c99 and span > 0) else None,
         "reactive": reactive,
     }
+
+
+def bound_worker_sizes(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """Worker sizes of the plan's reactive bounds: 1 (capacity by the slot) and ours' slots per worker
+    (``cfg["ours_worker_slots"]``, when known)."""
+    ours = cfg.get("ours_worker_slots")
+    return (1, ours) if isinstance(ours, int) and ours > 1 else (1,)
 
 
 def render_bounds(b: Mapping[str, Any] | None) -> list[str]:
@@ -199,9 +217,11 @@ def render_bounds(b: Mapping[str, Any] | None) -> list[str]:
             f"- fixed capacity: {b['c99']} slots are the fewest with at most 1 % of turns finding none free; "
             f"utilization then <= {100 * b['c99_utilization_max']:.1f} %")
     if b.get("reactive"):
-        lines += ["- reactive capacity (instant scale-up, scale-down after d, spare k): utilization, and the "
-                  "share of turns that find no free slot and need a scale-up:", ""]
-        lines += ["| d (wall s) | spare k | utilization | turns needing a scale-up |", "|---|---|---|---|"]
-        lines += [f"| {r['delay_s']:g} | {r['spare']} | {100 * r['utilization']:.1f} % | "
+        lines += ["- reactive capacity (instant scale-up, scale-down after d, spare k, in workers of S slots: "
+                  "capacity comes and goes a whole worker at a time): utilization, and the share of turns "
+                  "that find no free slot and need a scale-up:", ""]
+        lines += ["| d (wall s) | spare k | slots per worker S | utilization | turns needing a scale-up |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['delay_s']:g} | {r['spare']} | {r.get('worker_slots', 1)} | {100 * r['utilization']:.1f} % | "
                   f"{100 * r['scale_up_share']:.1f} % |" for r in b["reactive"] if r.get("utilization") is not None]
     return lines

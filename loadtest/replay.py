@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import report as rpt
-from loadtest.bounds import plan_bounds, render_bounds
+from loadtest.bounds import bound_worker_sizes, plan_bounds, render_bounds
 from loadtest.traces import (
     FORMATS,
     TIMESTAMPED_FORMATS,
@@ -744,8 +744,12 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
                           run_id=cfg["run_id"])
         bar = _progress(plan.turns, name, pos, args.no_progress)
         runners.append((TargetRunner(name, rc, plan, stop, bar), bar))
-    if cfg.get("ours_idle_timeout_s") is None:
-        cfg["ours_idle_timeout_s"] = await idle_timeout_s(args.host, args.template, token)
+    if cfg.get("ours_idle_timeout_s") is None or cfg.get("ours_worker_slots") is None:
+        idle, slots = await template_facts(args.host, args.template, token)
+        if cfg.get("ours_idle_timeout_s") is None:
+            cfg["ours_idle_timeout_s"] = idle
+        if cfg.get("ours_worker_slots") is None:
+            cfg["ours_worker_slots"] = slots
     try:
         results = await asyncio.gather(*(r.run() for r, _ in runners))
     finally:
@@ -761,8 +765,9 @@ async def replay(plan: Plan, cfg: dict[str, Any], args: argparse.Namespace) -> d
     }
     if args.baseline:
         result.update(rpt.compare(result))
-    result["bounds"] = plan_bounds(plan_turn_records(plan))
+    result["bounds"] = plan_bounds(plan_turn_records(plan), worker_slots=bound_worker_sizes(cfg))
     return result
+
 
 
 def plan_turn_records(plan: Plan) -> list[dict[str, Any]]:
@@ -770,29 +775,37 @@ def plan_turn_records(plan: Plan) -> list[dict[str, Any]]:
     return [{"session": s.id, "at_s": t.at_s, "work_s": t.work_s} for s in plan.sessions for t in s.turns]
 
 
-async def idle_timeout_s(host: str, template: str, token: str | None) -> float | None:
-    """The template's ``maxIdleTime`` in seconds as ``host`` reports it (the baseline's ``L`` = ours'
-    idle timeout); None if it cannot be read."""
+async def template_facts(host: str, template: str, token: str | None) -> tuple[float | None, int | None]:
+    """``(idle timeout s, slots per worker)`` of ``template`` as ``host`` reports them: its
+    ``maxIdleTime`` (the baseline's ``L`` = ours' idle timeout) and its pool's ``spec.slots`` (the worker
+    size of the plan's reactive bounds); each None if it cannot be read."""
     import aiohttp
 
     from substrate.models import parse_duration_s
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    base = host.rstrip("/")
     try:
-        async with aiohttp.ClientSession() as http, http.get(
-                host.rstrip("/") + "/v1/actortemplates", headers=headers,
-                timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            items = (await resp.json()).get("items") or []
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as http:
+            async with http.get(base + "/v1/actortemplates") as resp:
+                items = (await resp.json()).get("items") or []
+            spec = next(((t.get("spec") or {}) for t in items
+                         if (t.get("metadata") or {}).get("name") == template), None)
+            if spec is None:
+                return None, None
+            async with http.get(base + "/v1/workerpools") as resp:
+                pools = (await resp.json()).get("items") or []
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
-        return None
-    for t in items:
-        if (t.get("metadata") or {}).get("name") == template:
-            raw = ((t.get("spec") or {}).get("stateManagement") or {}).get("maxIdleTime")
-            try:
-                return parse_duration_s(raw) if raw is not None else None
-            except (ValueError, TypeError):
-                return None
-    return None
+        return None, None
+    raw = (spec.get("stateManagement") or {}).get("maxIdleTime")
+    try:
+        idle = parse_duration_s(raw) if raw is not None else None
+    except (ValueError, TypeError):
+        idle = None
+    pool = spec.get("workerPool") or "default"
+    slots = next(((p.get("spec") or {}).get("slots") for p in pools
+                  if isinstance(p, dict) and (p.get("metadata") or {}).get("name") == pool), None)
+    return idle, slots if isinstance(slots, int) and slots >= 1 else None
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, window_s: float | None = None) -> dict[str, Path]:

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_report import markdown_table
-from loadtest.bounds import ideal_runs, plan_bounds, render_bounds
+from loadtest.bounds import bound_worker_sizes, ideal_runs, plan_bounds, render_bounds
 from substrate.quantiles import percentile
 
 __all__ = ["DEFINITIONS", "percentile", "latency_stats", "summarize_target", "compare", "render_markdown",
@@ -451,7 +451,7 @@ def render_markdown(result: Mapping[str, Any]) -> str:
         lines += ["", f"Always-on baseline: {base['note']}.", "", markdown_table(rows)]
     bounds = result.get("bounds")
     if bounds is None and targets["ours"].get("turns"):
-        bounds = plan_bounds(targets["ours"]["turns"])
+        bounds = plan_bounds(targets["ours"]["turns"], worker_slots=bound_worker_sizes(result.get("config") or {}))
     if bounds:
         lines += ["", *render_bounds(bounds)]
     lines += ["", "Definitions:", "", DEFINITIONS]

@@ -40,3 +40,8 @@ def test_short_trace_replay_loses_no_state(runtime_factory, tmp_path):
     assert cost["process_seconds"] > cost["worker_seconds"], "the zygote counts as a process kept for sessions"
     assert 0 < cost["utilization"] <= 1 and cost["density"] > 0
     assert (out / "report.png").stat().st_size > 0
+    # the runtime's own template facts reach the report: ours' idle timeout (the baseline's L) and its
+    # pool's worker size (the plan's bounds in workers of 4 slots beside 1-slot capacity)
+    assert result["config"]["ours_idle_timeout_s"] == 1.0 and result["config"]["ours_worker_slots"] == 4
+    assert {r["worker_slots"] for r in result["bounds"]["reactive"]} == {1, 4}
+    assert "| slots per worker S |" in (out / "report.md").read_text()

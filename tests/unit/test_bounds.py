@@ -50,6 +50,24 @@ def test_plan_bounds_fixed_and_reactive_capacity():
     assert rows[(1.0, 0)]["utilization"] < rows[(0.01, 0)]["utilization"]
 
 
+def test_reactive_bounds_in_workers_of_several_slots():
+    # the same plan; capacity that comes a whole 2-slot worker at a time holds a second slot beside each
+    # lone turn: about half the utilization, and one spare slot rounds up to a whole worker
+    turns = [_t(f"s{i}", float(i), 0.1) for i in range(100)] + [_t(f"b{i}", 50.5, 0.1) for i in range(3)]
+    b = plan_bounds(turns, worker_slots=(2, 1, 2))
+    rows = {(r["delay_s"], r["spare"], r["worker_slots"]): r for r in b["reactive"]}
+    assert {r["worker_slots"] for r in b["reactive"]} == {1, 2}
+    assert rows[(0.01, 0, 2)]["utilization"] == pytest.approx(rows[(0.01, 0, 1)]["utilization"] / 2, rel=0.05)
+    assert rows[(0.01, 0, 2)]["scale_up_share"] == 1.0
+    # k = 1 in 2-slot workers keeps 2 slots: only the burst's third turn finds none free (1-slot: two do)
+    assert rows[(0.01, 1, 2)]["scale_up_share"] == pytest.approx(1 / 103)
+    assert rows[(0.01, 1, 1)]["scale_up_share"] == pytest.approx(2 / 103)
+    md = "\n".join(render_bounds(b))
+    assert "| slots per worker S |" in md and "| 0.01 | 1 | 2 |" in md
+    with pytest.raises(ValueError, match="worker_slots"):
+        plan_bounds(turns, worker_slots=(0,))
+
+
 def test_plan_bounds_inherent_wait_is_a_floor():
     # one session whose turns overlap: the second waits 0.9 s behind the first, whatever the runtime
     b = plan_bounds([_t("a", 0.0, 1.0), _t("a", 0.1, 1.0)])
@@ -78,3 +96,20 @@ def test_dry_run_prints_the_bounds(capsys):
 
     assert main([str(FIXTURE), "--dry-run", "--compress", "100"]) == 0
     assert "What the plan allows" in capsys.readouterr().out
+
+
+def test_bound_worker_sizes_from_the_replay_config():
+    from loadtest.bounds import bound_worker_sizes
+
+    assert bound_worker_sizes({"ours_worker_slots": 6}) == (1, 6)
+    assert bound_worker_sizes({"ours_worker_slots": 1}) == (1,)
+    assert bound_worker_sizes({}) == (1,) and bound_worker_sizes({"ours_worker_slots": "6"}) == (1,)
+
+
+def test_template_facts_of_an_unreachable_host_are_unknown():
+    import asyncio
+
+    from loadtest.replay import template_facts
+    from substrate.netports import free_port
+
+    assert asyncio.run(template_facts(f"http://127.0.0.1:{free_port()}", "counter", None)) == (None, None)
