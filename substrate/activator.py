@@ -547,7 +547,7 @@ class Activator:
     async def _claim_in(self, pool: str, sid: str, worker: str | None) -> tuple[WorkerRecord, int] | None:
         """Claim a free slot on the best candidate of the view (None if none has one)."""
         pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
-        for w in candidates(pinned, pool):
+        for w in candidates(pinned, pool, pack=self.settings.pool.placement == "pack"):
             slot = await self.directory.claim_slot(w.id, sid)
             if slot >= 0:
                 w.freeSlots = max(0, w.freeSlots - 1)

@@ -449,6 +449,10 @@ class PoolSettings(_Section):
     #: (on the 11-21 replay 27 % of activations waited for one). Never while the pool grows. 0: only
     #: on need (lazy suspension)
     headroom_slots: int = Field(0, ge=0)
+    #: which worker a placement prefers among those with a warm free slot (``substrate.placement``):
+    #: ``spread`` the most free slots, ``pack`` the fewest (the emptier workers run dry and drain
+    #: without suspending anyone)
+    placement: Literal["spread", "pack"] = "spread"
 
 
 class KubernetesSettings(_Section):

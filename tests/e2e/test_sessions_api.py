@@ -49,6 +49,21 @@ def test_routes_to_the_worker_that_holds_the_session(shared_runtime):
         c.delete_session(s["id"])
 
 
+def test_pack_placement_fills_one_worker_before_the_next(runtime_factory):
+    """``SUBSTRATE_POOL__PLACEMENT=pack``: sessions go to the fullest worker with a free slot, so the
+    other worker stays empty (the pool controller can drain it without suspending anyone)."""
+    # no pre-started hosts: a worker with a warm slot comes first whatever the policy, and which one has
+    # one while hosts re-boot after each create is a race this test is not about
+    rt = runtime_factory(replicas=2, slots=4, env={"SUBSTRATE_POOL__PLACEMENT": "pack",
+                                                   "SUBSTRATE_WORKER__PRESTART_HOSTS": "0"})
+    rt.wait_for(lambda: len(rt.workers()) == 2, timeout_s=60, what="both workers registered")
+    first = rt.client.create_session("counter")
+    more = [rt.client.create_session("counter") for _ in range(3)]
+    assert {s["worker"] for s in more} == {first["worker"]}, "the first worker is filled before the other"
+    fifth = rt.client.create_session("counter")
+    assert fifth["worker"] != first["worker"], "a full worker is skipped"
+
+
 def test_notebook_shell_and_command_agents(shared_runtime):
     c = shared_runtime.client
     nb = c.create_session("notebook")

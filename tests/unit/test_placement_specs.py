@@ -24,6 +24,15 @@ def test_candidates_prefer_most_free_and_skip_unusable():
     assert [x.id for x in candidates(ws, "p", now=1, exclude=["b"])] == ["g", "a"]
 
 
+def test_pack_prefers_the_fullest_worker_with_a_free_slot_and_still_a_warm_one_first():
+    ws = [w("a", 1), w("b", 5), w("c", 0), w("d", 9, pool="q"), w("e", 9, state=WorkerState.DRAINING),
+          w("g", 3)]
+    assert [x.id for x in candidates(ws, "p", now=1, pack=True)] == ["a", "g", "b"]
+    cold, warm = w("cold", 1), w("warm", 6)
+    cold.warmSlots, warm.warmSlots = 0, 2
+    assert [x.id for x in candidates([cold, warm], "p", now=1, pack=True)] == ["warm", "cold"]
+
+
 def test_lru_victims_only_idle_running_oldest_first():
     now = 100.0
     got = lru_victims([("new", 99.5, True), ("old", 10, True), ("mid", 50, True), ("off", 1, False)],
