@@ -59,9 +59,11 @@ LABELS_SCHEMA: dict[str, Any] = {
     "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE_CHARS}}
 
 
-#: the bidirectional embedding, override and isolate controls ("Trojan Source", CVE-2021-42574): they
-#: reorder how the text around them is displayed, in a table or a log line
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+#: every character of Unicode's Bidi_Control property (PropList.txt): the embedding, override and isolate
+#: controls ("Trojan Source", CVE-2021-42574) and the directional marks (LRM, RLM, ALM), which reorder or
+#: shift how the text around them is displayed, in a table or a log line (a fresh-user run: U+200F was
+#: accepted while U+202E was refused)
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 def _unprintable(s: str) -> str | None:
@@ -119,12 +121,12 @@ class CreateSession(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     actorTemplate: str = Field(..., description="name of an ActorTemplate")
-    id: str | None = Field(None, description="client-chosen ID, [a-z0-9][a-z0-9-_.]{0,127}; generated if absent")
+    id: str | None = Field(None, description="client-chosen ID, [a-z0-9][a-z0-9._-]{0,127}; generated if absent")
     labels: dict[str, str] = Field(
         default_factory=dict, json_schema_extra=LABELS_SCHEMA,
         description=f"at most {MAX_LABELS} labels; a key is 1-63 letters, digits, '-', '_', '.' or '/', starting "
                     f"and ending with a letter or digit; a value is at most {MAX_LABEL_VALUE_CHARS} characters "
-                    "(no control character, line or paragraph separator or bidi override); anything else is "
+                    "(no control character, line or paragraph separator or bidi control); anything else is "
                     "422 `invalid_input`")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
 
@@ -143,7 +145,7 @@ class CreateSession(BaseModel):
                 raise ValueError(f"label {clip(k)} value is not valid Unicode text (lone surrogate or NUL)")
             if bad := _unprintable(val):
                 raise ValueError(f"label {clip(k)} value holds {bad}, which changes how text around it is shown "
-                                 "(control characters, line or paragraph separators, bidi overrides)")
+                                 "(control characters, line or paragraph separators, bidi controls)")
         return v
 
     @field_validator("actorTemplate", "id")
@@ -332,7 +334,7 @@ def _schema_routes(routes: list[Any]) -> list[Any]:
 
 def _check_id(sid: str) -> str:
     if not SESSION_ID_RE.fullmatch(sid):
-        raise InvalidInput(f"malformed session id {clip(sid)}: use [a-z0-9][a-z0-9-_.]{{0,127}}",
+        raise InvalidInput(f"malformed session id {clip(sid)}: use [a-z0-9][a-z0-9._-]{{0,127}}",
                            code="invalid_session_id")
     return sid
 

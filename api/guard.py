@@ -498,7 +498,7 @@ class Guard:
             if i == _SID_SEGMENT and raw.startswith(b"/v1/sessions/"):
                 await _answer(send, 422, "invalid_session_id",
                               f"malformed session id {clip(seg)}: a session ID cannot hold '/' (sent as %2F); "
-                              "use [a-z0-9][a-z0-9-_.]{0,127}", scope=scope)
+                              "use [a-z0-9][a-z0-9._-]{0,127}", scope=scope)
             else:
                 await _answer(send, 404, "not_found", f"no route has an encoded slash (%2F) in a path segment: "
                               f"{clip(seg)}", scope=scope)

@@ -154,7 +154,7 @@ async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--url", required=True)
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--template", default="counter")

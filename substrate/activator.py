@@ -1373,7 +1373,18 @@ class Activator:
         * RESUMING, or moved on to a newer activation (a concurrent wake): ``Conflict`` 409 ``conflict``
           with ``details.state``: retry;
         * any other state (PENDING, STARTING, FAILED: no suspend applies): ``Conflict`` 409
-          ``invalid_state``."""
+          ``invalid_state``;
+        * deleted meanwhile: ``NotFound`` 404 once the record is gone, so that the delete's audit record
+          (written just before its removal) comes first in the trail, as a concurrent delete's 404 does
+          (fresh-user run: the suspend's ``session_not_found`` came before the ``delete ok``, 4 of 4)."""
+        try:
+            return await self._suspend_explicit(rec)
+        except NotFound:
+            await self._wait_removed(rec.id)
+            raise
+
+    async def _suspend_explicit(self, rec: SessionRecord) -> SessionRecord:
+        """:meth:`suspend_explicit` but for the wait on a delete under way."""
         cur = rec
         for _ in range(3):  # a suspend we waited for may fail (RUNNING again): try it ourselves, bounded
             if cur.state == SessionState.SUSPENDED:

@@ -146,3 +146,41 @@ async def test_losers_of_concurrent_deletes_are_recorded_after_the_winner(direct
     await asyncio.gather(*(one(i) for i in range(6)))
     assert trail == ["ok"] + ["session_not_found"] * 5, trail
     assert not await d.redis.exists(d.keys.session("s1"))
+
+
+async def test_a_suspend_that_loses_to_a_delete_is_404_after_the_delete_is_on_record(directory: Directory) -> None:
+    """A fresh-user run (4 of 4): a turn running, a suspend waiting for it, then a DELETE; the suspend's
+    ``session_not_found`` was recorded before the delete's ``ok``. It is now answered (and so recorded by
+    the API) only once the record is gone, after the delete's own record, as a losing delete is."""
+    from substrate.errors import SubstrateError
+
+    d = directory
+    await _running_session(d)
+    view = WorkerView(d, 60)
+    await view.refresh()
+    trail: list[str] = []
+    suspending = asyncio.Event()
+
+    class BusyWorker(SlowDeactivate):
+        async def suspend(self, address: str, session: str, epoch: int, **_: Any) -> None:
+            suspending.set()  # waits for the running turn; the delete ends the activation under it
+            await asyncio.sleep(0.1)
+            raise SubstrateError("no such activation", code="not_active")
+
+    act = Activator(Settings(), d, CATALOG, BusyWorker(), view)  # type: ignore[arg-type]
+
+    async def ok() -> None:
+        trail.append("delete ok")
+
+    async def suspend() -> None:
+        try:
+            await act.suspend_explicit(await d.get_session("s1"))
+        except NotFound as e:
+            trail.append(f"suspend {e.code}")
+
+    async def delete() -> None:
+        await suspending.wait()
+        await act.delete("s1", before_removal=ok)
+
+    await asyncio.wait_for(asyncio.gather(suspend(), delete()), 10)
+    assert trail == ["delete ok", "suspend session_not_found"], trail

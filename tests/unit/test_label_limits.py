@@ -48,6 +48,7 @@ def test_the_stated_limits_are_the_checked_ones(labels_schema: dict) -> None:
 @pytest.mark.parametrize("value,ok", [
     ("plain text, with spaces", True), ("Привет 世界 👨‍👩‍👧", True), ("فارسی\u200c", True),  # ZWJ/ZWNJ are text
     ("evil\u202eexe.txt", False), ("a\u2066b", False), ("line\u2028break", False), ("para\u2029", False),
+    ("rlm\u200fmark", False), ("lrm\u200e", False), ("alm\u061c", False),  # the directional marks too
     ("tab\there", False), ("new\nline", False), ("esc\x1b[31m", False), ("del\x7f", False),
 ])
 def test_label_values_refuse_what_changes_how_text_is_shown(value: str, ok: bool) -> None:
