@@ -92,6 +92,14 @@ MAX_PAGE_LIMIT = 1000
 _DIGITS = re.compile(r"[0-9]{1,12}")
 
 
+def _query_error(name: str, msg: str) -> InvalidInput:
+    """422 ``invalid_input`` for query parameter ``name``, in the shape of FastAPI's and the guard's own
+    (message ``query.NAME: msg``, ``details.errors[0].loc`` ``["query", NAME]``): a fresh-user run found
+    ``?state=`` errors without the prefix and the details that ``?limit=`` errors carry."""
+    return InvalidInput(f"query.{name}: {msg}", code="invalid_input",
+                        details={"errors": [{"loc": ["query", name], "msg": msg}]})
+
+
 def _plain_digits(v: Any) -> Any:
     """``?limit=`` as plain decimal digits only. Pydantic's lax int took ``1.0``, ``1e3``, `` 5`` and ``+5``
     (a fresh-user run: ``?limit=1.0`` listed a page of one), which no client means as a count; the range is
@@ -602,15 +610,15 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         if template is not None and not NAME_RE.fullmatch(template):
             # no template can have such a name: say so instead of an empty list (a removed template's
             # sessions stay listable by its name, so unknown names are not refused)
-            raise InvalidInput(f"template={clip(template)} is no ActorTemplate name (lower-case letters, digits, "
-                               "'-' and '.', at most 253)", code="invalid_input")
+            raise _query_error("template", f"{clip(template)} is no ActorTemplate name (lower-case letters, "
+                               "digits, '-' and '.', at most 253)")
         if state == SessionState.DELETED.value:
-            raise InvalidInput("state=DELETED lists nothing: a deleted session is gone (its audit records stay "
-                               "in /v1/events)", code="invalid_input")
+            raise _query_error("state", "DELETED lists nothing: a deleted session is gone (its audit records "
+                               "stay in /v1/events)")
         # checked here, not by FastAPI's enum: its message offered DELETED, which a listing never shows
         if state is not None and state not in {s.value for s in LISTABLE_STATES}:
-            raise InvalidInput(f"state={clip(state)} is no state a listing shows: one of "
-                               f"{', '.join(s.value for s in LISTABLE_STATES)}", code="invalid_input")
+            raise _query_error("state", f"{clip(state)} is no state a listing shows: one of "
+                               f"{', '.join(s.value for s in LISTABLE_STATES)}")
         keys = rt.directory.keys
         index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
         items, nxt = await list_page(rt.directory.redis, keys, index, limit=limit, cursor=continue_,

@@ -186,12 +186,14 @@ def check_json_content_type(content_type: str | None, body: bytes, content_encod
                                    "uncompressed", code="unsupported_media_type")
     media, _, params = (content_type or "").partition(";")
     main, _, sub = media.strip().lower().partition("/")
-    if main == "application" and (sub == "json" or sub.endswith("+json")):
-        charset = next((v.strip().strip('"').lower() for k, _, v in (x.partition("=") for x in params.split(";"))
-                        if k.strip().lower() == "charset"), None)
-        if charset not in (None, "utf-8", "utf8"):  # it was read as UTF-8 whatever it said
-            raise UnsupportedMediaType(f"charset {clip(charset)} is not supported: JSON bodies are UTF-8",
-                                       code="unsupported_media_type")
+    # a structured-syntax suffix needs a name before it (RFC 6838 4.2.8): ``application/+json`` is none
+    if main == "application" and (sub == "json" or (sub.endswith("+json") and len(sub) > len("+json"))):
+        # every charset given must be UTF-8: ``charset=utf-8; charset=latin1`` was taken by its first
+        for charset in (v.strip().strip('"').lower() for k, _, v in (x.partition("=") for x in params.split(";"))
+                        if k.strip().lower() == "charset"):
+            if charset not in ("utf-8", "utf8"):  # it was read as UTF-8 whatever it said
+                raise UnsupportedMediaType(f"charset {clip(charset)} is not supported: JSON bodies are UTF-8",
+                                           code="unsupported_media_type")
         return
     got = f"Content-Type {clip(content_type)} is not JSON" if content_type else "the body has no Content-Type"
     raise UnsupportedMediaType(f"{got}: send the body as JSON with the header 'Content-Type: application/json' "

@@ -148,14 +148,19 @@ def demand(obs: PoolObservation) -> int:
     return active + max(pending, forecast)
 
 
-def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: bool = True) -> PoolPlan:
+def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: bool = True,
+              scale_up_step: int = 0) -> PoolPlan:
     """Pure: what to do for one pool. Scales up at once to the demand; drains at most one worker per
     call and only below the scale-down window's largest ``desired`` (``obs.recent_desired``: the
     demand must have stayed lower for the whole delay), never while a worker starts or another drain
     is still under way, and only a worker whose active sessions (plus the waiting placements) fit in
     the free slots of the others; below the demand, takes back reclaimable DRAINING workers
     (``WorkerObs.reclaimable``) before creating any; removes only empty DRAINING workers; counts STARTING workers and
-    expectations as capacity so it never over-creates. ``allow_scale_down=False`` forbids any drain."""
+    expectations as capacity so it never over-creates. ``allow_scale_down=False`` forbids any drain.
+    ``scale_up_step`` > 0, for a pool this controller autoscales: at most ``max(scale_up_step, READY
+    workers)`` workers starting at once (the rest in later rounds, as those become READY): the pool at
+    most doubles per worker start, like the HPA's default scale-up policy (4 Pods or 100 % per period,
+    whichever is more). A fixed ``replicas`` is created at once, as asked."""
     alive = [w for w in obs.workers if w.alive]
     serving = [w for w in alive if w.state != WorkerState.DRAINING]
     need = demand(obs)
@@ -170,7 +175,11 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
         reclaim = tuple(w.id for w in back)
         remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0
                        and w.id not in reclaim)
-        return PoolPlan(now_desired, create=now_desired - current - len(reclaim), remove=remove, reclaim=reclaim,
+        create = now_desired - current - len(reclaim)
+        if scale_up_step > 0 and spec.autoscaling is not None and not spec.autoscaling.metrics:
+            ready = sum(1 for w in serving if w.state == WorkerState.READY)
+            create = max(0, min(create, max(scale_up_step, ready) - obs.starting))
+        return PoolPlan(now_desired, create=create, remove=remove, reclaim=reclaim,
                         reason=f"need={need} above capacity", need=need)
     remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0)
     drain: tuple[str, ...] = ()
@@ -463,7 +472,7 @@ class PoolController:
         # may not be in the registry yet): no second one meanwhile
         drain_running = any(wid in self._draining for wid, p in running.items() if p == pool.name)
         plan = reconcile(spec, replace(obs, recent_desired=None if recent is None else int(recent)),
-                         allow_scale_down=not drain_running)
+                         allow_scale_down=not drain_running, scale_up_step=self.settings.pool.scale_up_step)
         st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
         st.desired = plan.desired
         if plan.create or plan.drain or plan.reclaim:

@@ -524,12 +524,17 @@ def test_every_authenticated_answer_carries_its_request_id(rt: RuntimeProc) -> N
     ({"template": "a\x00b"}, "is no ActorTemplate name"),
     ({"template": "Counter"}, "is no ActorTemplate name"),
     ({"state": "DELETED"}, "a deleted session is gone"),
+    ({"state": "running"}, "is no state a listing shows"),
 ])
 def test_list_filters_that_can_match_nothing_are_422(rt: RuntimeProc, params: dict[str, str], says: str) -> None:
-    """They answered 200 with an empty list (fresh-user run); a template no longer configured still lists."""
+    """They answered 200 with an empty list (fresh-user run); a template no longer configured still lists.
+    The error names the parameter as every query error does (``query.NAME``, ``details.errors[].loc``)."""
     with _http(rt, KEY_A) as a:
         err = _refused(a.get("/v1/sessions", params=params), 422, "invalid_input")
         assert says in err["message"], err
+        name = next(iter(params))
+        assert err["message"].startswith(f"query.{name}: "), err
+        assert err["details"]["errors"][0]["loc"] == ["query", name], err
         assert a.get("/v1/sessions", params={"template": "gone-from-config"}).json()["items"] == []
 
 

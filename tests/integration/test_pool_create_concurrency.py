@@ -82,3 +82,20 @@ async def test_a_backend_without_the_attribute_creates_one_at_a_time(d) -> None:
     finally:
         SlowBackend.create_concurrency = 4
     assert b.peak == 1
+
+
+async def test_scale_up_step_bounds_the_workers_starting_at_once(d) -> None:
+    """``pool.scale_up_step``: at most max(step, READY workers) of an autoscaled pool starting; the rest
+    wait for those to register (none does here: they stay expectations, so nothing more starts). A fixed
+    ``replicas`` is created at once (the test above, with the default step)."""
+    from substrate.settings import PoolSettings
+
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "default"},
+             "spec": {"slots": 1, "autoscaling": {"minReplicas": 20, "maxReplicas": 20}}}]
+    b = SlowBackend()
+    b.attempts = 10  # 4 creates at once read 14 after their sleep: none of them fails (every 5th does)
+    pc = PoolController(Settings(pool=PoolSettings(scale_up_step=4)), d, load_documents(docs), b, None)
+    await pc.tick()
+    assert len(b.created) == 4, b.created
+    await pc.tick()
+    assert len(b.created) == 4, "4 still starting and none READY: no more until they are"

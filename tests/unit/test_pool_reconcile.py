@@ -147,6 +147,20 @@ def test_scale_up_is_immediate_and_not_capped_below_max():
     assert plan.desired == 8 and plan.create == 7  # 46 slots wanted / 6 per worker
 
 
+def test_scale_up_step_lets_the_pool_at_most_double_per_worker_start():
+    # 46 slots wanted on one READY worker: 7 more wanted, but at most max(4, 1 READY) starting at once
+    obs = PoolObservation(workers=(WorkerObs("a", R, 6, 6, active=6),), waiting=40)
+    plan = reconcile(dense(), obs, scale_up_step=4)
+    assert plan.desired == 8 and plan.create == 4
+    # three of them still starting: one more may start; with 6 READY, 6 may start (100 %)
+    assert reconcile(dense(), replace(obs, starting=3), scale_up_step=4).create == 1
+    ready6 = PoolObservation(workers=tuple(WorkerObs(f"w{i}", R, 6, 6, active=6) for i in range(6)), waiting=60)
+    assert reconcile(dense(), ready6, scale_up_step=4).create == 6
+    # 0: no limit; a fixed replicas count is created at once whatever the step
+    assert reconcile(dense(), obs, scale_up_step=0).create == 7
+    assert reconcile(WorkerPoolSpec(replicas=9, slots=6), obs, scale_up_step=4).create == 8
+
+
 def test_hysteresis_holds_capacity_wanted_within_the_window():
     idle = tuple(WorkerObs(f"w{i}", R, 6, 0, active=0) for i in range(3))
     assert reconcile(dense(), PoolObservation(workers=idle, recent_desired=3)).drain == ()
