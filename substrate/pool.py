@@ -18,7 +18,10 @@ Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` =
   workers (an exponentially weighted mean). The pending ones (waiting + in flight) and the forecast
   overlap (the pending are the arrivals the rate was read from), so the larger of the two counts:
   ``need = active + max(waiting + in_flight, forecast)``;
-* **up at once**: ``desired = clamp(max(ceil(need / (S x target%)), ceil(need / S) + warmPool), min, max)``;
+* **up at once**: ``desired = clamp(max(ceil(need / (S x target%)), ceil(need / S) + warmPool), min, max)``,
+  with at most ``max(pool.scale_up_step, READY workers)`` of an autoscaled pool's workers starting at once
+  (the pool at most doubles per worker start, as the HPA's default scale-up policy lets it: on 2 cores a
+  burst's 17 simultaneous worker boots took the CPU its creates needed);
 * **down with hysteresis**: the pool shrinks only below the largest ``desired`` of the last
   ``pool.scale_down_delay_s`` (so a burst's capacity stays for one delay after it), one drain at a
   time (none while another is under way or a worker starts), and the worker drained is the least
