@@ -569,6 +569,15 @@ class Activator:
                 count = min(count, self.room_for(pool, self._queues[pool].pending()))
                 if count <= 0:
                     return 0
+                # the controller allowed it on capacity it saw; the queue's view may be older (a worker
+                # that registered since its last refresh, whose registration is what let the controller
+                # say no more is starting): read the registry again, decided above, and serve the
+                # waiters from what it shows before suspending anyone (an e2e burst on a slow machine
+                # suspended 2 sessions with 10 free slots registered)
+                await self.view.refresh()
+                if candidates(self.view.workers.values(), pool):
+                    self._queues[pool].notify()
+                    return 0
                 return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant,
                                                count=count)
 

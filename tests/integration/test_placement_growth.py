@@ -159,6 +159,39 @@ async def test_nobody_is_suspended_for_waiters_while_a_worker_starts_for_them(en
     assert {r.state for r in await d.get_sessions(["idle-1", "idle-2"])} == {SessionState.RUNNING}
 
 
+async def test_no_room_is_made_while_a_worker_that_registered_since_the_queues_last_refresh_is_free(env):
+    """The e2e burst on a slow VM (2 pressure suspensions): the new worker registered, the controller saw
+    it and said nothing more is starting, and the queue, on a view older than that registration, found
+    no slot and made room. Room is now made only after the registry was read again."""
+    d, act, workers = env
+    await _worker(d, "full")
+    await _idle_running(d, "idle-1", "full", idle_s=30)
+    await _idle_running(d, "idle-2", "full", idle_s=30)
+    await act.view.refresh()
+    act.starting["default"] = 1
+
+    async def stale() -> None:  # the queue's own refreshes miss the new worker (its view is older)
+        return None
+
+    async def registers_unseen() -> None:
+        while act.waiting_for_slots < 2:
+            await asyncio.sleep(0.01)
+        act._queues["default"]._refresh = stale
+        await _worker(d, "late")
+        act.starting["default"] = 0  # what the controller publishes once it saw the registration
+
+    ticking = _controller_rounds(act)
+    up = asyncio.create_task(registers_unseen())
+    try:
+        placed = await asyncio.wait_for(
+            asyncio.gather(*(act.place(f"new-{i}", CATALOG.template("counter")) for i in range(2))), 10)
+    finally:
+        ticking.cancel()
+    await up
+    assert workers.suspended == []
+    assert sorted(w.id for w, _ in placed) == ["late", "late"]
+
+
 async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     # the same full worker, no worker starting, and the controller has run its rounds since the waiter
     # asked (the pool is at its size): the least recently used idle session makes room
