@@ -10,6 +10,9 @@ install:
 	@./scripts/system-deps.sh
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
 	$(UV) sync --frozen --all-extras --compile-bytecode
+	@# the project's own modules too: `uv run` sets PYTHONDONTWRITEBYTECODE=1, so without these every
+	@# process (runtime, worker, each sandboxed agent host) compiled them from source at each start
+	$(UV) run --frozen python -m compileall -q substrate api workers snapshot loadtest
 
 demo: install          ## start the embedded default, create + invoke + suspend + wake a session, stop (PORT=18080)
 	$(UV) run substrate demo $(if $(PORT),--port $(PORT))
