@@ -88,6 +88,16 @@ async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None
                                          updatedAt=now - idle_s, lastActiveAt=now - idle_s))
 
 
+async def _full_of_idle_sessions_while_a_worker_starts(d: Directory, act: Activator) -> None:
+    """Worker ``full`` (2 slots) holding ``idle-1`` and ``idle-2``, idle 30 s (well past
+    ``pressure_min_idle_s``), in the activator's view; its pool controller is starting a worker."""
+    await _worker(d, "full")
+    await _idle_running(d, "idle-1", "full", idle_s=30)
+    await _idle_running(d, "idle-2", "full", idle_s=30)
+    await act.view.refresh()
+    act.starting["default"] = 1
+
+
 def _controller_rounds(act: Activator) -> "asyncio.Task[None]":
     """What ``PoolController.tick`` does for the activator, round after round, whenever a placement asks
     (``capacity_wanted``); cancel the task to stop it."""
@@ -137,11 +147,7 @@ async def test_nobody_is_suspended_for_waiters_while_a_worker_starts_for_them(en
     # is starting a worker for the waiters: they wait for it, and no idle session is suspended for them
     # (the fresh-user burst suspended its own just-created sessions while the pool grew)
     d, act, workers = env
-    await _worker(d, "full")
-    await _idle_running(d, "idle-1", "full", idle_s=30)
-    await _idle_running(d, "idle-2", "full", idle_s=30)
-    await act.view.refresh()
-    act.starting["default"] = 1
+    await _full_of_idle_sessions_while_a_worker_starts(d, act)
 
     async def worker_comes_up() -> None:
         while act.waiting_for_slots < 2:
@@ -164,11 +170,7 @@ async def test_no_room_is_made_while_a_worker_that_registered_since_the_queues_l
     it and said nothing more is starting, and the queue, on a view older than that registration, found
     no slot and made room. Room is now made only after the registry was read again."""
     d, act, workers = env
-    await _worker(d, "full")
-    await _idle_running(d, "idle-1", "full", idle_s=30)
-    await _idle_running(d, "idle-2", "full", idle_s=30)
-    await act.view.refresh()
-    act.starting["default"] = 1
+    await _full_of_idle_sessions_while_a_worker_starts(d, act)
 
     async def stale() -> None:  # the queue's own refreshes miss the new worker (its view is older)
         return None
