@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 
@@ -113,6 +113,14 @@ class _Admission:
     (what the limiter learns from)."""
 
     latency_s: float | None = None
+
+
+@dataclass
+class _Activated:
+    """One activation under way (``Activator._activation``): its caller sets ``worker`` once the
+    activation it made is RUNNING there."""
+
+    worker: str | None = None
 
 
 class _LostRace(Conflict):
@@ -260,6 +268,9 @@ class Activator:
         #: activations waiting for a permit, per pool, and their sessions (not demand for new workers)
         self.gated_by_pool: dict[str, int] = {}
         self._gated: set[str] = set()
+        #: pool -> (epoch s it became RUNNING, worker) of this process's activations not yet in their
+        #: worker's ``activeSlots`` (``_uncounted``); as long as about one heartbeat's activations
+        self._uncounted_by_pool: dict[str, deque[tuple[float, str]]] = {}
 
     # ------------------------------------------------------------------------------------ helpers
     @property
@@ -595,12 +606,17 @@ class Activator:
                 q.notify()
 
     @contextlib.contextmanager
-    def _activation(self, pool: str) -> Iterator[None]:
-        """Count one activation (create or wake) from its start to RUNNING or failure."""
+    def _activation(self, pool: str) -> Iterator[_Activated]:
+        """Count one activation (create or wake) from its start to RUNNING or failure; one the block
+        made RUNNING (it set the yielded ``worker``) stays in flight until its worker counted it
+        (``_uncounted``)."""
         self.activations_total[pool] = self.activations_total.get(pool, 0) + 1
         self._activating[pool] = self._activating.get(pool, 0) + 1
+        made = _Activated()
         try:
-            yield
+            yield made
+            if made.worker is not None:
+                self._uncounted_by_pool.setdefault(pool, deque()).append((time.time(), made.worker))
         finally:
             self._activating[pool] -= 1
             self.slot_freed(pool)  # a failed activation gave its slot back; a done one may free others
@@ -645,10 +661,35 @@ class Activator:
 
     @property
     def in_flight_by_pool(self) -> dict[str, int]:
-        """Activations under way that are not waiting for a slot, per pool (their slots are claimed or
-        about to be, and heartbeats may not show them yet)."""
-        return {p: max(0, n - self.waiting_by_pool.get(p, 0) - self.gated_by_pool.get(p, 0))
+        """Activations past placement that their worker's heartbeat has not counted yet, per pool: those
+        under way that are not waiting for a slot or a permit (their slots are claimed or about to be)
+        and those RUNNING since their worker last counted its active slots (``_uncounted``)."""
+        return {p: max(0, n - self.waiting_by_pool.get(p, 0) - self.gated_by_pool.get(p, 0)) + self._uncounted(p)
                 for p, n in self._activating.items()}
+
+    def _uncounted(self, pool: str) -> int:
+        """How many of this process's activations of ``pool`` became RUNNING after their worker last
+        counted its ``activeSlots`` (``WorkerRecord.activeSlotsAt``, as the view last read it): their
+        slots show as used but not active, so without them the pool controller saw a burst's new
+        sessions as neither in flight nor active for up to a heartbeat, sized the pool below the
+        waiters still to come, and let them suspend idle sessions (an e2e burst on a loaded machine:
+        8 pressure suspensions while the pool could still grow by a worker). One is dropped once a
+        count after it is seen, its worker is gone from the view, or after ``worker.lease_s`` (a worker
+        that has not counted since is past its lease); a count taken between the worker's activation
+        and this process's RUNNING keeps it one heartbeat more (a brief overcount). O(activations of
+        about one heartbeat)."""
+        q = self._uncounted_by_pool.get(pool)
+        if not q:
+            return 0
+        horizon = time.time() - self.settings.worker.lease_s
+        workers = self.view.workers
+        keep: deque[tuple[float, str]] = deque()
+        for t, wid in q:
+            w = workers.get(wid)
+            if t > horizon and w is not None and (w.activeSlotsAt is None or w.activeSlotsAt < t):
+                keep.append((t, wid))
+        self._uncounted_by_pool[pool] = keep
+        return len(keep)
 
     async def _suspend_lru(self, pool: str, min_idle_s: float = 1.0, *, tenant: str = "default",
                            count: int = 1) -> int:
@@ -736,10 +777,12 @@ class Activator:
         given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
         WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains, unless the
         state manager's deadline had already rolled it to SUSPENDED (see ``_undo_create``)."""
-        with self._activation(self.catalog.pool_for(template).name):
+        with self._activation(self.catalog.pool_for(template).name) as made:
             for attempt in range(self.max_fenced_retries + 1):
                 try:
-                    return await self._create(rec, template)
+                    done = await self._create(rec, template)
+                    made.worker = done.worker
+                    return done
                 except SubstrateError as e:
                     # the worker chosen was past its own lease (a loaded machine delayed its heartbeat):
                     # nothing of the session remains (undone), so place it again on another worker
@@ -1103,10 +1146,13 @@ class Activator:
             await self._with_running_room(rec, template, lambda: quotas.acquire(
                 rec.tenant, template, rec.id, create=False, epoch=rec.epoch + 1, dry=True))
         pool = self.catalog.pool_for(template).name
-        with self._activation(pool):
+        with self._activation(pool) as made:
             t0 = time.perf_counter()  # the wake's place phase includes the wait for a permit
             async with self._admitted(pool, rec.id) as adm:
-                return await self._resume_placed(rec, template, pin, adm, t0)
+                route, woke = await self._resume_placed(rec, template, pin, adm, t0)
+            if woke:  # a wake another process won is counted by that process
+                made.worker = route.worker
+            return route, woke
 
     async def _resume_placed(self, rec: SessionRecord, template: ActorTemplate, pin: str | None,
                              adm: _Admission, t0: float) -> tuple[Route, bool]:

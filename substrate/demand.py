@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PoolDemand:
     """One process's demand for one pool: placements ``waiting`` for a slot (parked wakes that have not
-    reached placement included), activations ``in_flight`` (slot claimed, not RUNNING yet) and the
+    reached placement included), activations ``in_flight`` (slot claimed, not yet counted by their
+    worker's heartbeat: still starting, or RUNNING since the worker's last count) and the
     process's cumulative ``activations`` counter (creates + wakes since it started, for the forecast)."""
 
     waiting: int = 0

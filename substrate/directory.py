@@ -141,12 +141,16 @@ return {f, st}
 """
 
 # KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] lease expiry (s), ARGV[2] active slots, ARGV[3] warm
-# slots ('' = leave); warm slots are stored with the slot table's size then (``warmSlotsAtUsed``: claims
-# since take warm hosts, ``list_workers``). Renews only an existing record (a worker declared dead must not come back unseen) -> 1 | 0.
+# slots ('' = leave), ARGV[4] when the active slots were counted (s; '' = not said); warm slots are stored
+# with the slot table's size then (``warmSlotsAtUsed``: claims since take warm hosts, ``list_workers``).
+# Renews only an existing record (a worker declared dead must not come back unseen) -> 1 | 0.
 _RENEW = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'leaseExpiresAt', ARGV[1])
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'activeSlots', ARGV[2]) end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'activeSlots', ARGV[2])
+  if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'activeSlotsAt', ARGV[4]) end
+end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'warmSlots', ARGV[3], 'warmSlotsAtUsed', redis.call('HLEN', KEYS[2]))
 end
@@ -604,17 +608,20 @@ class Directory:
     @_translate
     async def heartbeat(self, wid: str, lease_expires_at: float,
                         last_active: dict[str, float] | None = None, turns: dict[str, int] | None = None,
-                        active_slots: int | None = None, warm_slots: int | None = None) -> bool:
+                        active_slots: int | None = None, warm_slots: int | None = None,
+                        counted_at: float | None = None) -> bool:
         """Renew a worker's lease (one atomic script that renews only an existing record) and record its
         sessions' last activity (s since epoch) and the turns each ran since the last heartbeat, and, when
-        given, its ``activeSlots`` and ``warmSlots`` (free slots whose pre-started host has booted).
+        given, its ``activeSlots`` (with ``counted_at``, epoch s when they were counted: ``activeSlotsAt``)
+        and ``warmSlots`` (free slots whose pre-started host has booted).
 
         Returns False if the worker record is gone (it was declared dead: the worker must stop serving).
         """
         await self._ready()
         alive = await self._renew(keys=[self.keys.worker(wid), self.keys.worker_slots(wid)],
                                   args=[repr(lease_expires_at), "" if active_slots is None else active_slots,
-                                        "" if warm_slots is None else warm_slots])
+                                        "" if warm_slots is None else warm_slots,
+                                        "" if counted_at is None else repr(counted_at)])
         if not alive:
             return False
         async with self.pipeline() as p:

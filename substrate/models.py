@@ -466,6 +466,9 @@ class WorkerRecord(BaseModel):
     freeSlots: int = 0
     #: slots whose session is mid-turn or was active within the worker's active window
     activeSlots: int = 0
+    #: epoch s (the worker's clock) when ``activeSlots`` was counted: an activation that became RUNNING
+    #: later is not in it yet (the activator counts it as in flight until then); None: not reported
+    activeSlotsAt: float | None = None
     #: epoch s of the latest slot claimed on this worker, by any router (``Directory.claim_slot``); None: never
     placedAt: float | None = None
     #: free slots whose pre-started agent host has booted, as of the worker's last heartbeat (an activation

@@ -91,7 +91,7 @@ class PoolObservation:
     starting: int = 0
     #: placements (creates and parked wakes) waiting for a free slot in this pool right now
     waiting: int = 0
-    #: activations (creates + wakes) between slot claim and RUNNING (not yet in a heartbeat)
+    #: activations (creates + wakes) from slot claim until their worker's heartbeat counts them
     in_flight: int = 0
     #: activations per second over the forecast window
     arrival_rate_per_s: float = 0.0
@@ -130,12 +130,14 @@ def demand(obs: PoolObservation) -> int:
     """Slots wanted now (see the module docstring): active + max(waiting + in flight, forecast)."""
     alive = [w for w in obs.workers if w.alive]
     active = sum(w.used if w.active is None else min(w.active, w.used) for w in alive)
-    # every activation in flight (slot claimed or about to be, not RUNNING yet) is demand: its claimed
-    # slot shows as used but not active until the worker's next heartbeat after the activation. It
-    # used to be counted only beyond the used-but-not-active slots, which are exactly those claims: a
-    # burst of 120 creates in flight read as ~15 slots wanted and the pool drained 5 of its 8 workers
-    # mid-burst (fresh-user run, issue 11). The overlap (an activation done on the worker, not yet
-    # RUNNING in the directory, within one heartbeat) overcounts by a few slots for a moment at most.
+    # every activation in flight (slot claimed or about to be, not yet counted by its worker's
+    # heartbeat, RUNNING or not: ``Activator._uncounted``) is demand: its claimed slot shows as used
+    # but not active until the worker's next heartbeat after the activation. It used to be counted
+    # only beyond the used-but-not-active slots, which are exactly those claims: a burst of 120 creates
+    # in flight read as ~15 slots wanted and the pool drained 5 of its 8 workers mid-burst (fresh-user
+    # run, issue 11). The overlap (a heartbeat that counted an activation before its router saw it
+    # RUNNING, or before the router's view of the registry was refreshed) overcounts by a few slots
+    # for a heartbeat at most.
     in_flight = max(0, obs.in_flight)
     # expected arrivals while a new worker starts, rounded to the nearest slot (a trickle of one
     # activation a minute does not hold a worker forever)

@@ -376,7 +376,7 @@ class Worker:
                     lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
                     self._beat_soon.clear()
                     warm = self.sandboxes.warm_slots()
-                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active, warm)
+                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active, warm, counted_at=now)
                     self._reported_warm = warm
                     if alive:
                         self.lease_expires_at = lease

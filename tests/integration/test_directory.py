@@ -295,6 +295,19 @@ async def test_a_failed_create_is_undone_unless_its_deadline_already_kept_it(dir
             await directory.get_session(sid)
 
 
+async def test_a_heartbeat_records_when_its_active_slots_were_counted(directory):
+    """``activeSlotsAt`` is the worker's count time of ``activeSlots`` (the activator holds activations
+    that became RUNNING after it as in flight); a beat without the count leaves both as they were."""
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=4,
+                                                 leaseExpiresAt=now + 10, startedAt=now))
+    assert [(w.activeSlots, w.activeSlotsAt) for w in await directory.list_workers()] == [(0, None)]
+    assert await directory.heartbeat("w1", now + 10, active_slots=2, counted_at=now + 0.25)
+    assert [(w.activeSlots, w.activeSlotsAt) for w in await directory.list_workers()] == [(2, now + 0.25)]
+    assert await directory.heartbeat("w1", now + 11, counted_at=now + 1)  # no count: nothing counted then
+    assert [(w.activeSlots, w.activeSlotsAt) for w in await directory.list_workers()] == [(2, now + 0.25)]
+
+
 async def test_warm_slots_reported_by_a_heartbeat_shrink_with_the_claims_made_since(directory):
     """A worker reports ``warmSlots`` (free slots whose host has booted) with its heartbeat; every router
     reads it through ``list_workers`` less the slots claimed since (each claim takes a warm host), never
