@@ -9,8 +9,9 @@ suspended to object storage (DESIGN invariant 6). The loop logs and survives any
 
 Sizing (no per-day tuning; ``maxReplicas`` is only a safety bound). With ``S`` = slots per worker:
 
-* **demand** ``need`` = active slots (mid-turn or active within the workers' active window; idle sessions
-  are evictable capacity: lazy suspension frees them on need) + placements waiting for a slot (parked
+* **demand** ``need`` = active slots (mid-turn, active within the workers' active window, or yet to run a
+  first turn within ``worker.first_turn_window_s``; idle sessions are evictable capacity: lazy suspension
+  frees them on need) + placements waiting for a slot (parked
   wakes and creates) + activations in flight (slot claimed, not yet in a heartbeat) + a **forecast**:
   ``round(rate x lead_time)``, the activations expected to arrive while a new worker starts, where
   ``rate`` is the arrival rate of activations (creates + wakes) over a sliding window

@@ -275,6 +275,10 @@ class WorkerSettings(_Section):
     #: a slot counts as active (demand for the autoscaler) while its session is mid-turn or had a turn
     #: within this window; idle sessions beyond it are evictable capacity (lazy suspension)
     active_window_s: float = Field(2.0, ge=0)
+    #: a session that has not run a turn since its activation (a create, or a wake with no turn yet) counts
+    #: as active for this long from the activation: it was made to be used, and a burst of creates whose
+    #: turns follow must not read as idle capacity to suspend while the pool could grow for it
+    first_turn_window_s: float = Field(30.0, ge=0)
     root_dir: Path = Path("var/workers")
     #: per-slot sandbox uids are claimed in [sandbox_uid_base, sandbox_uid_base + sandbox_uid_span)
     #: with flock files in sandbox_uid_lock_dir (when the worker runs as root); see workers/sandbox.py

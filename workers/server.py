@@ -371,8 +371,13 @@ class Worker:
                     turns = {a.sid: a.unreported_turns for a in self.activations.values() if a.unreported_turns}
                     now = time.time()
                     window = self.settings.worker.active_window_s
+                    first = self.settings.worker.first_turn_window_s
+                    # a session yet to run its first turn is active for first_turn_window_s from its
+                    # activation (a fresh-user burst: 100 creates, then a turn each; the first creates,
+                    # idle past the active window when the last arrived, were suspended for them while
+                    # the pool could still grow, and their turns then had to wake them)
                     active = sum(1 for a in self.activations.values()
-                                 if a.lock.locked() or now - a.last_active < window)
+                                 if a.lock.locked() or now - a.last_active < (window if a.ran_turn else max(window, first)))
                     lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
                     self._beat_soon.clear()
                     warm = self.sandboxes.warm_slots()

@@ -76,6 +76,7 @@ def worker_env(pool: WorkerPool, settings: Settings) -> list[dict[str, Any]]:
         {"name": "SUBSTRATE_WORKER__HEARTBEAT_S", "value": str(w.heartbeat_s)},
         {"name": "SUBSTRATE_WORKER__LEASE_S", "value": str(w.lease_s)},
         {"name": "SUBSTRATE_WORKER__ACTIVE_WINDOW_S", "value": str(w.active_window_s)},
+        {"name": "SUBSTRATE_WORKER__FIRST_TURN_WINDOW_S", "value": str(w.first_turn_window_s)},
         {"name": "SUBSTRATE_REDIS__KEY_PREFIX", "value": settings.redis.key_prefix},
         _secret_or_literal("SUBSTRATE_REDIS__URL", k.redis_secret, "url", settings.redis.url),
         _secret_or_literal("SUBSTRATE_WORKER__INTERNAL_TOKEN", k.token_secret, "token", w.internal_token),

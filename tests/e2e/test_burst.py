@@ -10,13 +10,14 @@ that are idle by the time 30 more creates arrive, then a turn to each of the 40.
 pool's maximum, so any pressure or drain suspension is a session suspended while the demand exceeded only
 capacity the pool could still grow to.
 
-The first 10 sessions are idle past the pressure threshold (1 s: placement may suspend them) but still
-demand for the pool controller: its active window (``SUBSTRATE_WORKER__ACTIVE_WINDOW_S``) is set longer
-than the test. With the default window (2 s) that held only on a quiet machine: on a loaded one the first
-creates and the burst's arrival take seconds, the 10 sessions count as idle capacity by the time the
-controller sizes the pool for the burst, the activation limiter holds part of the burst back (not demand
-for new workers), and the controller rightly makes room by suspending idle sessions instead of growing.
-That is the designed answer to a pool whose active demand fits it, not the one this test is about.
+The first 10 sessions are idle past the pressure threshold (1 s: placement may suspend them) but, with no
+turn run yet, still demand for the pool controller: a session counts as active until its first turn for
+``worker.first_turn_window_s`` (30 s; the active window, 2 s, applies once it has run a turn). Before that
+window the test needed ``SUBSTRATE_WORKER__ACTIVE_WINDOW_S=600``: on a loaded machine the first creates
+and the burst's arrival took seconds, the 10 sessions counted as idle capacity by the time the controller
+sized the pool for the burst, and the controller made room by suspending them instead of growing (the
+fresh-user run of ``python -m loadtest.burst --n 100``, default settings: 8 pressure suspensions on a
+pool that could hold all 100).
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ def _post(http: httpx.Client, path: str, body: dict) -> tuple[str, dict]:
 
 
 def test_a_burst_on_a_growing_pool_succeeds_without_suspending_anyone(runtime_factory):
-    # the first sessions stay demand for the pool controller whatever the machine's speed (see the docstring)
-    rt = runtime_factory(replicas=1, pool_yaml=POOL, env={"SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "600"})
+    rt = runtime_factory(replicas=1, pool_yaml=POOL)  # default windows (see the docstring)
     with httpx.Client(base_url=rt.url, timeout=120) as http, cf.ThreadPoolExecutor(40) as ex:
         first = list(ex.map(lambda _: _post(http, "/v1/sessions", {"actorTemplate": "counter"}), range(10)))
         assert [c for c, _ in first] == ["201"] * 10, first
@@ -87,6 +87,27 @@ spec:
   autoscaling: {minReplicas: 1, maxReplicas: 1, targetUtilization: 100}
   warmPool: {readyReplicas: 0}
 """
+
+
+def test_a_session_counts_as_active_until_its_first_turn_then_for_the_active_window(runtime_factory):
+    """The worker's heartbeat reports a new session as an active slot (demand, not evictable capacity)
+    before its first turn, past the active window; once it has run a turn, only for the active window."""
+    rt = runtime_factory(replicas=1, env={"SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.2"})
+    s = rt.client.create_session("counter")
+    rt.wait_for(lambda: rt.workers()[s["worker"]].get("activeSlots") == "1", timeout_s=30, what="a heartbeat")
+    beats: dict[str, str | None] = {}
+
+    def a_second_of_beats() -> bool:
+        w = rt.workers()[s["worker"]]
+        beats.setdefault(w["leaseExpiresAt"], w.get("activeSlots"))
+        return max(map(float, beats)) - min(map(float, beats)) >= 1.0
+
+    # every heartbeat for a second more (five times the 0.2 s active window) counts it
+    rt.wait_for(a_second_of_beats, timeout_s=30, what="a second of heartbeats")
+    assert set(beats.values()) == {"1"}, beats
+    assert rt.client.invoke(s["id"], "increment") == {"count": 1}
+    rt.wait_for(lambda: rt.workers()[s["worker"]].get("activeSlots") == "0", timeout_s=30,
+                what="idle 0.2 s after its turn")
 
 
 def test_a_burst_on_a_full_pool_that_cannot_grow_is_served_by_suspending_idle_sessions(runtime_factory):
