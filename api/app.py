@@ -42,7 +42,7 @@ from api.guard import Guard, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
-from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_RE, SessionRecord, SessionState
+from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_HINT, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 
 
@@ -342,7 +342,7 @@ def _schema_routes(routes: list[Any]) -> list[Any]:
 
 def _check_id(sid: str) -> str:
     if not SESSION_ID_RE.fullmatch(sid):
-        raise InvalidInput(f"malformed session id {clip(sid)}: use [a-z0-9][a-z0-9._-]{{0,127}}",
+        raise InvalidInput(f"malformed session id {clip(sid)}: {SESSION_ID_HINT}",
                            code="invalid_session_id")
     return sid
 

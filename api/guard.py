@@ -67,6 +67,7 @@ from urllib.parse import parse_qsl, unquote
 from starlette.datastructures import Headers
 
 from substrate.errors import InvalidInput, SubstrateError, clip, error_json
+from substrate.models import SESSION_ID_HINT
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -498,7 +499,7 @@ class Guard:
             if i == _SID_SEGMENT and raw.startswith(b"/v1/sessions/"):
                 await _answer(send, 422, "invalid_session_id",
                               f"malformed session id {clip(seg)}: a session ID cannot hold '/' (sent as %2F); "
-                              "use [a-z0-9][a-z0-9._-]{0,127}", scope=scope)
+                              f"{SESSION_ID_HINT}", scope=scope)
             else:
                 await _answer(send, 404, "not_found", f"no route has an encoded slash (%2F) in a path segment: "
                               f"{clip(seg)}", scope=scope)

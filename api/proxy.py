@@ -52,7 +52,7 @@ from substrate.errors import (
     clip,
     error_json,
 )
-from substrate.models import SESSION_ID_RE
+from substrate.models import SESSION_ID_HINT, SESSION_ID_RE
 from substrate.workerclient import IDEMPOTENCY_HEADER, KEY_ORIGIN_HEADER
 
 if TYPE_CHECKING:
@@ -364,7 +364,7 @@ async def invoke(request: Request) -> Response:
     try:
         principal = await authenticate(runtime, request)
         if not SESSION_ID_RE.fullmatch(sid):
-            raise InvalidInput(f"malformed session id {clip(sid)}", code="invalid_session_id")
+            raise InvalidInput(f"malformed session id {clip(sid)}: {SESSION_ID_HINT}", code="invalid_session_id")
         limit = runtime.settings.api.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None and cl.isascii() and cl.isdigit() and int(cl) > limit:

@@ -11,10 +11,15 @@ invokes all of them at once: ``n`` concurrent wakes from the object store onto a
 
 Prints a JSON summary: counts of ``status code`` per phase, phase durations (s), per-request latency
 p50/p99/max (ms, ``substrate.quantiles``; a request without an answer counts as infinite), the peak
-worker count, the samples over time (workers, slots, slotsUsed, sessions by state, parked), and the load
-average at start and end. Bounded: every request has a timeout (``--timeout-s``), and the run makes
-``2 n`` requests (``4 n`` with ``--wake``, plus the samples and the state polls). Errors are counted,
-never retried, so the figures are what a client sees.
+worker count, the sessions the runtime suspended meanwhile by reason (``suspensions``, from
+``agent_substrate_suspensions_total`` on ``/metrics``: ``pressure`` ones on a pool that could grow are
+sessions suspended for the burst itself), the samples over time (workers, slots, slotsUsed, sessions by
+state, parked), and the load average at start and end. Bounded: every request has a timeout
+(``--timeout-s``), and the run makes ``2 n`` requests (``4 n`` with ``--wake``, plus the samples and the
+state polls). Errors are counted, never retried, so the figures are what a client sees.
+
+With API keys on, pass one (``--token``, default ``$SUBSTRATE_TOKEN``). Exit status: 0 if every create,
+turn (and with ``--wake`` suspend and wake) succeeded, 1 otherwise (the summary is printed either way).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import collections
 import json
 import math
 import os
+import re
+import sys
 import time
 from typing import Any
 
@@ -78,6 +85,34 @@ async def _wait_idle(http: aiohttp.ClientSession, url: str, sids: list[str], max
         await asyncio.sleep(0.5)
 
 
+_SUSPENSIONS = re.compile(r'^agent_substrate_suspensions_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
+
+
+def suspensions_by_reason(metrics_text: str) -> dict[str, float]:
+    """``agent_substrate_suspensions_total`` of a Prometheus text exposition, summed by ``reason`` (a
+    reason never counted is absent: the counter has no series until its first suspension)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for m in _SUSPENSIONS.finditer(metrics_text):
+        reason = re.search(r'reason="([^"]*)"', m.group(1))
+        out[reason.group(1) if reason else ""] += float(m.group(2))
+    return dict(out)
+
+
+async def _suspensions(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """:func:`suspensions_by_reason` of the runtime's ``/metrics`` ({} if it cannot be read)."""
+    try:
+        async with http.get(f"{url}/metrics") as r:
+            return suspensions_by_reason(await r.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+
+
+def failed(result: dict[str, Any]) -> bool:
+    """True if any create, turn, suspend or wake of ``result`` (a ``run`` summary) did not succeed."""
+    return any(not code.startswith("2") for phase in ("create", "invoke", "suspend", "wake")
+               for code in result.get(phase, {}))
+
+
 async def _sampler(http: aiohttp.ClientSession, url: str, t0: float, every_s: float,
                    out: list[dict[str, Any]], stop: asyncio.Event) -> None:
     while not stop.is_set():
@@ -99,14 +134,18 @@ async def _sampler(http: aiohttp.ClientSession, url: str, t0: float, every_s: fl
 
 
 async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float, settle_s: float,
-              *, wake: bool = False, idle_workers: int = 0, idle_wait_s: float = 60.0) -> dict[str, Any]:
-    """The burst (see the module docstring); returns the summary."""
+              *, wake: bool = False, idle_workers: int = 0, idle_wait_s: float = 60.0,
+              token: str | None = None) -> dict[str, Any]:
+    """The burst (see the module docstring); returns the summary. ``token``: sent as a bearer token."""
     t0 = time.monotonic()
     samples: list[dict[str, Any]] = []
     stop = asyncio.Event()
     result: dict[str, Any] = {"n": n, "loadavg_start": os.getloadavg()}
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     headers=headers) as http:
+        before = await _suspensions(http, url)
         sampler = asyncio.create_task(_sampler(http, url, t0, sample_s, samples, stop))
         ts = time.monotonic()
         created = await asyncio.gather(*(_one(http, "POST", f"{url}/v1/sessions", {"actorTemplate": template})
@@ -141,6 +180,9 @@ async def run(url: str, n: int, template: str, timeout_s: float, sample_s: float
         await asyncio.sleep(2 * sample_s)
         stop.set()
         await sampler
+        after = await _suspensions(http, url)
+        result["suspensions"] = {k: v - before.get(k, 0.0) for k, v in sorted(after.items())
+                                 if v - before.get(k, 0.0) > 0}
         for sid in sids:  # leave nothing behind
             try:
                 async with http.delete(f"{url}/v1/sessions/{sid}"):
@@ -165,12 +207,14 @@ def main() -> None:
     ap.add_argument("--idle-workers", type=int, default=0,
                     help="with --wake: wait until the pool runs at most this many workers")
     ap.add_argument("--idle-wait-s", type=float, default=60.0, help="with --wake: wait at most this long")
+    ap.add_argument("--token", default=os.environ.get("SUBSTRATE_TOKEN"),
+                    help="bearer token (an API key) when the runtime has keys; default $SUBSTRATE_TOKEN")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.n < 1 or a.n > 2000:
         ap.error("--n must be within 1..2000")
     res = asyncio.run(run(a.url.rstrip("/"), a.n, a.template, a.timeout_s, a.sample_s, a.settle_s,
-                          wake=a.wake, idle_workers=a.idle_workers, idle_wait_s=a.idle_wait_s))
+                          wake=a.wake, idle_workers=a.idle_workers, idle_wait_s=a.idle_wait_s, token=a.token))
     text = json.dumps(res, indent=1)
     if a.out:
         with open(a.out, "w") as f:
@@ -179,6 +223,7 @@ def main() -> None:
     print(json.dumps(summary))
     for s in res["samples"]:
         print(json.dumps(s))
+    sys.exit(1 if failed(res) else 0)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,9 @@ class SubstrateUser(FastHttpUser):
         """POST /v1/sessions with a unique id; retries 503 no_capacity; -> id or None."""
         sid = f"lt-{uuid.uuid4().hex}"
         body = {"actorTemplate": template, "id": sid, "labels": {"loadtest": type(self).__name__}}
+        # listed for on_stop's delete before it is asked for: a user stopped mid-create, or a create that
+        # timed out here but succeeded there, left sessions behind (a fresh-user run: 2 after 60 s)
+        self.sessions.append(sid)
         for attempt in range(CREATE_TRIES):
             with self.client.post("/v1/sessions", json=body, headers=self.auth, catch_response=True,
                                   name=f"/v1/sessions [create {template}]") as r:
@@ -101,10 +104,11 @@ class SubstrateUser(FastHttpUser):
                     data = _json(r) or {}
                     if data.get("id") not in (None, sid):
                         r.failure(f"created id {data.get('id')!r}, asked for {sid!r}")
-                    self.sessions.append(sid)
                     return sid
                 else:
                     r.failure(f"create {template}: HTTP {r.status_code} {r.text[:200] if r.text else ''}")
+                    if 400 <= r.status_code < 500:  # refused: nothing was made
+                        self.sessions.remove(sid)
                     return None
             time.sleep(wait)
         return None

@@ -276,7 +276,8 @@ def _fit_output() -> None:
 
 @app.callback()
 def _main(server: Optional[str] = typer.Option(None, "--server", "-s", help="Base URL of the API for the "
-                                               "client commands (also accepted after the subcommand)."),
+                                               "client commands (also accepted after the subcommand; env "
+                                               "SUBSTRATE_SERVER)."),
           token: Optional[str] = typer.Option(None, "--token", help="API key or JWT for the client commands "
                                               "(also accepted after the subcommand; env SUBSTRATE_TOKEN).")) -> None:
     """Agent session runtime: many bursty, stateful agent sessions on few warm workers."""
@@ -914,7 +915,8 @@ def _keys_backend() -> tuple[Any, Any]:
             url = None
     if not url:
         err.print("[red]error[/red]: no runtime found: start `substrate up` (its embedded Redis is found through "
-                  f"{url_file(settings.redis.data_dir)}), set SUBSTRATE_REDIS_URL, or use --file")
+                  f"{url_file(settings.redis.data_dir)}; run this from the folder it was started in, or set the "
+                  "SUBSTRATE_DATA_DIR it was started with), set SUBSTRATE_REDIS_URL, or use --file")
         raise typer.Exit(2)
     return settings, aioredis.from_url(url, decode_responses=True, socket_timeout=5)
 
@@ -1002,14 +1004,14 @@ def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for 
     from substrate.errors import SubstrateError
     from substrate.keys import Keys
 
+    try:  # bad input exits 2 (as every input error does) before anything is read or written
+        check_tenant(tenant)
+    except SubstrateError as e:
+        err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
+        raise typer.Exit(2) from None
     if file is not None:
         import secrets as _secrets
 
-        try:
-            check_tenant(tenant)
-        except SubstrateError as e:
-            err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
-            raise typer.Exit(2) from None
         kid = _secrets.token_hex(4)
         key = f"sk_{kid}_{_secrets.token_urlsafe(32)}"
         entries = _file_keys(file)

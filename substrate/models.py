@@ -23,6 +23,8 @@ API_VERSION = f"{API_GROUP}/v1"
 #: anchored with \A..\Z (never ``$``, which also matches before a final newline): ``match`` and
 #: ``fullmatch`` both check the whole string
 SESSION_ID_RE = re.compile(r"\A[a-z0-9][a-z0-9\-_.]{0,127}\Z")
+#: what a refusal of a malformed session ID tells the client to use
+SESSION_ID_HINT = "use [a-z0-9][a-z0-9._-]{0,127}"
 #: Kubernetes DNS-1123 subdomain-ish names for templates and pools
 NAME_RE = re.compile(r"\A[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?\Z")
 

@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import re
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
+
+from loadtest.burst import suspensions_by_reason
 
 POOL = """
 apiVersion: substrate.agent.dev/v1
@@ -41,13 +46,8 @@ spec:
 
 
 def _suspensions(url: str) -> dict[str, float]:
-    """``agent_substrate_suspensions_total`` of the runtime by reason (0 if never counted)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out: dict[str, float] = collections.defaultdict(float)
-    for m in re.finditer(r'^agent_substrate_suspensions_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
-        reason = re.search(r'reason="([^"]+)"', m.group(1))
-        out[reason.group(1) if reason else ""] += float(m.group(2))
-    return out
+    """``agent_substrate_suspensions_total`` of the runtime by reason (absent if never counted)."""
+    return collections.defaultdict(float, suspensions_by_reason(httpx.get(f"{url}/metrics", timeout=10).text))
 
 
 def _post(http: httpx.Client, path: str, body: dict) -> tuple[str, dict]:
@@ -127,3 +127,23 @@ def test_a_burst_on_a_full_pool_that_cannot_grow_is_served_by_suspending_idle_se
     suspended = _suspensions(rt.url)
     assert suspended.get("pressure", 0) >= 30, dict(suspended)  # each create's slot came from an idle session
     assert len(rt.workers()) == 1
+
+
+def test_the_burst_tool_sends_its_token_counts_suspensions_and_fails_when_a_request_fails(runtime_factory):
+    """``python -m loadtest.burst`` against a runtime with API keys: with ``--token`` every create and turn
+    succeeds, nobody is suspended for the burst and it exits 0; without a token (a fresh-user run: it
+    had no way to send one) every create is 401 and it exits 1, not 0."""
+    from tests.e2e.test_tenancy import KEY_A, _keys_env
+
+    rt = runtime_factory(replicas=1, env={"SUBSTRATE_AUTH__API_KEYS": _keys_env()})
+
+    def burst(*extra: str) -> tuple[int, dict]:
+        p = subprocess.run([sys.executable, "-m", "loadtest.burst", "--url", rt.url, "--n", "6", "--sample-s", "0.2",
+                            *extra], capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"},
+                           cwd=Path(__file__).resolve().parents[2])
+        return p.returncode, json.loads(p.stdout.splitlines()[0])
+
+    rc, ok = burst("--token", KEY_A)
+    assert (rc, ok["create"], ok["invoke"], ok["suspensions"]) == (0, {"201": 6}, {"200": 6}, {}), ok
+    rc, refused = burst()
+    assert (rc, refused["create"]) == (1, {"401 unauthorized": 6}), refused

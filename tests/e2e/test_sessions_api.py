@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from substrate.client import ApiError
+from substrate.models import SESSION_ID_HINT
 
 
 def _sid() -> str:
@@ -251,6 +252,8 @@ def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status
     r = shared_runtime.client.http.request(method, path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["code"] == code and r.json()["message"]
+    if code == "invalid_session_id":  # every route says what an ID may be (invoke did not)
+        assert r.json()["message"].endswith(SESSION_ID_HINT), r.json()
     assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
 
 

@@ -55,3 +55,27 @@ def test_a_good_key_file_gets_the_key_and_a_revoke_takes_it_out(tmp_path: Path) 
     r = CliRunner().invoke(app, ["keys", "revoke", "ci", "--file", str(f)])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load(f.read_text()) == []
+
+
+@pytest.mark.parametrize("file", [False, True])
+def test_a_bad_tenant_is_exit_2_before_redis_or_the_file_is_touched(tmp_path: Path, monkeypatch, file: bool) -> None:
+    """``keys create BAD_T`` exits 2 like every other input error (to Redis it was exit 1), and nothing is
+    read or written: no Redis is reachable here, and the key file is not made."""
+    monkeypatch.setenv("SUBSTRATE_REDIS__URL", "redis://127.0.0.1:9/0")  # nothing listens: a read would fail
+    f = tmp_path / "keys.yaml"
+    r = CliRunner().invoke(app, ["keys", "create", "BAD_T", *(["--file", str(f)] if file else [])])
+    assert r.exit_code == 2, r.output
+    assert _one_line(r).startswith("error invalid_tenant")
+    assert not f.exists()
+
+
+def test_no_runtime_found_is_exit_2_and_says_where_the_embedded_redis_is_looked_for(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    monkeypatch.delenv("SUBSTRATE_REDIS_URL", raising=False)
+    monkeypatch.delenv("SUBSTRATE_REDIS__URL", raising=False)
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "data"))
+    r = CliRunner().invoke(app, ["keys", "list"])
+    assert r.exit_code == 2, r.output
+    line = _one_line(r)
+    assert line.startswith("error: no runtime found") and str(tmp_path / "data") in line, line
+    assert "SUBSTRATE_DATA_DIR" in line and "SUBSTRATE_REDIS_URL" in line, line

@@ -1,0 +1,26 @@
+"""``loadtest/locustfile.py`` (the README's Locust load test) against a real runtime: a short headless run
+of every user class has no failure (counters, notebooks, churn: any lost state is a Locust failure) and
+leaves no session behind (a fresh-user run: 2 ``lt-*`` sessions were left after a 60 s run, created by
+users stopped mid-create)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_short_locust_run_has_no_failure_and_leaves_no_session(runtime_factory, tmp_path):
+    rt = runtime_factory(replicas=1, slots=8)
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "8", "-r", "8",
+         "-t", "8s", "--stop-timeout", "20", "--host", rt.url, "--only-summary", "--csv", str(tmp_path / "lt"),
+         "--exit-code-on-error", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={"PATH": "/usr/bin:/bin", "SUBSTRATE_TIME_COMPRESSION": "600", "HOME": str(tmp_path)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    stats = (tmp_path / "lt_stats.csv").read_text()
+    assert "[create counter]" in stats and "[create notebook]" in stats, stats  # every kind of user ran
+    assert rt.client.list_sessions()["items"] == [], "every session a user made is deleted when it stops"
