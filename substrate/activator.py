@@ -269,7 +269,7 @@ class Activator:
         self.gated_by_pool: dict[str, int] = {}
         self._gated: set[str] = set()
         #: pool -> (epoch s it became RUNNING, worker) of this process's activations not yet in their
-        #: worker's ``activeSlots`` (``_uncounted``); as long as about one heartbeat's activations
+        #: worker's ``activeSlots`` (``_uncounted``), for at most one active window
         self._uncounted_by_pool: dict[str, deque[tuple[float, str]]] = {}
 
     # ------------------------------------------------------------------------------------ helpers
@@ -674,14 +674,18 @@ class Activator:
         sessions as neither in flight nor active for up to a heartbeat, sized the pool below the
         waiters still to come, and let them suspend idle sessions (an e2e burst on a loaded machine:
         8 pressure suspensions while the pool could still grow by a worker). One is dropped once a
-        count after it is seen, its worker is gone from the view, or after ``worker.lease_s`` (a worker
-        that has not counted since is past its lease); a count taken between the worker's activation
-        and this process's RUNNING keeps it one heartbeat more (a brief overcount). O(activations of
-        about one heartbeat)."""
+        count after it is seen, its worker is gone from the view, or ``worker.active_window_s`` after
+        it became RUNNING: an activation is activity, held as long as a turn's would be counted (held
+        until the next heartbeat and view refresh, it also doubled as demand with the count that had
+        it). Activity shorter than a heartbeat used to go uncounted: on a 400x replay, whose compressed
+        active window (0.3 s) is shorter than the heartbeat (1 s), counting it costs 7-11 % more
+        slot-seconds (docs/replays/gentd26-2024-11-26/report-2026-12-05-uncounted-ab.md). A count taken
+        between the worker's activation and this process's RUNNING keeps it until then (a brief
+        overcount). O(activations of one active window)."""
         q = self._uncounted_by_pool.get(pool)
         if not q:
             return 0
-        horizon = time.time() - self.settings.worker.lease_s
+        horizon = time.time() - self.settings.worker.active_window_s
         workers = self.view.workers
         keep: deque[tuple[float, str]] = deque()
         for t, wid in q:
