@@ -16,7 +16,7 @@ def test_a_short_locust_run_has_no_failure_and_leaves_no_session(runtime_factory
     rt = runtime_factory(replicas=1, slots=8)
     p = subprocess.run(
         [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "8", "-r", "8",
-         "-t", "8s", "--stop-timeout", "20", "--host", rt.url, "--only-summary", "--csv", str(tmp_path / "lt"),
+         "-t", "8s", "--host", rt.url, "--only-summary", "--csv", str(tmp_path / "lt"),
          "--exit-code-on-error", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
         env={"PATH": "/usr/bin:/bin", "SUBSTRATE_TIME_COMPRESSION": "600", "HOME": str(tmp_path)})
