@@ -255,12 +255,13 @@ async def test_activations_beyond_the_limit_wait_for_a_permit_and_are_not_demand
 
 
 async def test_sessions_running_since_their_workers_last_heartbeat_are_demand_until_it_counts_them(env):
-    """A create is in flight from its slot claim until its worker's heartbeat counts it, not only until
-    RUNNING: in between its slot shows as used but not active, and the e2e burst's pool controller,
-    seeing 20 new sessions as neither, sized the pool a worker short of the creates still to come (8
-    pressure suspensions). Worker ``a`` (2 slots) holds 2 new sessions, no heartbeat since; a third
-    create waits: the controller counts 3 slots wanted and starts a worker. A heartbeat that counted
-    before they were RUNNING keeps them in flight; one after them takes them out (its count has them)."""
+    """While a placement waits, a create is in flight from its slot claim until its worker's heartbeat
+    counts it, not only until RUNNING: in between its slot shows as used but not active, and the e2e
+    burst's pool controller, seeing 20 new sessions as neither, sized the pool a worker short of the
+    creates still to come (8 pressure suspensions). Worker ``a`` (2 slots) holds 2 new sessions, no
+    heartbeat since; a third create waits: the controller counts 3 slots wanted and starts a worker. A
+    heartbeat that counted before they were RUNNING keeps them in flight; one after them takes them out
+    (its count has them). With nobody waiting they are not counted (the pool is not short)."""
     from substrate.pool import PoolController
 
     d, act, workers = env
@@ -269,18 +270,18 @@ async def test_sessions_running_since_their_workers_last_heartbeat_are_demand_un
     t0 = time.time()
     for sid in ("s1", "s2"):
         await act.create(_new(sid), CATALOG.template("counter"))
-    assert act.demand_by_pool()["default"].in_flight == 2, "RUNNING, but no heartbeat has counted them"
+    assert act.demand_by_pool()["default"].in_flight == 0, "nobody waits: not counted"
     third = asyncio.create_task(act.create(_new("s3"), CATALOG.template("counter")))
     for _ in range(100):
         if act.waiting_by_pool.get("default"):
             break
         await asyncio.sleep(0.01)
+    dem = act.demand_by_pool()["default"]
+    assert (dem.waiting, dem.in_flight) == (1, 2), "RUNNING, but no heartbeat has counted them"
     b = RecordingBackend(also_running=("a",))
     pc = PoolController(act.settings, d, CATALOG, b, act)
     await pc.tick()
     assert len(b.created) == 1, "2 uncounted sessions + 1 waiting create need a second 2-slot worker"
-    third.cancel()
-    await asyncio.gather(third, return_exceptions=True)
 
     assert await d.heartbeat("a", time.time() + 60, active_slots=0, counted_at=t0)  # counted before them
     await act.view.refresh()
@@ -288,6 +289,8 @@ async def test_sessions_running_since_their_workers_last_heartbeat_are_demand_un
     assert await d.heartbeat("a", time.time() + 60, active_slots=2, counted_at=time.time())
     await act.view.refresh()
     assert act.demand_by_pool()["default"].in_flight == 0, "counted by the heartbeat: active, not in flight"
+    third.cancel()
+    await asyncio.gather(third, return_exceptions=True)
 
 
 async def test_a_create_that_waits_too_long_for_a_permit_is_refused_and_holds_nothing(env):
