@@ -526,7 +526,9 @@ def test_redis_down_is_503_and_nothing_half_written(runtime_factory):
         c = rt.client
         s = c.create_session("counter")
         c.invoke(s["id"], "increment")
-        rt.r.execute_command("CLIENT", "PAUSE", "3000", "ALL")
+        # long enough for both calls (3 s ran out before the GET on a fresh-clone check of a loaded machine:
+        # 200, not 503); the UNPAUSE below, itself paused, returns when the pause ends
+        rt.r.execute_command("CLIENT", "PAUSE", "6000", "ALL")
         try:
             r = c.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": "during-outage"})
             assert r.status_code == 503 and r.json()["code"] == "directory_unavailable"
