@@ -616,7 +616,13 @@ class Activator:
         try:
             yield made
             if made.worker is not None:
-                self._uncounted_by_pool.setdefault(pool, deque()).append((time.time(), made.worker))
+                q = self._uncounted_by_pool.setdefault(pool, deque())
+                now = time.time()
+                q.append((now, made.worker))
+                # pruned here too, oldest first: ``_uncounted`` runs only while placements wait, and the
+                # deque must not grow meanwhile
+                while q and q[0][0] < now - self.settings.worker.active_window_s:
+                    q.popleft()
         finally:
             self._activating[pool] -= 1
             self.slot_freed(pool)  # a failed activation gave its slot back; a done one may free others
