@@ -28,10 +28,12 @@ module is still found at the first create (500 ``agent_start_failed``, the messa
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.machinery
 import importlib.util
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,7 +347,54 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
             if not (group == "" or "." not in group or group.endswith(".k8s.io")):
                 warnings.append(f"{source} {kind} {name}: {api} {kind} is not a kind of this runtime; passed "
                                 "through unchanged (kubectl applies it to whatever serves it)")
+            elif (why := unknown_kubernetes_kind(str(api), str(kind))) is not None:
+                # a Kubernetes group, but a kind (or version) its API does not have: most often a typo
+                # (``Deploymnet``) that kubectl would refuse only at apply time (fresh-user review)
+                warnings.append(f"{source} {kind} {name}: {why}; passed through unchanged")
     return out, warnings
+
+
+def _snake(kind: str) -> str:
+    """``HorizontalPodAutoscaler`` -> ``horizontal_pod_autoscaler``, ``CSIDriver`` -> ``csi_driver``: the
+    file names of the Kubernetes Python client's generated models."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", kind).lower()
+
+
+@functools.lru_cache(maxsize=1)
+def _kubernetes_client_modules() -> tuple[frozenset[str], frozenset[str]]:
+    """(API modules, model modules) of the installed Kubernetes Python client, by file name without
+    ``.py`` (``apps_v1_api``...; ``v1_pod``, ``core_v1_event``, ``v2_horizontal_pod_autoscaler``...),
+    read from its folders without importing it (its models package imports ~850 modules); both empty
+    when the client is not installed or not readable."""
+    spec = importlib.util.find_spec("kubernetes")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset(), frozenset()
+    client = Path(next(iter(spec.submodule_search_locations))) / "client"
+    try:
+        return tuple(frozenset(f[:-3] for f in os.listdir(client / sub) if f.endswith(".py"))  # type: ignore[return-value]
+                     for sub in ("api", "models"))
+    except OSError:
+        return frozenset(), frozenset()
+
+
+def unknown_kubernetes_kind(api_version: str, kind: str) -> str | None:
+    """What is wrong with ``kind`` at ``api_version`` (``v1``, ``apps/v1``, ``autoscaling/v2``), judged
+    against the installed Kubernetes Python client (its API and model modules, ``_kubernetes_client_modules``),
+    or None: a version of a group the client serves that it does not have (``apps/v1beta1``), or a kind
+    that version has no model for (``Deploymnet``). A group the client does not serve (a CRD's, e.g.
+    ``gateway.networking.k8s.io``; ``kustomize.config.k8s.io``) is never judged, nor is ``List``
+    (kubectl's own). A kind two groups share (``Event``) counts for either."""
+    apis, models = _kubernetes_client_modules()
+    group, _, version = api_version.rpartition("/")
+    g = "core" if not group else group.removesuffix(".k8s.io").replace(".", "_").replace("-", "_")
+    if not apis or kind == "List" or f"{g}_api" not in apis:
+        return None
+    if f"{g}_{version}_api" not in apis:
+        return f"{api_version} is not an API version of the Kubernetes API this tool knows"
+    name = f"{version}_{_snake(kind)}"
+    if name in models or any(m.endswith("_" + name) for m in models):
+        return None
+    return f"{api_version} has no kind {kind} in the Kubernetes API this tool knows (a typo?)"
 
 
 #: the package of ours an agent host sees inside its sandbox (``workers.sandbox``: bound at ``CODE_PATH``)

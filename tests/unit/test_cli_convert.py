@@ -49,6 +49,36 @@ def test_a_kind_nothing_here_acts_on_is_passed_through_with_a_warning(tmp_path: 
     assert "ConfigMap cm:" not in r.output, "no warning for a Kubernetes kind"
 
 
+
+@pytest.mark.parametrize("api, kind, warning", [
+    ("v1", "ConfgMap", "v1 has no kind ConfgMap in the Kubernetes API this tool knows (a typo?)"),
+    ("apps/v1", "Deploymnet", "apps/v1 has no kind Deploymnet"),
+    ("apps/v1beta1", "Deployment", "apps/v1beta1 is not an API version of the Kubernetes API this tool knows"),
+])
+def test_a_kubernetes_kind_or_version_its_api_lacks_is_passed_through_with_a_warning(
+        tmp_path: Path, api: str, kind: str, warning: str) -> None:
+    """Fresh-user review: ``apiVersion: v1, kind: Foo`` went through without a word (kubectl refuses it
+    only at apply time)."""
+    f = tmp_path / "typo.yaml"
+    f.write_text(f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: x}}\n")
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    assert f"kind: {kind}" in r.output and warning in r.output and "passed through unchanged" in r.output
+
+
+@pytest.mark.parametrize("api, kind", [
+    ("v1", "Event"), ("events.k8s.io/v1", "Event"),  # one kind, two groups: the client's core_v1_/events_v1_
+    ("autoscaling/v2", "HorizontalPodAutoscaler"), ("storage.k8s.io/v1", "CSIDriver"),
+    ("apiregistration.k8s.io/v1", "APIService"), ("resource.k8s.io/v1", "DeviceClass"),
+    ("v1", "List"),  # kubectl's own
+    ("gateway.networking.k8s.io/v1", "Gateway"),  # a CRD's group the client does not serve: not judged
+])
+def test_real_kubernetes_kinds_get_no_typo_warning(tmp_path: Path, api: str, kind: str) -> None:
+    f = tmp_path / "ok.yaml"
+    f.write_text(f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: x}}\n")
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0 and "Kubernetes API this tool knows" not in r.output, r.output
+
 POOL_DOC = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p}\nspec:\n"
 AUTOSCALING = "  autoscaling: {minReplicas: 1, maxReplicas: 20, targetUtilization: 70}\n"
 HPA = ("  autoscaling:\n    minReplicas: 2\n    maxReplicas: 20\n    metrics:\n    - type: Resource\n"
