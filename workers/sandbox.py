@@ -725,6 +725,7 @@ class SandboxPool:
         stale, slot.ready = slot.ready, None  # an activation that failed before taking its host
         if stale is not None:
             await stale.close()
+        await self._drop_booting(slot)
         if slot.cgroup is not None:
             slot.cgroup.freeze(False)
             slot.cgroup.kill_all()
@@ -732,6 +733,27 @@ class SandboxPool:
         slot.busy = False
         self._freed.set()
         self._refill()
+
+    async def _drop_booting(self, slot: Slot) -> None:
+        """Stop the pre-start under way in ``slot`` (a host spawning or booting there) and close its host.
+
+        ``release`` calls it before it sweeps the slot: an activation that failed before it took the
+        slot's booting host (a credential it could not resolve, say) left that host to the pre-start
+        task, and the sweep's cgroup kill then killed it under that task. Until the task read the EOF,
+        the slot still named the dead host as booting (and, not yet reaped, ``alive``): the next
+        activation in the slot adopted it and failed ``agent_start_failed`` ("exit status None, first
+        line b''", a loaded CI run, 2026-12-05). Closing it here leaves the slot with no host, and the
+        refill that ends ``release`` starts a fresh one."""
+        task = slot._prestart
+        if task is None or task.done():
+            return
+        if slot.booting is None and slot._spawned is not None and not slot._spawned.done():
+            # its spawn (fork + exec) is under way: a cancel now could leave the process unowned
+            await asyncio.wait({task, slot._spawned}, return_when=asyncio.FIRST_COMPLETED)
+        booting, slot.booting = slot.booting, None  # cleared first: the task then leaves the host to us
+        task.cancel()
+        if booting is not None:
+            await booting.close()
 
     async def close(self) -> None:
         """Kill every host, remove the cgroups (the worker's own folder too), stop the reaper and free

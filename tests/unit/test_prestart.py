@@ -257,6 +257,47 @@ async def test_an_activation_takes_over_a_host_still_booting_instead_of_waiting_
         await pool.release(slot, host, lease=taken.lease)
 
 
+async def test_release_ends_the_pre_start_still_booting_in_the_slot(tmp_path, monkeypatch):
+    """A loaded CI run (2026-12-05): a create failed after it took a slot whose pre-started host was
+    still booting (its credential could not be resolved), and the release's cgroup sweep killed that
+    host under the pre-start task. Until the task read the EOF, the slot still named the dead, unreaped
+    host as booting: the next create in the slot adopted it and failed ``agent_start_failed``. Release
+    now ends the pre-start and closes its host itself. The host here is started outside the slot's
+    cgroup, so that the sweep cannot end it by chance: only release's own handling does."""
+    import workers.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_BOOT_TIMEOUT_S", 1e6)
+    gate = tmp_path / "gate"
+    pool = _pool(tmp_path, 1, prestart=1)
+    _gated(pool, gate)
+    launcher = pool.launcher
+    monkeypatch.setattr(pool, "launcher", lambda s, limits: [])  # the pre-started host: no cgroup
+    try:
+        await pool.start()
+        slot = pool.slots[0]
+        await _until(lambda: slot.booting is not None, "the pre-started host spawned")
+        booting, task = slot.booting, slot._prestart
+        assert booting is not None and task is not None
+        monkeypatch.setattr(pool, "launcher", launcher)
+        taken = await pool.acquire()
+        assert taken is slot
+        await pool.release(slot, None, lease=taken.lease)  # the activation failed before host_for
+        assert slot.booting is not booting and slot.ready is not booting
+        assert task.done()
+        assert await asyncio.wait_for(booting.proc.wait(), 30) is not None and not booting.alive
+        # the slot's next activation gets a host that boots and answers
+        again = await pool.acquire()
+        gate.touch()
+        host = await asyncio.wait_for(pool.host_for(again, UNSANDBOXED), 30)
+        assert host is not booting
+        await host.wait_booted(30)
+        assert await _init_counter(host) == {"ok": True}
+        await pool.release(again, host, lease=again.lease)
+    finally:
+        gate.touch()
+        await pool.close()
+
+
 async def test_a_wait_for_the_ready_line_that_times_out_does_not_lose_the_line(tmp_path):
     gate = tmp_path / "gate"
     pool = _pool(tmp_path, 1, prestart=0)
