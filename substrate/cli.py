@@ -1,6 +1,6 @@
 """The ``substrate`` command: run the runtime and drive it.
 
-    substrate up [--host H] [--port P] [--config DIR]   run the embedded default until SIGINT/SIGTERM
+    substrate up [--host H] [--port P] [--config DIR]   run the embedded default until SIGINT/SIGTERM/SIGHUP
     substrate demo                                       up + create/invoke/suspend/wake a session, then stop
     substrate sessions create|get|list|invoke|suspend|resume|delete ...
     substrate pools | templates | stats
@@ -295,7 +295,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
                                                                "(default: the examples shipped in the package)."),
        ) -> None:
     """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
-    Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM."""
+    Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM/SIGHUP (a
+    closed terminal), gracefully."""
 
     from substrate.embedded import EmbeddedRedis
     from substrate.logs import configure_logging
@@ -344,11 +345,12 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
             raise typer.Exit(2) from None
         err.print(f"embedded Redis at {embedded.safe_url}")
     def _term(*_: object) -> None:
-        # uvicorn re-raises the signal it caught after a graceful shutdown; turn SIGTERM into an
-        # exception so the finally below still stops the embedded Redis
+        # uvicorn re-raises the signal it caught after a graceful shutdown; turn SIGTERM (and SIGHUP: a
+        # closed terminal) into an exception so the finally below still stops the embedded Redis
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGHUP, _term)
     try:
         cfg = server_config(settings.api, host, port)
         # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully; a deliberate second one exits at

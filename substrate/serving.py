@@ -6,9 +6,12 @@ signals (:class:`Server`), a time and size limit on reading a request's head
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -59,6 +62,28 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, *, before_forced_exit: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.before_forced_exit = before_forced_exit
+
+    #: the signals that start the graceful shutdown: uvicorn's (SIGINT, SIGTERM) and SIGHUP, which a
+    #: closed terminal or a dropped SSH session sends: its default action ended ``substrate up`` at once,
+    #: without suspending a session (a fresh-user run lost three acknowledged turns that way)
+    STOP_SIGNALS = (*uvicorn.server.HANDLED_SIGNALS, signal.SIGHUP)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's ``capture_signals`` for ``STOP_SIGNALS``: each one starts the graceful shutdown
+        (``handle_exit``); the handlers from before are put back afterwards and the signals caught are
+        raised again, as uvicorn does (``substrate up`` turns SIGTERM and SIGHUP into a normal exit)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can be handled on the main thread only
+            return
+        before = {sig: signal.signal(sig, self.handle_exit) for sig in self.STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+        for sig in reversed(self._captured_signals):
+            signal.raise_signal(sig)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start the graceful shutdown; a repeat after the window forces the exit, as in uvicorn."""

@@ -532,3 +532,23 @@ def test_a_doubled_ctrl_c_still_answers_the_turn_in_flight(runtime_factory):
     assert answered.status_code == 200, answered.text
     assert answered.json()["output"]["stdout"].strip() == "end"
     rt.proc.wait(60)  # and the doubled signal still stops the runtime
+
+
+def test_a_closed_terminal_sighup_stops_gracefully_and_keeps_every_acknowledged_turn(runtime_factory):
+    """Fresh-user run: SIGHUP (a closed terminal, a dropped SSH session) ended ``substrate up`` at once,
+    exit status 129, no session suspended: after the restart a counter with three acknowledged
+    increments came back ``worker_lost;snapshot=none`` with count 0. SIGHUP is a stop request like
+    SIGTERM now: every session is suspended first and the exit status is 0."""
+    import httpx
+
+    rt = runtime_factory(replicas=1, slots=4)
+    sid = rt.client.create_session("counter")["id"]
+    for _ in range(3):
+        rt.client.invoke(sid, "increment")
+    rt.proc.send_signal(signal.SIGHUP)
+    assert rt.proc.wait(60) == 0, rt.logs()[-2000:]
+    rt.proc = rt._spawn()
+    rt._wait_ready()
+    r = httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke", json={"input": "get"}, timeout=60)
+    assert r.status_code == 200 and r.json()["output"] == {"count": 3}, r.text
+    assert "x-substrate-restored" not in r.headers, r.headers
