@@ -16,7 +16,8 @@ import typing
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -255,8 +256,19 @@ class WorkerSettings(_Section):
             raise ValueError("the internal token is a placeholder or shorter than 16 characters: set it to a "
                              "secret of its own, e.g. the output of `openssl rand -hex 24`")
         return v
+
+    @field_validator("lease_s")
+    @classmethod
+    def _lease_outlives_a_late_heartbeat(cls, v: float, info: Any) -> float:
+        beat = info.data.get("heartbeat_s")  # validated before (declared first); absent if it was invalid
+        if beat is not None and v < 2 * beat:
+            raise ValueError(f"({v:g}) must be at least twice SUBSTRATE_WORKER__HEARTBEAT_S ({beat:g}): a worker "
+                             "renews its lease each heartbeat, and one late renewal must not let it run out")
+        return v
     heartbeat_s: float = Field(1.0, gt=0)
-    lease_s: float = Field(5.0, gt=0)
+    #: at least twice ``heartbeat_s`` (checked): a lease that one late renewal lets run out has every
+    #: worker declared dead over and over (a fresh-user run: lease 0.5 s, heartbeat 5 s)
+    lease_s: float = Field(5.0, gt=0, validate_default=True)
     #: a worker stops serving at its own lease expiry (self-fencing); others may declare it dead and
     #: place its sessions elsewhere only this long after that (room for clock skew and a slow tick)
     lease_grace_s: float = Field(1.0, ge=0)
@@ -317,8 +329,15 @@ class ApiKeySpec(_Section):
     @model_validator(mode="after")
     def _a_hash_or_key(self) -> "ApiKeySpec":
         digest = (self.sha256 or "").lower().removeprefix("sha256:")
+        if self.sha256 is not None and self.key is not None:
+            raise ValueError(f"the key of tenant {self.tenant!r} has both `sha256` and `key`: give one of them")
         if not (_HEX64.match(digest) or (not digest and self.key)):
             raise ValueError(f"the key of tenant {self.tenant!r} needs `sha256` (64 hex digits) or `key`")
+        # the API looks a bearer token up as an API key only when it starts with ``sk_`` (api/auth.py):
+        # another key was accepted here, closed the open API and could never log in (fresh-user run)
+        if self.key is not None and not self.key.startswith("sk_"):
+            raise ValueError(f"the key of tenant {self.tenant!r} must start with `sk_` (API keys are "
+                             "sk_<id>_<secret>; `substrate keys create` makes one)")
         return self
 
 
@@ -335,6 +354,16 @@ class AuthSettings(_Section):
     oidc_audience: str | None = None
     #: JWKS URL (default: discovered from the issuer's /.well-known/openid-configuration)
     oidc_jwks_url: str | None = None
+
+    @field_validator("oidc_issuer", "oidc_jwks_url")
+    @classmethod
+    def _an_http_url(cls, v: str | None, info: Any) -> str | None:
+        # 'not a url' was accepted, and every JWT was then refused 401 ``jwks_unavailable`` (fresh-user run)
+        if v is not None:
+            u = urlsplit(v)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ValueError(f"{info.field_name} must be an http:// or https:// URL with a host, got {v[:100]!r}")
+        return v
     #: JWT claim naming the tenant, and the claim (list or space-separated string) holding roles
     tenant_claim: str = "tenant"
     roles_claim: str = "roles"

@@ -58,6 +58,13 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS", "garbage", "not valid JSON"),
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"Bad Name","key":"sk_x"}]', "invalid tenant name 'Bad Name'"),
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a"}]', "needs `sha256`"),
+    # fresh-user run: a key the API never looks up (not sk_...) closed the open API for good
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"short"}]', "must start with `sk_`"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"sk_a_b","sha256":"' + "0" * 64 + '"}]',
+     "has both `sha256` and `key`"),
+    ("SUBSTRATE_AUTH__OIDC_ISSUER", "not a url", "must be an http:// or https:// URL"),
+    # fresh-user run: every worker was declared dead over and over
+    ("SUBSTRATE_WORKER__LEASE_S", "0.5", "must be at least twice SUBSTRATE_WORKER__HEARTBEAT_S"),
     ("SUBSTRATE_REDIS_URL", "notaurl", "not a Redis URL"),
     ("SUBSTRATE_REDIS__URL", "http://127.0.0.1:6379", "not a Redis URL"),
     ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:notaport/0", "not a Redis URL"),
@@ -209,3 +216,13 @@ def test_a_bad_key_file_is_one_line(content: str, says: str, monkeypatch: pytest
     assert r.exit_code == 2, r.output
     line = _one_error_line(r.output)
     assert line.startswith("error: SUBSTRATE_AUTH__API_KEYS_FILE: ") and says in line, line
+
+
+def test_a_heartbeat_the_default_lease_cannot_outlive_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The default lease (5 s) is checked against a heartbeat set alone (fresh-user run: lease 0.5 s,
+    heartbeat 5 s had every worker declared dead over and over)."""
+    monkeypatch.setenv("SUBSTRATE_WORKER__HEARTBEAT_S", "5")
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith("error: SUBSTRATE_WORKER__LEASE_S: (5) must be at least twice SUBSTRATE_WORKER__HEARTBEAT_S (5)"), line
