@@ -147,6 +147,8 @@ def _prestart_problems(settings: Any, *, local: bool = True) -> list[str]:
             if var not in said and (why := _folder_problem(Path(path))):
                 out.append(f"{var}: {why}")
                 said.add(var)
+    if local and (why := _worker_host_problem(settings.worker.host)):
+        out.append(f"SUBSTRATE_WORKER__HOST: {why}")
     if settings.auth.api_keys_file:
         try:
             load_key_file(settings.auth.api_keys_file)
@@ -195,6 +197,27 @@ def _free_port(host: str, port: int) -> str | None:
                 if e.errno == errno.EACCES:
                     return f"{why} (ports below 1024 need privileges; choose another with --port)"
                 return why
+    return None
+
+
+def _worker_host_problem(host: str) -> str | None:
+    """None if local workers can listen on ``host`` (an IPv4 address of this machine, or a name that
+    resolves to one: ``workers.server`` binds an IPv4 socket), else why not. Checked before anything
+    starts: a wrong one had every worker crash at start, one a second, and then every create wait 30 s
+    for a 503 ``no_capacity`` (a fresh-user run)."""
+    import socket
+
+    try:
+        addr = socket.getaddrinfo(host, 0, family=socket.AF_INET, type=socket.SOCK_STREAM)[0][4]
+    except OSError as e:
+        return (f"{host!r} is not an IPv4 address or a name of one ({e.strerror or e}); local workers listen "
+                "on IPv4: use e.g. 127.0.0.1, or 0.0.0.0 for all")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr[0], 0))
+        except OSError as e:
+            return (f"cannot listen on {host}: {e.strerror or e} (not an address of this machine? use e.g. "
+                    "127.0.0.1, or 0.0.0.0 for all)")
     return None
 
 

@@ -65,6 +65,9 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__OIDC_ISSUER", "not a url", "must be an http:// or https:// URL"),
     # fresh-user run: every worker was declared dead over and over
     ("SUBSTRATE_WORKER__LEASE_S", "0.5", "must be at least twice SUBSTRATE_WORKER__HEARTBEAT_S"),
+    # fresh-user run: workers crashed at start one a second, then every create waited 30 s for a 503
+    ("SUBSTRATE_WORKER__HOST", "192.0.2.1", "not an address of this machine"),  # RFC 5737 TEST-NET-1
+    ("SUBSTRATE_WORKER__HOST", "::1", "local workers listen on IPv4"),
     ("SUBSTRATE_REDIS_URL", "notaurl", "not a Redis URL"),
     ("SUBSTRATE_REDIS__URL", "http://127.0.0.1:6379", "not a Redis URL"),
     ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:notaport/0", "not a Redis URL"),
