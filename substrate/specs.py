@@ -337,7 +337,13 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
             warnings.append(f"{source} ResourceClass {name}: v1alpha2 -> resource.k8s.io/v1 DeviceClass "
                             f"(parameters {sorted((d.get('parameters') or {}))} have no v1 meaning and are dropped)")
         elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClaim":
-            continue  # folded into the pools that reference it (see _use_v1alpha2_claims)
+            # folded into the pools that reference it (see _use_v1alpha2_claims); no cluster of today
+            # serves v1alpha2, so one no pool uses is dropped too, but not without a word (fresh-user run)
+            if name not in _claims_referenced(docs):
+                warnings.append(f"{source} ResourceClaim {name}: resource.k8s.io/v1alpha2 is served by no current "
+                                "Kubernetes and no WorkerPool in this file uses this claim: dropped (a pool "
+                                "that names it in resourceClaims gets its devices as spec.accelerators)")
+            continue
         else:
             out.append(d)
             # passed through as it is; a kind of no Kubernetes API group (``v1``, ``apps/v1``,
@@ -352,6 +358,22 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
                 # (``Deploymnet``) that kubectl would refuse only at apply time (fresh-user review)
                 warnings.append(f"{source} {kind} {name}: {why}; passed through unchanged")
     return out, warnings
+
+
+def _claims_referenced(docs: list[Any]) -> set[str]:
+    """The ``resourceClaimName`` s the WorkerPools among ``docs`` name (in ``spec.resourceClaims`` or
+    their Pod template's, directly or in v1alpha2's ``source``)."""
+    out: set[str] = set()
+    for d in docs:
+        if isinstance(d, dict) and d.get("kind") == "WorkerPool":
+            spec = d.get("spec") or {}
+            for holder in (spec, ((spec.get("template") or {}).get("spec") or {})):
+                for c in holder.get("resourceClaims") or []:
+                    if isinstance(c, dict):  # the v1alpha2 spelling nests it in ``source``
+                        n = c.get("resourceClaimName") or (c.get("source") or {}).get("resourceClaimName")
+                        if n:
+                            out.add(str(n))
+    return out
 
 
 def _snake(kind: str) -> str:

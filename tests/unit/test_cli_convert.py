@@ -79,6 +79,24 @@ def test_real_kubernetes_kinds_get_no_typo_warning(tmp_path: Path, api: str, kin
     r = CliRunner().invoke(app, ["convert", str(f)])
     assert r.exit_code == 0 and "Kubernetes API this tool knows" not in r.output, r.output
 
+
+def test_a_v1alpha2_claim_no_pool_uses_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    """Fresh-user run: ``convert`` of the seed's DRA section printed the DeviceClass only; its
+    ResourceClaim vanished without a word. A claim a pool of the same file uses is folded into it."""
+    claim = ("apiVersion: resource.k8s.io/v1alpha2\nkind: ResourceClaim\nmetadata: {name: gpu-claim}\n"
+             "spec: {resourceClassName: nvidia-gpu}\n")
+    f = tmp_path / "claim.yaml"
+    f.write_text(claim)
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "ResourceClaim gpu-claim:" in r.output and "dropped" in r.output
+    used = tmp_path / "used.yaml"
+    used.write_text(claim + "---\n" + POOL_DOC + "  slots: 2\n  resourceClaims:\n  - name: g\n"
+                    "    source: {resourceClaimName: gpu-claim}\n")
+    r = CliRunner().invoke(app, ["convert", str(used)])
+    assert r.exit_code == 0, r.output
+    assert "gpu-claim: resource.k8s.io/v1alpha2 is served by no" not in r.output
+
 POOL_DOC = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p}\nspec:\n"
 AUTOSCALING = "  autoscaling: {minReplicas: 1, maxReplicas: 20, targetUtilization: 70}\n"
 HPA = ("  autoscaling:\n    minReplicas: 2\n    maxReplicas: 20\n    metrics:\n    - type: Resource\n"
