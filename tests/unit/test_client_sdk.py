@@ -81,3 +81,37 @@ def test_a_server_url_without_a_scheme_says_which_to_use() -> None:
     with pytest.raises(ApiError) as e:
         SubstrateClient("localhost:19080")
     assert e.value.code == "invalid_server_url" and "http://localhost:19080" in e.value.message
+
+
+@pytest.mark.parametrize("key, says", [
+    ("é", "printable ASCII (space to ~): U+00E9 at position 1"),
+    ("ok\nno", "U+000A at position 3"),
+    ("k" * 201, "over 200 characters"),
+    ("", "empty"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_idempotency_key_the_api_would_refuse_is_refused_before_any_request(key: str, says: str,
+                                                                              stream: bool) -> None:
+    """Fresh-user run: ``sessions invoke c1 get -k 'é'`` printed a raw ``UnicodeEncodeError`` (the key
+    cannot be put in a header); the SDK raised it too, not ``ApiError``."""
+    seen: list[httpx.Request] = []
+    c = _client(seen)
+    with pytest.raises(ApiError) as e:
+        if stream:
+            list(c.invoke_stream("s1", "x", idempotency_key=key))
+        else:
+            c.invoke("s1", "x", idempotency_key=key)
+    assert e.value.status == 422 and e.value.code == "invalid_idempotency_key" and says in e.value.message
+    assert seen == [], "nothing was sent"
+
+
+def test_a_valid_idempotency_key_is_sent_as_given() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"output": 1})
+
+    c = SubstrateClient("http://test", transport=httpx.MockTransport(handler))
+    assert c.invoke("s1", "x", idempotency_key="turn 7 ~ok") == 1
+    assert seen[0].headers["idempotency-key"] == "turn 7 ~ok"
