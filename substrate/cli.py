@@ -268,7 +268,9 @@ def _run(fn: Any) -> Any:
     try:
         return fn()
     except ApiError as e:
-        err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}")
+        # a 401's message names the HTTP header; this CLI's way to send one is --token (fresh-user run)
+        hint = " (this CLI sends one with --token or SUBSTRATE_TOKEN)" if e.status == 401 else ""
+        err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}{hint}")
         raise typer.Exit(1) from None
     except Exception as e:  # noqa: BLE001 - connection errors etc. as one clear line
         import httpx

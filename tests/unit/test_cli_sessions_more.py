@@ -102,3 +102,19 @@ def test_an_unreachable_server_is_one_line_naming_its_url() -> None:
     out = r.output.strip()
     assert f"cannot reach the API at http://127.0.0.1:{port}" in out and "Traceback" not in out, out
     assert len(out.splitlines()) == 1, out
+
+
+def test_a_401_names_the_clis_own_way_to_send_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user run: against an API with keys, ``sessions list`` said "Authorization: Bearer ..." but
+    not how this CLI sends one."""
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"code": "unauthorized", "message": "this API needs a bearer token"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "get", "s1"])
+    assert r.exit_code == 1
+    assert "401 unauthorized" in r.output and "--token or SUBSTRATE_TOKEN" in r.output, r.output
