@@ -341,7 +341,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     try:
         # fail before starting anything, with the file and field; an entrypoint module the workers (this
         # interpreter) cannot import too (a user trial: only the first create failed, 500 agent_start_failed)
-        load_catalog(settings.config_dir, check_modules=True)
+        # its warnings (a field of no meaning here) are logged once, by the runtime's own load below
+        load_catalog(settings.config_dir, check_modules=True, log_warnings=False)
     except SpecError as e:
         err.print(f"[red]error[/red]: {escape(e.message)}" + ("" if config is not None else " (use --config DIR)"))
         raise typer.Exit(2) from None

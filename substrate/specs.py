@@ -490,11 +490,12 @@ def check_entrypoint_modules(templates: dict[str, ActorTemplate], where: dict[st
                         "workers run the same interpreter) or fix the name", code="agent_module_not_found")
 
 
-def load_catalog(path: Path | str, *, check_modules: bool = False) -> Catalog:
+def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings: bool = True) -> Catalog:
     """Read every YAML file in folder ``path`` (or the single file ``path``). With ``check_modules``, also
     check that every ``spec.entrypoint``'s module can be found (``check_entrypoint_modules``; only where
-    the workers share this interpreter: see the module docstring). Raises ``SpecError`` (code
-    ``invalid_spec``, ``unknown_pool`` or ``agent_module_not_found``)."""
+    the workers share this interpreter: see the module docstring). ``log_warnings`` false: the warnings
+    are in ``Catalog.warnings`` only (a reader other than the control plane's own load, which logs them
+    once). Raises ``SpecError`` (code ``invalid_spec``, ``unknown_pool`` or ``agent_module_not_found``)."""
     path = Path(path)
     if not path.exists():
         raise SpecError(f"spec path {str(path)!r} does not exist")
@@ -506,7 +507,7 @@ def load_catalog(path: Path | str, *, check_modules: bool = False) -> Catalog:
             docs = list(yaml.safe_load_all(f.read_text()))
         except yaml.YAMLError as e:
             raise SpecError(f"{f}: not valid YAML: {e}") from e
-        part = load_documents(docs, str(f))
+        part = load_documents(docs, str(f), log_warnings=log_warnings)
         # one name, one definition: the last file used to win without a word (fresh-user run)
         for what, mine, theirs in (("ActorTemplate", part.templates, cat.templates), ("WorkerPool", part.pools, cat.pools)):
             for name in mine.keys() & theirs.keys():

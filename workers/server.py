@@ -1182,7 +1182,7 @@ def pool_opts_out_of_sandbox(settings: Settings, pool: str) -> bool:
     from substrate.specs import load_catalog
 
     try:
-        cat = load_catalog(settings.config_dir)
+        cat = load_catalog(settings.config_dir, log_warnings=False)  # the control plane logs them, once
     except Exception:  # noqa: BLE001 - no readable catalog (e.g. Kubernetes): the sandbox is required
         return False
     first = next(iter(cat.pools), None)
