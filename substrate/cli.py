@@ -399,7 +399,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
 
 @app.command()
-def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the seed article's documents).")) -> None:
+def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the seed article's documents); "
+                                                         "- reads standard input.")) -> None:
     """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): seed apiVersions and
     spellings translated, v1alpha2 DRA objects converted to resource.k8s.io/v1; warnings on stderr."""
     import logging
@@ -413,7 +414,8 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the s
     out: list[Any] = []
     for f in files:
         try:
-            loaded = [d for d in yaml.safe_load_all(f.read_text()) if d is not None]
+            text = sys.stdin.read() if str(f) == "-" else f.read_text()
+            loaded = [d for d in yaml.safe_load_all(text) if d is not None]
             bad = [d for d in loaded if not isinstance(d, dict) or "kind" not in d]
             if bad or not loaded:  # e.g. /etc/passwd parses as one YAML string: not a document of ours
                 raise SpecError("no Kubernetes-style documents (mappings with apiVersion and kind) found")

@@ -135,3 +135,11 @@ def test_a_pool_with_autoscaling_gets_no_fixed_replicas(tmp_path: Path, spec: st
     after = load_documents([doc], log_warnings=False).pools["p"].spec
     for busy in (0, 5, 50, 500):
         assert desired_replicas(after, busy) == desired_replicas(before, busy), busy
+
+
+def test_a_dash_reads_standard_input() -> None:
+    """Fresh-user run: ``substrate convert -`` looked for a file named ``-``."""
+    doc = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p}\nspec: {slots: 4}\n"
+    r = CliRunner().invoke(app, ["convert", "-"], input=doc)
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(r.stdout)["kind"] == "WorkerPool"
