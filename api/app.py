@@ -19,7 +19,7 @@ import unicodedata
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -216,11 +216,13 @@ async def _owned(rt: Runtime, sid: str, principal: Principal) -> SessionRecord:
 
 
 async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, reason: str = "",
-                   early: bool = False) -> Any:
+                   early: bool = False, changed: Callable[[], bool] | None = None) -> Any:
     """Run ``op()`` (a coroutine factory) and leave one audit record of its outcome (``reason``: as the
     automatic records of the same action say it, e.g. ``explicit`` for a suspend, the session's
     ``suspendReason``). ``early``: ``op`` is called as ``op(ok)`` and may await ``ok()`` to write the
-    success record at the moment it succeeded (before its clean-up), which is then its only record."""
+    success record at the moment it succeeded (before its clean-up), which is then its only record.
+    ``changed``: asked after a success; False (the call changed nothing, e.g. a suspend of a session
+    already suspended) leaves no record: a record is of a transition, not of a call."""
     written = False
 
     async def ok() -> None:
@@ -241,6 +243,8 @@ async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, rea
                               worker=rec.worker, epoch=rec.epoch, result=proxy.public_error(e).code,
                               gpus=_gpus(rt, rec), reason=reason)
         raise
+    if changed is not None and not changed():
+        return result
     after = result if isinstance(result, SessionRecord) else rec
     await rt.audit.record(action, session=rec.id, tenant=rec.tenant, template=rec.actorTemplate,
                           worker=after.worker or rec.worker, epoch=after.epoch, gpus=_gpus(rt, rec), reason=reason)
@@ -651,14 +655,16 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         waits for it; one that meets a concurrent resume is 409 ``conflict`` (``Activator.suspend_explicit``)."""
         rt = _rt(request)
         rec = await _owned(rt, sid, _principal(request))
+        committed: list[bool] = []  # this call's own suspend committed (not one it found done or joined)
 
         async def op() -> SessionRecord:
             try:
-                return await rt.activator.suspend_explicit(rec)
+                return await rt.activator.suspend_explicit(rec, on_committed=lambda: committed.append(True))
             finally:
                 if rec.state == SessionState.RUNNING:  # the route read may name a gone activation now
                     rt.routes.drop(sid)
-        return session_view(await _audited(rt, "suspend", rec, op, reason="explicit"), rt)
+        return session_view(await _audited(rt, "suspend", rec, op, reason="explicit",
+                                           changed=lambda: bool(committed)), rt)
 
     @app.post("/v1/sessions/{sid}/resume", dependencies=[*v1, Depends(_json_body)], tags=["sessions"])
     async def resume_session(sid: str, request: Request, body: ResumeSession | None = None) -> dict[str, Any]:

@@ -1437,7 +1437,8 @@ class Activator:
         self.slot_freed(rec.pool or None)
         return ref
 
-    async def suspend_explicit(self, rec: SessionRecord) -> SessionRecord:
+    async def suspend_explicit(self, rec: SessionRecord, *, on_committed: Callable[[], None] | None = None
+                               ) -> SessionRecord:
         """The suspend API's answer for ``rec`` (as the caller read it): the SUSPENDED record, whatever
         concurrent suspends and resumes do (a fresh-user run got 202s naming SUSPENDING, RUNNING or
         RESUMING, and stale snapshots):
@@ -1454,14 +1455,19 @@ class Activator:
           ``invalid_state``;
         * deleted meanwhile: ``NotFound`` 404 once the record is gone, so that the delete's audit record
           (written just before its removal) comes first in the trail, as a concurrent delete's 404 does
-          (fresh-user run: the suspend's ``session_not_found`` came before the ``delete ok``, 4 of 4)."""
+          (fresh-user run: the suspend's ``session_not_found`` came before the ``delete ok``, 4 of 4).
+
+        ``on_committed`` is called when this call's own suspend committed the snapshot (not when it found
+        the session suspended, waited for another call's suspend or lost to one): the audit trail records
+        the transition, not each call (a fresh-user run saw five ``suspend ok`` records for one)."""
         try:
-            return await self._suspend_explicit(rec)
+            return await self._suspend_explicit(rec, on_committed)
         except NotFound:
             await self._wait_removed(rec.id)
             raise
 
-    async def _suspend_explicit(self, rec: SessionRecord) -> SessionRecord:
+    async def _suspend_explicit(self, rec: SessionRecord, on_committed: Callable[[], None] | None = None
+                                ) -> SessionRecord:
         """:meth:`suspend_explicit` but for the wait on a delete under way."""
         cur = rec
         for _ in range(3):  # a suspend we waited for may fail (RUNNING again): try it ourselves, bounded
@@ -1489,6 +1495,8 @@ class Activator:
                     raise WorkerUnavailable(f"session {rec.id!r}: its worker {cur.worker!r} is not known "
                                             "to this router; retry")
                 continue
+            if on_committed is not None:
+                on_committed()
             return await self.committed_view(cur, ref)
         raise self._moved_on(cur)
 

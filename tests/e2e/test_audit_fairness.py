@@ -403,3 +403,21 @@ spec:
     rolls = got.count(("deadline", "SUSPENDING->RUNNING", "ok"))
     assert rolls >= 1 and got[0] == ("create", "", "ok") and got[-1] == ("suspend", "idle", "ok"), got
     assert len(got) == 1 + rolls + 1 + 1, got
+
+
+def test_concurrent_and_repeated_suspends_leave_one_record_of_the_one_transition(runtime_factory):
+    """Fresh-user run: four concurrent suspends and one more after them each answered 202 and left five
+    ``suspend explicit ok`` records, all of one epoch, for one transition. The call whose suspend
+    committed leaves the record; one that found the session suspended or waited for another's leaves
+    none (a record is of the transition, not of the call)."""
+    rt = runtime_factory(replicas=1, slots=4, env={"SUBSTRATE_AUTH__API_KEYS": _keys_env()})
+    a = _client(rt.url, KEY_A)
+    sid = a.create_session("counter")["id"]
+    a.invoke(sid, "increment")
+    with cf.ThreadPoolExecutor(4) as ex:
+        states = list(ex.map(lambda _: a.suspend(sid)["state"], range(4)))
+    assert states == ["SUSPENDED"] * 4
+    assert a.suspend(sid)["state"] == "SUSPENDED"
+    time.sleep(0.5)  # a straggling duplicate record would show up by now
+    assert _actions(a, sid) == [("create", "", "ok"), ("suspend", "explicit", "ok")]
+    assert a.invoke(sid, "get") == {"count": 1}

@@ -348,6 +348,8 @@ spec:
     sid = s["id"]
     a.invoke(sid, "increment")                      # no state change: no record
     a.http.post(f"/v1/sessions/{sid}/suspend", headers={"X-Request-ID": rid})
+    # a suspend of a suspended session changes nothing: no record (fresh-user run: one per call)
+    assert a.suspend(sid)["state"] == "SUSPENDED"
     a.invoke(sid, "increment")                      # automatic wake
     a.suspend(sid)
     a.resume(sid)                                   # explicit resume: one record, not two
