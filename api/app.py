@@ -682,12 +682,15 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             if pin not in rt.view.workers:
                 raise InvalidInput(f"unknown worker {clip(pin)}", code="unknown_worker")
 
+        started: list[bool] = []  # this call started the wake (not found it running, nor joined one)
+
         async def op() -> SessionRecord:
             # woken again if the worker chosen for it dies while restoring it, as an invoke's wake is
-            route, cur = await rt.activator.resume_explicit(sid, worker=pin, tenant=None if p.admin else p.tenant)
+            route, cur = await rt.activator.resume_explicit(sid, worker=pin, tenant=None if p.admin else p.tenant,
+                                                            on_started=lambda: started.append(True))
             rt.routes.put(sid, route)
             return cur
-        return session_view(await _audited(rt, "resume", rec, op), rt)
+        return session_view(await _audited(rt, "resume", rec, op, changed=lambda: bool(started)), rt)
 
     @app.get("/v1/sessions/{sid}/events", dependencies=v1, tags=["audit"])
     async def session_events(sid: str, request: Request, limit: PageLimit = DEFAULT_PAGE_LIMIT,

@@ -921,7 +921,8 @@ class Activator:
 
     # --------------------------------------------------------------------------------------- wake
     async def wake(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
-                   audit_action: str | None = "wake") -> tuple[Route, bool]:
+                   audit_action: str | None = "wake", on_started: Callable[[], None] | None = None
+                   ) -> tuple[Route, bool]:
         """Make ``sid`` RUNNING and return its route and whether this call woke it.
 
         Parks the caller while the session resumes (one resume per session per process; other
@@ -931,7 +932,9 @@ class Activator:
 
         ``tenant``: the caller's tenant; a session of another tenant is ``NotFound`` (checked before
         anything is woken). ``audit_action``: the audit record's action for the wake (None: the caller
-        records it, as the explicit resume API does).
+        records it, as the explicit resume API does). ``on_started``: called when this call starts the
+        wake (not when it finds the session running or joins a wake under way): the caller that records
+        the wake itself records it only then (a fresh-user run: four ``resume ok`` for one wake).
         """
         from substrate.errors import TooManyParked
 
@@ -947,13 +950,13 @@ class Activator:
         self.breaker.check(rec.tenant, rec.actorTemplate)
         self.parked_share.enter(rec.tenant, self.settings.api.retry_after_s)
         try:
-            return await self._park(sid, rec, worker, audit_action)
+            return await self._park(sid, rec, worker, audit_action, on_started)
         finally:
             self.parked_share.leave(rec.tenant)
 
     async def wake_retrying(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
-                            audit_action: str | None = "wake", deadline: float | None = None
-                            ) -> tuple[Route, bool]:
+                            audit_action: str | None = "wake", deadline: float | None = None,
+                            on_started: Callable[[], None] | None = None) -> tuple[Route, bool]:
         """``wake``, woken again when the session moved while it was being woken.
 
         Retries StaleEpoch and Conflict with codes ``stale_epoch``/``conflict`` (a deadline roll, another
@@ -973,7 +976,8 @@ class Activator:
         while True:
             attempt += 1
             try:
-                return await self.wake(sid, worker=worker, tenant=tenant, audit_action=audit_action)
+                return await self.wake(sid, worker=worker, tenant=tenant, audit_action=audit_action,
+                                       on_started=on_started)
             except (StaleEpoch, Conflict, WorkerUnavailable) as e:
                 if e.code not in retried:
                     raise
@@ -982,15 +986,16 @@ class Activator:
                                             code="session_moving", retry_after_s=s.api.retry_after_s) from e
                 await asyncio.sleep(min(0.05 * attempt, 0.5))
 
-    async def resume_explicit(self, sid: str, *, worker: str | None = None, tenant: str | None = None
-                              ) -> tuple[Route, SessionRecord]:
+    async def resume_explicit(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
+                              on_started: Callable[[], None] | None = None) -> tuple[Route, SessionRecord]:
         """The explicit resume (``POST /v1/sessions/{id}/resume``): ``wake_retrying`` (the caller records
         the audit record), then the record, which must be RUNNING. Returns (route, record). Raises what
         ``wake_retrying`` raises, and Conflict ``conflict`` (409, ``details.state``/``epoch``) when a
         concurrent suspend took the session between the wake and the read: a 200 naming SUSPENDING told
         the caller a resume had held that did not (fresh-user race: 15 of 80 resumes), and a suspend that
-        meets a concurrent resume is 409 the same way (``_moved_on``)."""
-        route, _ = await self.wake_retrying(sid, worker=worker, tenant=tenant, audit_action=None)
+        meets a concurrent resume is 409 the same way (``_moved_on``). ``on_started``: as ``wake``'s."""
+        route, _ = await self.wake_retrying(sid, worker=worker, tenant=tenant, audit_action=None,
+                                            on_started=on_started)
         cur = await self.directory.get_session(sid)
         if cur.state != SessionState.RUNNING:
             raise Conflict(f"session {sid!r} was suspended by a concurrent call right after this resume woke it "
@@ -998,12 +1003,14 @@ class Activator:
                            code="conflict", details={"state": cur.state.value, "epoch": cur.epoch})
         return route, cur
 
-    async def _park(self, sid: str, rec: SessionRecord, worker: str | None, audit_action: str | None
-                    ) -> tuple[Route, bool]:
+    async def _park(self, sid: str, rec: SessionRecord, worker: str | None, audit_action: str | None,
+                    on_started: Callable[[], None] | None = None) -> tuple[Route, bool]:
         from substrate.errors import ResumeTimeout
 
         fut = self._wakes.get(sid)
         if fut is None:
+            if on_started is not None:
+                on_started()
             fut = asyncio.get_running_loop().create_future()
             self._wakes[sid] = fut
             task = asyncio.create_task(self._wake_once(sid, worker, audit_action, rec))

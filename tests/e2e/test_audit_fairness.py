@@ -405,11 +405,12 @@ spec:
     assert len(got) == 1 + rolls + 1 + 1, got
 
 
-def test_concurrent_and_repeated_suspends_leave_one_record_of_the_one_transition(runtime_factory):
+def test_concurrent_and_repeated_suspends_and_resumes_leave_one_record_per_transition(runtime_factory):
     """Fresh-user run: four concurrent suspends and one more after them each answered 202 and left five
-    ``suspend explicit ok`` records, all of one epoch, for one transition. The call whose suspend
-    committed leaves the record; one that found the session suspended or waited for another's leaves
-    none (a record is of the transition, not of the call)."""
+    ``suspend explicit ok`` records, all of one epoch, for one transition; concurrent resumes likewise.
+    The call whose suspend committed, or whose resume started the wake, leaves the record; one that found
+    the session there already or waited for another call's leaves none (a record is of the transition,
+    not of the call)."""
     rt = runtime_factory(replicas=1, slots=4, env={"SUBSTRATE_AUTH__API_KEYS": _keys_env()})
     a = _client(rt.url, KEY_A)
     sid = a.create_session("counter")["id"]
@@ -420,4 +421,11 @@ def test_concurrent_and_repeated_suspends_leave_one_record_of_the_one_transition
     assert a.suspend(sid)["state"] == "SUSPENDED"
     time.sleep(0.5)  # a straggling duplicate record would show up by now
     assert _actions(a, sid) == [("create", "", "ok"), ("suspend", "explicit", "ok")]
+    # the same for resumes: three at once share one wake, and a fourth finds the session running
+    with cf.ThreadPoolExecutor(3) as ex:
+        states = list(ex.map(lambda _: a.resume(sid)["state"], range(3)))
+    assert states == ["RUNNING"] * 3
+    assert a.resume(sid)["state"] == "RUNNING"
+    time.sleep(0.5)
+    assert _actions(a, sid) == [("create", "", "ok"), ("suspend", "explicit", "ok"), ("resume", "", "ok")]
     assert a.invoke(sid, "get") == {"count": 1}
