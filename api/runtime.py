@@ -26,6 +26,7 @@ from substrate.audit import AuditLog
 from substrate.demand import DemandBoard
 from substrate.backends.local import LocalBackend
 from substrate.directory import Directory
+from substrate.errors import SubstrateError
 from substrate.gctune import tune_after_startup
 from substrate.loops import run_forever
 from substrate.pool import PoolController
@@ -115,6 +116,9 @@ class Runtime:
         if ensure is not None and self.settings.snapshot.create_bucket:
             try:
                 await ensure()
+            except SubstrateError as e:  # the store's own error says what is wrong: one line, no traceback
+                log.warning("could not ensure the snapshot bucket exists: %s (suspends fail and are retried until "
+                            "the store answers; check SUBSTRATE_SNAPSHOT__ENDPOINT_URL and its credentials)", e.message)
             except Exception:  # noqa: BLE001 - suspends fail (and retry) until the store is reachable
                 log.warning("could not ensure the snapshot bucket exists", exc_info=True)
         try:

@@ -102,6 +102,8 @@ class StateManager:
     async def _sweep_quietly(self) -> None:
         try:
             await self.sweep_orphans()
+        except SubstrateError as e:  # e.g. the store unreachable: its message says it, one line
+            log.warning("orphan sweep failed: %s", e.message)
         except Exception:  # noqa: BLE001 - the next interval tries again
             log.warning("orphan sweep failed", exc_info=True)
 
