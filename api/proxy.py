@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import re
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -52,7 +51,7 @@ from substrate.errors import (
     clip,
     error_json,
 )
-from substrate.models import SESSION_ID_HINT, SESSION_ID_RE
+from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS, SESSION_ID_HINT, SESSION_ID_RE
 from substrate.workerclient import IDEMPOTENCY_HEADER, KEY_ORIGIN_HEADER
 
 if TYPE_CHECKING:
@@ -99,12 +98,6 @@ _INTERNAL_CODES: dict[str, tuple[int, str, str]] = {
     "busy": (409, "conflict", "the session is in the middle of a turn; retry"),
     "worker_error": (502, "worker_unavailable", "the worker failed the call without saying why"),
 }
-
-
-#: an Idempotency-Key (an sf-string, as in the IETF httpapi draft "The Idempotency-Key HTTP Header Field"):
-#: printable ASCII, at most 200 characters. It is forwarded to the worker as a header and kept as a key of
-#: the session's answers: a control character or a non-ASCII byte would be mangled or refused there
-_IDEMPOTENCY_KEY_RE = re.compile(r"[\x20-\x7e]{1,200}")
 
 
 def server_timing(woke_ms: float, route: Route) -> str:
@@ -385,9 +378,9 @@ async def invoke(request: Request) -> Response:
             # send one (a variable left empty) would get no retry safety across requests without knowing
             raise InvalidInput("Idempotency-Key is empty: send a key unique per turn, or no header",
                                code="invalid_idempotency_key")
-        if not _IDEMPOTENCY_KEY_RE.fullmatch(key):
+        if not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidInput(
-                "Idempotency-Key is over 200 characters" if len(key) > 200 else
+                f"Idempotency-Key is over {MAX_IDEMPOTENCY_KEY_CHARS} characters" if len(key) > MAX_IDEMPOTENCY_KEY_CHARS else
                 "Idempotency-Key must be printable ASCII (space to ~; no control characters or non-ASCII bytes)",
                 code="invalid_idempotency_key")
         keyless = not request.headers.get("idempotency-key")

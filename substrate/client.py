@@ -22,6 +22,8 @@ from urllib.parse import quote
 
 import httpx
 
+from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS
+
 
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
@@ -45,25 +47,21 @@ def _session_path(sid: str) -> str:
     return "/v1/sessions/" + quote(sid, safe="")
 
 
-def idempotency_key(key: str | None) -> str | None:
-    """``key`` if the API would take it as an ``Idempotency-Key`` (1-200 printable ASCII characters,
-    space to ``~``), None for None. Raises ``ApiError`` 422 ``invalid_idempotency_key``, as the API would
-    answer, before anything is sent: a non-ASCII key cannot even be put in a header, and the HTTP
-    library's ``UnicodeEncodeError`` reached the CLI's user raw (a fresh-user run)."""
-    if key is None:
-        return None
-    if not isinstance(key, str) or not key.strip():
+def checked_idempotency_key(key: str | None) -> str | None:
+    """``key`` if the API would take it as an ``Idempotency-Key`` (``substrate.models.IDEMPOTENCY_KEY_RE``:
+    1-200 printable ASCII characters, space to ``~``), None for None. Raises ``ApiError`` 422
+    ``invalid_idempotency_key``, as the API would answer, before anything is sent: a non-ASCII key cannot
+    even be put in a header, and the HTTP library's ``UnicodeEncodeError`` reached the CLI's user raw (a
+    fresh-user run)."""
+    if key is None or IDEMPOTENCY_KEY_RE.fullmatch(key) and key.strip():
+        return key
+    if not key.strip():
         raise ApiError(422, "invalid_idempotency_key", "Idempotency-Key is empty: give a key unique per turn, or none")
-    if len(key) > 200:
-        raise ApiError(422, "invalid_idempotency_key", "Idempotency-Key is over 200 characters")
-    bad = next((i for i, ch in enumerate(key) if not " " <= ch <= "~"), None)
-    if bad is not None:
-        raise ApiError(422, "invalid_idempotency_key",
-                       f"Idempotency-Key must be printable ASCII (space to ~): U+{ord(key[bad]):04X} at position {bad + 1}")
-    return key
-
-
-_checked_key = idempotency_key  # the name the methods use (their parameter shadows the function's)
+    if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise ApiError(422, "invalid_idempotency_key", f"Idempotency-Key is over {MAX_IDEMPOTENCY_KEY_CHARS} characters")
+    bad = next(i for i, ch in enumerate(key) if not " " <= ch <= "~")
+    raise ApiError(422, "invalid_idempotency_key",
+                   f"Idempotency-Key must be printable ASCII (space to ~): U+{ord(key[bad]):04X} at position {bad + 1}")
 
 
 def bearer_token(token: str | None) -> str | None:
@@ -169,7 +167,7 @@ class SubstrateClient:
     def invoke(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Any:  # noqa: A002
         """One turn; returns the agent's ``output``. Retried with the same idempotency key (see the
         module docstring); raises ``ApiError`` once retries are spent or for a non-retryable answer."""
-        key = _checked_key(idempotency_key) or uuid.uuid4().hex
+        key = checked_idempotency_key(idempotency_key) or uuid.uuid4().hex
         path = _session_path(sid) + "/invoke"
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
@@ -198,7 +196,7 @@ class SubstrateClient:
         """One streamed turn; yields the agent's chunks. Not retried here (chunks may have been yielded);
         a caller that retries passes the same ``idempotency_key``: a turn that ran is answered again from
         its kept lines, never run twice (a plain turn's kept answer comes back as one chunk)."""
-        key = _checked_key(idempotency_key)
+        key = checked_idempotency_key(idempotency_key)
         headers = {"Idempotency-Key": key} if key is not None else {}
         with self.http.stream("POST", _session_path(sid) + "/invoke", params={"stream": "true"},
                               json={"input": input}, headers=headers) as resp:

@@ -25,6 +25,12 @@ API_VERSION = f"{API_GROUP}/v1"
 SESSION_ID_RE = re.compile(r"\A[a-z0-9][a-z0-9\-_.]{0,127}\Z")
 #: what a refusal of a malformed session ID tells the client to use
 SESSION_ID_HINT = "use [a-z0-9][a-z0-9._-]{0,127}"
+#: an Idempotency-Key (an sf-string, as in the IETF httpapi draft "The Idempotency-Key HTTP Header Field"):
+#: printable ASCII, at most ``MAX_IDEMPOTENCY_KEY_CHARS``. It is forwarded to the worker as a header and kept
+#: as a key of the session's answers: a control character or a non-ASCII byte would be mangled or refused
+#: there. The router (``api.proxy``) and the SDK (``substrate.client``) check it by this one rule
+MAX_IDEMPOTENCY_KEY_CHARS = 200
+IDEMPOTENCY_KEY_RE = re.compile(r"[\x20-\x7e]{1,%d}" % MAX_IDEMPOTENCY_KEY_CHARS)
 #: Kubernetes DNS-1123 subdomain-ish names for templates and pools
 NAME_RE = re.compile(r"\A[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?\Z")
 

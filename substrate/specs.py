@@ -312,6 +312,7 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
     cat = load_documents(docs, source)
     out: list[dict[str, Any]] = []
     warnings = list(cat.warnings)
+    referenced = _claims_referenced(docs)
     for d in docs:
         if not isinstance(d, dict):
             continue
@@ -339,7 +340,7 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
         elif api == "resource.k8s.io/v1alpha2" and kind == "ResourceClaim":
             # folded into the pools that reference it (see _use_v1alpha2_claims); no cluster of today
             # serves v1alpha2, so one no pool uses is dropped too, but not without a word (fresh-user run)
-            if name not in _claims_referenced(docs):
+            if name not in referenced:
                 warnings.append(f"{source} ResourceClaim {name}: resource.k8s.io/v1alpha2 is served by no current "
                                 "Kubernetes and no WorkerPool in this file uses this claim: dropped (a pool "
                                 "that names it in resourceClaims gets its devices as spec.accelerators)")
