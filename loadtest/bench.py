@@ -5,8 +5,9 @@ Starts a whole runtime the way a user does (``substrate up`` in a child process,
 
 * router overhead: a RUNNING session's turn through the router and the same call straight to its
   worker, interleaved one by one; the overhead is the distribution of the **paired differences**;
-* routed throughput: requests/s one router process answers at saturation (64 concurrent clients on one
-  RUNNING session, the load generator on the same cores), next to the same load sent straight to the
+* routed throughput: requests/s one router process answers at saturation (64 keep-alive connections on
+  one RUNNING session; the load generator, ``wrk`` when installed, else aiohttp clients, on the same
+  cores), next to the same load sent straight to the
   worker and the floor measured for the stack (DESIGN.md); with the CPU time each side used in the
   window (``/proc``): the router process's per request, the load generator's, the rest of the machine's
   (worker, Redis, others), and so the routed requests per router CPU-second -- what one router process
@@ -44,6 +45,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from loadtest import wrk
 from loadtest.bench_report import markdown_table
 from loadtest.proctree import machine_busy_cpu_s, process_cpu_s
 from loadtest.report import DEFINITIONS
@@ -238,46 +240,66 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
 
 async def _throughput(http: aiohttp.ClientSession, base: str, workers: dict[str, str], wid: str,
                       s: dict[str, Any], direct_headers: dict[str, str], conc: int = 64,
-                      seconds: float = 5.0, router_pid: int | None = None) -> list[dict[str, Any]]:
+                      seconds: int = 5, router_pid: int | None = None) -> list[dict[str, Any]]:
     """Requests/s of one router process at saturation, and of the same load sent straight to the
-    worker (``conc`` clients on one RUNNING session's warm path for ``seconds``). With ``router_pid``
-    the routed row also says where the CPU went in its window (module doc)."""
+    worker (``conc`` connections on one RUNNING session's warm path for ``seconds``). The load generator
+    is ``wrk`` when it is installed (:mod:`loadtest.wrk`: a C client, so more of the shared cores go to
+    the router), else ``conc`` aiohttp clients in this process, and the row says which. With
+    ``router_pid`` the routed row also says where the CPU went in its window (module doc)."""
     body = {"input": "get"}
     direct_url = f"{workers[wid]}/v1/activations/{s['id']}/invoke"
+    use_wrk = wrk.available()
+    generator = (f"wrk, {conc} connections" if use_wrk
+                 else f"{conc} aiohttp clients in the bench process; wrk not installed: {wrk.INSTALL_HINT}")
     rows = []
-    for name, url, headers in (("routed", f"{base}/v1/sessions/{s['id']}/invoke", None),
-                               ("direct to the worker", direct_url, direct_headers)):
-        done = errors = 0
-        stop_at = time.perf_counter() + seconds
-
-        async def client() -> None:
-            nonlocal done, errors
-            while time.perf_counter() < stop_at:
-                st, _, _ = await _post(http, url, body, headers)
-                if st == 200:
-                    done += 1
-                else:
-                    errors += 1
-
-        cpu0 = (process_cpu_s(router_pid) if router_pid else 0.0, time.process_time(), machine_busy_cpu_s())
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(conc)))
-        wall = time.perf_counter() - t0
-        router_s, gen_s, busy_s = (process_cpu_s(router_pid) - cpu0[0] if router_pid else 0.0,
-                                   time.process_time() - cpu0[1], machine_busy_cpu_s() - cpu0[2])
-        cpu = {}
-        if done and router_pid and name == "routed":
-            cpu = {"router_cpu_us_per_req": router_s / done * 1e6, "router_cores": router_s / wall,
-                   "loadgen_cores": gen_s / wall, "other_cores": max(0.0, busy_s - router_s - gen_s) / wall}
-        rows.append({"case": f"throughput {name}, {conc} concurrent, one router process", "n": done,
-                     "per_s": done / wall, "errors": errors, **cpu,
-                     **({"target": ">= 5000/s", "floor": "~3500/s raw ASGI + aiohttp, ~2300-2800/s Starlette"}
-                        if name == "routed" else {})})
-        if cpu and router_s > 0:
-            rows.append({"case": "routed requests per router CPU-second (one router process with a whole core; "
-                                 "derived from the row above, not measured at saturation)",
-                         "n": done, "per_s": done / router_s, "target": ">= 5000/s"})
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, url, headers in (("routed", f"{base}/v1/sessions/{s['id']}/invoke", None),
+                                   ("direct to the worker", direct_url, direct_headers)):
+            cpu0 = (process_cpu_s(router_pid) if router_pid else 0.0, time.process_time(), machine_busy_cpu_s())
+            if use_wrk:
+                script = wrk.write_script(Path(tmp) / "turn.lua", json.dumps(body), headers)
+                r = await wrk.run(url, script, connections=conc, seconds=seconds)  # raises if any answer failed
+                done, errors, wall, gen_s = r.requests, 0, r.seconds, r.cpu_s
+            else:
+                done, errors, wall = await _aiohttp_load(http, url, body, headers, conc, seconds)
+                gen_s = time.process_time() - cpu0[1]
+            router_s, busy_s = (process_cpu_s(router_pid) - cpu0[0] if router_pid else 0.0,
+                                machine_busy_cpu_s() - cpu0[2])
+            cpu = {}
+            if done and router_pid and name == "routed":
+                cpu = {"router_cpu_us_per_req": router_s / done * 1e6, "router_cores": router_s / wall,
+                       "loadgen_cores": gen_s / wall, "other_cores": max(0.0, busy_s - router_s - gen_s) / wall}
+            where = "one router process" if name == "routed" else "no router"
+            rows.append({"case": f"throughput {name}, {where} (load generator: {generator})",
+                         "n": done, "per_s": done / wall, "errors": errors, **cpu,
+                         **({"target": ">= 5000/s", "floor": "~3500/s raw ASGI + aiohttp, ~2300-2800/s Starlette"}
+                            if name == "routed" else {})})
+            if cpu and router_s > 0:
+                rows.append({"case": "routed requests per router CPU-second (one router process with a whole "
+                                     "core; derived from the row above)",
+                             "n": done, "per_s": done / router_s, "target": ">= 5000/s"})
     return rows
+
+
+async def _aiohttp_load(http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None,
+                        conc: int, seconds: float) -> tuple[int, int, float]:
+    """``conc`` aiohttp clients posting ``body`` to ``url`` back to back for ``seconds``: (answered 200,
+    other answers, wall seconds)."""
+    done = errors = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done, errors
+        while time.perf_counter() < stop_at:
+            st, _, _ = await _post(http, url, body, headers)
+            if st == 200:
+                done += 1
+            else:
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(conc)))
+    return done, errors, time.perf_counter() - t0
 
 
 async def bench_creation(n: int) -> list[dict[str, Any]]:

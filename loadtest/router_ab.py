@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest import wrk
 from loadtest.bench import Server, _post
 from loadtest.proctree import descendants, process_cpu_s, tree_cpu_s
 
@@ -50,22 +49,9 @@ async def _start(checkout: Path, http: aiohttp.ClientSession) -> tuple[Server, s
     return srv, url
 
 
-def parse_wrk(out: str) -> tuple[int, float]:
-    """(requests answered, seconds taken) from ``wrk``'s report ``out``. Raises ``RuntimeError`` if any
-    answer was not 2xx or a socket failed (``Non-2xx``, ``Socket errors``), or the count is missing."""
-    if "Non-2xx" in out or "Socket errors" in out:
-        raise RuntimeError(f"wrk saw errors:\n{out}")
-    m = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m)\b", out)
-    if m is None:
-        raise RuntimeError(f"wrk printed no request count:\n{out}")
-    return int(m.group(1)), float(m.group(2)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(3)]
-
-
 async def _wrk(url: str, conc: int, seconds: int, script: Path) -> tuple[int, float]:
-    proc = await asyncio.create_subprocess_exec(
-        "wrk", "-t1", f"-c{conc}", f"-d{seconds}s", "-s", str(script), url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    return parse_wrk((await proc.communicate())[0].decode())
+    r = await wrk.run(url, script, connections=conc, seconds=seconds)  # both at once: only the counts are read
+    return r.requests, r.seconds
 
 
 def _rest_s(before: dict[int, float], after: dict[int, float]) -> float:
@@ -75,15 +61,13 @@ def _rest_s(before: dict[int, float], after: dict[int, float]) -> float:
 
 async def run(a: Path, b: Path, rounds: int, conc: int, seconds: int) -> dict[str, Any]:
     """Both runtimes up, ``rounds`` paired rounds; returns the rows and the medians (module doc)."""
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk is not installed: apt-get install wrk (Debian) or your system's package")
+    if not wrk.available():
+        raise SystemExit(f"wrk is not installed: {wrk.INSTALL_HINT}")
     for c in (a, b):
         if not (c / ".venv" / "bin" / "python").exists():
             raise SystemExit(f"{c} has no .venv: run `make install` in it first")
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "turn.lua"
-        script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{_BODY}'\n"
-                          "wrk.headers[\"Content-Type\"] = \"application/json\"\n")
+        script = wrk.write_script(Path(tmp) / "turn.lua", _BODY)
         async with aiohttp.ClientSession() as http:
             servers: list[Server] = []
             try:

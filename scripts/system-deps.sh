@@ -5,10 +5,11 @@
 #   kubectl  (kubernetes-client) `kubectl kustomize` renders deploy/
 #   promtool (prometheus)        checks the shipped alert rules
 #   libseccomp.so.2 (libseccomp2) the agent sandboxes' seccomp filter (workers/syscalls.py)
+#   wrk      (wrk)               the benchmarks' load generator (loadtest/wrk.py; its test skips without it)
 # Without root (or apt) it prints what is missing and goes on: tests that need a tool skip with a reason,
 # except the sandbox (bwrap, libseccomp2), which the runtime refuses to start without (see README "Security model").
 set -u
-declare -A pkg=([bwrap]=bubblewrap [redis-server]=redis-server [kubectl]=kubernetes-client [promtool]=prometheus)
+declare -A pkg=([bwrap]=bubblewrap [redis-server]=redis-server [kubectl]=kubernetes-client [promtool]=prometheus [wrk]=wrk)
 missing=()
 for cmd in "${!pkg[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${pkg[$cmd]}")
