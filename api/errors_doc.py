@@ -75,7 +75,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "state_too_large": (422, "suspend/snapshot refused: the agent's state does not fit the template's limits (the "
                              "message names the limit, e.g. `isolation.maxDiskBytes`); the session keeps running "
                              "with all its state"),
-    "memory_limit_exceeded": (422, "the session went over `isolation.maxMemory`; its agent restarts from its last snapshot"),
+    "memory_limit_exceeded": (422, "the session went over `isolation.maxMemory`; its agent restarts from its last "
+                                   "snapshot (at a create or wake: the agent cannot start within it)"),
     "secret_unavailable": (422, "a credential the template asks for cannot be resolved for this tenant"),
     "quota_max_running": (429, "the tenant (or the tenant's template) holds its maximum of live sessions"),
     "quota_max_total": (429, "the tenant (or template) has its maximum number of sessions"),

@@ -128,6 +128,10 @@ class Host:
         os.chdir(workspace)
         argv = msg.get("argv")
         if argv:
+            missing = _not_executable(str(argv[0]))
+            if missing:  # said in init's answer: after ``ok`` an exec failure is only an exit status (127)
+                self.send({"error": missing, "code": "agent_start_failed"})
+                return
             # answer first (the worker sends nothing more until then, so no line sits in our read buffer),
             # then the command speaks the protocol on its own stdin/stdout
             self.send({"ok": True, "exec": True})
@@ -221,6 +225,22 @@ class Host:
                 return
             last = chunk
         self.send({"output": last, "streamed": True})
+
+
+def _not_executable(command: str) -> str | None:
+    """Why a command agent's ``command`` (its ``argv[0]``) cannot be run here, or None if it can; it is
+    looked up as ``os.execvpe`` will (a name on this process's ``PATH``, a path as is, from the
+    workspace, the current directory by then)."""
+    import shutil
+
+    if "/" not in command:
+        path = os.environ.get("PATH", os.defpath)
+        return None if shutil.which(command, path=path) else f"command {command!r} not found on PATH ({path})"
+    if not os.path.exists(command):
+        return f"command {command!r} not found"
+    if os.path.isdir(command) or not os.access(command, os.X_OK):
+        return f"command {command!r} is not an executable file"
+    return None
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ _STATUS = {"turn_timeout": 504, "memory_limit_exceeded": 422, "agent_crashed": 5
 #: bytes a protocol line may carry beyond the answer itself (the ``{"output": ...}`` wrapping)
 #: the end of the message of a turn whose agent died: the session's next turn restarts it from its last
 #: snapshot (dropped from a start failure's message, which has nothing to restart)
-RESTART_HINT = "; it restarts from its last snapshot"
+RESTART_HINT = "; the session restarts from its last snapshot"
 LINE_SLACK_BYTES = 64 * 1024
 
 
@@ -149,8 +149,8 @@ class HostedAgent(Agent):
         """Kill the agent for breaking the protocol and return the error to raise: 500
         ``agent_protocol_violation`` (the agent is then ``dead``: the activation ends as a crash's)."""
         await self._kill()
-        return TurnFailed(f"the agent broke the protocol ({what}); its process was killed and the session "
-                          "restarts from its last snapshot", "agent_protocol_violation")
+        return TurnFailed(f"the agent broke the protocol ({what}); its process was killed{RESTART_HINT}",
+                          "agent_protocol_violation")
 
     async def _recv(self, deadline: float, rid: str, *, kinds: tuple[str, ...],
                     strict: bool | None = None) -> dict[str, Any]:
@@ -188,14 +188,13 @@ class HostedAgent(Agent):
         except TimeoutError:
             await self._kill()
             raise TurnFailed(f"turn ran over isolation.turnTimeout ({self.limits.turn_timeout_s:g} s); every "
-                             "process of the session was killed and it restarts from its last snapshot",
-                             "turn_timeout") from None
+                             f"process of the session was killed{RESTART_HINT}", "turn_timeout") from None
         except (ValueError, asyncio.LimitOverrunError) as e:  # a line over the reader's limit
             # (a command agent that ignores maxAnswerBytes; the Python host refuses such answers itself)
             await self._kill()
             raise TurnFailed(f"the agent's answer is over the {self.max_answer_bytes}-byte limit "
-                             "(worker.max_answer_bytes); its process was killed and restarts from its last "
-                             "snapshot", "output_too_large") from e
+                             f"(worker.max_answer_bytes); its process was killed{RESTART_HINT}",
+                             "output_too_large") from e
         finally:
             self._reading = False
         if not line:
@@ -220,8 +219,8 @@ class HostedAgent(Agent):
         cg = self.slot.cgroup
         if cg is not None and cg.new_oom_kill():
             return TurnFailed(f"the session went over isolation.maxMemory "
-                              f"({self.limits.memory_bytes} bytes) and its agent was killed; it restarts from "
-                              "its last snapshot", "memory_limit_exceeded")
+                              f"({self.limits.memory_bytes} bytes) and its agent was killed{RESTART_HINT}",
+                              "memory_limit_exceeded")
         return TurnFailed(f"{what} (exit status {code}){RESTART_HINT}", "agent_crashed")
 
     async def _kill(self) -> None:
@@ -272,9 +271,17 @@ class HostedAgent(Agent):
             await host.wait_booted(max(0.0, deadline - time.monotonic()))
         except (RuntimeError, asyncio.TimeoutError, ValueError, asyncio.LimitOverrunError) as e:
             await self._kill()
+            cg = self.slot.cgroup
+            if cg is not None and self.limits.memory_bytes and cg.new_oom_kill():
+                # spawned under the limit (``SandboxPool.host_for``) and killed for memory before it
+                # could say it started: the interpreter alone does not fit (a fresh-user run: 1Mi)
+                raise TurnFailed(f"the agent host needs more memory to start than isolation.maxMemory "
+                                 f"({self.limits.memory_bytes} bytes) allows; raise the template's maxMemory",
+                                 "memory_limit_exceeded") from e
             # str(e): an exception object is always true, and a timeout's message is empty
             why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
-            raise TurnFailed(f"agent host did not start: {why}", "agent_start_failed") from e
+            raise TurnFailed(why if why.startswith("agent host did not start") else f"agent host did not start: {why}",
+                             "agent_start_failed") from e
 
     async def _expect_ok(self, reply: dict[str, Any], what: str) -> None:
         """Raise ``TurnFailed`` unless ``reply`` is ``{"ok": true}`` (the host is killed first): code

@@ -271,9 +271,16 @@ def cgroup_v1_writable() -> bool:
     return True
 
 
+class LimitNotApplied(RuntimeError):
+    """A limit the template asks for could not be written to the slot's cgroup (``SlotCgroup.set``); the
+    message names each file and the kernel's reason. The sandbox must then not run: an agent whose limit
+    is not in force runs without one."""
+
+
 class SlotCgroup:
-    """The cgroup v1 folders of one slot (memory, pids, cpu, freezer). All writes are best effort but
-    logged: limits that cannot be written are reported once, never silently assumed."""
+    """The cgroup v1 folders of one slot (memory, pids, cpu, freezer). Writes that lift a limit or set
+    scheduling are best effort but logged; a limit the template asks for that cannot be written raises
+    ``LimitNotApplied`` from ``set``, never silently assumed."""
 
     def __init__(self, name: str) -> None:
         self.dirs = {c: _CGROUP_ROOT / c / sandbox_sweep.PARENT / name for c in _CGROUP_CONTROLLERS}
@@ -292,15 +299,20 @@ class SlotCgroup:
         self._oom_fd: int | None = None
         self._oom_seen = self.oom_kills()
 
-    def _write(self, controller: str, name: str, value: str | int) -> None:
+    def _write(self, controller: str, name: str, value: str | int) -> str | None:
+        """Write ``value`` to the controller's file ``name``; the failure, said in words (logged too),
+        or None if it was written (or the folder is gone: a worker's stop removes them, and nothing is
+        left to limit)."""
         try:
             (self.dirs[controller] / name).write_text(str(value))
         except FileNotFoundError as e:
             if self.dirs[controller].exists():
                 log.warning("cgroup write failed: %s: %s", self.dirs[controller] / name, e)
-            # else the folder is gone (a worker's stop removes them): nothing left to limit
+                return f"{name}: {e.strerror or e}"
         except OSError as e:
             log.warning("cgroup write failed: %s: %s", self.dirs[controller] / name, e)
+            return f"{name} = {value}: {e.strerror or e}"
+        return None
 
     def join(self, pid: int) -> None:
         """Move ``pid`` into every controller (call in the child before exec: nothing escapes)."""
@@ -308,18 +320,29 @@ class SlotCgroup:
             (d / "cgroup.procs").write_text(str(pid))
 
     def set(self, limits: Limits) -> None:
+        """Put ``limits`` (memory, processes, CPU) in force for the slot's processes, those running now
+        included. Raises ``LimitNotApplied`` if a limit ``limits`` asks for could not be written; the
+        most common case is a memory limit below what the slot's processes use already (the kernel
+        answers EBUSY when it cannot reclaim down to it: a pre-started host under a ``maxMemory`` of
+        a few MiB). The other limits are still written."""
+        failed: list[str | None] = []
         mem = limits.memory_bytes or -1
         memsw = (self.dirs["memory"] / "memory.memsw.limit_in_bytes").exists()
         # the kernel keeps memory <= memory+swap: open memsw first, then set both (swap adds nothing)
         if memsw:
             self._write("memory", "memory.memsw.limit_in_bytes", -1)
-        self._write("memory", "memory.limit_in_bytes", mem)
+        wrote = self._write("memory", "memory.limit_in_bytes", mem)
+        failed.append(wrote if mem > 0 else None)  # lifting a limit is best effort (logged)
         if memsw and mem > 0:
-            self._write("memory", "memory.memsw.limit_in_bytes", mem)
-        self._write("pids", "pids.max", limits.processes or "max")
+            failed.append(self._write("memory", "memory.memsw.limit_in_bytes", mem))
+        wrote = self._write("pids", "pids.max", limits.processes or "max")
+        failed.append(wrote if limits.processes else None)
         self._write("cpu", "cpu.cfs_period_us", _CFS_PERIOD_US)
         quota = int(limits.cpu_cores * _CFS_PERIOD_US) if limits.cpu_cores else -1
-        self._write("cpu", "cpu.cfs_quota_us", max(quota, 1000) if quota > 0 else -1)
+        wrote = self._write("cpu", "cpu.cfs_quota_us", max(quota, 1000) if quota > 0 else -1)
+        failed.append(wrote if quota > 0 else None)
+        if errors := [f for f in failed if f]:
+            raise LimitNotApplied("; ".join(errors))
 
     def pids(self) -> list[int]:
         try:
@@ -371,6 +394,11 @@ class SlotCgroup:
 
     def freeze(self, frozen: bool) -> None:
         self._write("freezer", "freezer.state", "FROZEN" if frozen else "THAWED")
+
+    def empty(self, wait_s: float = 2.0) -> int:
+        """Kill, thaw and kill again until the slot's cgroups hold no process (at most ``wait_s``);
+        how many were left (0: empty). Blocking: call it in a thread."""
+        return sandbox_sweep.thaw_and_kill(self.dirs.values(), wait_s)
 
     def remove(self, wait_s: float = 2.0) -> None:
         """Kill, thaw and kill again until the slot's cgroups are empty (at most ``wait_s``), then rmdir them."""
@@ -703,9 +731,22 @@ class SandboxPool:
         self._refill()
         if ready is not None and self._fits(ready, limits):
             ready.limits = limits
-            if slot.cgroup is not None:
+            if slot.cgroup is None:
+                return ready
+            try:
                 slot.cgroup.set(limits)
-            return ready
+                return ready
+            except LimitNotApplied as e:
+                # it already uses more than the limit (a maxMemory of a few MiB): a host spawned under
+                # the limit either fits in it or is killed at boot, and never runs without it (a
+                # fresh-user run: maxMemory 1Mi let the agent allocate 300 MiB)
+                log.info("a pre-started agent host is over the template's limits; spawning one under them",
+                         extra={"slot": slot.index, "error": str(e)})
+                await ready.close()
+                # its sandbox's processes die after the outer one: until they are gone their memory is
+                # still the slot's, and the limit would be refused again (a loaded run: 500, not 422)
+                await asyncio.to_thread(slot.cgroup.empty)
+                return await self.spawn(slot, limits)
         if ready is not None:
             await ready.close()
         return await self.spawn(slot, limits)
@@ -969,7 +1010,9 @@ class SandboxPool:
                 "PYTHONDONTWRITEBYTECODE": "1", "MALLOC_ARENA_MAX": "2", "TMPDIR": "/tmp"}
 
     async def spawn(self, slot: Slot, limits: Limits) -> HostProcess:
-        """Start an agent host in ``slot`` under ``limits``; its pipes speak ``workers.agenthost``'s protocol."""
+        """Start an agent host in ``slot`` under ``limits``; its pipes speak ``workers.agenthost``'s protocol.
+        Raises ``SandboxUnavailable`` (no sandbox on this machine) or ``LimitNotApplied`` (a limit of
+        ``limits`` could not be put in force; nothing is started)."""
         if limits.sandboxed and self.unavailable:
             raise SandboxUnavailable(self.unavailable)
         cg = slot.cgroup

@@ -95,7 +95,7 @@ from workers.command import LINE_SLACK_BYTES, RESTART_HINT, AgentGone, HostedAge
 from workers.devices import gpu_inventory
 from workers import lifeline
 from workers.handler import AgentError, SessionContext
-from workers.sandbox import Limits, SandboxPool, SandboxUnavailable, Slot, find_bwrap
+from workers.sandbox import LimitNotApplied, Limits, SandboxPool, SandboxUnavailable, Slot, find_bwrap
 
 log = logging.getLogger("substrate.worker")
 
@@ -574,7 +574,13 @@ class Worker:
             # a turn's death says the agent "restarts from its last snapshot"; an agent that never started
             # has nothing to restart (a create is undone, a wake leaves the session as it was)
             msg = msg.replace(RESTART_HINT, "")
+            if e.code == "memory_limit_exceeded":  # the template's limit is too low to start in: 422, its own code
+                raise InvalidInput(msg, code="memory_limit_exceeded") from e
             raise SubstrateError(msg, code="agent_start_failed") from e
+        except LimitNotApplied as e:  # never run without them
+            await agent.stop()
+            raise SubstrateError(f"agent failed to start: the template's isolation limits could not be put in "
+                                 f"force ({e})", code="agent_start_failed") from e
         except Exception as e:
             await agent.stop()
             msg = str(e) if str(e).startswith("agent failed") else f"agent failed to start: {e}"

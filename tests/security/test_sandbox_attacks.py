@@ -35,6 +35,13 @@ metadata: {name: notebook-lim}
 spec:
   entrypoint: workers.agents.notebook:Notebook
   isolation: {maxMemory: 128Mi, turnTimeout: 3s}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: notebook-1mi}
+spec:
+  entrypoint: workers.agents.notebook:Notebook
+  isolation: {maxMemory: 1Mi}
 """
 
 
@@ -274,6 +281,25 @@ def test_a_child_killed_for_memory_does_not_make_a_later_death_an_oom(rt):
     assert e.value.code == "agent_crashed", (e.value.code, e.value.message)
     assert c.get_session(sh)["reason"] == "agent_restarted"
     c.delete_session(sh)
+
+
+def test_a_memory_limit_below_what_the_agent_host_needs_refuses_the_start_never_runs_unlimited(rt):
+    """A fresh-user run: ``maxMemory: 1Mi`` is below what the pre-started agent host already used, the
+    kernel refused the limit (EBUSY), the worker only logged it, and the agent allocated 300 MiB. Now a
+    host is spawned under the limit instead, and one that cannot start in it fails the create with 422
+    ``memory_limit_exceeded``; no session is left, and every slot still serves sessions."""
+    c = rt.client
+    for _ in range(3):  # every slot of a worker has a pre-started host over 1 MiB
+        with pytest.raises(ApiError) as e:
+            c.create_session("notebook-1mi", id="tiny-mem")
+        assert (e.value.status, e.value.code) == (422, "memory_limit_exceeded"), (e.value.code, e.value.message)
+        assert "raise the template's maxMemory" in e.value.message and "restarts" not in e.value.message
+        with pytest.raises(ApiError) as gone:
+            c.get_session("tiny-mem")
+        assert gone.value.status == 404
+    nb = c.create_session("notebook-lim")["id"]  # the slots it used start hosts again
+    assert c.invoke(nb, "1 + 1")["repr"] == "2"
+    c.delete_session(nb)
 
 
 def test_fork_bomb_stops_at_max_processes(rt):

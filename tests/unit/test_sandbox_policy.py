@@ -231,3 +231,21 @@ def test_a_released_slot_uid_keeps_no_kernel_keys():
     assert as_uid(*search) == 0, "found before"
     assert clear_uid_keyrings(uid)
     assert as_uid(*search) == 3, "gone after the slot is released"
+
+
+def test_a_command_that_cannot_run_is_named_before_the_exec(tmp_path, monkeypatch):
+    """A command agent's missing binary was only "agent process exited (exit status 127)": the host
+    now says which command and why in its answer to init, looked up the way ``execvpe`` will."""
+    from workers.agenthost import _not_executable
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\n")
+    assert _not_executable("tool") == f"command 'tool' not found on PATH ({tmp_path})"
+    tool.chmod(0o755)
+    assert _not_executable("tool") is None
+    assert _not_executable(str(tool)) is None
+    assert _not_executable(str(tmp_path / "nope")) == f"command '{tmp_path / 'nope'}' not found"
+    assert "not an executable file" in _not_executable(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert _not_executable("./tool") is None  # from the workspace, the host's current directory

@@ -38,3 +38,24 @@ def test_the_count_is_re_read_through_one_kept_descriptor(tmp_path: Path, monkey
     assert cg.oom_kills() == 0 and cg._oom_fd is None
     assert cg.oom_kills() == 7 and cg._oom_fd is not None
     cg._close_oom_fd()
+
+
+def test_a_limit_that_cannot_be_written_is_raised_not_only_logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh-user run: a ``maxMemory`` below what the slot already used was refused by the kernel
+    (EBUSY), only logged, and the agent ran without a limit. Here a folder in the file's place makes
+    the write fail: each limit asked for that is not written is named, the others are still written,
+    and lifting a limit (no ``maxMemory``) that fails is only logged."""
+    monkeypatch.setattr(sandbox, "_CGROUP_ROOT", tmp_path)
+    cg = SlotCgroup("w-1/slot-0")
+    (cg.dirs["memory"] / "memory.limit_in_bytes").mkdir()
+    with pytest.raises(sandbox.LimitNotApplied, match=r"memory.limit_in_bytes = 1048576") as e:
+        cg.set(sandbox.Limits(memory_bytes=1 << 20, processes=24, cpu_cores=0.5))
+    assert "pids" not in str(e.value) and "cpu" not in str(e.value)
+    assert (cg.dirs["pids"] / "pids.max").read_text() == "24"  # the rest is in force
+    assert (cg.dirs["cpu"] / "cpu.cfs_quota_us").read_text() == "50000"
+    cg.set(sandbox.Limits(memory_bytes=None, processes=24))  # nothing asked of the failing file
+    (cg.dirs["pids"] / "pids.max").unlink()
+    (cg.dirs["pids"] / "pids.max").mkdir()
+    with pytest.raises(sandbox.LimitNotApplied, match="pids.max = 24"):
+        cg.set(sandbox.Limits(memory_bytes=None, processes=24))
+    cg._close_oom_fd()
