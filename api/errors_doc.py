@@ -79,7 +79,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                                    "snapshot (at a create or wake: the agent cannot start within it)"),
     "secret_unavailable": (422, "a credential the template asks for cannot be resolved for this tenant"),
     "quota_max_running": (429, "the tenant (or the tenant's template) holds its maximum of live sessions"),
-    "quota_max_total": (429, "the tenant (or template) has its maximum number of sessions"),
+    "quota_max_total": (429, "the tenant (or template) has its maximum number of sessions; only deleting "
+                             "one makes room, so there is no `Retry-After`"),
     "quota_max_gpus": (429, "live sessions of the tenant (or template) hold its maximum of GPUs"),
     "quota_max_creates_per_minute": (429, "the tenant (or template) created its maximum in the last minute"),
     "tenant_parked_share": (429, "the tenant's requests already fill their share of waiting places"),
@@ -153,6 +154,9 @@ def responses_for(*statuses: int) -> dict[str, Any]:
         out[str(st)] = {"description": ", ".join(f"`{c}`" for c in codes) or "error",
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
         if st in (429, 503):
-            out[str(st)]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
-                                                       "description": "seconds to wait before retrying"}}
+            out[str(st)]["headers"] = {"Retry-After": {
+                "schema": {"type": "integer"},
+                "description": "seconds to wait before retrying; absent when waiting cannot help "
+                               "(`quota_max_total`, a quota of 0)" if st == 429 else
+                               "seconds to wait before retrying"}}
     return out

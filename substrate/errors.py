@@ -162,7 +162,8 @@ class SessionDeleted(SubstrateError):
 class TooManyRequests(SubstrateError):
     """429 with ``Retry-After``: a quota, a fairness share or a tenant's circuit breaker said no. The
     ``code`` names the limit (``quota_max_running``, ``quota_max_total``, ``quota_max_gpus``,
-    ``quota_max_creates_per_minute``, ``tenant_parked_share``, ``tenant_circuit_open``)."""
+    ``quota_max_creates_per_minute``, ``tenant_parked_share``, ``tenant_circuit_open``). A limit that
+    waiting cannot clear (``quota_max_total``, any limit of 0) sets ``retry_after_s`` to None: no header."""
 
     status, code = 429, "too_many_requests"
     retry_after_s = 1.0

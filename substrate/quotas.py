@@ -61,6 +61,15 @@ COUNTED = frozenset({SessionState.STARTING, SessionState.RUNNING, SessionState.S
 _LIMIT_CODES = {"maxRunning": "quota_max_running", "maxTotal": "quota_max_total",
                 "maxGpus": "quota_max_gpus", "maxCreatesPerMinute": "quota_max_creates_per_minute"}
 
+#: whether waiting alone can make room under each limit, i.e. whether its 429 carries ``Retry-After`` (a
+#: client that honours Retry-After polls for ever on one that never clears by itself: a fresh-user finding)
+_CLEARS_BY_ITSELF = {
+    "maxRunning": True,  # idle sessions are suspended at their template's maxIdleTime and give their place back
+    "maxGpus": True,  # GPUs are held by live activations only, which idle suspension ends as for maxRunning
+    "maxCreatesPerMinute": True,  # a sliding window: the oldest create leaves it (Retry-After says when)
+    "maxTotal": False,  # only a delete makes room: sessions exist until deleted, suspended ones included
+}
+
 # KEYS: tenant running, total, gpus, creates, then template running, total, gpus, creates, then the
 # tenant's owner hash (one hash tag).
 # ARGV[1] JSON {sid, now, gpus, create, run, epoch, dry, limits: [tenant limits, template limits]}
@@ -275,7 +284,7 @@ class Quotas:
             code=_LIMIT_CODES[name], retry_after_s=max(self.retry_after_s, math.ceil(retry)),
             details={"limit": name, "scope": "tenant" if scope == 1 else "template", "tenant": tenant,
                      "template": template.name, "max": lim})
-        if lim == 0:
+        if lim == 0 or not _CLEARS_BY_ITSELF[name]:
             err.retry_after_s = None  # no wait makes room (a fresh-user finding: it said Retry-After: 1)
         raise err
 

@@ -288,6 +288,7 @@ def test_quotas_hold_under_100_concurrent_creates_on_two_routers(tmp_path, redis
         with pytest.raises(ApiError) as e:
             a.create_session("counter")
         assert e.value.status == 429 and e.value.code == "quota_max_total"
+        assert e.value.retry_after_s is None, "waiting never clears maxTotal: no Retry-After"
         # waking a suspended one now needs a running place: refused with the limit's code, state unchanged
         with pytest.raises(ApiError) as e:
             a.invoke(ok[0][3], "get")

@@ -403,5 +403,24 @@ async def test_a_limit_of_zero_is_refused_without_a_retry_after(redis_url, redis
     await quotas.acquire("one", _template(), "s1", create=True)
     with pytest.raises(TooManyRequests) as full:
         await quotas.acquire("one", _template(), "s2", create=True)
-    assert full.value.retry_after_s is not None  # a full (non-zero) limit still says when to look again
+    # only a delete makes room under maxTotal, so no Retry-After either (a client would poll for ever)
+    assert full.value.code == "quota_max_total" and full.value.retry_after_s is None
+    assert "delete sessions" in full.value.message
+    await client.aclose()
+
+
+@pytest.mark.parametrize("limits,gpus,code", [
+    ({"maxRunning": 1}, 0, "quota_max_running"),  # idle sessions get suspended
+    ({"maxGpus": 1}, 1, "quota_max_gpus"),  # idle GPU sessions get suspended
+    ({"maxCreatesPerMinute": 1}, 0, "quota_max_creates_per_minute"),  # the window slides
+])
+async def test_a_full_limit_that_clears_by_itself_keeps_its_retry_after(redis_url, redis_prefix, limits, gpus, code):
+    """Waiting makes room under these (unlike ``maxTotal``), so their 429 says when to look again."""
+    _, keys, _ = redis_prefix
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    quotas = Quotas(client, keys, QuotaSettings(tenants={"a": QuotaLimits(**limits)}))
+    await quotas.acquire("a", _template(gpus=gpus), "s1", create=True)
+    with pytest.raises(TooManyRequests) as full:
+        await quotas.acquire("a", _template(gpus=gpus), "s2", create=True)
+    assert full.value.code == code and full.value.retry_after_s is not None and full.value.retry_after_s >= 1
     await client.aclose()
