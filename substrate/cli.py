@@ -47,12 +47,15 @@ TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_TOKEN",
                         help="API key (sk_...) or JWT for the client commands (env SUBSTRATE_TOKEN).")
 
 
-def _warn_unknown_env() -> None:
+def _warn_unknown_env(refused: frozenset[str] = frozenset()) -> None:
     """One warning line per ``SUBSTRATE_`` variable nothing reads (a typo such as ``SUBSTRATE_API__PORTT``
-    was silently ignored), naming the closest known one. Only a warning: it may be meant for another tool."""
+    was silently ignored), naming the closest known one. Only a warning: it may be meant for another tool.
+    Not for the ``refused`` ones (upper-case): an error names them, and "is ignored" would contradict it."""
     from substrate.settings import unknown_env
 
     for var, close in unknown_env(os.environ):
+        if var.upper() in refused:
+            continue
         hint = f"; did you mean {close}?" if close else " (the settings are in substrate/settings.py)"
         err.print(f"[yellow]warning[/yellow]: {escape(var)} is not a substrate setting and is ignored{hint}")
 
@@ -73,29 +76,71 @@ def _env_name(loc: tuple[Any, ...]) -> str:
     return var + rest
 
 
+def _setting_error(x: Any) -> tuple[str | None, str]:
+    """One pydantic error of the settings as (the variable set that it is in, or None; the line
+    ``VARIABLE: what is wrong``), naming the variable actually set and, for an error inside its JSON value,
+    the field there (with a "did you mean" for an unknown one)."""
+    from substrate.settings import env_var_of
+
+    loc, msg = tuple(x["loc"]), str(x["msg"]).removeprefix("Value error, ")
+    if not loc:  # an error of the whole model (e.g. the SUBSTRATE_REDIS_URL alias) names its variable itself
+        return None, msg
+    found = env_var_of(loc, os.environ)
+    if found is None:  # nothing set names it (e.g. a model check across fields): the field's own variable
+        return None, f"{_env_name(loc)}: {msg}"
+    var, inner = found
+    return var, f"{var}: {_setting_problem(loc, inner, x['type'], msg)}"
+
+
+def _setting_problem(loc: tuple[Any, ...], inner: tuple[Any, ...], kind: str, msg: str) -> str:
+    """What is wrong at ``loc`` of the settings, whose variable holds it at ``inner`` in its JSON value."""
+    from substrate.settings import closest, fields_at
+
+    if kind == "extra_forbidden":
+        if not inner:  # the nested variable form: SUBSTRATE_QUOTA__DEFAULT__MAXRUNING=3
+            close = closest(str(loc[-1]).upper(), [n.upper() for n in fields_at(loc)])
+            var = "SUBSTRATE_" + "__".join(str(p).upper() for p in loc[:-1]) + "__"
+            return "not a setting" + (f" (did you mean {var}{close}?)" if close else "")
+        fields = fields_at(loc)
+        close = closest(str(loc[-1]), fields)
+        hint = (f" (did you mean {_json_path(inner[:-1] + (close,))!r}?)" if close
+                else f" (its fields: {', '.join(fields)})" if fields else "")
+        return f"field {_json_path(inner)!r} is not allowed{hint}"
+    return f"field {_json_path(inner)!r}: {msg}" if inner else msg
+
+
+def _json_path(path: tuple[Any, ...]) -> str:
+    """A place inside a JSON value: ``default.maxRunning``, ``[0].tenant``."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).removeprefix(".")
+
+
 def _settings(warn: bool = True) -> Any:
-    """The runtime's settings, or one clear line and exit 2 when an environment variable is invalid; first
-    (``warn``) a warning per unknown ``SUBSTRATE_`` variable."""
+    """The runtime's settings, or one clear line and exit 2 when an environment variable is invalid; also
+    (``warn``) a warning per unknown ``SUBSTRATE_`` variable that no error names."""
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
     from substrate.settings import Settings, bad_json_env
 
-    if warn:
-        _warn_unknown_env()
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as e:
-        for x in e.errors():
-            msg = escape(str(x["msg"]).removeprefix("Value error, "))
-            # an error of the whole model (e.g. the SUBSTRATE_REDIS_URL alias) names its variable itself
-            err.print(f"[red]error[/red]: {_env_name(x['loc'])}: {msg}" if x["loc"] else f"[red]error[/red]: {msg}")
+        errors = [_setting_error(x) for x in e.errors()]
+        if warn:
+            _warn_unknown_env(frozenset(var.upper() for var, _ in errors if var))
+        for _, line in errors:
+            err.print(f"[red]error[/red]: {escape(line)}")
         raise typer.Exit(2) from None
     except SettingsError as e:  # a value meant as JSON that is not JSON: pydantic-settings names only the field
+        if warn:
+            _warn_unknown_env()
         bad = bad_json_env(os.environ) or [(str(e), str(e.__cause__ or "not valid JSON"))]
         for var, why in bad:
             err.print(f"[red]error[/red]: {escape(var)}: {escape(why)}")
         raise typer.Exit(2) from None
+    if warn:
+        _warn_unknown_env()
+    return settings
 
 
 def _folder_problem(path: Path) -> str | None:

@@ -708,7 +708,56 @@ def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
         if not up.startswith("SUBSTRATE_") or up in known or up.startswith(tuple(open_prefixes)):
             continue
         # compare without the common prefix: every candidate shares it, which would make any name "close"
-        close = difflib.get_close_matches(up.removeprefix("SUBSTRATE_"),
-                                          [k.removeprefix("SUBSTRATE_") for k in known], n=1, cutoff=0.75)
-        out.append((var, "SUBSTRATE_" + close[0] if close else None))
+        close = closest(up.removeprefix("SUBSTRATE_"), [k.removeprefix("SUBSTRATE_") for k in known])
+        out.append((var, "SUBSTRATE_" + close if close else None))
     return out
+
+
+def closest(word: str, candidates: typing.Iterable[str]) -> str | None:
+    """The candidate ``word`` is most likely a misspelling of, or None: the "did you mean" of unknown
+    variables and of unknown fields inside a JSON value."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _inner(annotation: object, part: object) -> object:
+    """The annotation one step of a pydantic error location below ``annotation``: a model's field, a
+    dict's values, a list's items; None when ``part`` does not fit."""
+    model = _model_of(annotation)
+    if model is not None:
+        info = model.model_fields.get(str(part))
+        return info.annotation if info is not None else None
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for a in (annotation, *(typing.get_args(annotation) if union else ())):
+        args = typing.get_args(a)
+        if typing.get_origin(a) is dict and len(args) == 2:
+            return args[1]
+        if typing.get_origin(a) in (list, tuple, set) and args and isinstance(part, int):
+            return args[0]
+    return None
+
+
+def fields_at(loc: typing.Sequence[Any]) -> list[str]:
+    """The field names of the settings model a pydantic error location ``loc`` lies in (``loc[:-1]``
+    names it from ``Settings``), or [] when that is no model."""
+    annotation: object = Settings
+    for part in loc[:-1]:
+        annotation = _inner(annotation, part)
+    model = _model_of(annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def env_var_of(loc: typing.Sequence[Any], environ: Mapping[str, str]) -> tuple[str, tuple[Any, ...]] | None:
+    """The ``SUBSTRATE_`` variable set in ``environ`` that holds the setting at the pydantic error location
+    ``loc``, as spelt there, and the rest of ``loc`` (the path inside its JSON value); None if none is set.
+    ``("quota", "default", "maxRuning")`` from ``SUBSTRATE_QUOTA__DEFAULT='{"maxRuning":3}'`` is that
+    variable and ``("maxRuning",)``: naming ``SUBSTRATE_QUOTA__DEFAULT__MAXRUNING`` sent users looking for a
+    variable they never set."""
+    spelt = {k.upper(): k for k in environ}
+    for i in range(len(loc), 0, -1):
+        if not all(isinstance(p, str) for p in loc[:i]):
+            continue
+        var = spelt.get("SUBSTRATE_" + "__".join(str(p).upper() for p in loc[:i]))
+        if var is not None:
+            return var, tuple(loc[i:])
+    return None

@@ -97,6 +97,19 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_WORKER__IDEMPOTENCY_KEYS", "0", "greater than or equal to 1"),
     ("SUBSTRATE_API__ALLOWED_HOSTS", '["bad host"]', "'bad host' is not a host name"),
     ("SUBSTRATE_API__ALLOWED_HOSTS", '["example.com:8080"]', "without a port"),
+    # a fresh-user run: a typo inside a JSON value named SUBSTRATE_QUOTA__DEFAULT__MAXRUNING, which nobody set
+    ("SUBSTRATE_QUOTA__DEFAULT", '{"maxRuning":3}',
+     "SUBSTRATE_QUOTA__DEFAULT: field 'maxRuning' is not allowed (did you mean 'maxRunning'?)"),
+    ("SUBSTRATE_QUOTA", '{"default":{"maxTotl":3}}',
+     "SUBSTRATE_QUOTA: field 'default.maxTotl' is not allowed (did you mean 'default.maxTotal'?)"),
+    ("SUBSTRATE_QUOTA__TENANTS", '{"team-a":{"xyz":1}}',
+     "field 'team-a.xyz' is not allowed (its fields: maxRunning, maxTotal, maxGpus, maxCreatesPerMinute)"),
+    ("SUBSTRATE_QUOTA__DEFAULT", '{"maxRunning":-1}',
+     "SUBSTRATE_QUOTA__DEFAULT: field 'maxRunning': Input should be greater than or equal to 0"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"Bad Name","key":"sk_x"}]', "SUBSTRATE_AUTH__API_KEYS: field '[0].tenant'"),
+    # the nested form of the same typo: one error line (the warning "is ignored" would contradict it)
+    ("SUBSTRATE_QUOTA__DEFAULT__MAXRUNING", "3",
+     "SUBSTRATE_QUOTA__DEFAULT__MAXRUNING: not a setting (did you mean SUBSTRATE_QUOTA__DEFAULT__MAXRUNNING?)"),
 ])
 def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: str,
                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
