@@ -135,8 +135,16 @@ class CreateSession(BaseModel):
         description=f"at most {MAX_LABELS} labels; a key is 1-63 letters, digits, '-', '_', '.' or '/', starting "
                     f"and ending with a letter or digit; a value is at most {MAX_LABEL_VALUE_CHARS} characters "
                     "(no control character, line or paragraph separator or bidi control); anything else is "
-                    "422 `invalid_input`")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the agent")
+                    "422 `invalid_input`; `null` means none")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="extra environment for the agent; `null` means none")
+
+    @field_validator("labels", "env", mode="before")
+    @classmethod
+    def _null_is_none(cls, v: Any) -> Any:
+        """``null`` means no labels (no env), as a ``null`` ``id`` means none chosen: it was 422 "Input
+        should be a valid dictionary" while ``"id": null`` was accepted (a fresh-user finding)."""
+        return {} if v is None else v
 
     @field_validator("labels")
     @classmethod

@@ -257,6 +257,15 @@ def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status
     assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
 
 
+def test_null_labels_and_env_on_create_mean_none(shared_runtime):
+    """As ``"id": null`` means "generate one", ``null`` labels and env mean none (they were 422)."""
+    r = shared_runtime.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": None,
+                                                              "labels": None, "env": None})
+    assert r.status_code == 201, r.text
+    assert r.json()["labels"] == {} and r.json()["env"] == []
+    shared_runtime.client.delete_session(r.json()["id"])
+
+
 def _one_format(raw: bytes) -> bytes:
     """``raw`` JSON written as every error body is: compact (no spaces after ``,`` and ``:``), ASCII."""
     return json.dumps(json.loads(raw), separators=(",", ":")).encode()

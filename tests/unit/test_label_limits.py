@@ -59,3 +59,13 @@ def test_label_values_refuse_what_changes_how_text_is_shown(value: str, ok: bool
         with pytest.raises(ValidationError) as e:
             CreateSession(actorTemplate="counter", labels={"k": value})
         assert "U+" in str(e.value)
+
+
+def test_null_labels_and_env_mean_none() -> None:
+    """``"labels": null`` / ``"env": null`` were 422 "Input should be a valid dictionary" while ``"id": null``
+    was accepted (a fresh-user finding): null means none for each; a non-object stays refused."""
+    body = CreateSession.model_validate({"actorTemplate": "counter", "id": None, "labels": None, "env": None})
+    assert (body.id, body.labels, body.env) == (None, {}, {})
+    for field in ("labels", "env"):
+        with pytest.raises(ValidationError, match="valid dictionary"):
+            CreateSession.model_validate({"actorTemplate": "counter", field: 5})
