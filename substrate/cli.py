@@ -845,7 +845,12 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
 
 
 @sessions.command("invoke")
-def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as JSON if it is JSON, else a string"),
+def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as JSON if it is JSON, else a string "
+                                                        "(--text: always a string)"),
+             text: bool = typer.Option(False, "--text", "-t",
+                                       help="Send INPUT as a string, as typed: `true`, `42`, `null` or `[1]` "
+                                            "are otherwise sent as JSON values (an agent that takes text, "
+                                            "such as the shell, refuses them)"),
              stream: bool = typer.Option(False, help="Stream chunks."),
              idempotency_key: Optional[str] = typer.Option(
                  None, "--idempotency-key", "-k",
@@ -853,7 +858,7 @@ def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as J
                       "from the kept answer, never run twice (default: a new key per command)"),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Invoke a session (wakes it if suspended)."""
-    value = _input_value(input)
+    value = _input_value(input, text_only=text)
     with _client(server, token) as c:
         if stream:
             # each chunk as it arrives (``list(...)`` printed them all only after the turn ended: a
@@ -870,22 +875,25 @@ def _not_json_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _input_value(text: str) -> Any:
-    """INPUT as sent: its JSON value if it is JSON (standard JSON: ``NaN`` and ``Infinity``, which Python
-    reads but no JSON body may hold, stay strings), else the string itself. A lone surrogate (``"\\ud800"``),
-    which no UTF-8 body can carry, or a number out of range (``1e999``) is one error line and exit 2 (they
-    were raw ``UnicodeEncodeError`` / ``ValueError`` lines, exit 1)."""
-    try:
-        value: Any = json.loads(text, parse_constant=_not_json_constant)
-    except (ValueError, RecursionError):
-        value = text
+def _input_value(text: str, *, text_only: bool = False) -> Any:
+    """INPUT as sent: with ``text_only`` the string itself; else its JSON value if it is JSON (standard JSON:
+    ``NaN`` and ``Infinity``, which Python reads but no JSON body may hold, stay strings), else the string
+    itself. A lone surrogate (``"\\ud800"``), which no UTF-8 body can carry, or a number out of range
+    (``1e999``) is one error line and exit 2 (they were raw ``UnicodeEncodeError`` / ``ValueError`` lines,
+    exit 1)."""
+    value: Any = text
+    if not text_only:
+        try:
+            value = json.loads(text, parse_constant=_not_json_constant)
+        except (ValueError, RecursionError):
+            pass
     try:
         json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:
         err.print("error: INPUT holds a lone surrogate (e.g. \\ud800), which is not valid Unicode; nothing was sent")
         raise typer.Exit(2) from None
     except ValueError:  # 1e999: JSON, but out of any float's range
-        err.print("error: INPUT holds a number out of range (e.g. 1e999); quote it to send it as a string; "
+        err.print("error: INPUT holds a number out of range (e.g. 1e999); quote it, or use --text, to send it as a string; "
                   "nothing was sent")
         raise typer.Exit(2) from None
     return value

@@ -118,3 +118,30 @@ def test_a_401_names_the_clis_own_way_to_send_a_token(monkeypatch: pytest.Monkey
     r = CliRunner().invoke(app, ["sessions", "get", "s1"])
     assert r.exit_code == 1
     assert "401 unauthorized" in r.output and "--token or SUBSTRATE_TOKEN" in r.output, r.output
+
+
+@pytest.mark.parametrize("args,sent", [
+    (["true"], True),  # JSON if it is JSON
+    (["42"], 42),
+    (["--text", "true"], "true"),  # a shell agent takes only a string: --text sends it as typed
+    (["-t", "42"], "42"),
+    (["-t", "null"], "null"),
+    (["-t", '{"a": 1}'], '{"a": 1}'),
+    (["-t", "1e999"], "1e999"),  # out of range as JSON, fine as text
+])
+def test_invoke_text_sends_input_as_a_string(monkeypatch: pytest.MonkeyPatch, args: list[str], sent: object) -> None:
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    got: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        got.append(request)
+        return httpx.Response(200, json={"output": "ok"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "invoke", "sh1", *args])
+    assert r.exit_code == 0, r.output
+    assert json.loads(got[-1].content) == {"input": sent}
+    assert type(json.loads(got[-1].content)["input"]) is type(sent)
