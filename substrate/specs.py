@@ -248,6 +248,12 @@ def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: 
                     raise SpecError(f"{source} document {i}: ActorTemplate {t.name!r} is defined twice")
                 cat.templates[t.name] = t
                 warns += [f"unknown field {f} is not used by this runtime (a typo?)" for f in _unknown_fields(t.spec, "spec")]
+                if not (t.spec.entrypoint or t.spec.command):
+                    # it loads (the seed's template is one), but every create of it is refused by the API:
+                    # said once here, at start, not first at a create (fresh-user run with the seed)
+                    warns.append("has only spec.container: creates of it will be refused (400 "
+                                 "unsupported_template): workers here run an agent's spec.entrypoint "
+                                 "(module:Class) or spec.command; add one")
             else:
                 p = WorkerPool.model_validate(doc)
                 if p.name in cat.pools:

@@ -143,3 +143,17 @@ def test_a_dash_reads_standard_input() -> None:
     r = CliRunner().invoke(app, ["convert", "-"], input=doc)
     assert r.exit_code == 0, r.output
     assert yaml.safe_load(r.stdout)["kind"] == "WorkerPool"
+
+
+def test_a_container_only_template_is_warned_about(tmp_path: Path) -> None:
+    """Fresh-user round 6: the seed's ``claude-code-agent`` (only ``spec.container``) converted without a
+    word, and every create of it was then refused (400 ``unsupported_template``)."""
+    f = tmp_path / "t.yaml"
+    f.write_text("apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: boxed}\n"
+                 "spec: {container: {image: 'example/agent:1'}}\n---\n"
+                 "apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: ok}\n"
+                 "spec: {entrypoint: 'workers.agents.counter:Counter'}\n")
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "ActorTemplate boxed: has only spec.container: creates of it will be refused" in r.output
+    assert "ActorTemplate ok:" not in r.output

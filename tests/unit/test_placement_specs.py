@@ -177,3 +177,22 @@ def test_a_template_with_both_an_entrypoint_and_a_command_is_refused_at_load():
         load_documents([{"kind": "ActorTemplate", "metadata": {"name": "both"},
                          "spec": {"entrypoint": "workers.agents.counter:Counter", "command": ["python3", "-u", "a.py"]}}])
     assert "not both" in str(e.value)
+
+
+def test_a_container_only_template_loads_with_one_logged_warning(tmp_path, caplog):
+    """Fresh-user round 6: ``substrate up`` with the seed's converted template started without a word and
+    refused every create (400 ``unsupported_template``). It still loads (the seed's YAML must), and the
+    control plane's own load (``log_warnings``, the default) logs why, naming the template."""
+    import logging
+
+    (tmp_path / "t.yaml").write_text(
+        "kind: WorkerPool\nmetadata: {name: p}\n---\n"
+        "kind: ActorTemplate\nmetadata: {name: boxed}\nspec: {container: {image: 'example/agent:1'}}\n")
+    with caplog.at_level(logging.WARNING, logger="substrate.specs"):
+        cat = load_catalog(tmp_path)
+    assert "boxed" in cat.templates
+    logged = [r.getMessage() for r in caplog.records if "has only spec.container" in r.getMessage()]
+    assert len(logged) == 1 and "ActorTemplate boxed" in logged[0] and "unsupported_template" in logged[0]
+    caplog.clear()
+    load_catalog(tmp_path, log_warnings=False)  # the pre-start check and the workers' loads: silent
+    assert not caplog.records
