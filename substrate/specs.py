@@ -1,8 +1,9 @@
 """Load ActorTemplate and WorkerPool specs from YAML files (the local mode's stand-in for the CRDs).
 
 A folder holds any number of ``*.yaml``/``*.yml`` files, each with one or more documents of kind
-``ActorTemplate`` or ``WorkerPool``; other kinds are ignored (so one file can also hold Kubernetes
-objects). Errors name the file, document index and field.
+``ActorTemplate`` or ``WorkerPool``; documents of other API groups are ignored (so one file can also hold
+Kubernetes objects), while another kind of our group (a typo such as ``ActorTemplat``) or a document that
+is not a mapping is an error. Errors name the file, document index and field.
 
 **Entrypoint modules.** ``load_catalog(..., check_modules=True)`` also checks that the module of every
 template's ``spec.entrypoint`` (``module:Class``) can be found by this Python (``module_findable``: the
@@ -219,25 +220,60 @@ def _use_v1alpha2_claims(doc: dict[str, Any], claims: dict[str, tuple[dict[str, 
     return warn
 
 
-def load_documents(docs: list[dict], source: str = "<memory>", *, log_warnings: bool = True) -> Catalog:
-    """Build a catalog from already-parsed YAML documents. Raises ``SpecError``; translations and
-    ignored fields are in ``Catalog.warnings`` (see ``normalize``), also logged unless ``log_warnings``
-    is false."""
+#: the kinds of our API group (and of the seed's, which maps to it)
+KINDS = ("ActorTemplate", "WorkerPool")
+
+
+def _is_ours(doc: dict[str, Any]) -> bool:
+    """Whether ``doc`` is of our API group or the seed's; one without ``apiVersion`` is ours too, as
+    ``normalize`` reads it."""
+    if not doc.get("apiVersion"):
+        return True
+    group = str(doc["apiVersion"]).rpartition("/")[0]
+    return group == API_GROUP or group in SEED_GROUPS
+
+
+def _unknown_kind(kind: Any, api_version: Any) -> str:
+    """The one line for a document of our group whose ``kind`` is none of ours: the kinds we know and
+    the closest, if one is close (``ActorTemplat``, ``actortemplate``)."""
+    import difflib
+
+    known = ", ".join(KINDS)
+    if kind is None:
+        return f"no kind (the kinds of {api_version or API_VERSION}: {known})"
+    close = difflib.get_close_matches(str(kind).lower(), [k.lower() for k in KINDS], n=1, cutoff=0.6)
+    hint = f": did you mean {next(k for k in KINDS if k.lower() == close[0])}?" if close else ""
+    api = api_version or f"{API_VERSION} (read so: no apiVersion)"
+    return f"kind {clip(kind, 60)} is not a kind of {api} (its kinds: {known}){hint}"
+
+
+def _yaml_type(value: Any) -> str:
+    """``'text'`` -> ``string``, ``[1]`` -> ``list``: what a YAML reader calls a document's type."""
+    return {str: "string", list: "list", bool: "boolean", int: "number", float: "number"}.get(type(value),
+                                                                                          type(value).__name__)
+
+
+def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: bool = True) -> Catalog:
+    """Build a catalog from already-parsed YAML documents (mappings; ``None``, an empty document, is
+    skipped). Documents of other API groups are skipped (Kubernetes objects beside ours). Raises
+    ``SpecError``: also for a document that is not a mapping (a string, a list) and for a kind of our group
+    (or the seed's) that is not ``ActorTemplate`` or ``WorkerPool`` (the message names the kinds and the
+    closest one), as a wrong version is. Translations and ignored fields are in ``Catalog.warnings`` (see
+    ``normalize``), also logged unless ``log_warnings`` is false."""
     cat = Catalog()
     v1alpha2 = _v1alpha2_claims(docs, source)
     for i, doc in enumerate(docs):
+        if doc is None:  # an empty document (a trailing ``---``, a file of comments)
+            continue
         if not isinstance(doc, dict):
-            continue
+            # a string or list was skipped without a word (fresh-user round 6): no document of anyone's
+            raise SpecError(f"{source} document {i} is a YAML {_yaml_type(doc)} ({clip(doc, 60)}), not a "
+                            f"mapping with apiVersion and kind (one of {', '.join(KINDS)})")
         kind = doc.get("kind")
-        if kind not in ("ActorTemplate", "WorkerPool"):
-            group = str(doc.get("apiVersion") or "").rpartition("/")[0]
-            if group == API_GROUP or group in SEED_GROUPS:  # ours, but no kind of ours: a typo, skipped
-                msg = (f"{source} document {i}: kind {kind!r} of {doc.get('apiVersion')} is not ActorTemplate or "
-                       "WorkerPool; skipped")
-                cat.warnings.append(msg)
-                if log_warnings:
-                    log.warning(msg)
-            continue
+        if kind not in KINDS:
+            if _is_ours(doc):
+                raise SpecError(f"{source} document {i}: {_unknown_kind(kind, doc.get('apiVersion'))}")
+            continue  # another group's (Kubernetes objects beside ours): not ours to judge here
         try:
             doc, warns = normalize(doc)
             if kind == "WorkerPool" and v1alpha2:

@@ -106,3 +106,23 @@ def test_a_module_only_the_runtime_can_import_is_refused_for_a_sandboxed_templat
                                         "metadata: {name: mine}\nspec: {entrypoint: 'myagent_fu:MyAgent', "
                                         "isolation: {sandbox: false}}\n")
     assert "mine" in load_catalog(cfg, check_modules=True).templates
+
+
+def test_up_with_a_misspelt_kind_is_one_error_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user round 6: ``kind: ActorTemplat`` was skipped (a log line), so ``up`` said only ``no
+    ActorTemplate found``; now the line names the file, the kind and the kinds there are."""
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "var"))
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    cfg = _config(tmp_path, ("counter", "workers.agents.counter:Counter"))
+    (cfg / "typo.yaml").write_text("apiVersion: substrate.agent.dev/v1\nkind: ActorTemplat\nmetadata: {name: t}\n")
+    with socket.socket() as s:  # a taken port: were the kind still skipped, `up` would stop at the port check
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
+                                     "--config", str(cfg)])
+    assert r.exit_code == 2, r.output
+    line = " ".join(r.output.split())  # the console may wrap the one line
+    assert line.startswith(f"error: {cfg / 'typo.yaml'} document 0: kind 'ActorTemplat' is not a kind of "
+                           "substrate.agent.dev/v1 (its kinds: ActorTemplate, WorkerPool): did you mean "
+                           "ActorTemplate?"), r.output
+    assert "Traceback" not in r.output and not (tmp_path / "var").exists()

@@ -144,12 +144,11 @@ def test_typos_in_specs_are_named_in_warnings():
          "spec": {"entrypoint": "a:B", "stateManagment": {"snapshotInterval": "5s"}, "isolation": {"netwrk": "none"}}},
         {"apiVersion": "substrate.agent.dev/v1", "kind": "WorkerPool", "metadata": {"name": "p"},
          "spec": {"autoscalling": {"maxReplicas": 1}}},
-        {"apiVersion": "substrate.agent.dev/v1", "kind": "ActorTemplat", "metadata": {"name": "x"}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "other"}}], log_warnings=False)
     text = "\n".join(cat.warnings)
     for field in ("spec.stateManagment", "spec.isolation.netwrk", "spec.autoscalling"):
         assert f"unknown field {field} is not used by this runtime" in text, text
-    assert "kind 'ActorTemplat'" in text and "ConfigMap" not in text
+    assert "ConfigMap" not in text
     from pathlib import Path
 
     examples = Path(__file__).resolve().parents[2] / "substrate" / "examples"
@@ -196,3 +195,44 @@ def test_a_container_only_template_loads_with_one_logged_warning(tmp_path, caplo
     caplog.clear()
     load_catalog(tmp_path, log_warnings=False)  # the pre-start check and the workers' loads: silent
     assert not caplog.records
+
+
+@pytest.mark.parametrize("api, kind, message", [
+    ("substrate.agent.dev/v1", "ActorTemplat", "kind 'ActorTemplat' is not a kind of substrate.agent.dev/v1 "
+                                               "(its kinds: ActorTemplate, WorkerPool): did you mean ActorTemplate?"),
+    ("substrate.agent.google.com/v1", "workerpool", "did you mean WorkerPool?"),  # the seed's group: likewise
+    ("substrate.agent.dev/v1", "Session", "kind 'Session' is not a kind of substrate.agent.dev/v1 (its kinds: "
+                                          "ActorTemplate, WorkerPool)"),
+    (None, "ActorTemplat", "did you mean ActorTemplate?"),  # no apiVersion: read as ours (normalize does)
+])
+def test_an_unknown_kind_of_our_group_is_refused_like_a_wrong_version(tmp_path, api, kind, message):
+    """Fresh-user round 6: ``kind: ActorTemplat`` of our group was skipped with a log line (alone in the
+    folder: just ``no ActorTemplate found``), while ``substrate.agent.dev/v2`` was refused."""
+    doc = (f"apiVersion: {api}\n" if api else "") + f"kind: {kind}\nmetadata: {{name: x}}\nspec: {{}}\n"
+    (tmp_path / "t.yaml").write_text("kind: ActorTemplate\nmetadata: {name: ok}\nspec: {entrypoint: 'a:B'}\n"
+                                     "---\n" + doc)
+    with pytest.raises(SpecError) as e:
+        load_catalog(tmp_path)
+    assert str(tmp_path / "t.yaml") + " document 1: " in e.value.message and message in e.value.message
+    assert "'Session'" not in message or "did you mean" not in e.value.message
+
+
+def test_other_groups_kinds_are_still_skipped_silently():
+    cat = load_documents([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}},
+                          {"apiVersion": "agents.x-k8s.io/v1alpha1", "kind": "Sandbox", "metadata": {"name": "s"}},
+                          None,  # an empty document (a trailing ---)
+                          {"kind": "WorkerPool", "metadata": {"name": "p"}}], log_warnings=False)
+    assert set(cat.pools) == {"p"} and not cat.warnings
+
+
+@pytest.mark.parametrize("text, what", [("just a line of text\n", "string ('just a line of text')"),
+                                        ("- a\n- b\n", "list (\"['a', 'b']\")"),
+                                        ("kind: WorkerPool\nmetadata: {name: p}\n---\n42\n", "number ('42')")])
+def test_a_document_that_is_not_a_mapping_is_refused_naming_the_file(tmp_path, text, what):
+    """Fresh-user round 6: a file whose document is a string or a list was ignored without a word."""
+    (tmp_path / "ok.yaml").write_text("kind: ActorTemplate\nmetadata: {name: t}\nspec: {entrypoint: 'a:B'}\n")
+    (tmp_path / "x.yaml").write_text(text)
+    with pytest.raises(SpecError) as e:
+        load_catalog(tmp_path)
+    assert e.value.message.startswith(str(tmp_path / "x.yaml") + " document ")
+    assert f"is a YAML {what}, not a mapping with apiVersion and kind" in e.value.message, e.value.message
