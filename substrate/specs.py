@@ -283,7 +283,7 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                 if t.name in cat.templates:
                     raise SpecError(f"{source} document {i}: ActorTemplate {t.name!r} is defined twice")
                 cat.templates[t.name] = t
-                warns += [f"unknown field {f} is not used by this runtime (a typo?)" for f in _unknown_fields(t.spec, "spec")]
+                warns += _unknown_field_warnings(t.spec)
                 if not (t.spec.entrypoint or t.spec.command):
                     # it loads (the seed's template is one), but every create of it is refused by the API:
                     # said once here, at start, not first at a create (fresh-user run with the seed)
@@ -295,7 +295,7 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                 if p.name in cat.pools:
                     raise SpecError(f"{source} document {i}: WorkerPool {p.name!r} is defined twice")
                 cat.pools[p.name] = p
-                warns += [f"unknown field {f} is not used by this runtime (a typo?)" for f in _unknown_fields(p.spec, "spec")]
+                warns += _unknown_field_warnings(p.spec)
         except ValidationError as e:
             errs = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
             raise SpecError(f"{source} document {i} ({kind}): {errs}") from e
@@ -310,14 +310,41 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
     return cat
 
 
-def _unknown_fields(model: Any, path: str) -> list[str]:
-    """Dotted paths of the fields in ``model`` (and the models inside it) that no schema field names:
-    the spec models keep unknown fields (seed documents carry fields of their own), so a typo such as
-    ``stateManagment`` was ignored without a word (fresh-user run 2). Free-form parts (a Pod template, HPA
-    metrics) are plain dicts and are not walked."""
+#: how alike (``difflib`` ratio) an unknown field and a known one of the same object must be for the
+#: unknown one to be a typo of it, refused: ``stateManagment``/``stateManagement`` 0.97, ``netwrk``/``network``
+#: 0.92, ``gpu``/``gpus`` 0.86; below this, down to difflib's 0.6, the warning only asks
+TYPO_RATIO = 0.8
+
+
+def _unknown_field_warnings(spec: Any) -> list[str]:
+    """The warnings for the unknown fields of ``spec`` (``_unknown_fields``), each naming the closest known
+    field of its object when one is somewhat alike (``maxIdle``: did you mean ``maxIdleTime``?). Raises
+    ``ValueError`` for an unknown field this close (``TYPO_RATIO``) to a known one: a typo such as
+    ``stateManagment`` left that part's defaults in use with only a warning, while ``quota.maxTotl`` was
+    refused (fresh-user round 6). The seed's documents have no such field."""
+    import difflib
+
+    warns = []
+    for where, known in _unknown_fields(spec, "spec"):
+        name = where.rpartition(".")[2]
+        if close := difflib.get_close_matches(name, known, n=1, cutoff=TYPO_RATIO):
+            raise ValueError(f"{where} is not a field here: did you mean {close[0]!r}? (as written it would be "
+                             "ignored and the defaults used)")
+        close = difflib.get_close_matches(name, known, n=1)
+        warns.append(f"unknown field {where} is not used by this runtime (a typo?"
+                     + (f" did you mean {close[0]!r}?)" if close else ")"))
+    return warns
+
+
+def _unknown_fields(model: Any, path: str) -> list[tuple[str, list[str]]]:
+    """The fields in ``model`` (and the models inside it) that no schema field names, as (dotted path, the
+    field names that object has): the spec models keep unknown fields (seed documents carry fields of
+    their own), so a typo such as ``stateManagment`` was ignored without a word (fresh-user run 2).
+    Free-form parts (a Pod template, HPA metrics) are plain dicts and are not walked."""
     from pydantic import BaseModel
 
-    out = [f"{path}.{k}" for k in sorted(getattr(model, "model_extra", None) or {})]
+    known = [f.alias or n for n, f in type(model).model_fields.items()]
+    out = [(f"{path}.{k}", known) for k in sorted(getattr(model, "model_extra", None) or {})]
     for name in type(model).model_fields:
         v = getattr(model, name, None)
         for j, item in enumerate(v if isinstance(v, list) else [v]):
