@@ -444,10 +444,12 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
 
 @app.command()
-def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the seed article's documents); "
-                                                         "- reads standard input.")) -> None:
-    """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): seed apiVersions and
-    spellings translated, v1alpha2 DRA objects converted to resource.k8s.io/v1; warnings on stderr."""
+def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the repository's tests/k8s/seed/*.yaml, "
+                                                         "the documents of the articles this project comes "
+                                                         "from); - reads standard input.")) -> None:
+    """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): the seed documents'
+    apiVersions and spellings (tests/k8s/seed/ in the repository) translated, v1alpha2 DRA objects
+    converted to resource.k8s.io/v1; warnings on stderr."""
     import logging
 
     import yaml

@@ -157,3 +157,11 @@ def test_a_container_only_template_is_warned_about(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "ActorTemplate boxed: has only spec.container: creates of it will be refused" in r.output
     assert "ActorTemplate ok:" not in r.output
+
+
+def test_the_help_says_where_the_seed_documents_are() -> None:
+    """Fresh-user round 6: the help said "the seed article's documents" without saying what or where."""
+    r = CliRunner().invoke(app, ["convert", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "tests/k8s/seed/" in text and "seed article's" not in text, text
