@@ -2,8 +2,9 @@
 
 A folder holds any number of ``*.yaml``/``*.yml`` files, each with one or more documents of kind
 ``ActorTemplate`` or ``WorkerPool``; documents of other API groups are ignored (so one file can also hold
-Kubernetes objects), while another kind of our group (a typo such as ``ActorTemplat``) or a document that
-is not a mapping is an error. Errors name the file, document index and field.
+Kubernetes objects), and one that is not a mapping or has neither ``apiVersion`` nor ``kind`` (another
+tool's YAML) is skipped with a warning, while another kind of our group (a typo such as ``ActorTemplat``)
+is an error. Errors name the file, document index and field.
 
 **Entrypoint modules.** ``load_catalog(..., check_modules=True)`` also checks that the module of every
 template's ``spec.entrypoint`` (``module:Class``) can be found by this Python (``module_findable``: the
@@ -255,20 +256,28 @@ def _yaml_type(value: Any) -> str:
 
 def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: bool = True) -> Catalog:
     """Build a catalog from already-parsed YAML documents (mappings; ``None``, an empty document, is
-    skipped). Documents of other API groups are skipped (Kubernetes objects beside ours). Raises
-    ``SpecError``: also for a document that is not a mapping (a string, a list) and for a kind of our group
-    (or the seed's) that is not ``ActorTemplate`` or ``WorkerPool`` (the message names the kinds and the
-    closest one), as a wrong version is. Translations and ignored fields are in ``Catalog.warnings`` (see
+    skipped). Documents of other API groups are skipped (Kubernetes objects beside ours); one that is not a
+    mapping (a string, a list) or has neither ``apiVersion`` nor ``kind`` is skipped with a warning.
+    Raises ``SpecError``: also for a kind of our group (or the seed's) that is not ``ActorTemplate`` or
+    ``WorkerPool`` (the message names the kinds and the closest one), as a wrong version is. Translations and ignored fields are in ``Catalog.warnings`` (see
     ``normalize``), also logged unless ``log_warnings`` is false."""
     cat = Catalog()
     v1alpha2 = _v1alpha2_claims(docs, source)
     for i, doc in enumerate(docs):
         if doc is None:  # an empty document (a trailing ``---``, a file of comments)
             continue
-        if not isinstance(doc, dict):
-            # a string or list was skipped without a word (fresh-user round 6): no document of anyone's
-            raise SpecError(f"{source} document {i} is a YAML {_yaml_type(doc)} ({clip(doc, 60)}), not a "
-                            f"mapping with apiVersion and kind (one of {', '.join(KINDS)})")
+        if not isinstance(doc, dict) or not (doc.get("apiVersion") or doc.get("kind")):
+            # a string, a list or a mapping with neither apiVersion nor kind was skipped without a word
+            # (fresh-user round 6). Said, not refused: a config folder may hold another tool's YAML (a
+            # list of API keys for SUBSTRATE_AUTH__API_KEYS_FILE, say)
+            what = f"a YAML {_yaml_type(doc)} ({clip(doc, 60)})" if not isinstance(doc, dict) else \
+                "a mapping with neither apiVersion nor kind"
+            msg = (f"{source} document {i} is {what}, not an object of ours ({', '.join(KINDS)}, with "
+                   f"apiVersion {API_VERSION}); ignored")
+            cat.warnings.append(msg)
+            if log_warnings:
+                log.warning(msg)
+            continue
         kind = doc.get("kind")
         if kind not in KINDS:
             if _is_ours(doc):
