@@ -49,15 +49,22 @@ TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_TOKEN",
 
 def _warn_unknown_env(refused: frozenset[str] = frozenset()) -> None:
     """One warning line per ``SUBSTRATE_`` variable nothing reads (a typo such as ``SUBSTRATE_API__PORTT``
-    was silently ignored), naming the closest known one. Only a warning: it may be meant for another tool.
+    was silently ignored), naming the closest known one, and per field nothing reads in the JSON value of a
+    group (``SUBSTRATE_QUOTA='{"defualt": {...}}'``). Only a warning: it may be meant for another tool.
     Not for the ``refused`` ones (upper-case): an error names them, and "is ignored" would contradict it."""
-    from substrate.settings import unknown_env
+    from substrate.settings import unknown_env, unknown_json_fields
 
     for var, close in unknown_env(os.environ):
         if var.upper() in refused:
             continue
         hint = f"; did you mean {close}?" if close else " (the settings are in substrate/settings.py)"
         err.print(f"[yellow]warning[/yellow]: {escape(var)} is not a substrate setting and is ignored{hint}")
+    for var, field, close in unknown_json_fields(os.environ):  # SUBSTRATE_QUOTA='{"defualt": ...}'
+        if var.upper() in refused:
+            continue
+        hint = f"; did you mean {close!r}?" if close else ""
+        err.print(f"[yellow]warning[/yellow]: {escape(var)}: field {escape(repr(field))} is not a setting and is "
+                  f"ignored{escape(hint)}")
 
 
 def _env_name(loc: tuple[Any, ...]) -> str:

@@ -761,3 +761,47 @@ def env_var_of(loc: typing.Sequence[Any], environ: Mapping[str, str]) -> tuple[s
         if var is not None:
             return var, tuple(loc[i:])
     return None
+
+
+def unknown_json_fields(environ: Mapping[str, str]) -> list[tuple[str, str, str | None]]:
+    """Fields inside the JSON value of a ``SUBSTRATE_`` variable that names a group of settings
+    (``SUBSTRATE_QUOTA='{"defualt": {...}}'``) that no setting reads: a group ignores fields it does not
+    have, so such a typo was silently ignored. Each as (the variable as spelt, the field's path in the
+    value, the closest field there or None), sorted. Values that are not JSON objects, and groups that
+    refuse unknown fields themselves (an error names those), are left out."""
+    spelt = {k.upper(): k for k in environ}
+    out: list[tuple[str, str, str | None]] = []
+
+    def walk(var: str, model: type[BaseModel], value: dict[str, Any], path: str) -> None:
+        if model.model_config.get("extra") == "forbid":
+            return  # pydantic refuses them with an error line of its own
+        known: dict[str, object] = {}
+        for name, info in model.model_fields.items():
+            for alias in (name, info.alias, info.validation_alias):
+                if isinstance(alias, str):
+                    known[alias] = info.annotation
+        for key, sub in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key not in known:
+                out.append((var, where, closest(str(key), [k for k in known if not k.startswith("_")])))
+            elif isinstance(sub, dict) and (inner := _model_of(known[key])) is not None:
+                walk(var, inner, sub, where)
+
+    def visit(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            sub = _model_of(info.annotation)
+            if sub is None:
+                continue
+            env = prefix + name.upper()
+            var = spelt.get(env)
+            if var is not None:
+                try:
+                    value = json.loads(environ[var])
+                except ValueError:
+                    value = None  # not JSON: an error line says so
+                if isinstance(value, dict):
+                    walk(var, sub, value, "")
+            visit(sub, env + "__")
+
+    visit(Settings, "SUBSTRATE_")
+    return sorted(out)

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from substrate.cli import app
-from substrate.settings import unknown_env
+from substrate.settings import unknown_env, unknown_json_fields
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +39,23 @@ def test_settings_and_variables_read_elsewhere_are_known() -> None:
         "PATH": "/bin", "SUBSTRATEX": "1"}) == []
 
 
+def test_a_field_a_group_has_not_in_its_json_value_is_named() -> None:
+    """A group's JSON value ignores fields it does not have: ``SUBSTRATE_QUOTA='{"defualt": ...}'`` started
+    with no quota and no word (fresh-user round 6)."""
+    assert unknown_json_fields({
+        "SUBSTRATE_QUOTA": '{"defualt": {"maxRunning": 3}, "default": {"maxRunning": 2}}',
+        "substrate_api": '{"prot": 3, "port": 1}',  # as spelt
+        "SUBSTRATE_WORKER__SANDBOX": "not json", "SUBSTRATE_REDIS": "[1]",  # not objects: an error, or nothing
+        "SUBSTRATE_POOL": '{"scale_down_delay_s": 1, "frobnicate": true}'}) == [
+        ("SUBSTRATE_POOL", "frobnicate", None), ("SUBSTRATE_QUOTA", "defualt", "default"),
+        ("substrate_api", "prot", "port")]
+    assert unknown_json_fields({"SUBSTRATE_QUOTA": '{"default": {"maxRunning": 2}}', "SUBSTRATE_API": "{}"}) == []
+
+
 def test_up_warns_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("SUBSTRATE_API__PORTT", "1")
+    monkeypatch.setenv("SUBSTRATE_QUOTA", '{"defualt": {"maxRunning": 3}}')
     with socket.socket() as s:  # a taken port: `up` stops there, after the warning, before anything starts
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -50,8 +64,10 @@ def test_up_warns_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert r.exit_code == 2, r.output
     assert "warning: SUBSTRATE_API__PORTT is not a substrate setting and is ignored; did you mean " \
            "SUBSTRATE_API__PORT?" in r.output
+    assert "warning: SUBSTRATE_QUOTA: field 'defualt' is not a setting and is ignored; did you mean 'default'?" \
+        in r.output
     assert f"127.0.0.1:{port}" in r.output  # it went on to the port check
-    assert r.output.count("warning") == 1  # SUBSTRATE_DATA_DIR is known
+    assert r.output.count("warning") == 2  # SUBSTRATE_DATA_DIR is known
 
 
 def test_router_warns_before_its_own_checks(monkeypatch: pytest.MonkeyPatch) -> None:
