@@ -42,6 +42,13 @@ metadata: {name: notebook-1mi}
 spec:
   entrypoint: workers.agents.notebook:Notebook
   isolation: {maxMemory: 1Mi}
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {name: silent-command}
+spec:
+  command: ["sleep", "60"]
+  isolation: {turnTimeout: 2s}
 """
 
 
@@ -300,6 +307,19 @@ def test_a_memory_limit_below_what_the_agent_host_needs_refuses_the_start_never_
     nb = c.create_session("notebook-lim")["id"]  # the slots it used start hosts again
     assert c.invoke(nb, "1 + 1")["repr"] == "2"
     c.delete_session(nb)
+
+
+def test_an_agent_that_never_answers_its_start_fails_the_create_with_nothing_to_restart(rt):
+    """A fresh-user run: a create whose agent never answered said "every process of the session was
+    killed and it restarts from its last snapshot", but a failed create leaves no session to restart."""
+    c = rt.client
+    with pytest.raises(ApiError) as e:
+        c.create_session("silent-command", id="silent-1")
+    assert (e.value.status, e.value.code) == (500, "agent_start_failed"), (e.value.code, e.value.message)
+    assert "turnTimeout (2 s)" in e.value.message and "restarts" not in e.value.message, e.value.message
+    with pytest.raises(ApiError) as gone:
+        c.get_session("silent-1")
+    assert gone.value.status == 404
 
 
 def test_fork_bomb_stops_at_max_processes(rt):
