@@ -94,6 +94,8 @@ for scope = 1, 2 do
       redis.call('ZREMRANGEBYSCORE', cr_k, '-inf', now - 60)
       if redis.call('ZCARD', cr_k) >= tonumber(lim['maxCreatesPerMinute']) then
         local oldest = redis.call('ZRANGE', cr_k, 0, 0, 'WITHSCORES')
+        -- a limit of 0 has an empty window: no oldest create, and no wait makes room
+        if oldest[2] == nil then return {1, 'maxCreatesPerMinute', scope, 0} end
         return {1, 'maxCreatesPerMinute', scope, tostring(tonumber(oldest[2]) + 60 - now)}
       end
     end

@@ -410,6 +410,26 @@ async def test_a_limit_of_zero_is_refused_without_a_retry_after(redis_url, redis
 
 
 @pytest.mark.parametrize("limits,gpus,code", [
+    ({"maxRunning": 0}, 0, "quota_max_running"), ({"maxGpus": 0}, 1, "quota_max_gpus"),
+    ({"maxCreatesPerMinute": 0}, 0, "quota_max_creates_per_minute"),
+    ({"maxTotal": 0}, 0, "quota_max_total")])
+async def test_every_limit_of_zero_admits_none_and_says_so(redis_url, redis_prefix, limits, gpus, code):
+    """A fresh-user run: ``maxCreatesPerMinute: 0`` failed inside the quota script (no oldest create in an
+    empty window: arithmetic on nil) and answered 503 ``directory_unavailable``, "Redis unavailable",
+    with ``Retry-After: 1``. Every limit of 0 is a 429 of its own code, "admits none", no Retry-After,
+    and takes nothing."""
+    _, keys, _ = redis_prefix
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    quotas = Quotas(client, keys, QuotaSettings(tenants={"z": QuotaLimits(**limits)}))
+    with pytest.raises(TooManyRequests) as e:
+        await quotas.acquire("z", _template(gpus=gpus), "s1", create=True)
+    assert e.value.code == code and "admits none" in e.value.message and e.value.retry_after_s is None
+    u = await quotas.usage("z")
+    assert (u.running, u.total, u.gpus) == (0, 0, 0)  # nothing taken
+    await client.aclose()
+
+
+@pytest.mark.parametrize("limits,gpus,code", [
     ({"maxRunning": 1}, 0, "quota_max_running"),  # idle sessions get suspended
     ({"maxGpus": 1}, 1, "quota_max_gpus"),  # idle GPU sessions get suspended
     ({"maxCreatesPerMinute": 1}, 0, "quota_max_creates_per_minute"),  # the window slides
