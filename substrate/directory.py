@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from substrate.errors import Conflict, DirectoryUnavailable, NotFound
+from substrate.errors import Conflict, DirectoryUnavailable, NotFound, script_failure
 from substrate.keys import Keys
 from substrate.models import (
     TRANSITIONAL,
@@ -220,6 +220,8 @@ def _translate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
         try:
             return await fn(*args, **kwargs)
         except (RedisError, OSError) as e:
+            if (bug := script_failure(e)) is not None:  # Redis answered: not unavailable
+                raise bug from e
             if args and isinstance(args[0], Directory):  # see Directory.unavailable_within
                 args[0].unavailable_at_m = time.monotonic()
             detail = f"{e.__class__.__name__}: {e}" if isinstance(e, RedisError) else str(e)

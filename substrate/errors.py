@@ -116,6 +116,16 @@ class DirectoryUnavailable(TemporaryError):
     code = "directory_unavailable"
 
 
+def script_failure(e: BaseException) -> SubstrateError | None:
+    """For a Redis error that is one of our Lua scripts failing as it ran (Redis names the place
+    ``user_script:<line>``): a bug of ours, 500 ``internal``, not an unavailable Redis (a fresh-user run:
+    a quota script's arithmetic on nil was answered 503 "Redis unavailable" with ``Retry-After: 1``, and
+    would have marked the directory unavailable). None for any other error."""
+    if "user_script:" not in str(e):
+        return None
+    return SubstrateError(f"a session directory script failed (a bug, not an unavailable Redis): {e}")
+
+
 class StoreUnavailable(TemporaryError):
     code = "snapshot_store_unavailable"
 

@@ -44,7 +44,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from substrate.errors import Conflict, DirectoryUnavailable, TooManyRequests
+from substrate.errors import Conflict, DirectoryUnavailable, TooManyRequests, script_failure
 from substrate.keys import Keys
 from substrate.models import ActorTemplate, QuotaLimits, SessionRecord, SessionState
 from substrate.settings import QuotaSettings
@@ -194,6 +194,8 @@ def translated(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         try:
             return await fn(*args, **kwargs)
         except (RedisError, OSError) as e:
+            if (bug := script_failure(e)) is not None:
+                raise bug from e
             raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e}") from e
     return wrapper
 

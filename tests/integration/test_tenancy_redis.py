@@ -444,3 +444,21 @@ async def test_a_full_limit_that_clears_by_itself_keeps_its_retry_after(redis_ur
         await quotas.acquire("a", _template(gpus=gpus), "s2", create=True)
     assert full.value.code == code and full.value.retry_after_s is not None and full.value.retry_after_s >= 1
     await client.aclose()
+
+
+async def test_a_failing_script_is_a_bug_not_an_unavailable_redis(redis_url, redis_prefix):
+    """A Lua error of ours (Redis answers ``user_script:<line>: ...``) is 500 ``internal`` saying it is a
+    bug, not 503 ``directory_unavailable`` (which clients retry and readiness reads as Redis down)."""
+    from substrate import quotas as quotas_mod
+    from substrate.errors import DirectoryUnavailable, SubstrateError
+
+    _, keys, _ = redis_prefix
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    q = Quotas(client, keys, QuotaSettings(tenants={"a": QuotaLimits(maxRunning=1)}))
+    q._acquire = client.register_script("return 1 + nil")  # a script that fails as it runs
+    with pytest.raises(SubstrateError) as e:
+        await q.acquire("a", _template(), "s1", create=True)
+    assert not isinstance(e.value, DirectoryUnavailable)
+    assert (e.value.status, e.value.code) == (500, "internal") and "a bug" in e.value.message
+    assert quotas_mod.script_failure(ConnectionError("refused")) is None  # the rest stays 503
+    await client.aclose()
