@@ -461,7 +461,7 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the r
 
     import yaml
 
-    from substrate.specs import SpecError, convert_documents
+    from substrate.specs import SpecError, convert_documents, parse_yaml_documents
 
     logging.getLogger("substrate.specs").setLevel(logging.ERROR)  # warnings are printed below, once
 
@@ -469,14 +469,15 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the r
     for f in files:
         try:
             text = sys.stdin.read() if str(f) == "-" else f.read_text()
-            loaded = [d for d in yaml.safe_load_all(text) if d is not None]
+            loaded = [d for d in parse_yaml_documents(text) if d is not None]
             bad = [d for d in loaded if not isinstance(d, dict) or "kind" not in d]
             if bad or not loaded:  # e.g. /etc/passwd parses as one YAML string: not a document of ours
                 raise SpecError("no Kubernetes-style documents (mappings with apiVersion and kind) found")
             docs, warnings = convert_documents(loaded, str(f))
         except (OSError, yaml.YAMLError, SpecError, RecursionError, UnicodeDecodeError) as e:
             msg = "nested too deeply" if isinstance(e, RecursionError) else getattr(e, "message", None) or str(e)
-            err.print(f"[red]error[/red]: {f}: {escape(msg)}")
+            where = f"{f}: " if not msg.startswith(str(f)) else ""  # a SpecError may name the file itself
+            err.print(f"[red]error[/red]: {where}{escape(msg)}")
             raise typer.Exit(2) from None
         for w in warnings:
             err.print(f"[yellow]warning[/yellow]: {escape(w)}")

@@ -569,6 +569,39 @@ def check_entrypoint_modules(templates: dict[str, ActorTemplate], where: dict[st
                         "workers run the same interpreter) or fix the name", code="agent_module_not_found")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``_no_repeated_keys``)."""
+
+
+def _no_repeated_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    """A mapping, refusing a key it holds twice: YAML readers keep the last silently, so a second
+    ``spec:`` dropped the first one's limits without a word (a fresh-user run: ``maxMemory: 64Mi`` gone,
+    the default 1Gi in force). Raises ``yaml.constructor.ConstructorError`` naming the key and both lines."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<``: its keys may be overridden, by design
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: the constructor below says what is wrong with it
+            continue
+        if first != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(  # no mark: one line, the lines said in it
+                None, None, f"key {key!r} on line {key_node.start_mark.line + 1} appears twice in one mapping "
+                f"(first on line {first}); YAML would keep only the last")
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_repeated_keys)
+
+
+def parse_yaml_documents(text: str) -> list[Any]:
+    """Every document of the YAML ``text`` (``None`` for an empty one), as ``yaml.safe_load_all`` reads
+    them but refusing a key repeated in one mapping. Raises ``yaml.YAMLError``."""
+    return list(yaml.load_all(text, Loader=_UniqueKeyLoader))
+
+
 def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings: bool = True) -> Catalog:
     """Read every YAML file in folder ``path`` (or the single file ``path``). With ``check_modules``, also
     check that every ``spec.entrypoint``'s module can be found (``check_entrypoint_modules``; only where
@@ -583,7 +616,7 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
     where: dict[tuple[str, str], Path] = {}
     for f in files:
         try:
-            docs = list(yaml.safe_load_all(f.read_text()))
+            docs = parse_yaml_documents(f.read_text())
         except yaml.YAMLError as e:
             raise SpecError(f"{f}: not valid YAML: {e}") from e
         part = load_documents(docs, str(f), log_warnings=log_warnings)

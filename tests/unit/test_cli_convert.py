@@ -18,6 +18,9 @@ from substrate.cli import app
     ("[" * 5000 + "]" * 5000, "nested too deeply"),
     ("", "no Kubernetes-style documents"),
     ("a: [1\n", "error"),
+    # a repeated key: YAML keeps the last, and the first spec's limits went without a word (fresh-user run)
+    ("kind: ActorTemplate\nmetadata: {name: x}\nspec: {isolation: {maxMemory: 64Mi}}\nspec: {entrypoint: 'a:B'}\n",
+     "key 'spec' on line 4 appears twice in one mapping (first on line 3)"),
 ])
 def test_bad_files_exit_2_with_one_line(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "in.yaml"

@@ -261,3 +261,21 @@ def test_a_document_that_is_not_ours_is_said_naming_the_file_and_skipped(tmp_pat
     assert set(cat.templates) == {"t"}
     said = [w for w in cat.warnings if w.startswith(str(tmp_path / "x.yaml") + " document ")]
     assert len(said) == 1 and f"is {what}" in said[0] and said[0].endswith("; ignored"), cat.warnings
+
+
+def test_a_key_repeated_in_one_mapping_is_refused_naming_its_lines(tmp_path):
+    """A fresh-user run: a second ``spec:`` (or ``isolation`` key) silently replaced the first, dropping
+    ``maxMemory: 64Mi`` for the default 1Gi. Refused now, naming the key and both lines; the same key in
+    different mappings, and YAML merge keys, still load."""
+    (tmp_path / "pool.yaml").write_text("kind: WorkerPool\nmetadata: {name: p}\nspec: {slots: 2}\n")
+    t = tmp_path / "t.yaml"
+    t.write_text("kind: ActorTemplate\nmetadata: {name: t}\nspec:\n  entrypoint: 'a:B'\n"
+                 "  isolation:\n    maxMemory: 64Mi\n    maxMemory: 2Gi\n")
+    with pytest.raises(SpecError) as e:
+        load_catalog(t.parent)
+    assert e.value.message == (f"{t}: not valid YAML: key 'maxMemory' on line 7 appears twice in one mapping "
+                               "(first on line 6); YAML would keep only the last")
+    t.write_text("kind: ActorTemplate\nmetadata: {name: t}\n"
+                 "spec:\n  <<: {entrypoint: 'x:Y', isolation: {maxMemory: 1Gi}}\n  entrypoint: 'a:B'\n  isolation: {maxMemory: 64Mi}\n")
+    cat = load_catalog(t.parent, log_warnings=False)
+    assert cat.templates["t"].spec.entrypoint == "a:B" and cat.templates["t"].spec.isolation.maxMemory == "64Mi"
