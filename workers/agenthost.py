@@ -130,6 +130,10 @@ class Host:
         if argv:
             missing = _not_executable(str(argv[0]))
             if missing:  # said in init's answer: after ``ok`` an exec failure is only an exit status (127)
+                if msg.get("sandboxed"):  # a host path outside the sandbox's binds is "not found" in it
+                    missing += (" inside the sandbox, which sees /usr (and /bin, /lib), this Python's install and "
+                                "packages, /tmp and the workspace (/workspace): install the program under /usr "
+                                "or the venv, or ship it in the workspace, or set isolation.sandbox: false")
                 self.send({"error": missing, "code": "agent_start_failed"})
                 return
             # answer first (the worker sends nothing more until then, so no line sits in our read buffer),

@@ -355,7 +355,8 @@ spec:
             c.create_session("nocmd")
         assert (e.value.status, e.value.code) == (500, "agent_start_failed"), e.value
         assert "restarts from its last snapshot" not in str(e.value), str(e.value)
-        assert "command '/nonexistent/binary' not found" in e.value.message, e.value.message  # not just "exit 127"
+        assert "command '/nonexistent/binary' not found inside the sandbox, which sees /usr" in e.value.message, \
+            e.value.message  # not just "exit 127", and why a program at a host path is not found
     with pytest.raises(ApiError) as e:
         c.create_session("nocmd")
     assert (e.value.status, e.value.code) == (429, "tenant_circuit_open")
