@@ -460,7 +460,9 @@ INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
         "With `X-Substrate-Restored`: the time (Unix s) the answer's state dates from; turns acknowledged "
         "after it are gone."),
     "X-Substrate-Replayed": _header("`1`: a retried turn (same `Idempotency-Key`) answered from its kept "
-                                    "answer, not run again."),
+                                    "answer, not run again; its `X-Substrate-Restored` is that of the "
+                                    "activation that ran the turn (none if it had lost nothing), its "
+                                    "`X-Substrate-Epoch` the activation's that answered the retry."),
     "X-Request-ID": _header("The request's ID: the client's `X-Request-ID`, or the one the router made."),
 }
 

@@ -554,8 +554,10 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
             extra["Server-Timing"] = server_timing(woke_ms, route)
             # state since the last snapshot was lost: say so on the answer itself (the worker's own marker
-            # wins: a replayed answer says what the activation that ran the turn had lost)
-            if restored and "X-Substrate-Restored" not in extra:
+            # wins). Never on a replay: its marker is the activation's that ran the turn, and none means
+            # that one had lost nothing (a tester's run: a retry that woke the session showed the wake's
+            # loss on an answer from before it; the same retry without a wake showed none)
+            if restored and "X-Substrate-Restored" not in extra and "X-Substrate-Replayed" not in extra:
                 extra["X-Substrate-Restored"] = restored
         # the worker's content type: a replayed answer comes in the form its turn first ran (a streamed
         # turn's NDJSON lines, a plain turn's JSON), whichever this call asked for

@@ -909,6 +909,7 @@ class Worker:
 
     async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
+        ran: Activation | None = None  # the activation this turn ran on, once it runs
         try:
             self._check_serving()
             claims = await self.authorize(request, sid)
@@ -947,6 +948,7 @@ class Worker:
                 act.last_active = time.time()
                 act.touched = True
                 act.ran_turn = True
+                ran = act
                 try:
                     if stream:
                         return await self._stream_turn(request, act, body["input"], key, digest, routers=routers)
@@ -992,7 +994,12 @@ class Worker:
         except SubstrateError as e:
             if e.code in ("agent_error",):
                 e.status = 422
-            return _error(e)
+            resp = _error(e)
+            if ran is not None:
+                # a failed turn says what its activation had lost, as its kept answer's replay will (it
+                # said so only when the router had just woken the session)
+                resp.headers.update(self._restored(ran))
+            return resp
 
     @staticmethod
     def _unreported_loss(act: Activation) -> float | None:

@@ -6,6 +6,8 @@ automatic restart, on a real runtime (``substrate up``, real workers, real sandb
   the worker's handler (aiohttp's plain-text 500) and the session never got a snapshot. Now the line is
   a protocol violation: the agent is killed, the turn answers 500 ``agent_protocol_violation`` and the
   session comes back from its last snapshot, answering correctly, and suspends normally.
+* A replayed answer says what the activation that ran its turn had lost, however many crashes later and
+  whether or not the retry woke the session; a failed turn says so on its first answer as on its replay.
 * A turn timeout (the worker kills the agent and moves the session to SUSPENDED, ``agent_restarted``,
   on its own) leaves exactly one audit record of that move, by the system, with the dead activation's
   worker and epoch.
@@ -15,6 +17,8 @@ No timing is asserted.
 
 from __future__ import annotations
 
+import sys
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +44,34 @@ metadata: {name: image-only}
 spec:
   container: {image: busybox}
 """
+
+# a command agent (sandboxed, the default) that answers every turn and dies mid-turn on "die"
+MIDCRASH = """import json, os, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    op = msg.get("op")
+    if op == "stop":
+        break
+    if op == "invoke" and msg.get("input") == "die":
+        os._exit(1)
+    reply = {"output": {"echo": msg.get("input")}} if op == "invoke" else \\
+        {"state": {}} if op == "snapshot" else {"ok": True}
+    reply["id"] = msg.get("id")
+    sys.stdout.write(json.dumps(reply) + "\\n")
+    sys.stdout.flush()
+"""
+EXTRA += f"""
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: midcrash}}
+spec:
+  command:
+  - "{sys.executable}"
+  - "-u"
+  - "-c"
+  - |
+{textwrap.indent(MIDCRASH, "    ")}"""
 
 FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
          'h.out.write(b\'{"output": "FORGED"}\\n\'); h.out.flush()\n"real"')
@@ -171,3 +203,49 @@ def test_a_container_only_template_is_refused_at_create_before_anything_is_place
     with pytest.raises(ApiError) as gone:
         rt.client.get_session("img-1")
     assert gone.value.status == 404
+
+
+def test_a_replay_after_crashes_carries_the_marker_of_the_activation_that_ran_it(rt: RuntimeProc) -> None:
+    # a tester's run: "hi" (k1) answered by an activation that had lost nothing, then "die" (k2) killed the
+    # agent; after more crashes the retry of k1, which woke the session, said the wake's
+    # `agent_restarted` while the retry of k2 (same activation, no wake) said nothing. The router added
+    # the wake's marker to the replay; a failed turn had the marker only on a wake
+    c = rt.client
+    sid = c.create_session("midcrash")["id"]
+
+    def turn(text: str, key: str) -> Any:
+        return c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": text}, headers={"Idempotency-Key": key})
+
+    try:
+        first = turn("hi", "k1")
+        assert first.status_code == 200 and "X-Substrate-Restored" not in first.headers, first.headers
+        c.suspend(sid)  # its snapshot keeps k1's answer (a crash without one would lose it with the state)
+        crashed = turn("die", "k2")  # a clean wake (nothing lost) whose turn kills the agent
+        assert crashed.status_code == 500 and crashed.json()["code"] == "agent_crashed", crashed.text
+        assert "X-Substrate-Restored" not in crashed.headers, crashed.headers
+        for i in range(3):  # more restarts, each activation back from the snapshot and saying so
+            r = turn("die", f"d{i}")
+            assert r.status_code == 500 and r.headers.get("X-Substrate-Restored") == "agent_restarted", r.headers
+        epoch = c.get_session(sid)["epoch"]
+        # the retry wakes the session (agent_restarted): the answer is k1's, which had lost nothing
+        r = turn("hi", "k1")
+        assert r.status_code == 200 and r.headers.get("X-Substrate-Replayed") == "1", r.headers
+        assert r.headers.get("X-Substrate-Woke") == "1" and r.text == first.text
+        assert "X-Substrate-Restored" not in r.headers and "X-Substrate-Restored-Snapshot-At" not in r.headers
+        # the epoch is the activation's that answered the retry (documented in the README)
+        assert int(r.headers["X-Substrate-Epoch"]) > epoch
+        # the crashed turn's replay, with no wake, agrees
+        r = turn("die", "k2")
+        assert r.headers.get("X-Substrate-Replayed") == "1" and "X-Substrate-Woke" not in r.headers, r.headers
+        assert r.status_code == 500 and r.text == crashed.text and "X-Substrate-Restored" not in r.headers
+        # a turn failing on this lossy activation (no wake) says so on its first answer as on its replay,
+        # which comes from the next activation, woken by the retry
+        lost = turn("die", "k3")
+        assert lost.status_code == 500 and "X-Substrate-Woke" not in lost.headers, lost.headers
+        again = turn("die", "k3")
+        assert again.headers.get("X-Substrate-Replayed") == "1" and again.headers.get("X-Substrate-Woke") == "1"
+        for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At"):
+            assert lost.headers.get(h) is not None and again.headers.get(h) == lost.headers.get(h), (h, lost.headers)
+        assert lost.headers["X-Substrate-Restored"] == "agent_restarted"
+    finally:
+        c.delete_session(sid)
