@@ -469,11 +469,16 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the r
     for f in files:
         try:
             text = sys.stdin.read() if str(f) == "-" else f.read_text()
-            loaded = [d for d in parse_yaml_documents(text) if d is not None]
-            bad = [d for d in loaded if not isinstance(d, dict) or "kind" not in d]
-            if bad or not loaded:  # e.g. /etc/passwd parses as one YAML string: not a document of ours
+            parsed = parse_yaml_documents(text)
+            loaded = [d for d in parsed if isinstance(d, dict) and "kind" in d]
+            if not loaded:  # e.g. /etc/passwd parses as one YAML string: not a document of ours
                 raise SpecError("no Kubernetes-style documents (mappings with apiVersion and kind) found")
             docs, warnings = convert_documents(loaded, str(f))
+            # beside Kubernetes-style ones, another tool's YAML is left out with a word, as `up` does
+            # (it made the whole file "no Kubernetes-style documents": fresh-user round 8); never its content
+            warnings = [f"{f} document {i} is {'a mapping without kind' if isinstance(d, dict) else 'a YAML list, string or number'}"
+                        ", not a Kubernetes-style document; left out" for i, d in enumerate(parsed)
+                        if d is not None and not (isinstance(d, dict) and "kind" in d)] + warnings
         except (OSError, yaml.YAMLError, SpecError, RecursionError, UnicodeDecodeError) as e:
             msg = "nested too deeply" if isinstance(e, RecursionError) else getattr(e, "message", None) or str(e)
             where = f"{f}: " if not msg.startswith(str(f)) else ""  # a SpecError may name the file itself

@@ -141,6 +141,14 @@ def parse_quantity_value(value: str | int | float | None, what: str) -> float | 
     return float(q)
 
 
+#: the smallest value of each isolation quantity, and how it is said: a memory limit below 1 MiB cannot
+#: hold any agent host (the kernel refuses such a cgroup limit outright); a CPU quota below 1 ms per
+#: 100 ms period (10m) is raised to that by the kernel's minimum; a disk limit is whole bytes
+_LEAST = {"maxMemory": (1 << 20, "1Mi (an agent host needs tens of MiB)"),
+          "maxCpu": (0.01, "10m (the kernel's smallest CPU quota: 1 ms per 100 ms)"),
+          "maxDiskBytes": (1, "1 (whole bytes)")}
+
+
 class Isolation(BaseModel):
     """Per-session isolation and limits (``workers/sandbox.py`` enforces them; README "Security model").
 
@@ -171,7 +179,12 @@ class Isolation(BaseModel):
             raise ValueError(f"isolation.{info.field_name} must be a quantity, not {v!r}")
         if isinstance(v, (int, float)):
             v = repr(v) if isinstance(v, float) else str(v)
-        parse_quantity_value(v, f"isolation.{info.field_name}")
+        q = parse_quantity_value(v, f"isolation.{info.field_name}")
+        # the least each limit can mean: below it a limit was no limit at all (a fresh-user run:
+        # maxMemory "0.5" truncated to 0 bytes, which the sandbox reads as "unlimited") or not the one asked
+        least, why = _LEAST[info.field_name]
+        if q is not None and q < least:
+            raise ValueError(f"isolation.{info.field_name} must be at least {why}, got {v!r}")
         return v
 
     @field_validator("turnTimeout")

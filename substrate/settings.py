@@ -754,13 +754,38 @@ def env_var_of(loc: typing.Sequence[Any], environ: Mapping[str, str]) -> tuple[s
     variable and ``("maxRuning",)``: naming ``SUBSTRATE_QUOTA__DEFAULT__MAXRUNING`` sent users looking for a
     variable they never set."""
     spelt = {k.upper(): k for k in environ}
+    found: list[tuple[str, tuple[Any, ...]]] = []
     for i in range(len(loc), 0, -1):
         if not all(isinstance(p, str) for p in loc[:i]):
             continue
         var = spelt.get("SUBSTRATE_" + "__".join(str(p).upper() for p in loc[:i]))
         if var is not None:
-            return var, tuple(loc[i:])
-    return None
+            found.append((var, tuple(loc[i:])))
+    # with several set (SUBSTRATE_QUOTA and SUBSTRATE_QUOTA__DEFAULT), the one whose value holds the
+    # field: the deepest was blamed for a typo in the other's JSON (fresh-user round 8)
+    for var, inner in found:
+        if _json_holds(environ[var], inner):
+            return var, inner
+    return found[0] if found else None
+
+
+def _json_holds(text: str, path: tuple[Any, ...]) -> bool:
+    """Whether the JSON ``text`` has something at ``path`` (keys and list indexes); an empty path: any
+    value. False for text that is not JSON."""
+    if not path:
+        return True
+    try:
+        value: Any = json.loads(text)
+    except ValueError:
+        return False
+    for part in path:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        else:
+            return False
+    return True
 
 
 def unknown_json_fields(environ: Mapping[str, str]) -> list[tuple[str, str, str | None]]:

@@ -270,7 +270,9 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
             # a string, a list or a mapping with neither apiVersion nor kind was skipped without a word
             # (fresh-user round 6). Said, not refused: a config folder may hold another tool's YAML (a
             # list of API keys for SUBSTRATE_AUTH__API_KEYS_FILE, say)
-            what = f"a YAML {_yaml_type(doc)} ({clip(doc, 60)})" if not isinstance(doc, dict) else \
+            # its type only, never its content: such a file may hold secrets (an API keys list did, and
+            # the warning logged most of a key: fresh-user round 8)
+            what = f"a YAML {_yaml_type(doc)}" if not isinstance(doc, dict) else \
                 "a mapping with neither apiVersion nor kind"
             msg = (f"{source} document {i} is {what}, not an object of ours ({', '.join(KINDS)}, with "
                    f"apiVersion {API_VERSION}); ignored")
@@ -577,19 +579,20 @@ def _no_repeated_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[A
     """A mapping, refusing a key it holds twice: YAML readers keep the last silently, so a second
     ``spec:`` dropped the first one's limits without a word (a fresh-user run: ``maxMemory: 64Mi`` gone,
     the default 1Gi in force). Raises ``yaml.constructor.ConstructorError`` naming the key and both lines."""
-    seen: dict[Any, int] = {}
+    seen: dict[Any, yaml.Mark] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<``: its keys may be overridden, by design
             continue
         key = loader.construct_object(key_node, deep=True)
         try:
-            first = seen.setdefault(key, key_node.start_mark.line + 1)
+            first = seen.setdefault(key, key_node.start_mark)
         except TypeError:  # an unhashable key: the constructor below says what is wrong with it
             continue
-        if first != key_node.start_mark.line + 1:
-            raise yaml.constructor.ConstructorError(  # no mark: one line, the lines said in it
-                None, None, f"key {key!r} on line {key_node.start_mark.line + 1} appears twice in one mapping "
-                f"(first on line {first}); YAML would keep only the last")
+        if first is not key_node.start_mark:  # by place, not line: a flow mapping holds both on one line
+            raise yaml.constructor.ConstructorError(  # no mark: one line, the places said in it
+                None, None, f"key {key!r} at line {key_node.start_mark.line + 1}, column "
+                f"{key_node.start_mark.column + 1} appears twice in one mapping (first at line {first.line + 1}, "
+                f"column {first.column + 1}); YAML would keep only the last")
     return loader.construct_mapping(node, deep=True)
 
 

@@ -20,7 +20,10 @@ from substrate.cli import app
     ("a: [1\n", "error"),
     # a repeated key: YAML keeps the last, and the first spec's limits went without a word (fresh-user run)
     ("kind: ActorTemplate\nmetadata: {name: x}\nspec: {isolation: {maxMemory: 64Mi}}\nspec: {entrypoint: 'a:B'}\n",
-     "key 'spec' on line 4 appears twice in one mapping (first on line 3)"),
+     "key 'spec' at line 4, column 1 appears twice in one mapping (first at line 3, column 1)"),
+    # two on one line, in a flow mapping (fresh-user round 8: compared by line, they were one key)
+    ("kind: ActorTemplate\nmetadata: {name: x}\nspec: {entrypoint: 'a:B', entrypoint: 'c:D'}\n",
+     "key 'entrypoint' at line 3, column 27 appears twice in one mapping (first at line 3, column 8)"),
 ])
 def test_bad_files_exit_2_with_one_line(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "in.yaml"
@@ -168,3 +171,15 @@ def test_the_help_says_where_the_seed_documents_are() -> None:
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "tests/k8s/seed/" in text and "seed article's" not in text, text
+
+
+def test_other_yaml_beside_kubernetes_style_documents_is_left_out_with_a_warning(tmp_path: Path) -> None:
+    """Fresh-user round 8: a ConfigMap and a plain mapping in one file was "no Kubernetes-style documents",
+    exit 2, while `up` skips such a document with a warning. Now the same here, never quoting it."""
+    f = tmp_path / "mixed.yaml"
+    f.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n---\nfoo: secret-ish\n---\n- a\n")
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    assert [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap"]
+    assert f"{f} document 1 is a mapping without kind, not a Kubernetes-style document; left out" in r.stderr
+    assert f"{f} document 2 is a YAML list, string or number" in r.stderr and "secret-ish" not in r.stderr

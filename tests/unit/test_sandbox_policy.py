@@ -66,6 +66,10 @@ def test_template_names_are_not_overridable_and_sizes_are_bounded():
     # plain numbers are quantities too, as in Kubernetes (a fresh-user run: "Input should be a valid string")
     ({"maxDiskBytes": 1073741824, "maxCpu": 2, "maxMemory": 268435456}, True), ({"maxCpu": 0.5}, True),
     ({"maxMemory": -5}, False), ({"maxCpu": True}, False),
+    # below what a limit can mean (fresh-user round 8: maxMemory "0.5" truncated to 0 bytes, i.e. no limit)
+    ({"maxMemory": "0.5"}, False), ({"maxMemory": "999m"}, False), ({"maxMemory": "1Ki"}, False),
+    ({"maxMemory": "1Mi"}, True), ({"maxCpu": "1m"}, False), ({"maxCpu": "10m"}, True),
+    ({"maxDiskBytes": "0.5"}, False),
 ])
 def test_isolation_is_checked_when_the_template_is_loaded(iso, ok):
     doc = {"kind": "ActorTemplate", "metadata": {"name": "t"},

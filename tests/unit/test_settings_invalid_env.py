@@ -121,6 +121,17 @@ def test_an_invalid_variable_is_one_line_and_exit_2(var: str, value: str, says: 
     assert not (tmp_path / "data").exists()  # nothing was started or created
 
 
+def test_with_a_group_and_its_field_both_set_the_typo_is_blamed_on_the_one_that_holds_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user round 8: the typo was in SUBSTRATE_QUOTA's JSON, the line named SUBSTRATE_QUOTA__DEFAULT."""
+    monkeypatch.setenv("SUBSTRATE_QUOTA__DEFAULT", '{"maxRunning":1}')
+    monkeypatch.setenv("SUBSTRATE_QUOTA", '{"default":{"maxRunning":1,"maxRuning":2}}')
+    r = _up()
+    assert r.exit_code == 2, r.output
+    assert _one_error_line(r.output) == ("error: SUBSTRATE_QUOTA: field 'default.maxRuning' is not allowed (did you "
+                                         "mean 'default.maxRunning'?)")
+
+
 @pytest.mark.parametrize("var", ["SUBSTRATE_DATA_DIR", "SUBSTRATE_WORKER__ROOT_DIR", "SUBSTRATE_SNAPSHOT__LOCAL_DIR"])
 def test_a_folder_that_is_a_file_is_one_line_and_exit_2(var: str, monkeypatch: pytest.MonkeyPatch,
                                                        tmp_path: Path) -> None:
