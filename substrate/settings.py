@@ -713,10 +713,11 @@ def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
     return out
 
 
-def closest(word: str, candidates: typing.Iterable[str]) -> str | None:
-    """The candidate ``word`` is most likely a misspelling of, or None: the "did you mean" of unknown
-    variables and of unknown fields inside a JSON value."""
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.75)
+def closest(word: str, candidates: typing.Iterable[str], cutoff: float = 0.75) -> str | None:
+    """The candidate ``word`` is most likely a misspelling of (``difflib`` ratio at least ``cutoff``), or
+    None: the project's one "did you mean" (unknown variables, fields inside a JSON value, spec kinds and
+    fields in ``substrate.specs``)."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
     return close[0] if close else None
 
 

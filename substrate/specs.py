@@ -237,13 +237,13 @@ def _is_ours(doc: dict[str, Any]) -> bool:
 def _unknown_kind(kind: Any, api_version: Any) -> str:
     """The one line for a document of our group whose ``kind`` is none of ours: the kinds we know and
     the closest, if one is close (``ActorTemplat``, ``actortemplate``)."""
-    import difflib
+    from substrate.settings import closest
 
     known = ", ".join(KINDS)
     if kind is None:
         return f"no kind (the kinds of {api_version or API_VERSION}: {known})"
-    close = difflib.get_close_matches(str(kind).lower(), [k.lower() for k in KINDS], n=1, cutoff=0.6)
-    hint = f": did you mean {next(k for k in KINDS if k.lower() == close[0])}?" if close else ""
+    close = closest(str(kind).lower(), [k.lower() for k in KINDS], cutoff=0.6)
+    hint = f": did you mean {next(k for k in KINDS if k.lower() == close)}?" if close else ""
     api = api_version or f"{API_VERSION} (read so: no apiVersion)"
     return f"kind {clip(kind, 60)} is not a kind of {api} (its kinds: {known}){hint}"
 
@@ -333,17 +333,17 @@ def _unknown_field_warnings(spec: Any) -> list[str]:
     ``ValueError`` for an unknown field this close (``TYPO_RATIO``) to a known one: a typo such as
     ``stateManagment`` left that part's defaults in use with only a warning, while ``quota.maxTotl`` was
     refused (fresh-user round 6). The seed's documents have no such field."""
-    import difflib
+    from substrate.settings import closest
 
     warns = []
     for where, known in _unknown_fields(spec, "spec"):
         name = where.rpartition(".")[2]
-        if close := difflib.get_close_matches(name, known, n=1, cutoff=TYPO_RATIO):
-            raise ValueError(f"{where} is not a field here: did you mean {close[0]!r}? (as written it would be "
+        if close := closest(name, known, cutoff=TYPO_RATIO):
+            raise ValueError(f"{where} is not a field here: did you mean {close!r}? (as written it would be "
                              "ignored and the defaults used)")
-        close = difflib.get_close_matches(name, known, n=1)
+        close = closest(name, known, cutoff=0.6)
         warns.append(f"unknown field {where} is not used by this runtime (a typo?"
-                     + (f" did you mean {close[0]!r}?)" if close else ")"))
+                     + (f" did you mean {close!r}?)" if close else ")"))
     return warns
 
 
