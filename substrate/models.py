@@ -12,9 +12,21 @@ from __future__ import annotations
 import re
 import time
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+def _not_a_bool(v: Any) -> Any:
+    """Refuse YAML's ``true``/``false`` where a count belongs: pydantic reads ``true`` as 1, so
+    ``maxRunning: true`` (meant as "limit running sessions") became a limit of one, without a word
+    (fresh-user round 8). Raises ``ValueError``."""
+    if isinstance(v, bool):
+        raise ValueError(f"a whole number is required here, not {str(v).lower()}")
+    return v
+
+
+#: a whole number written by a user (spec counts, quota limits): a bool is refused, not read as 0 or 1
+Count = Annotated[int, BeforeValidator(_not_a_bool)]
 
 API_GROUP = "substrate.agent.dev"
 API_VERSION = f"{API_GROUP}/v1"
@@ -167,7 +179,7 @@ class Isolation(BaseModel):
     maxCpu: str | int | None = None
     maxMemory: str | int | None = "1Gi"
     maxDiskBytes: str | int | None = "1Gi"
-    maxProcesses: int | None = Field(256, ge=1, le=65536)
+    maxProcesses: Count | None = Field(256, ge=1, le=65536)
     turnTimeout: str | float | None = "300s"
 
     @field_validator("maxCpu", "maxMemory", "maxDiskBytes", mode="before")
@@ -228,10 +240,10 @@ class QuotaLimits(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    maxRunning: int | None = Field(None, ge=0)
-    maxTotal: int | None = Field(None, ge=0)
-    maxGpus: int | None = Field(None, ge=0)
-    maxCreatesPerMinute: int | None = Field(None, ge=0)
+    maxRunning: Count | None = Field(None, ge=0)
+    maxTotal: Count | None = Field(None, ge=0)
+    maxGpus: Count | None = Field(None, ge=0)
+    maxCreatesPerMinute: Count | None = Field(None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -249,7 +261,7 @@ class TemplateResources(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     #: whole GPUs (devices of the pool's ResourceClaims) one live session holds
-    gpus: int = Field(0, ge=0)
+    gpus: Count = Field(0, ge=0)
 
 
 class ActorTemplateSpec(BaseModel):
@@ -298,10 +310,10 @@ class ActorTemplate(BaseModel):
 
 class Autoscaling(BaseModel):
     model_config = ConfigDict(extra="allow")
-    minReplicas: int = Field(1, ge=0)
-    maxReplicas: int = Field(10, ge=1)
+    minReplicas: Count = Field(1, ge=0)
+    maxReplicas: Count = Field(10, ge=1)
     #: percent of slots busy the autoscaler aims for
-    targetUtilization: int = Field(70, ge=1, le=100)
+    targetUtilization: Count = Field(70, ge=1, le=100)
     #: HPA metrics (autoscaling/v2 MetricSpec): when set, a HorizontalPodAutoscaler drives /scale instead
     metrics: list[dict[str, Any]] | None = None
 
@@ -316,14 +328,14 @@ class Autoscaling(BaseModel):
 class WarmPool(BaseModel):
     model_config = ConfigDict(extra="allow")
     #: free slots kept ready ahead of demand, counted in whole workers
-    readyReplicas: int = Field(1, ge=0)
+    readyReplicas: Count = Field(1, ge=0)
 
 
 class WorkerPoolSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
-    replicas: int = Field(2, ge=0)
+    replicas: Count = Field(2, ge=0)
     #: session slots per worker
-    slots: int = Field(8, ge=1, le=4096)
+    slots: Count = Field(8, ge=1, le=4096)
     template: dict[str, Any] = Field(default_factory=dict)
     autoscaling: Autoscaling | None = None
     warmPool: WarmPool | None = None

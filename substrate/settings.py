@@ -738,14 +738,15 @@ def _inner(annotation: object, part: object) -> object:
     return None
 
 
-def fields_at(loc: typing.Sequence[Any]) -> list[str]:
-    """The field names of the settings model a pydantic error location ``loc`` lies in (``loc[:-1]``
-    names it from ``Settings``), or [] when that is no model."""
-    annotation: object = Settings
+def fields_at(loc: typing.Sequence[Any], root: object = None) -> list[str]:
+    """The field names (aliases where set) of the model a pydantic error location ``loc`` lies in
+    (``loc[:-1]`` names it from ``root``, by default ``Settings``; ``substrate.specs`` passes a spec
+    model), or [] when that is no model."""
+    annotation: object = Settings if root is None else root
     for part in loc[:-1]:
         annotation = _inner(annotation, part)
     model = _model_of(annotation)
-    return list(model.model_fields) if model is not None else []
+    return [f.alias or n for n, f in model.model_fields.items()] if model is not None else []
 
 
 def env_var_of(loc: typing.Sequence[Any], environ: Mapping[str, str]) -> tuple[str, tuple[Any, ...]] | None:

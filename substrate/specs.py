@@ -308,7 +308,8 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                 cat.pools[p.name] = p
                 warns += _unknown_field_warnings(p.spec)
         except ValidationError as e:
-            errs = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
+            model = ActorTemplate if kind == "ActorTemplate" else WorkerPool
+            errs = "; ".join(_validation_error(er, model) for er in e.errors())
             raise SpecError(f"{source} document {i} ({kind}): {errs}") from e
         except ValueError as e:
             raise SpecError(f"{source} document {i} ({kind}): {e}") from e
@@ -345,6 +346,21 @@ def _unknown_field_warnings(spec: Any) -> list[str]:
         warns.append(f"unknown field {where} is not used by this runtime (a typo?"
                      + (f" did you mean {close!r}?)" if close else ")"))
     return warns
+
+
+def _validation_error(er: Any, model: Any) -> str:
+    """One pydantic error of a spec document as ``loc: message``; a field that a part refusing unknown
+    fields (``spec.quota``) does not have also gets the closest field it has, or the list of them:
+    ``spec.quota.maxTotl`` was "Extra inputs are not permitted" and nothing more (fresh-user round 8)."""
+    from substrate.settings import closest, fields_at
+
+    where = ".".join(map(str, er["loc"]))
+    if er.get("type") != "extra_forbidden":
+        return f"{where}: {er['msg']}"
+    known = fields_at(er["loc"], root=model)
+    close = closest(str(er["loc"][-1]), known, cutoff=0.6)
+    hint = f"did you mean {close!r}?" if close else f"the fields here are {', '.join(known)}"
+    return f"{where}: not a field here ({hint})"
 
 
 def _unknown_fields(model: Any, path: str) -> list[tuple[str, list[str]]]:

@@ -280,3 +280,39 @@ def test_a_key_repeated_in_one_mapping_is_refused_naming_its_lines(tmp_path):
                  "spec:\n  <<: {entrypoint: 'x:Y', isolation: {maxMemory: 1Gi}}\n  entrypoint: 'a:B'\n  isolation: {maxMemory: 64Mi}\n")
     cat = load_catalog(t.parent, log_warnings=False)
     assert cat.templates["t"].spec.entrypoint == "a:B" and cat.templates["t"].spec.isolation.maxMemory == "64Mi"
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("ActorTemplate", {"quota": {"maxTotl": 3}}, "spec.quota.maxTotl: not a field here (did you mean 'maxTotal'?)"),
+    ("ActorTemplate", {"quota": {"limit": 3}},
+     "spec.quota.limit: not a field here (the fields here are maxRunning, maxTotal, maxGpus, maxCreatesPerMinute)"),
+])
+def test_a_field_a_strict_part_does_not_have_gets_the_closest_one(kind, spec, message):
+    """Fresh-user round 8: ``spec.quota`` refuses unknown fields itself, and said only "Extra inputs are
+    not permitted", with no hint of the field meant."""
+    doc = {"apiVersion": "substrate.agent.dev/v1", "kind": kind, "metadata": {"name": "x"},
+           "spec": {"entrypoint": "a:B", **spec}}
+    with pytest.raises(SpecError) as e:
+        load_documents([doc], "t.yaml")
+    assert message in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("kind, spec, field", [
+    ("ActorTemplate", {"entrypoint": "a:B", "quota": {"maxRunning": True}}, "spec.quota.maxRunning"),
+    ("ActorTemplate", {"entrypoint": "a:B", "isolation": {"maxProcesses": False}}, "spec.isolation.maxProcesses"),
+    ("ActorTemplate", {"entrypoint": "a:B", "resources": {"gpus": True}}, "spec.resources.gpus"),
+    ("WorkerPool", {"replicas": True}, "spec.replicas"),
+    ("WorkerPool", {"slots": True}, "spec.slots"),
+    ("WorkerPool", {"autoscaling": {"maxReplicas": True}}, "spec.autoscaling.maxReplicas"),
+])
+def test_a_bool_where_a_count_belongs_is_refused(kind, spec, field):
+    """Fresh-user round 8: ``maxRunning: true`` loaded as a limit of one (pydantic reads true as 1)."""
+    doc = {"apiVersion": "substrate.agent.dev/v1", "kind": kind, "metadata": {"name": "x"}, "spec": spec}
+    with pytest.raises(SpecError) as e:
+        load_documents([doc], "t.yaml")
+    assert f"{field}: Value error, a whole number is required here, not " in e.value.message, e.value.message
+
+    def one_for_bool(x):
+        return {k: one_for_bool(v) for k, v in x.items()} if isinstance(x, dict) else 1 if isinstance(x, bool) else x
+
+    load_documents([{**doc, "spec": one_for_bool(spec)}], "t.yaml")  # the same with 1 loads
