@@ -8,7 +8,8 @@ Starts a whole runtime the way a user does (``substrate up`` in a child process,
 * routed throughput: requests/s one router process answers at saturation (64 keep-alive connections on
   one RUNNING session; the load generator, ``wrk`` when installed, else aiohttp clients, on the same
   cores), next to the same load sent straight to the
-  worker and the floor measured for the stack (DESIGN.md); with the CPU time each side used in the
+  worker and through the floor proxy (:mod:`loadtest.floor`: the least a Python proxy hop on this
+  stack does, measured in the same run against the same worker); with the CPU time each side used in the
   window (``/proc``): the router process's per request, the load generator's, the rest of the machine's
   (worker, Redis, others), and so the routed requests per router CPU-second -- what one router process
   would answer with a whole core to itself, which 2 shared cores cannot show directly;
@@ -45,7 +46,7 @@ from typing import Any, Callable
 
 import aiohttp
 
-from loadtest import wrk
+from loadtest import floor, wrk
 from loadtest.bench_report import markdown_table
 from loadtest.proctree import machine_busy_cpu_s, process_cpu_s
 from loadtest.report import DEFINITIONS
@@ -220,7 +221,7 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
                 # the overhead of each request: routed minus the direct call made right after it
                 paired = [r - d for r, d in zip(routed, direct, strict=True)]
                 rows.append(_row("router overhead: paired differences (routed - direct)", paired,
-                                 target="p50 <= 0.5, p99 <= 1", floor="0.35 / 0.63 (raw ASGI + aiohttp)"))
+                                 target="p50 <= 0.5, p99 <= 1", floor="0.35 / 0.63 (raw ASGI + aiohttp; DESIGN.md, another machine)"))
                 rows += await _throughput(http, base, workers, wid, s, direct_h, router_pid=srv.proc.pid)
             # suspend, and the wake a parked request sees
             sus, wake = [], []
@@ -241,43 +242,69 @@ async def bench_runtime(n: int) -> list[dict[str, Any]]:
 async def _throughput(http: aiohttp.ClientSession, base: str, workers: dict[str, str], wid: str,
                       s: dict[str, Any], direct_headers: dict[str, str], conc: int = 64,
                       seconds: int = 5, router_pid: int | None = None) -> list[dict[str, Any]]:
-    """Requests/s of one router process at saturation, and of the same load sent straight to the
-    worker (``conc`` connections on one RUNNING session's warm path for ``seconds``). The load generator
-    is ``wrk`` when it is installed (:mod:`loadtest.wrk`: a C client, so more of the shared cores go to
-    the router), else ``conc`` aiohttp clients in this process, and the row says which. With
-    ``router_pid`` the routed row also says where the CPU went in its window (module doc)."""
+    """Requests/s of one router process at saturation, of the floor proxy (:mod:`loadtest.floor`, the
+    least a Python proxy hop on this stack does) in front of the same worker, and of the same load sent
+    straight to the worker (``conc`` connections on one RUNNING session's warm path for ``seconds``
+    each, one after the other). The load generator is ``wrk`` when it is installed (:mod:`loadtest.wrk`:
+    a C client, so more of the shared cores go to the proxy), else ``conc`` aiohttp clients in this
+    process, and the rows say which. With ``router_pid`` the routed and floor rows also say where the
+    CPU went in their window (module doc), and a row gives the router's CPU per turn over the floor's."""
     body = {"input": "get"}
     direct_url = f"{workers[wid]}/v1/activations/{s['id']}/invoke"
     use_wrk = wrk.available()
     generator = (f"wrk, {conc} connections" if use_wrk
                  else f"{conc} aiohttp clients in the bench process; wrk not installed: {wrk.INSTALL_HINT}")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    measured: dict[str, tuple[float, float]] = {}  # name -> (requests/s, proxy CPU us per request)
+    cases = {"routed": "throughput routed, one router process",
+             "aiohttp": "throughput through the floor proxy with aiohttp's client (loadtest/floor.py: raw ASGI, "
+                        "nothing else; DESIGN.md's floor stack), same worker; its CPU in the router columns",
+             "lean": "throughput through the floor proxy with the router's lean client (loadtest/floor.py), "
+                     "same worker; its CPU in the router columns",
+             "direct": "throughput direct to the worker, no router"}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, url, headers in (("routed", f"{base}/v1/sessions/{s['id']}/invoke", None),
-                                   ("direct to the worker", direct_url, direct_headers)):
-            cpu0 = (process_cpu_s(router_pid) if router_pid else 0.0, time.process_time(), machine_busy_cpu_s())
-            if use_wrk:
-                script = wrk.write_script(Path(tmp) / "turn.lua", json.dumps(body), headers)
-                r = await wrk.run(url, script, connections=conc, seconds=seconds)  # raises if any answer failed
-                done, errors, wall, gen_s = r.requests, 0, r.seconds, r.cpu_s
-            else:
-                done, errors, wall = await _aiohttp_load(http, url, body, headers, conc, seconds)
-                gen_s = time.process_time() - cpu0[1]
-            router_s, busy_s = (process_cpu_s(router_pid) - cpu0[0] if router_pid else 0.0,
-                                machine_busy_cpu_s() - cpu0[2])
+        for name in cases:
+            proc, port = None, 0
+            if name in floor.CLIENTS:  # each floor proxy runs only during its own window
+                port = _free_port()
+                proc = await asyncio.to_thread(floor.start, port, direct_url, direct_headers, name)
+            url, headers, pid = {"routed": (f"{base}/v1/sessions/{s['id']}/invoke", None, router_pid),
+                                 "direct": (direct_url, direct_headers, None)}.get(
+                name, (f"http://127.0.0.1:{port}/invoke", None, proc.pid if proc and router_pid else None))
+            try:
+                cpu0 = (process_cpu_s(pid) if pid else 0.0, time.process_time(), machine_busy_cpu_s())
+                if use_wrk:
+                    script = wrk.write_script(Path(tmp) / f"{name}.lua", json.dumps(body), headers)
+                    r = await wrk.run(url, script, connections=conc, seconds=seconds)  # raises if any answer failed
+                    done, errors, wall, gen_s = r.requests, 0, r.seconds, r.cpu_s
+                else:
+                    done, errors, wall = await _aiohttp_load(http, url, body, headers, conc, seconds)
+                    gen_s = time.process_time() - cpu0[1]
+                proxy_s, busy_s = (process_cpu_s(pid) - cpu0[0] if pid else 0.0, machine_busy_cpu_s() - cpu0[2])
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    await asyncio.to_thread(proc.wait)
             cpu = {}
-            if done and router_pid and name == "routed":
-                cpu = {"router_cpu_us_per_req": router_s / done * 1e6, "router_cores": router_s / wall,
-                       "loadgen_cores": gen_s / wall, "other_cores": max(0.0, busy_s - router_s - gen_s) / wall}
-            where = "one router process" if name == "routed" else "no router"
-            rows.append({"case": f"throughput {name}, {where} (load generator: {generator})",
-                         "n": done, "per_s": done / wall, "errors": errors, **cpu,
-                         **({"target": ">= 5000/s", "floor": "~3500/s raw ASGI + aiohttp, ~2300-2800/s Starlette"}
-                            if name == "routed" else {})})
-            if cpu and router_s > 0:
+            if done and pid:
+                cpu = {"router_cpu_us_per_req": proxy_s / done * 1e6, "router_cores": proxy_s / wall,
+                       "loadgen_cores": gen_s / wall, "other_cores": max(0.0, busy_s - proxy_s - gen_s) / wall}
+                measured[name] = (done / wall, proxy_s / done * 1e6)
+            rows.append({"case": f"{cases[name]} (load generator: {generator})", "n": done, "per_s": done / wall,
+                         "errors": errors, **cpu, **({"target": ">= 5000/s"} if name == "routed" else {})})
+            if name == "routed" and cpu and proxy_s > 0:
                 rows.append({"case": "routed requests per router CPU-second (one router process with a whole "
                                      "core; derived from the row above)",
-                             "n": done, "per_s": done / router_s, "target": ">= 5000/s"})
+                             "n": done, "per_s": done / proxy_s, "target": ">= 5000/s"})
+    if "routed" in measured:
+        r_s, r_us = measured["routed"]
+        rows[0]["floor"] = "; ".join(f"{client}: {f_s:,.0f}/s, {f_us:.0f} us CPU/req" for client, (f_s, f_us)
+                                     in measured.items() if client != "routed") + " (floor proxies, this run)"
+        for client in floor.CLIENTS:
+            if client in measured:
+                rows.append({"case": f"router CPU per turn / the {client} floor proxy's (same worker, same load, "
+                                     "this run)", "n": rows[0]["n"], "value": round(r_us / measured[client][1], 2),
+                             "unit": "x"})
     return rows
 
 
