@@ -261,6 +261,12 @@ def _finite_float(text: str) -> float:
     return v
 
 
+#: invoke's parser, built once: ``json.loads`` with arguments builds a decoder per call (0.8 % of a
+#: saturated router's CPU in the 2026-12-06 profile). ``json.loads`` also refuses text starting with a
+#: BOM, which ``_utf8_text`` already has
+_INVOKE_JSON = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def _depth_ok(doc: Any, limit: int) -> bool:
     stack = [(doc, 1)]
     while stack:
@@ -305,7 +311,7 @@ def check_invoke_body(body: bytes) -> None:
     (``_utf8_text``), as on every JSON route."""
     text = _utf8_text(body)
     try:
-        doc = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        doc = _INVOKE_JSON.decode(text)
     except (ValueError, RecursionError) as e:
         if not text:  # told as create tells it (fresh-user run: two messages for one mistake)
             raise BadRequest('the body is empty: send a JSON object such as {"input": ...}',
