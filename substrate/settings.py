@@ -426,12 +426,35 @@ class AuditSettings(_Section):
     deleted_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
 
 
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+
+
+def bucket_name_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as an S3 bucket name (the rules of ``SnapshotSettings.bucket``), or
+    None: the settings and the WorkerPool's ``snapshotStorage`` URI check it alike."""
+    if _BUCKET_RE.fullmatch(name) and ".." not in name:
+        return None
+    return (f"{name[:80]!r} is not an S3 bucket name: use 3-63 lower-case letters, digits, '.' or '-', "
+            "starting and ending with a letter or digit")
+
+
 class SnapshotSettings(_Section):
     store: Literal["local", "s3"] = "local"
     local_dir: Path = Path("var/snapshots")
     bucket: str = "agent-snapshots"
     prefix: str = "snapshots"
     endpoint_url: str | None = None
+
+    @field_validator("bucket")
+    @classmethod
+    def _a_bucket_name(cls, v: str) -> str:
+        # S3's bucket naming rules (AWS S3 user guide, "General purpose bucket naming rules": 3-63
+        # characters; lower-case letters, digits, '.' and '-'; a letter or digit at each end): a name
+        # such as 'w' was taken at start and failed at the first suspend, 503 (fresh-user round 9)
+        if why := bucket_name_problem(v):
+            raise ValueError(why)
+        return v
+
     region: str | None = None
     access_key_id: str | None = None
     secret_access_key: str | None = None

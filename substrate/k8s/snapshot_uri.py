@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from substrate.settings import SnapshotSettings
+from substrate.settings import SnapshotSettings, bucket_name_problem
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 
@@ -22,6 +22,8 @@ def parse_storage_uri(uri: str) -> tuple[str, str, str | None]:
         raise ValueError(f"snapshotStorage {uri!r}: use s3://bucket/prefix or gs://bucket/prefix")
     if not u.netloc:
         raise ValueError(f"snapshotStorage {uri!r} names no bucket")
+    if why := bucket_name_problem(u.netloc):  # else every worker of the pool would refuse to start
+        raise ValueError(f"snapshotStorage {uri!r}: {why}")
     prefix = u.path.strip("/") or None
     return u.scheme, u.netloc, prefix
 

@@ -157,13 +157,15 @@ def test_pod_group_hpa_and_lease_validate() -> None:
 
 def test_snapshot_storage_uris() -> None:
     base = SnapshotSettings(endpoint_url="http://minio:9000")
-    assert store_env("s3://b/pre/fix", base) == {"SUBSTRATE_SNAPSHOT__STORE": "s3", "SUBSTRATE_SNAPSHOT__BUCKET": "b",
+    assert store_env("s3://bkt/pre/fix", base) == {"SUBSTRATE_SNAPSHOT__STORE": "s3", "SUBSTRATE_SNAPSHOT__BUCKET": "bkt",
                                                  "SUBSTRATE_SNAPSHOT__PREFIX": "pre/fix",
                                                  "SUBSTRATE_SNAPSHOT__ENDPOINT_URL": "http://minio:9000"}
     gs = store_env("gs://my-bucket/agent-snapshots", base)
     assert gs["SUBSTRATE_SNAPSHOT__ENDPOINT_URL"] == "https://storage.googleapis.com"
     with pytest.raises(ValueError, match="s3://"):
         store_env("azure://x/y", base)
+    with pytest.raises(ValueError, match="'My_Bucket' is not an S3 bucket name"):  # workers would refuse it
+        store_env("s3://My_Bucket/x", base)
 
 
 def test_condition_transition_time_moves_only_when_status_changes() -> None:

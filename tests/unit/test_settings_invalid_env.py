@@ -88,6 +88,11 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_REDIS__KEY_PREFIX", "fresh14x:", "not ending with ':'"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "a{b}", "is not a key prefix"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "", "is not a key prefix"),
+    # a bucket S3 refuses was taken at start, then every suspend failed 503 (a fresh-user run)
+    ("SUBSTRATE_SNAPSHOT__BUCKET", "w", "'w' is not an S3 bucket name"),
+    ("SUBSTRATE_SNAPSHOT__BUCKET", "Agent_Snapshots", "is not an S3 bucket name"),
+    ("SUBSTRATE_SNAPSHOT__BUCKET", "a..b", "is not an S3 bucket name"),
+    ("SUBSTRATE_SNAPSHOT__BUCKET", "-agent", "is not an S3 bucket name"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "x" * 65, "1-64 letters"),
     # a fresh-user run: redis-py reads a database that is not a number as 0 (it wrote into a shared db 0)
     ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:6379/abc", "database 'abc' is not a number"),
