@@ -450,7 +450,7 @@ class SnapshotSettings(_Section):
     def _a_bucket_name(cls, v: str) -> str:
         # S3's bucket naming rules (AWS S3 user guide, "General purpose bucket naming rules": 3-63
         # characters; lower-case letters, digits, '.' and '-'; a letter or digit at each end): a name
-        # such as 'w' was taken at start and failed at the first suspend, 503 (fresh-user round 9)
+        # such as 'w' was taken at start and failed at the first suspend, 503 (found 2026-12-06)
         if why := bucket_name_problem(v):
             raise ValueError(why)
         return v

@@ -88,7 +88,7 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_REDIS__KEY_PREFIX", "fresh14x:", "not ending with ':'"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "a{b}", "is not a key prefix"),
     ("SUBSTRATE_REDIS__KEY_PREFIX", "", "is not a key prefix"),
-    # a bucket S3 refuses was taken at start, then every suspend failed 503 (a fresh-user run)
+    # a bucket S3 refuses was taken at start, then every suspend failed 503
     ("SUBSTRATE_SNAPSHOT__BUCKET", "w", "'w' is not an S3 bucket name"),
     ("SUBSTRATE_SNAPSHOT__BUCKET", "Agent_Snapshots", "is not an S3 bucket name"),
     ("SUBSTRATE_SNAPSHOT__BUCKET", "a..b", "is not an S3 bucket name"),
