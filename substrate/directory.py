@@ -417,6 +417,15 @@ class Directory:
         return decode_session(raw)
 
     @_translate
+    async def get_deleting(self, sid: str) -> SessionRecord | None:
+        """The record of ``sid`` if it is marked DELETED (a delete, or an undone create, still under way:
+        ``get_session`` calls it gone already), else None."""
+        raw = await self.redis.hgetall(self.keys.session(sid))
+        if raw.get("state") != SessionState.DELETED.value or "actorTemplate" not in raw:
+            return None
+        return decode_session(raw)
+
+    @_translate
     async def transition(self, sid: str, *, from_states: Iterable[SessionState] | None = None,
                          epoch: int | None = None, worker: str | None = None,
                          to: SessionState | None = None, bump: bool = False,

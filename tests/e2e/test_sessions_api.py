@@ -578,3 +578,35 @@ spec:
     assert ev == [("create", "", "ok", "anonymous", s["worker"], s["epoch"]),
                   ("suspend", "drain", "ok", "system:control-plane", s["worker"], s["epoch"])], ev
     assert c.invoke(s["id"], "increment") == {"count": 2}, "woken on a new worker, state intact"
+
+
+def test_a_delete_meeting_a_delete_under_way_answers_after_it_and_is_on_record(shared_runtime):
+    """Fresh-user round 9 (4 of 4 runs): a DELETE arriving while another one was under way (the record
+    already marked DELETED, not yet removed) answered 404 at once, before the winner's 204, and left no
+    audit record, where one that read the record a moment earlier waits for the winner and records its
+    ``session_not_found``. Here the winner is held mid-delete by marking the record DELETED by hand: the
+    loser answers only after the record is gone, with its own record."""
+    import threading
+
+    rt = shared_runtime
+    c = rt.client
+    sid = c.create_session("counter")["id"]
+    key = rt.keys.session(sid)
+    rt.r.hset(key, "state", "DELETED")  # a delete under way
+    answered: list[tuple[int, str, bool]] = []
+    removed = threading.Event()
+
+    def delete() -> None:
+        r = c.http.delete(f"/v1/sessions/{sid}")
+        answered.append((r.status_code, r.json()["code"], removed.is_set()))
+
+    t = threading.Thread(target=delete)
+    t.start()
+    t.join(0.5)
+    assert not answered, "answered while the delete was under way"
+    removed.set()  # the winner removes the record (and, in a real race, its slot and quota)
+    rt.r.delete(key)
+    t.join(10)
+    assert answered == [(404, "session_not_found", True)]
+    events = [(e["action"], e["result"]) for e in c.http.get(f"/v1/sessions/{sid}/events").json()["items"]]
+    assert events[-1] == ("delete", "session_not_found"), events
