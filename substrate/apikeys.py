@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from substrate.errors import InvalidInput, NotFound, clip
 from substrate.keys import Keys
-from substrate.settings import TENANT_RE, ApiKeySpec
+from substrate.settings import TENANT_RE, ApiKeySpec, closest, duplicate_api_key
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -196,8 +196,14 @@ def load_key_file(path: Path) -> list[ApiKeySpec]:
             first = e.errors()[0]
             at = ".".join(map(str, first.get("loc", ())))
             msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+            if first.get("type") == "extra_forbidden":
+                close = closest(str(first["loc"][-1]), ApiKeySpec.model_fields)
+                msg = "not a field of a key" + (f" (did you mean {close!r}?)" if close else
+                                                f" (its fields: {', '.join(ApiKeySpec.model_fields)})")
             raise InvalidInput(f"API key file {path}: entry {i}{' ' + at if at else ''}: {msg}",
                                code="invalid_api_key_spec") from e
+    if why := duplicate_api_key(out, [f"entry {i}" for i in range(len(out))]):
+        raise InvalidInput(f"API key file {path}: {why}", code="invalid_api_key_spec")
     return out
 
 

@@ -181,6 +181,7 @@ def _prestart_problems(settings: Any, *, local: bool = True) -> list[str]:
     the runtime's folders (``local``: the embedded default's) and the API key file. Each is one line naming
     its variable."""
     from substrate.apikeys import load_key_file
+    from substrate.settings import duplicate_api_key
     from substrate.errors import SubstrateError
 
     out: list[str] = []
@@ -203,9 +204,14 @@ def _prestart_problems(settings: Any, *, local: bool = True) -> list[str]:
         out.append(f"SUBSTRATE_WORKER__HOST: {why}")
     if settings.auth.api_keys_file:
         try:
-            load_key_file(settings.auth.api_keys_file)
+            from_file = load_key_file(settings.auth.api_keys_file)
         except SubstrateError as e:
             out.append(f"SUBSTRATE_AUTH__API_KEYS_FILE: {e.message}")
+        else:  # the same key in both: one of them would be dropped at import
+            env = settings.auth.api_keys
+            if why := duplicate_api_key([*env, *from_file], [f"SUBSTRATE_AUTH__API_KEYS entry {i}" for i in range(len(env))]
+                                        + [f"entry {i} of {settings.auth.api_keys_file}" for i in range(len(from_file))]):
+                out.append(f"SUBSTRATE_AUTH__API_KEYS_FILE: {why}")
     return out
 
 

@@ -8,6 +8,7 @@ as a short alias for ``SUBSTRATE_REDIS__URL`` because it is the one setting almo
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from substrate.models import QuotaLimits
@@ -310,13 +311,23 @@ class WorkerSettings(_Section):
 
 
 class ApiKeySpec(_Section):
-    """One API key given by file or env: its ``sha256`` (hex; preferred) or the ``key`` itself."""
+    """One API key given by file or env: its ``sha256`` (hex; preferred) or the ``key`` itself. Unknown
+    fields are refused (``admn: true`` was ignored: the key lost its admin right without a word), and
+    ``admin`` is a true boolean (the string ``"yes"`` was read as true)."""
 
+    model_config = ConfigDict(extra="forbid")
     tenant: str
     sha256: str | None = None
     key: str | None = None
-    admin: bool = False
+    admin: StrictBool = False
     name: str = ""
+
+    @property
+    def digest(self) -> str:
+        """The key's SHA-256 as stored (lower-case hex): ``sha256`` normalised, or the hash of ``key``."""
+        if self.key is not None:
+            return hashlib.sha256(self.key.encode()).hexdigest()
+        return (self.sha256 or "").lower().removeprefix("sha256:")
 
     @field_validator("tenant")
     @classmethod
@@ -339,6 +350,19 @@ class ApiKeySpec(_Section):
             raise ValueError(f"the key of tenant {self.tenant!r} must start with `sk_` (API keys are "
                              "sk_<id>_<secret>; `substrate keys create` makes one)")
         return self
+
+
+def duplicate_api_key(specs: list[ApiKeySpec], places: list[str]) -> str | None:
+    """What is wrong if two of ``specs`` give the same key (by its hash), naming both places (``places[i]``
+    says where ``specs[i]`` was given) and tenants, never the key; None if none do. The second one was
+    dropped without a word, and the key acted as the first one's tenant (fresh-user round 9)."""
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        j = seen.setdefault(spec.digest, i)
+        if j != i:
+            return (f"{places[i]} (tenant {spec.tenant!r}) gives the same key as {places[j]} (tenant "
+                    f"{specs[j].tenant!r}): a key belongs to one tenant; give it once")
+    return None
 
 
 class AuthSettings(_Section):
@@ -364,6 +388,14 @@ class AuthSettings(_Section):
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ValueError(f"{info.field_name} must be an http:// or https:// URL with a host, got {v[:100]!r}")
         return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _each_key_once(cls, v: list[ApiKeySpec]) -> list[ApiKeySpec]:
+        if why := duplicate_api_key(v, [f"entry {i}" for i in range(len(v))]):
+            raise ValueError(why)
+        return v
+
     #: JWT claim naming the tenant, and the claim (list or space-separated string) holding roles
     tenant_claim: str = "tenant"
     roles_claim: str = "roles"

@@ -112,6 +112,17 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_QUOTA__DEFAULT", '{"maxRunning":-1}',
      "SUBSTRATE_QUOTA__DEFAULT: field 'maxRunning': Input should be greater than or equal to 0"),
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"Bad Name","key":"sk_x"}]', "SUBSTRATE_AUTH__API_KEYS: field '[0].tenant'"),
+    # fresh-user round 9: an unknown field of a key was ignored (admn: the admin right silently gone), the
+    # string "yes" was read as admin: true, and a key given twice kept only its first tenant
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1","admn":true}]',
+     "field '[0].admn' is not allowed (did you mean '[0].admin'?)"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1","admin":"yes"}]',
+     "field '[0].admin': Input should be a valid boolean"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1"},{"tenant":"b","key":"sk_x_1"}]',
+     "entry 1 (tenant 'b') gives the same key as entry 0 (tenant 'a')"),
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1"},'
+     '{"tenant":"a","sha256":"F7FE6EA64D748E3268743B6D7C16C74818F0F05810058F53E657C3E106304C91"}]',
+     "entry 1 (tenant 'a') gives the same key as entry 0 (tenant 'a')"),  # by its hash, in any case
     # the nested form of the same typo: one error line (the warning "is ignored" would contradict it)
     ("SUBSTRATE_QUOTA__DEFAULT__MAXRUNING", "3",
      "SUBSTRATE_QUOTA__DEFAULT__MAXRUNING: not a setting (did you mean SUBSTRATE_QUOTA__DEFAULT__MAXRUNNING?)"),
@@ -146,6 +157,27 @@ def test_a_folder_that_is_a_file_is_one_line_and_exit_2(var: str, monkeypatch: p
     assert r.exit_code == 2, r.output
     line = _one_error_line(r.output)
     assert line.startswith(f"error: {var}: {tmp_path / 'a-file'} is not a folder"), line
+
+
+@pytest.mark.parametrize("file, env, says", [
+    ("- {tenant: team-x, key: sk_abc_secret1, nmae: foo}\n", None, "entry 0 nmae: not a field of a key (did you mean 'name'?)"),
+    ("- {tenant: team-x, key: sk_abc_secret1, admin: true}\n- {tenant: team-z, key: sk_abc_secret1}\n", None,
+     "entry 1 (tenant 'team-z') gives the same key as entry 0 (tenant 'team-x')"),
+    ("- {tenant: team-x, key: sk_abc_secret1}\n", '[{"tenant":"team-b","key":"sk_abc_secret1"}]',
+     "(tenant 'team-x') gives the same key as SUBSTRATE_AUTH__API_KEYS entry 0 (tenant 'team-b')"),
+])
+def test_a_key_file_with_an_unknown_field_or_a_key_given_twice_is_refused(
+        file: str, env: str | None, says: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fresh-user round 9: both started, one with a key's admin right gone, one with a key's second tenant
+    dropped."""
+    (tmp_path / "keys.yaml").write_text(file)
+    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS_FILE", str(tmp_path / "keys.yaml"))
+    if env:
+        monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS", env)
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith("error: SUBSTRATE_AUTH__API_KEYS_FILE: ") and says in line and "secret1" not in line, line
 
 
 def test_a_valid_api_key_file_and_keys_pass_the_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
