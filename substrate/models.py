@@ -107,6 +107,10 @@ class ObjectMeta(BaseModel):
         return v
 
 
+#: an environment variable name a template may set (POSIX's portable form; a shell passes no other on)
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
+
+
 class EnvVar(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
@@ -281,6 +285,28 @@ class ActorTemplateSpec(BaseModel):
     resources: TemplateResources = Field(default_factory=TemplateResources)
     #: limits per tenant for this task class (each tenant's sessions of this template); see QuotaLimits
     quota: QuotaLimits | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: list[EnvVar]) -> list[EnvVar]:
+        """Names a process environment and a shell can carry, each once, and values without NUL: such a
+        template loaded, then every create of it failed 500 ``agent_start_failed`` ("illegal environment
+        variable name", "Invalid argument") naming neither the template nor the variable; ``bad-name``
+        was dropped by the shell agent's shell, and a name given twice kept its last value, both
+        without a word (fresh-user round 9)."""
+        first: dict[str, int] = {}
+        for i, e in enumerate(v):
+            if not _ENV_NAME_RE.fullmatch(e.name):
+                raise ValueError(f"env[{i}].name {e.name[:80]!r} is not an environment variable name: use letters, "
+                                 "digits and '_', not starting with a digit")
+            if e.value is not None and "\x00" in e.value:
+                raise ValueError(f"env[{i}] ({e.name}): the value holds a NUL character, which no environment "
+                                 "can carry")
+            if e.name in first:
+                raise ValueError(f"env[{i}].name {e.name!r} is given twice (also env[{first[e.name]}]): give "
+                                 "each variable once")
+            first[e.name] = i
+        return v
 
     @field_validator("entrypoint")
     @classmethod

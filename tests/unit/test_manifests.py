@@ -347,6 +347,8 @@ def _schema_type(annotation: Any) -> str:
         assert set(args) <= {str, int, float}, annotation
         return "int-or-string"
     (t,) = args
+    if typing.get_origin(t) is typing.Annotated:  # a type with validators (models.Count): its base type
+        t = typing.get_args(t)[0]
     origin = typing.get_origin(t) or t
     if isinstance(origin, type) and issubclass(origin, BaseModel):
         return "object"

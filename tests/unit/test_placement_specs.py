@@ -316,3 +316,26 @@ def test_a_bool_where_a_count_belongs_is_refused(kind, spec, field):
         return {k: one_for_bool(v) for k, v in x.items()} if isinstance(x, dict) else 1 if isinstance(x, bool) else x
 
     load_documents([{**doc, "spec": one_for_bool(spec)}], "t.yaml")  # the same with 1 loads
+
+
+@pytest.mark.parametrize("env, says", [
+    ([{"name": "X=Y", "value": "z"}], "env[0].name 'X=Y' is not an environment variable name"),
+    ([{"name": "", "value": "e"}], "env[0].name '' is not an environment variable name"),
+    ([{"name": "bad-name", "value": "e"}], "env[0].name 'bad-name' is not an environment variable name"),
+    ([{"name": "9LIVES", "value": "e"}], "is not an environment variable name"),
+    ([{"name": "A", "value": "x\x00y"}], "env[0] (A): the value holds a NUL character"),
+    ([{"name": "A", "value": "1"}, {"name": "B"}, {"name": "A", "value": "2"}],
+     "env[2].name 'A' is given twice (also env[0])"),
+])
+def test_a_template_env_no_agent_can_be_given_is_refused_at_load(env, says):
+    """Fresh-user round 9: these loaded, then every create failed 500 ``agent_start_failed`` naming
+    neither the template nor the variable (or the variable silently went missing, or the last of two
+    values won)."""
+    doc = {"apiVersion": "substrate.agent.dev/v1", "kind": "ActorTemplate", "metadata": {"name": "x"},
+           "spec": {"command": ["/bin/cat"], "env": env}}
+    with pytest.raises(SpecError) as e:
+        load_documents([doc], "t.yaml")
+    assert e.value.message.startswith("t.yaml document 0 (ActorTemplate): spec.env: ") and says in e.value.message, \
+        e.value.message
+    ok = [{"name": "ANTHROPIC_API_KEY", "value": "x"}, {"name": "_private2"}, {"name": "SHELL_TIMEOUT_S", "value": "5"}]
+    load_documents([{**doc, "spec": {"command": ["/bin/cat"], "env": ok}}], "t.yaml")
