@@ -436,7 +436,15 @@ class Activator:
         ``slot_wait_s``, then raises ``NoCapacity``. While the pool grows for the waiters (see
         ``may_make_room``) nobody is suspended for them and the wait is for the new worker, up to
         ``start_wait_s``: capacity never refuses what it is creating."""
-        pool = self.catalog.pool_for(template).name
+        wp = self.catalog.pool_for(template)
+        pool, spec = wp.name, wp.spec
+        if spec.replicas == 0 and spec.autoscaling is None:
+            # no worker, and nothing will start one: waiting cannot help, so no Retry-After (a client that
+            # honours it polled for ever: fresh-user round 9); said at once, not after slot_wait_s
+            err = NoCapacity(f"pool {pool!r} has no workers and cannot grow: its spec.replicas is 0 and it has no "
+                             "spec.autoscaling; set one of them", details={"pool": pool, "reason": "no_replicas"})
+            err.retry_after_s = None
+            raise err
         queue = self._slot_queue(pool)
         if not len(queue):  # nobody queued ahead of us: try the view, then a fresh view
             got = await self._claim_in(pool, sid, worker)

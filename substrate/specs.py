@@ -307,6 +307,10 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                     raise SpecError(f"{source} document {i}: WorkerPool {p.name!r} is defined twice")
                 cat.pools[p.name] = p
                 warns += _unknown_field_warnings(p.spec)
+                if p.spec.replicas == 0 and p.spec.autoscaling is None:
+                    # it loads (a pool paused on purpose), but said once here: its creates are refused
+                    warns.append("has spec.replicas 0 and no spec.autoscaling: it starts no worker, and creates "
+                                 "of its templates are refused (503 no_capacity) until one is set")
         except ValidationError as e:
             model = ActorTemplate if kind == "ActorTemplate" else WorkerPool
             errs = "; ".join(_validation_error(er, model) for er in e.errors())

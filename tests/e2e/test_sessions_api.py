@@ -551,6 +551,25 @@ def test_redis_down_is_503_and_nothing_half_written(runtime_factory):
         rt.stop()
 
 
+def test_a_pool_that_cannot_grow_refuses_at_once_without_retry_after(runtime_factory):
+    """Fresh-user round 9: a pool with replicas 0 and no autoscaling answered every create 503 "retry
+    later" with Retry-After: 1 after the slot wait, for ever. Nothing will start a worker for it: said at
+    once, with no Retry-After, and warned of at start."""
+    pool = """
+apiVersion: substrate.agent.dev/v1
+kind: WorkerPool
+metadata: {name: default}
+spec: {slots: 2, replicas: 0}
+"""
+    rt = runtime_factory(replicas=0, pool_yaml=pool)
+    r = rt.client.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": "never-placed"})
+    assert r.status_code == 503 and r.json()["code"] == "no_capacity", r.text
+    assert "retry-after" not in r.headers and r.json()["details"] == {"pool": "default", "reason": "no_replicas"}
+    assert "spec.replicas is 0 and it has no spec.autoscaling" in r.json()["message"]
+    assert rt.client.http.get("/v1/sessions/never-placed").status_code == 404  # nothing was left behind
+    assert "has spec.replicas 0 and no spec.autoscaling" in rt.logs()
+
+
 def test_pool_scales_from_zero_on_demand_and_back(runtime_factory):
     pool = """
 apiVersion: substrate.agent.dev/v1
