@@ -3,8 +3,9 @@
 A key is ``sk_<id>_<secret>`` (32 random bytes of secret). Only its SHA-256 is stored: the secret is
 high-entropy, so a fast hash is enough (a slow password hash protects low-entropy secrets; this one needs
 none, and the router checks it on every call). Records: hash ``auth:apikeys`` sha256 hex -> JSON
-``{id, tenant, admin, name, createdAt}``; revoked hashes are remembered in ``auth:revoked`` so a key given
-by file or env is not re-imported at the next start. Every change bumps ``auth:version`` and publishes the
+``{id, tenant, admin, name, createdAt}``; hashes revoked with ``substrate keys revoke`` are remembered in
+``auth:revoked`` so a key given by file or env is not re-imported at the next start, and those of keys a
+start no longer found in the file or env in ``...:removed`` (listed again, they are imported again). Every change bumps ``auth:version`` and publishes the
 new version on the channel of the same name: routers drop their verified-key cache when it arrives, so a
 revocation is effective at once in every router (within the pub/sub delivery, well under a millisecond on
 loopback; the cache's ``key_cache_ttl_s`` bounds it if a router missed the message while reconnecting).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -28,6 +30,8 @@ from pydantic import ValidationError
 from substrate.errors import InvalidInput, NotFound, clip
 from substrate.keys import Keys
 from substrate.settings import TENANT_RE, ApiKeySpec, closest, duplicate_api_key
+
+log = logging.getLogger("substrate.apikeys")
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -94,13 +98,21 @@ class ApiKeyStore:
     def imported_key(self) -> str:
         return f"{self.keys.api_keys}:imported"
 
+    @property
+    def removed_key(self) -> str:
+        """The hashes of keys an earlier start imported from file or env and a later start no longer found
+        there: gone from the keys, but importable again (they count as configured, see ``ever_configured``)."""
+        return f"{self.keys.api_keys}:removed"
+
     async def import_specs(self, specs: list[ApiKeySpec]) -> int:
-        """Make the keys given by file or env the ones that hold: add new ones (skipping revoked ones and
-        ones already present) and revoke every key an earlier start imported from file or env that is no
-        longer given (the file is the source of truth for its keys: a key removed from it, e.g. by
-        ``substrate keys revoke --file``, stops working at the next start). Keys made with ``substrate keys
-        create`` are not touched. Returns how many were added. Raises ``InvalidInput`` for a spec without a
-        usable hash or key."""
+        """Make the keys given by file or env the ones that hold: add new ones (skipping ones already
+        present) and take out every key an earlier start imported from file or env that is no longer given
+        (the file is the source of truth for its keys: a key removed from it stops working at the next
+        start, and works again once it is listed again). A key revoked with ``substrate keys revoke``
+        stays revoked even if the file still lists it, with a warning naming the entry (such an entry
+        was skipped without a word: fresh-user round 10). Keys made with ``substrate keys create`` are
+        not touched. Returns how many were added. Raises ``InvalidInput`` for a spec without a usable
+        hash or key."""
         added = 0
         given: set[str] = set()
         revoked = set(await self.redis.smembers(self.revoked_key))
@@ -114,6 +126,8 @@ class ApiKeyStore:
                                    code="invalid_api_key_spec")
             given.add(digest)
             if digest in revoked:
+                log.warning("API key #%d of tenant %r (file or env) was revoked with `substrate keys revoke`: it "
+                            "stays revoked; remove it from the file or env, or give a new key", i, s.tenant)
                 continue
             rec = ApiKey(s.name or f"file-{digest[:8]}", s.tenant, s.admin, s.name, time.time(), digest)
             added += await self._put(rec, only_new=True)
@@ -122,8 +136,9 @@ class ApiKeyStore:
         async with self.redis.pipeline(transaction=False) as p:
             if given:
                 p.sadd(self.imported_key, *given)
-            for digest in gone:  # revoked first, as in ``revoke``
-                p.sadd(self.revoked_key, digest)
+                p.srem(self.removed_key, *given)
+            for digest in gone:  # noted as removed first, as ``revoke`` does: never a moment with no trace
+                p.sadd(self.removed_key, digest)
                 p.hdel(self.keys.api_keys, digest)
                 p.srem(self.imported_key, digest)
             await p.execute()
@@ -160,8 +175,9 @@ class ApiKeyStore:
         async with self.redis.pipeline(transaction=False) as p:
             p.hlen(self.keys.api_keys)
             p.scard(self.revoked_key)
-            n, revoked = await p.execute()
-        return bool(n or revoked)
+            p.scard(self.removed_key)
+            n, revoked, removed = await p.execute()
+        return bool(n or revoked or removed)
 
     async def version(self) -> int:
         return int(await self.redis.get(self.keys.auth_version) or 0)

@@ -1121,7 +1121,8 @@ def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for 
         entries = _file_keys(file)
         entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
         _write_file_keys(file, entries)
-        err.print(f"added to {file} (read by `substrate up` with SUBSTRATE_AUTH__API_KEYS_FILE={file})")
+        err.print(f"added to {file}: it works from the next start of a runtime reading that file "
+                  f"(SUBSTRATE_AUTH__API_KEYS_FILE={file}); without --file a key works at once")
         print(key)
         return
 

@@ -310,6 +310,10 @@ class WorkerSettings(_Section):
     prestart_refill_delay_s: float = Field(0.25, ge=0)
 
 
+#: the shortest API key a file or env may give (``sk_`` and 16 more characters); ``keys create`` makes 55
+MIN_API_KEY_CHARS = 19
+
+
 class ApiKeySpec(_Section):
     """One API key given by file or env: its ``sha256`` (hex; preferred) or the ``key`` itself. Unknown
     fields are refused (``admn: true`` was ignored: the key lost its admin right without a word), and
@@ -349,6 +353,11 @@ class ApiKeySpec(_Section):
         if self.key is not None and not self.key.startswith("sk_"):
             raise ValueError(f"the key of tenant {self.tenant!r} must start with `sk_` (API keys are "
                              "sk_<id>_<secret>; `substrate keys create` makes one)")
+        # ``sk_`` alone, or a few characters more, is a key anyone can guess (fresh-user round 10)
+        if self.key is not None and len(self.key) < MIN_API_KEY_CHARS:
+            raise ValueError(f"the key of tenant {self.tenant!r} is {len(self.key)} characters: an API key needs "
+                             f"at least {MIN_API_KEY_CHARS}, or anyone can guess it (`substrate keys create` "
+                             "makes keys of 55)")
         return self
 
 

@@ -187,8 +187,26 @@ async def test_a_key_removed_from_the_key_file_stops_working_at_the_next_start(r
     assert await store.import_specs([ApiKeySpec(tenant="t2", key=b)]) == 0  # a was removed from the file
     assert await store.lookup(hash_key(a)) is None, "a key no longer in the file is revoked"
     assert await store.lookup(hash_key(b)) is not None
-    assert await store.import_specs([ApiKeySpec(tenant="t1", key=a)]) == 0, "and stays revoked if re-added"
     assert await store.lookup(hash_key(made_key)) is not None, "keys made with `keys create` are kept"
+    # listed again, it is imported again (fresh-user round 10: it stayed refused for ever, without a word)
+    assert await store.import_specs([ApiKeySpec(tenant="t1", key=a), ApiKeySpec(tenant="t2", key=b)]) == 1
+    assert (await store.lookup(hash_key(a))).tenant == "t1"
+    # with every file key gone and the CLI's key revoked, the API stays closed (keys were configured)
+    await store.revoke(made.id)
+    assert await store.import_specs([]) == 0 and await store.count() == 0 and await store.ever_configured()
+
+
+async def test_a_key_revoked_with_the_cli_stays_revoked_though_the_file_lists_it(redis_prefix, caplog):
+    r, keys, prefix = redis_prefix
+    store = ApiKeyStore(r, keys)
+    a = "sk_filea_" + "a" * 30
+    assert await store.import_specs([ApiKeySpec(tenant="t1", key=a)]) == 1
+    await store.revoke(a)
+    with caplog.at_level("WARNING", logger="substrate.apikeys"):
+        assert await store.import_specs([ApiKeySpec(tenant="t1", key=a)]) == 0
+    assert await store.lookup(hash_key(a)) is None
+    assert "API key #0 of tenant 't1' (file or env) was revoked with `substrate keys revoke`" in caplog.text
+    assert a not in caplog.text
 
 
 async def test_open_mode_without_keys(redis_prefix):

@@ -60,6 +60,8 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a"}]', "needs `sha256`"),
     # fresh-user run: a key the API never looks up (not sk_...) closed the open API for good
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"short"}]', "must start with `sk_`"),
+    # fresh-user round 10: `sk_` alone was taken (and a key anyone can guess)
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"sk_"}]', "is 3 characters: an API key needs at least 19"),
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"sk_a_b","sha256":"' + "0" * 64 + '"}]',
      "has both `sha256` and `key`"),
     ("SUBSTRATE_AUTH__OIDC_ISSUER", "not a url", "must be an http:// or https:// URL"),
@@ -114,14 +116,14 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"Bad Name","key":"sk_x"}]', "SUBSTRATE_AUTH__API_KEYS: field '[0].tenant'"),
     # fresh-user round 9: an unknown field of a key was ignored (admn: the admin right silently gone), the
     # string "yes" was read as admin: true, and a key given twice kept only its first tenant
-    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1","admn":true}]',
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1234567890abcdef","admn":true}]',
      "field '[0].admn' is not allowed (did you mean '[0].admin'?)"),
-    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1","admin":"yes"}]',
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1234567890abcdef","admin":"yes"}]',
      "field '[0].admin': Input should be a valid boolean"),
-    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1"},{"tenant":"b","key":"sk_x_1"}]',
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1234567890abcdef"},{"tenant":"b","key":"sk_x_1234567890abcdef"}]',
      "entry 1 (tenant 'b') gives the same key as entry 0 (tenant 'a')"),
-    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1"},'
-     '{"tenant":"a","sha256":"F7FE6EA64D748E3268743B6D7C16C74818F0F05810058F53E657C3E106304C91"}]',
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1234567890abcdef"},'
+     '{"tenant":"a","sha256":"AD9277209DEFEBDD60BD03CBC1ED698666BBAE919D6418284783B464576E82F1"}]',
      "entry 1 (tenant 'a') gives the same key as entry 0 (tenant 'a')"),  # by its hash, in any case
     # the nested form of the same typo: one error line (the warning "is ignored" would contradict it)
     ("SUBSTRATE_QUOTA__DEFAULT__MAXRUNING", "3",
@@ -160,10 +162,10 @@ def test_a_folder_that_is_a_file_is_one_line_and_exit_2(var: str, monkeypatch: p
 
 
 @pytest.mark.parametrize("file, env, says", [
-    ("- {tenant: team-x, key: sk_abc_secret1, nmae: foo}\n", None, "entry 0 nmae: not a field of a key (did you mean 'name'?)"),
-    ("- {tenant: team-x, key: sk_abc_secret1, admin: true}\n- {tenant: team-z, key: sk_abc_secret1}\n", None,
+    ("- {tenant: team-x, key: sk_abc_secret1234567890, nmae: foo}\n", None, "entry 0 nmae: not a field of a key (did you mean 'name'?)"),
+    ("- {tenant: team-x, key: sk_abc_secret1234567890, admin: true}\n- {tenant: team-z, key: sk_abc_secret1234567890}\n", None,
      "entry 1 (tenant 'team-z') gives the same key as entry 0 (tenant 'team-x')"),
-    ("- {tenant: team-x, key: sk_abc_secret1}\n", '[{"tenant":"team-b","key":"sk_abc_secret1"}]',
+    ("- {tenant: team-x, key: sk_abc_secret1234567890}\n", '[{"tenant":"team-b","key":"sk_abc_secret1234567890"}]',
      "(tenant 'team-x') gives the same key as SUBSTRATE_AUTH__API_KEYS entry 0 (tenant 'team-b')"),
 ])
 def test_a_key_file_with_an_unknown_field_or_a_key_given_twice_is_refused(
@@ -177,13 +179,13 @@ def test_a_key_file_with_an_unknown_field_or_a_key_given_twice_is_refused(
     r = _up()
     assert r.exit_code == 2, r.output
     line = _one_error_line(r.output)
-    assert line.startswith("error: SUBSTRATE_AUTH__API_KEYS_FILE: ") and says in line and "secret1" not in line, line
+    assert line.startswith("error: SUBSTRATE_AUTH__API_KEYS_FILE: ") and says in line and "secret1234567890" not in line, line
 
 
 def test_a_valid_api_key_file_and_keys_pass_the_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "keys.yaml").write_text("- {tenant: team-a, sha256: " + "ab" * 32 + "}\n")
     monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS_FILE", str(tmp_path / "keys.yaml"))
-    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-b","key":"sk_x_y"}]')
+    monkeypatch.setenv("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-b","key":"sk_x_y234567890abcdef"}]')
     r = _up()
     assert isinstance(r.exception, AssertionError)  # got as far as starting the embedded Redis
 
