@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from substrate.errors import InvalidInput, NotFound, clip
 from substrate.keys import Keys
 from substrate.settings import TENANT_RE, ApiKeySpec, closest, duplicate_api_key
+from substrate.specs import parse_yaml_documents
 
 log = logging.getLogger("substrate.apikeys")
 
@@ -192,7 +193,13 @@ def _decode(digest: str, raw: str) -> ApiKey:
 def load_key_file(path: Path) -> list[ApiKeySpec]:
     """Read a YAML or JSON list of ``{tenant, sha256|key, admin?, name?}``. Raises ``InvalidInput``."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        # a key repeated in one entry (``key:`` twice) is refused, not the last one kept: the entry was
+        # imported with a key nobody meant (fresh-user round 10)
+        docs = parse_yaml_documents(Path(path).read_text())
+        if len(docs) > 1:
+            raise InvalidInput(f"API key file {path} holds {len(docs)} YAML documents: give one list of keys",
+                               code="invalid_api_key_spec")
+        data = docs[0] if docs else None
     except OSError as e:
         raise InvalidInput(f"cannot read API key file {path}: {e.strerror or e}", code="invalid_api_key_spec") from e
     except yaml.YAMLError as e:  # one line: the parser's problem and where (its message spans several)

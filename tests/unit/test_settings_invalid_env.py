@@ -165,6 +165,10 @@ def test_a_folder_that_is_a_file_is_one_line_and_exit_2(var: str, monkeypatch: p
     ("- {tenant: team-x, key: sk_abc_secret1234567890, nmae: foo}\n", None, "entry 0 nmae: not a field of a key (did you mean 'name'?)"),
     ("- {tenant: team-x, key: sk_abc_secret1234567890, admin: true}\n- {tenant: team-z, key: sk_abc_secret1234567890}\n", None,
      "entry 1 (tenant 'team-z') gives the same key as entry 0 (tenant 'team-x')"),
+    # round 10: a key written twice in one entry kept the last one, unasked
+    ("- tenant: team-x\n  key: sk_abc_secret1234567890\n  key: sk_abc_secret1234567899\n", None,
+     "key 'key' at line 3, column 3 appears twice in one mapping (first at line 2, column 3)"),
+    ("- tenant: team-x\n  key: sk_\n", None, "is 3 characters: an API key needs at least 19"),
     ("- {tenant: team-x, key: sk_abc_secret1234567890}\n", '[{"tenant":"team-b","key":"sk_abc_secret1234567890"}]',
      "(tenant 'team-x') gives the same key as SUBSTRATE_AUTH__API_KEYS entry 0 (tenant 'team-b')"),
 ])
