@@ -297,6 +297,12 @@ class ReplayConfig:
     run_id: str = "run"
 
 
+#: wall seconds of refused connections (every stats sample) after which a host counts as gone and the
+#: replay of it stops: a runtime killed mid-run was replayed against to the end of the plan, exit 0
+#: (fresh-user round 10)
+HOST_GONE_S = 5.0
+
+
 class TargetRunner:
     """Replays one plan against one host; ``await run()`` -> target result dict."""
 
@@ -310,6 +316,9 @@ class TargetRunner:
         self.sessions: list[dict[str, Any]] = []
         self.turns: list[dict[str, Any]] = []
         self._t0 = 0.0
+        #: set when the host stopped answering (``HOST_GONE_S`` of refused connections): the run stops
+        self.gone = asyncio.Event()
+        self._unreachable_since: float | None = None
         self._live: set[str] = set()
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         for ps in plan.sessions:
@@ -357,8 +366,27 @@ class TargetRunner:
 
         try:
             await self._request(http, "GET", "/healthz", timeout_s=5.0)
+            # credentials and template before the plan runs: a missing token or an unknown template
+            # failed every turn of the whole plan (401, 422), exit 0 (fresh-user round 10)
+            status, _, payload = await self._request(http, "GET", "/v1/actortemplates", timeout_s=5.0)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise ReplayError(f"{self.name}: cannot reach {self.host}: {e!r}") from e
+        code = payload.get("code") if isinstance(payload, dict) else None
+        if status in (401, 403):
+            raise ReplayError(f"{self.name}: {self.host} refused the credentials ({status} {code}): pass --token "
+                              "(or SUBSTRATE_TOKEN) with an API key of the runtime")
+        if status == 200 and isinstance(payload, dict):
+            names = [((t.get("metadata") or {}).get("name")) for t in payload.get("items") or []]
+            if self.cfg.template not in names:
+                raise ReplayError(f"{self.name}: {self.host} has no ActorTemplate {self.cfg.template!r} (it has: "
+                                  f"{', '.join(sorted(n for n in names if n)) or 'none'}): pass --template")
+        try:
+            status, _, payload = await self._request(http, "GET", "/v1/stats", timeout_s=5.0)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return
+        if status == 200 and isinstance(payload, dict) and payload.get("slotSeconds") is None:
+            print(f"substrate-replay: {self.name}: /v1/stats shows no fleet counters to these credentials (an "
+                  "admin key or the open mode sees them): the cost figures will be n/a", file=sys.stderr)
 
     async def _create(self, http, ps: PlannedSession, srec: dict[str, Any]) -> bool:
         import aiohttp
@@ -516,8 +544,16 @@ class TargetRunner:
                     sample["slots"] = sum(int(s.get("slots") or 0) for s in st)
                     sample["slotsUsed"] = sample["slots"] - sum(int(s.get("freeSlots") or 0) for s in st)
                     sample["ok"] = True
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError):
+            # refused or dropped, not merely slow: the host may be gone (a loaded one answers late)
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+            elif time.monotonic() - self._unreachable_since >= HOST_GONE_S:
+                self.gone.set()
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError):
             pass
+        if sample["ok"]:
+            self._unreachable_since = None
         self.samples.append(sample)
 
     async def _sampler(self, http, done: asyncio.Event) -> None:
@@ -553,12 +589,18 @@ class TargetRunner:
             ]
             max_wall = self.cfg.max_wall_s or (self.plan.wall_span_s * 1.25 + 60.0)
             stopper = asyncio.create_task(self.stop.wait())
+            gone = asyncio.create_task(self.gone.wait())
             all_done = asyncio.gather(*tasks, return_exceptions=True)
             finished, _ = await asyncio.wait(
-                {all_done, stopper}, timeout=max_wall + self.cfg.lead_in_s, return_when=asyncio.FIRST_COMPLETED)
+                {all_done, stopper, gone}, timeout=max_wall + self.cfg.lead_in_s, return_when=asyncio.FIRST_COMPLETED)
             ended_s = self.now()
+            gone.cancel()
             if all_done not in finished:
-                stopped_by = "interrupted" if stopper in finished else "wall_cap"
+                stopped_by = "interrupted" if stopper in finished else "host_unreachable" if gone in finished \
+                    else "wall_cap"
+                if stopped_by == "host_unreachable":
+                    print(f"substrate-replay: {self.name}: {self.host} refused connections for {HOST_GONE_S:g} s: "
+                          "stopping (the figures cover the run up to then)", file=sys.stderr)
                 for t in tasks:
                     t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -567,7 +609,7 @@ class TargetRunner:
             for t, srec in zip(tasks, self.sessions, strict=True):
                 if not t.cancelled() and t.exception() is not None and srec["error"] is None:
                     srec["error"] = f"replay bug: {t.exception()!r}"
-            if self._live and self.cfg.delete_sessions:  # sessions left behind by a stop or the wall cap
+            if self._live and self.cfg.delete_sessions and stopped_by != "host_unreachable":  # left behind
                 srec_by_id = {s["id"]: s for s in self.sessions}
                 await asyncio.wait(
                     [asyncio.create_task(self._delete(http, sid, srec_by_id[sid], 5.0)) for sid in list(self._live)],
@@ -844,9 +886,36 @@ def _print_plan(plan: Plan, cfg: dict[str, Any]) -> None:
           f"{s['baseline_worker_seconds'] * cfg['compress'] / 3600:.1f} worker-hours of trace time")
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``ap.error``: usage and exit 2) option values that cannot mean anything: ``--retries -1``
+    ran no turn at all (each failed as a replay bug) and ``--concurrency 0`` sent nothing until the wall
+    cap, both ending "stopped by done" with exit 0 under ``--strict`` (fresh-user round 10)."""
+    least = {  # option -> (value, the least it may be, whether that least is allowed)
+        "--compress": (args.compress, 0, False), "--max-sessions": (args.max_sessions, 1, True),
+        "--overlay": (args.overlay, 1, True), "--concurrency": (args.concurrency, 1, True),
+        "--request-timeout": (args.request_timeout, 0, False), "--retries": (args.retries, 0, True),
+        "--stats-interval": (args.stats_interval, 0, False), "--lead-in": (args.lead_in, 0, True),
+        "--azure-owners": (args.azure_owners, 1, True), "--window-s": (args.window_s, 0, False)}
+    for durations in ("--duration", "--max-wall", "--idle-split"):
+        text = getattr(args, durations.lstrip("-").replace("-", "_"))
+        if text is not None:
+            try:
+                least[durations] = (parse_duration(text), 0, durations == "--idle-split")
+            except ValueError as e:
+                ap.error(f"{durations}: {e}")
+    for name, (value, low, inclusive) in least.items():
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            ap.error(f"{name} must be {'at least' if inclusive else 'more than'} {low}, not {value:g}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``substrate-replay``; returns the exit code (2: cannot run)."""
-    args = _parser().parse_args(argv)
+    """Entry point of ``substrate-replay``; returns the exit code (2: cannot run; with ``--strict``, 1 for
+    a run that did not run its whole plan cleanly)."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check_args(ap, args)
     try:
         plan, cfg = load_and_plan(args)
     except (TraceError, ValueError, OSError) as e:
@@ -871,9 +940,24 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(rpt.render_markdown(result))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    ours = result["targets"]["ours"]["summary"]
-    if args.strict and (ours["errors"] or ours["lost_state"]):
+    gone = [n for n, t in result["targets"].items() if t.get("stopped_by") == "host_unreachable"]
+    if gone:
+        print(f"substrate-replay: {', '.join(gone)}: the host stopped answering mid-run", file=sys.stderr)
         return 1
+    ours = result["targets"]["ours"]
+    summary = ours["summary"]
+    if args.strict:
+        # every planned turn run and answered, state kept, the plan run to its end (not cut by the wall
+        # cap or an interrupt): a run with no turn at all passed before (fresh-user round 10)
+        why = [w for w, bad in (
+            (f"{summary['errors']} turns failed", summary["errors"]),
+            (f"{summary['lost_state']} turns lost state", summary["lost_state"]),
+            (f"{summary['turns_planned'] - summary['turns_run']} of {summary['turns_planned']} planned turns not run",
+             summary["turns_run"] < summary["turns_planned"]),
+            (f"stopped by {ours.get('stopped_by')}", ours.get("stopped_by") not in (None, "done"))) if bad]
+        if why:
+            print(f"substrate-replay: --strict: {'; '.join(why)}", file=sys.stderr)
+            return 1
     return 0
 
 
