@@ -317,6 +317,13 @@ class Activator:
     async def _exists(self, sid: str) -> bool:
         return bool(await self.directory.redis.exists(self.directory.keys.session(sid)))
 
+    async def _being_deleted(self, sid: str) -> bool:
+        """Whether ``sid``'s record is gone or marked DELETED (a delete under way). False if Redis fails."""
+        try:
+            return await self.directory.get_deleting(sid) is not None or not await self._exists(sid)
+        except SubstrateError:
+            return False
+
     async def _wait_removed(self, sid: str) -> None:
         """Wait (at most ``DELETE_WAIT_S``, polling every 20 ms) until ``sid``'s record is gone: one marked
         DELETED is a delete (or an undone create) still under way. Returns at once if there is none."""
@@ -986,6 +993,11 @@ class Activator:
             try:
                 return await self.wake(sid, worker=worker, tenant=tenant, audit_action=audit_action,
                                        on_started=on_started)
+            except NotFound:
+                # a delete under way answers after its own record, as a losing delete does (a resume's
+                # ``session_not_found`` record came before the delete's ``ok``: fresh-user round 10)
+                await self._wait_removed(sid)
+                raise
             except (StaleEpoch, Conflict, WorkerUnavailable) as e:
                 if e.code not in retried:
                     raise
@@ -1161,6 +1173,13 @@ class Activator:
         try:
             route, woke = await self._resume_held(rec, pin)
         except SubstrateError as e:
+            if isinstance(e, (Conflict, StaleEpoch, NotFound)) and not isinstance(e, (_LostRace, _DeletedMeanwhile)) \
+                    and await self._being_deleted(rec.id):
+                # lost to a delete (its compare-and-set marked the record DELETED first): like any call
+                # after a delete, a 404 with no record of its own; a "wake conflict" (or "wake
+                # session_not_found") record was left, and the client told 404 (fresh-user round 10,
+                # 4 of 8 races)
+                raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
             if audit_action and not isinstance(e, (_LostRace, _DeletedMeanwhile)):
                 await self.record(audit_action, rec, result=e.code, reason=rec.reason or "")
             # a session whose own saved state cannot be loaded is its fault alone: counting it would let

@@ -184,3 +184,46 @@ async def test_a_suspend_that_loses_to_a_delete_is_404_after_the_delete_is_on_re
 
     await asyncio.wait_for(asyncio.gather(suspend(), delete()), 10)
     assert trail == ["delete ok", "suspend session_not_found"], trail
+
+
+async def test_a_wake_that_loses_its_compare_and_set_to_a_delete_is_404_with_no_record(directory: Directory) -> None:
+    """Fresh-user round 10 (4 of 8 races of invokes and a DELETE on a SUSPENDED session): the wake read
+    the record SUSPENDED, the delete marked it DELETED, the wake's compare-and-set failed and was
+    recorded ``wake conflict`` while its client was told 404. It now loses as any call after a delete
+    does: 404 ``session_not_found``, no record of its own, answered once the delete is done."""
+    from substrate.models import SnapshotRef
+
+    d = directory
+    now = time.time()
+    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                         leaseExpiresAt=now + 60, startedAt=now))
+    ref = SnapshotRef(key="snapshots/s1/000000000001-x.tar.zst", sha256="0" * 64, sizeBytes=10, epoch=1,
+                      createdAt=now)
+    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
+                                         pool="default", tenant="team-a", epoch=1, snapshot=ref,
+                                         createdAt=now, updatedAt=now, lastActiveAt=now))
+    stale = await d.get_session("s1")
+    settings = Settings()
+    audit = AuditLog(d.redis, d.keys, settings.audit)
+    view = WorkerView(d, 60)
+    await view.refresh()
+    router = Activator(settings, d, CATALOG, Workers(), view, audit=audit)  # type: ignore[arg-type]
+    cas = await d.transition("s1", to=SessionState.DELETED, bump=True)  # the delete's first step
+    assert cas.ok
+    trail: list[str] = []
+
+    async def finish_delete() -> None:
+        await asyncio.sleep(0.2)
+        trail.append("removed")
+        await d.delete_session("s1")
+
+    remover = asyncio.create_task(finish_delete())
+    with pytest.raises(NotFound) as e:
+        await router._resume(stale, None, "wake")  # the wake that read the record just before
+    assert e.value.code == "session_not_found"
+    assert [(ev["action"], ev["result"]) for ev in (await audit.session_events("s1"))[0]] == [], "no wake conflict record"
+    with pytest.raises(NotFound):
+        await router.wake_retrying("s1", audit_action="wake")
+    assert trail == ["removed"], "answered only once the delete was done"
+    await remover
+    assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
