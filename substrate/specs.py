@@ -295,6 +295,13 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                     raise SpecError(f"{source} document {i}: ActorTemplate {t.name!r} is defined twice")
                 cat.templates[t.name] = t
                 warns += _unknown_field_warnings(t.spec)
+                zero = [k for k in ("maxRunning", "maxTotal", "maxCreatesPerMinute")
+                        if t.spec.quota is not None and getattr(t.spec.quota, k) == 0]
+                if zero:
+                    # it loads (a template closed on purpose), but said once here, as a pool that starts no
+                    # worker is: every create of it is refused (fresh-user round 10)
+                    warns.append(f"has spec.quota.{zero[0]} 0: every tenant's creates of it are refused (429 "
+                                 "quota_*) until it is raised")
                 if not (t.spec.entrypoint or t.spec.command):
                     # it loads (the seed's template is one), but every create of it is refused by the API:
                     # said once here, at start, not first at a create (fresh-user run with the seed)

@@ -339,3 +339,19 @@ def test_a_template_env_no_agent_can_be_given_is_refused_at_load(env, says):
         e.value.message
     ok = [{"name": "ANTHROPIC_API_KEY", "value": "x"}, {"name": "_private2"}, {"name": "SHELL_TIMEOUT_S", "value": "5"}]
     load_documents([{**doc, "spec": {"command": ["/bin/cat"], "env": ok}}], "t.yaml")
+
+
+@pytest.mark.parametrize("quota, warned", [({"maxRunning": 0}, "spec.quota.maxRunning 0"),
+                                           ({"maxTotal": 0, "maxRunning": 3}, "spec.quota.maxTotal 0"),
+                                           ({"maxRunning": 1}, None)])
+def test_a_template_closed_by_a_quota_of_zero_is_warned_of_at_load(quota, warned):
+    """Fresh-user round 10: it loaded without a word (a pool with replicas 0 is warned of), then every
+    create was 429 at once."""
+    doc = {"apiVersion": "substrate.agent.dev/v1", "kind": "ActorTemplate", "metadata": {"name": "x"},
+           "spec": {"entrypoint": "a:B", "quota": quota}}
+    cat = load_documents([doc], "t.yaml")
+    said = [w for w in cat.warnings if "spec.quota." in w]
+    if warned is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and warned in said[0] and "every tenant's creates of it are refused" in said[0]
