@@ -34,6 +34,7 @@ Other settings (env): ``SUBSTRATE_TOKEN`` (bearer token), ``SUBSTRATE_COUNTER_TE
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -339,16 +340,30 @@ class ChurnUser(SubstrateUser):
 
 
 def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
+    """``name``'s value as a finite number >= 0, or ``default`` when unset. Exits with one line for
+    anything else (a bad value was silently replaced by the default: fresh-user round 10)."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
         return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise SystemExit(f"locustfile: {name}={text!r} is not a number >= 0")
+    return value
+
+
+_SHAPE = os.environ.get("SUBSTRATE_LOAD_SHAPE", "").strip().lower()
+if _SHAPE not in ("", "burst"):  # ignored without a word before (fresh-user round 10)
+    raise SystemExit(f"locustfile: SUBSTRATE_LOAD_SHAPE={_SHAPE!r}: the one shape is 'burst' (or unset: Locust's "
+                     "own --users/--spawn-rate)")
 
 
 class BurstShape(LoadTestShape):
     """Base load with a periodic burst; see the module docstring for the knobs."""
 
-    abstract = os.environ.get("SUBSTRATE_LOAD_SHAPE", "").strip().lower() != "burst"
+    abstract = _SHAPE != "burst"
 
     base_users = int(_env_float("SUBSTRATE_BURST_BASE_USERS", 5))
     peak_users = int(_env_float("SUBSTRATE_BURST_PEAK_USERS", 50))

@@ -5,9 +5,12 @@ users stopped mid-create)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,3 +27,15 @@ def test_a_short_locust_run_has_no_failure_and_leaves_no_session(runtime_factory
     stats = (tmp_path / "lt_stats.csv").read_text()
     assert "[create counter]" in stats and "[create notebook]" in stats, stats  # every kind of user ran
     assert rt.client.list_sessions()["items"] == [], "every session a user made is deleted when it stops"
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"SUBSTRATE_LOAD_SHAPE": "bogus"}, "SUBSTRATE_LOAD_SHAPE='bogus': the one shape is 'burst'"),
+    ({"SUBSTRATE_LOAD_SHAPE": "burst", "SUBSTRATE_BURST_PEAK_USERS": "x"}, "SUBSTRATE_BURST_PEAK_USERS='x' is not a number"),
+    ({"SUBSTRATE_LOAD_SHAPE": "burst", "SUBSTRATE_BURST_PERIOD_S": "-5"}, "SUBSTRATE_BURST_PERIOD_S='-5' is not a number"),
+])
+def test_a_bad_load_shape_setting_stops_the_locustfile_with_one_line(env, says):
+    """Fresh-user round 10: a bad value was ignored without a word (the default shape or number used)."""
+    p = subprocess.run([sys.executable, "-c", "import loadtest.locustfile"], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=120, cwd=ROOT)
+    assert p.returncode == 1 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
