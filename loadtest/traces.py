@@ -300,16 +300,43 @@ def _truthy(v: str | None) -> bool:
     return (v or "1").strip().lower() not in ("0", "false", "no", "n", "f", "failed", "error")
 
 
+#: the longest turn a plain trace may hold (s): a day; a typo such as 1e9 planned 10 million seconds of
+#: wall time without a word (fresh-user round 10)
+MAX_TURN_S = 86_400.0
+
+
 def load_plain(path: str | Path) -> list[Turn]:
-    """``session_id,arrival_s,duration_s[,ok]`` CSV -> turns."""
+    """``session_id,arrival_s,duration_s[,ok]`` CSV -> turns. Raises ``TraceError`` naming the line for a
+    missing column, a value that is not a finite number, a negative one, or a turn longer than
+    ``MAX_TURN_S`` (a bad number said only ``could not convert string to float``, and negative, NaN or
+    infinite values were taken or dropped silently: fresh-user round 10)."""
+    p = Path(path)
     turns = []
-    for row in _read_csv(Path(path)):
-        row = {k.strip().lower(): v for k, v in row.items() if k}
-        if not row.get("session_id"):
-            continue
-        turns.append(
-            Turn(row["session_id"], float(row["arrival_s"]), _float(row, "duration_s"), _truthy(row.get("ok")))
-        )
+    with p.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        columns = {(c or "").strip().lower() for c in reader.fieldnames or ()}
+        missing = [c for c in ("session_id", "arrival_s", "duration_s") if c not in columns]
+        if missing:
+            raise TraceError(f"{p}: a plain trace needs the columns session_id, arrival_s, duration_s; "
+                             f"missing: {', '.join(missing)}")
+        for row in reader:
+            line = reader.line_num
+            row = {k.strip().lower(): v for k, v in row.items() if k}
+            if not (row.get("session_id") or "").strip():
+                continue
+            values = {}
+            for key in ("arrival_s", "duration_s"):
+                text = (row.get(key) or "").strip()
+                try:
+                    values[key] = float(text)
+                except ValueError:
+                    raise TraceError(f"{p} line {line}: {key} {text[:40]!r} is not a number") from None
+                if not math.isfinite(values[key]) or values[key] < 0:
+                    raise TraceError(f"{p} line {line}: {key} {text[:40]!r} must be a finite number >= 0")
+            if values["duration_s"] > MAX_TURN_S:
+                raise TraceError(f"{p} line {line}: duration_s {values['duration_s']:g} is more than a day "
+                                 f"({MAX_TURN_S:g} s): a typo?")
+            turns.append(Turn(row["session_id"], values["arrival_s"], values["duration_s"], _truthy(row.get("ok"))))
     turns.sort()
     return turns
 

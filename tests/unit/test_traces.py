@@ -338,3 +338,20 @@ def test_real_gentd26_trace_loads_faithfully():
     # many sessions per owner at a 30 min split, as the README describes
     sessions = split_sessions(turns, 1800)
     assert len({t.session_owner for t in turns}) < len(sessions) < len(turns)
+
+
+@pytest.mark.parametrize("body, says", [
+    ("session_id,arrival_s\ns1,0\n", "missing: duration_s"),
+    ("session_id,arrival_s,duration_s\ns1,0,1\ns2,abc,1\n", "line 3: arrival_s 'abc' is not a number"),
+    ("session_id,arrival_s,duration_s\ns1,0,-2\n", "line 2: duration_s '-2' must be a finite number >= 0"),
+    ("session_id,arrival_s,duration_s\ns1,nan,1\n", "line 2: arrival_s 'nan' must be a finite number"),
+    ("session_id,arrival_s,duration_s\ns1,inf,1\n", "arrival_s 'inf' must be a finite number"),
+    ("session_id,arrival_s,duration_s\ns1,0,1e9\n", "line 2: duration_s 1e+09 is more than a day"),
+])
+def test_a_plain_trace_row_that_cannot_be_replayed_is_refused_naming_its_line(tmp_path, body, says):
+    """Fresh-user round 10: a bad number said only "could not convert string to float"; a missing
+    duration column, negative durations and NaN/inf arrivals were taken or dropped silently."""
+    p = write(tmp_path / "t.csv", body)
+    with pytest.raises(TraceError) as e:
+        load_plain(p)
+    assert says in str(e.value) and str(p) in str(e.value), str(e.value)
