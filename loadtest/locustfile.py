@@ -34,11 +34,13 @@ Other settings (env): ``SUBSTRATE_TOKEN`` (bearer token), ``SUBSTRATE_COUNTER_TE
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
 import time
 import uuid
+from typing import Any
 
 from locust import FastHttpUser, LoadTestShape, between, task
 from locust.exception import StopUser
@@ -69,6 +71,18 @@ def _json(resp) -> dict | None:
     except Exception:  # noqa: BLE001 - a non-JSON body is reported by the caller
         return None
     return data if isinstance(data, dict) else None
+
+
+def _needs_session(fn: Any) -> Any:
+    """A task of a user whose session could not be created (``self.sid`` None) stops the user quietly:
+    a ``StopUser`` raised in ``on_start`` is logged by Locust as an error with a traceback, one per user,
+    on top of the failed create it already counts (fresh-user round 10, a dead host)."""
+    @functools.wraps(fn)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "sid", None) is None:
+            raise StopUser()
+        return fn(self, *args, **kwargs)
+    return run
 
 
 class SubstrateUser(FastHttpUser):
@@ -203,11 +217,12 @@ class SeedAgentUser(SubstrateUser):
         super().on_start()
         self.sid = self.create_session(COUNTER_TEMPLATE)
         if self.sid is None:
-            raise StopUser()
+            return  # its tasks stop it (``_needs_session``)
         self.counter = CounterState()
         self.turns = 0
 
     @task
+    @_needs_session
     def prompt(self) -> None:
         work_s = _jitter(SEED_RUN_S) / TIME_COMPRESSION
         name = "/v1/sessions/[id]/invoke (after idle)" if self.turns else "/v1/sessions/[id]/invoke (first)"
@@ -228,7 +243,7 @@ class CounterUser(SubstrateUser):
         super().on_start()
         self.sid = self.create_session(COUNTER_TEMPLATE)
         if self.sid is None:
-            raise StopUser()
+            return  # its tasks stop it (``_needs_session``)
         self.counter = CounterState()
         self.after_suspend = False
 
@@ -236,6 +251,7 @@ class CounterUser(SubstrateUser):
         return f"/v1/sessions/[id]/invoke {op}" + (" (after suspend)" if self.after_suspend else "")
 
     @task(10)
+    @_needs_session
     def increment(self) -> None:
         with self.client.post(f"/v1/sessions/{self.sid}/invoke", json={"input": "increment"}, headers=self.auth,
                               catch_response=True, name=self._name("increment")) as r:
@@ -243,6 +259,7 @@ class CounterUser(SubstrateUser):
         self.after_suspend = False
 
     @task(3)
+    @_needs_session
     def get(self) -> None:
         with self.client.post(f"/v1/sessions/{self.sid}/invoke", json={"input": "get"}, headers=self.auth,
                               catch_response=True, name=self._name("get")) as r:
@@ -250,6 +267,7 @@ class CounterUser(SubstrateUser):
         self.after_suspend = False
 
     @task(1)
+    @_needs_session
     def suspend_then_wake(self) -> None:
         if self.suspend(self.sid):
             self.after_suspend = True
@@ -265,12 +283,13 @@ class NotebookUser(SubstrateUser):
         super().on_start()
         self.sid = self.create_session(NOTEBOOK_TEMPLATE)
         if self.sid is None:
-            raise StopUser()
+            return  # its tasks stop it (``_needs_session``)
         self.n = 0  # last value of `counter` the session acknowledged
         self.uncertain = 0
         self.after_suspend = False
 
     @task(10)
+    @_needs_session
     def step(self) -> None:
         code = ("counter = 1\nhistory = [1]\ncounter" if self.n == 0 and self.uncertain == 0
                 else "counter += 1\nhistory.append(counter)\ncounter")
@@ -299,6 +318,7 @@ class NotebookUser(SubstrateUser):
             self.n, self.uncertain = got, 0
 
     @task(2)
+    @_needs_session
     def check_history(self) -> None:
         if self.n == 0 or self.uncertain:
             return
@@ -309,6 +329,7 @@ class NotebookUser(SubstrateUser):
                 r.failure(f"notebook history lost: {str(output)[:160]!r} (HTTP {r.status_code})")
 
     @task(1)
+    @_needs_session
     def suspend_then_wake(self) -> None:
         if self.suspend(self.sid):
             self.after_suspend = True

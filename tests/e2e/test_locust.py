@@ -39,3 +39,15 @@ def test_a_bad_load_shape_setting_stops_the_locustfile_with_one_line(env, says):
     p = subprocess.run([sys.executable, "-c", "import loadtest.locustfile"], capture_output=True, text=True,
                        env={**os.environ, **env}, timeout=120, cwd=ROOT)
     assert p.returncode == 1 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_dead_host_is_failed_creates_not_a_traceback_per_user():
+    """Fresh-user round 10: each user whose session could not be created logged a StopUser traceback."""
+    from substrate.netports import free_port
+
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "4", "-r", "4",
+         "-t", "3s", "--host", f"http://127.0.0.1:{free_port()}", "--only-summary", "--exit-code-on-error", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 1, "the failed creates fail the run"
+    assert "Traceback" not in p.stdout + p.stderr and "/v1/sessions [create" in p.stdout + p.stderr
