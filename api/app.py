@@ -659,7 +659,10 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             rec_ = await rt.directory.get_deleting(sid)
             if rec_ is None or not p.owns(rec_.tenant):
                 raise
-            rec = rec_
+            # the delete's compare-and-set bumped the epoch: recorded with the one the session had, as
+            # the winner's record and the other losers' are (fresh-user round 10: epoch 2 of a session
+            # that only ever had 1)
+            rec = rec_.model_copy(update={"epoch": max(0, rec_.epoch - 1)})
         # the record is written when the session has ended, before its record goes: a concurrent DELETE
         # that lost answers (and records) 404 only after that (``Activator.delete``)
         await _audited(rt, "delete", rec, lambda ok: rt.activator.delete(sid, snapshot_gc=rt.snapshot_gc,
