@@ -389,8 +389,9 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("over_ideal_ms") or {}).get("warm", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("added over the ideal runtime ms wake p50 / p95 / p99", " / ".join(
             _ms((summary.get("over_ideal_ms") or {}).get("wake", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
-        ("  of which queueing: turn wait s p50 / p95 / p99", " / ".join(
-            _num(summary["queue_s"][f"p{q}"], "{:.3f}") for q in LATENCY_QUANTILES)),
+        # in ms like the rows around it (it was the one row in seconds: fresh-user round 10)
+        ("  of which queueing: turn wait ms p50 / p95 / p99", " / ".join(
+            _ms(None if (v := summary["queue_s"][f"p{q}"]) is None else v * 1000.0) for q in LATENCY_QUANTILES)),
         ("  send -> answer added ms warm p50 / p95 / p99", " / ".join(
             _ms((summary.get("service_added_ms") or {}).get("warm", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("  send -> answer added ms wake p50 / p95 / p99", " / ".join(

@@ -319,6 +319,7 @@ def test_render_markdown_reports_the_figures():
     assert "| errors | 2 (error:500 x1, timeout:- x1) |" in md
     assert "| warm-hit rate | 60.0 % |" in md
     assert "| added ms all (failures = inf) p50 / p99 | 80.0 / inf (failures) |" in md
+    assert "turn wait ms p50 / p95 / p99" in md and "turn wait s " not in md  # in ms like its neighbours
     assert "| L = 0 | 30.0 | 30.0 |" in md
     assert "Definitions:" in md and "paired differences" in md
     assert "Partial run" not in md
