@@ -274,7 +274,12 @@ def cgroup_v1_writable() -> bool:
 class LimitNotApplied(RuntimeError):
     """A limit the template asks for could not be written to the slot's cgroup (``SlotCgroup.set``); the
     message names each file and the kernel's reason. The sandbox must then not run: an agent whose limit
-    is not in force runs without one."""
+    is not in force runs without one. ``memory_busy``: the memory limit was refused with EBUSY, the
+    kernel unable to reclaim the slot's memory down to it (a limit too small for the slot)."""
+
+    def __init__(self, message: str, *, memory_busy: bool = False) -> None:
+        super().__init__(message)
+        self.memory_busy = memory_busy
 
 
 class SlotCgroup:
@@ -298,11 +303,14 @@ class SlotCgroup:
         #: process inherits it
         self._oom_fd: int | None = None
         self._oom_seen = self.oom_kills()
+        #: the errno of the last failed ``_write`` (0: it succeeded)
+        self.last_errno = 0
 
     def _write(self, controller: str, name: str, value: str | int) -> str | None:
         """Write ``value`` to the controller's file ``name``; the failure, said in words (logged too),
         or None if it was written (or the folder is gone: a worker's stop removes them, and nothing is
         left to limit)."""
+        self.last_errno = 0
         try:
             (self.dirs[controller] / name).write_text(str(value))
         except FileNotFoundError as e:
@@ -310,6 +318,7 @@ class SlotCgroup:
                 log.warning("cgroup write failed: %s: %s", self.dirs[controller] / name, e)
                 return f"{name}: {e.strerror or e}"
         except OSError as e:
+            self.last_errno = e.errno or 0
             log.warning("cgroup write failed: %s: %s", self.dirs[controller] / name, e)
             return f"{name} = {value}: {e.strerror or e}"
         return None
@@ -332,13 +341,7 @@ class SlotCgroup:
         if memsw:
             self._write("memory", "memory.memsw.limit_in_bytes", -1)
         wrote = self._write("memory", "memory.limit_in_bytes", mem)
-        if wrote and mem > 0 and not self.pids():
-            # no process left, yet the kernel cannot reclaim down to the limit: memory charged by the
-            # slot's earlier processes (page cache of a closed pre-started host) still counts. cgroup v1's
-            # ``memory.force_empty`` reclaims it when the cgroup holds no task (kernel docs,
-            # cgroup-v1/memory.rst 5.1); then the limit fits (a loaded run of the 1 MiB test met this)
-            self._write("memory", "memory.force_empty", 0)
-            wrote = self._write("memory", "memory.limit_in_bytes", mem)
+        memory_busy = bool(wrote) and mem > 0 and self.last_errno == errno.EBUSY
         failed.append(wrote if mem > 0 else None)  # lifting a limit is best effort (logged)
         if memsw and mem > 0:
             failed.append(self._write("memory", "memory.memsw.limit_in_bytes", mem))
@@ -349,7 +352,7 @@ class SlotCgroup:
         wrote = self._write("cpu", "cpu.cfs_quota_us", max(quota, 1000) if quota > 0 else -1)
         failed.append(wrote if quota > 0 else None)
         if errors := [f for f in failed if f]:
-            raise LimitNotApplied("; ".join(errors))
+            raise LimitNotApplied("; ".join(errors), memory_busy=memory_busy)
 
     def pids(self) -> list[int]:
         try:

@@ -579,6 +579,13 @@ class Worker:
             raise SubstrateError(msg, code="agent_start_failed") from e
         except LimitNotApplied as e:  # never run without them
             await agent.stop()
+            if e.memory_busy:
+                # the kernel could not reclaim the slot's memory down to the limit, even with the slot
+                # emptied for a host spawned under it (a loaded run: charges its gone processes left): the
+                # limit is too small to start in, as an agent host killed at boot says (422, not 500)
+                raise InvalidInput(f"agent failed to start: isolation.maxMemory ({spec.isolation.memory_bytes} bytes) "
+                                   "is below what the slot's memory can be brought down to; raise the template's "
+                                   f"maxMemory ({e})", code="memory_limit_exceeded") from e
             raise SubstrateError(f"agent failed to start: the template's isolation limits could not be put in "
                                  f"force ({e})", code="agent_start_failed") from e
         except Exception as e:
