@@ -259,7 +259,7 @@ async def _throughput(http: aiohttp.ClientSession, base: str, workers: dict[str,
     measured: dict[str, tuple[float, float]] = {}  # name -> (requests/s, proxy CPU us per request)
     cases = {"routed": "throughput routed, one router process",
              "aiohttp": "throughput through the floor proxy with aiohttp's client (loadtest/floor.py: raw ASGI, "
-                        "nothing else; DESIGN.md's floor stack), same worker; its CPU in the router columns",
+                        "nothing else), same worker; its CPU in the router columns",
              "lean": "throughput through the floor proxy with the router's lean client (loadtest/floor.py), "
                      "same worker; its CPU in the router columns",
              "direct": "throughput direct to the worker, no router"}
