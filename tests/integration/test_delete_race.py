@@ -20,6 +20,21 @@ from substrate.settings import Settings
 from tests.integration.test_audit_once import CATALOG
 
 
+async def _suspended_session(d: Directory) -> "SnapshotRef":
+    """Worker ``w1`` and session ``s1`` SUSPENDED at epoch 1 with a snapshot; returns that snapshot."""
+    from substrate.models import SnapshotRef
+
+    now = time.time()
+    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                         leaseExpiresAt=now + 60, startedAt=now))
+    ref = SnapshotRef(key="snapshots/s1/000000000001-x.tar.zst", sha256="0" * 64, sizeBytes=10, epoch=1,
+                      createdAt=now)
+    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
+                                         pool="default", tenant="team-a", epoch=1, snapshot=ref,
+                                         createdAt=now, updatedAt=now, lastActiveAt=now))
+    return ref
+
+
 class Workers:
     def __init__(self) -> None:
         self.deactivated: list[tuple[str, int | None]] = []
@@ -87,14 +102,7 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     from substrate.models import SnapshotRef
 
     d = directory
-    now = time.time()
-    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
-                                         leaseExpiresAt=now + 60, startedAt=now))
-    ref = SnapshotRef(key="snapshots/s1/000000000001-x.tar.zst", sha256="0" * 64, sizeBytes=10, epoch=1,
-                      createdAt=now)
-    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
-                                         pool="default", tenant="team-a", epoch=1, snapshot=ref,
-                                         createdAt=now, updatedAt=now, lastActiveAt=now))
+    ref = await _suspended_session(d)
     settings = Settings()
     audit = AuditLog(d.redis, d.keys, settings.audit)
     view = WorkerView(d, 60)
@@ -194,14 +202,7 @@ async def test_a_wake_that_loses_its_compare_and_set_to_a_delete_is_404_with_no_
     from substrate.models import SnapshotRef
 
     d = directory
-    now = time.time()
-    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
-                                         leaseExpiresAt=now + 60, startedAt=now))
-    ref = SnapshotRef(key="snapshots/s1/000000000001-x.tar.zst", sha256="0" * 64, sizeBytes=10, epoch=1,
-                      createdAt=now)
-    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
-                                         pool="default", tenant="team-a", epoch=1, snapshot=ref,
-                                         createdAt=now, updatedAt=now, lastActiveAt=now))
+    ref = await _suspended_session(d)
     stale = await d.get_session("s1")
     settings = Settings()
     audit = AuditLog(d.redis, d.keys, settings.audit)
