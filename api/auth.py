@@ -43,6 +43,7 @@ from redis.exceptions import RedisError
 from substrate.apikeys import ApiKeyStore, TENANT_RE, hash_key, load_key_file
 from substrate.errors import DirectoryUnavailable, Forbidden, Unauthorized, clip
 from substrate.keys import Keys
+from substrate.loops import cancel_and_wait, reraise_lost_cancel
 from substrate.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -203,20 +204,22 @@ class Authenticator:
             log.warning("not subscribed to API key changes yet; revocations rely on key_cache_ttl_s")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        await cancel_and_wait([self._task])
 
     async def _follow(self) -> None:
         """Clear the cache on every key change; resubscribe (and clear) after a lost connection."""
         while True:
+            reraise_lost_cancel()  # here and below: see substrate/loops.py
             ps = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await ps.subscribe(self.keys.auth_version)
                 await self._reset()
                 self._subscribed.set()
+                reraise_lost_cancel()
                 async for msg in ps.listen():
                     if msg.get("type") == "message":
                         await self._reset()
+                    reraise_lost_cancel()
             except asyncio.CancelledError:
                 await ps.aclose()
                 raise

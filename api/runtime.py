@@ -28,7 +28,7 @@ from substrate.backends.local import LocalBackend
 from substrate.directory import Directory
 from substrate.errors import SubstrateError
 from substrate.gctune import tune_after_startup
-from substrate.loops import run_forever
+from substrate.loops import cancel_and_wait, run_forever
 from substrate.pool import PoolController
 from substrate.quotas import Quotas
 from substrate.settings import Settings
@@ -151,8 +151,7 @@ class Runtime:
             await self.pools.stop()
         await self.view.stop()
         await self.auth.stop()
-        for t in self._tasks:
-            t.cancel()
+        await cancel_and_wait(self._tasks)
         if self.kube_catalog is not None:
             self.kube_catalog.stop()
         await self.http.close()

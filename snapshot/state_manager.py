@@ -37,7 +37,7 @@ from substrate.activator import Activator
 from substrate.audit import SYSTEM
 from substrate.directory import Directory
 from substrate.errors import NotFound, SubstrateError
-from substrate.loops import run_forever
+from substrate.loops import cancel_and_wait, run_forever
 from substrate.models import SessionRecord, SessionState
 from substrate.settings import Settings
 from substrate.specs import Catalog
@@ -74,12 +74,7 @@ class StateManager:
                                                      "state manager scan", first_delay=True))
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-        for t in list(self._suspending.values()):
-            t.cancel()
-        if self._sweep is not None:
-            self._sweep.cancel()
+        await cancel_and_wait([self._task, *self._suspending.values(), self._sweep])
 
     async def scan_once(self) -> None:
         """One pass of every duty (see module docstring)."""

@@ -71,7 +71,7 @@ from substrate.errors import (
     WorkerUnavailable,
 )
 from substrate.fairness import ParkedShare, TenantBreaker, victim_filter
-from substrate.loops import run_forever
+from substrate.loops import cancel_and_wait, run_forever
 from substrate.models import (
     ActorTemplate,
     RestoredFrom,
@@ -196,8 +196,7 @@ class WorkerView:
         self._task = asyncio.create_task(run_forever(self.refresh, self.refresh_s, "worker view refresh"))
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        await cancel_and_wait([self._task])
 
     def address(self, wid: str | None) -> str | None:
         w = self.workers.get(wid or "")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from substrate.keys import Keys
+from substrate.loops import reraise_lost_cancel
 
 log = logging.getLogger(__name__)
 
@@ -198,14 +199,17 @@ class DemandBoard:
         """Set ``wanted`` whenever a router says a placement found no slot; runs until cancelled and
         resubscribes after a lost connection (the controller's timer tick covers the gap)."""
         while True:
+            reraise_lost_cancel()  # here and below: see substrate/loops.py
             ps = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await ps.subscribe(self.keys.pool_demand_channel)
                 if subscribed is not None:
                     subscribed.set()
+                reraise_lost_cancel()
                 async for msg in ps.listen():
                     if msg.get("type") == "message":
                         wanted.set()
+                    reraise_lost_cancel()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - a follower never dies: reconnect after a pause

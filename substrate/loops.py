@@ -1,18 +1,38 @@
-"""The one shape every periodic control loop here has: call a step, log and survive any error, sleep."""
+"""The one shape every periodic control loop here has: call a step, log and survive any error, sleep;
+and the two things every such loop's owner needs to stop it for sure.
+
+Why a loop checks for a lost cancellation: on Python 3.11, ``asyncio.wait_for`` (redis-py wraps every
+command's send in it) can swallow a ``cancel()`` that arrives as the awaited operation completes
+(CPython gh-86296, fixed in 3.12). The step then returns normally, a ``while True`` loop goes on to its
+next sleep and step, and the task never ends: ``asyncio.run`` waits for it at shutdown for ever. Seen here
+as ``substrate up`` hanging on Ctrl-C in about one stop in ten (the signing-key refresh loop, cancelled in
+the middle of its ``HGETALL``). ``Task.cancelling()`` still counts the request, so a loop that asks it
+after each step ends as it was told to.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 log = logging.getLogger(__name__)
+
+
+def reraise_lost_cancel() -> None:
+    """Raise ``asyncio.CancelledError`` if the running task has been asked to stop (``cancel()``) and
+    the request did not reach it as an exception (see the module docstring). Call it where a loop would
+    otherwise go round again; a no-op outside a task."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def run_forever(step: Callable[[], Awaitable[object]], interval_s: float, what: str, *,
                       first_delay: bool = False) -> None:
     """Run ``step`` every ``interval_s`` seconds until cancelled. An exception from ``step`` is logged
-    (as ``"<what> failed"``) and the loop goes on: a control loop never dies."""
+    (as ``"<what> failed"``) and the loop goes on: a control loop never dies. A cancellation the step
+    swallowed still ends it (:func:`reraise_lost_cancel`)."""
     if first_delay:
         await asyncio.sleep(interval_s)
     while True:
@@ -20,4 +40,22 @@ async def run_forever(step: Callable[[], Awaitable[object]], interval_s: float, 
             await step()
         except Exception:  # noqa: BLE001 - a control loop never dies
             log.warning("%s failed", what, exc_info=True)
+        reraise_lost_cancel()
         await asyncio.sleep(interval_s)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[object] | None], timeout_s: float = 5.0) -> int:
+    """Cancel every task (``None`` entries are skipped) and wait up to ``timeout_s`` seconds for all of
+    them to end, so that nothing they hold (a Redis connection, a worker's HTTP client) is closed under
+    them. Never raises for a task's own outcome. Returns how many were still running at the end (0:
+    all stopped); each of those is logged by name, and is left to ``asyncio.run``'s final cancel."""
+    pending = [t for t in tasks if t is not None and not t.done()]
+    for t in pending:
+        t.cancel()
+    if not pending:
+        return 0
+    _, still = await asyncio.wait(pending, timeout=timeout_s)
+    for t in still:
+        log.warning("a task did not stop within %.1f s of its cancel", timeout_s,
+                    extra={"task": t.get_name() if isinstance(t, asyncio.Task) else repr(t)})
+    return len(still)

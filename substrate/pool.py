@@ -61,6 +61,7 @@ from substrate import metrics
 from substrate.demand import CapacityNote, DemandBoard, PoolDemand
 from substrate.directory import Directory
 from substrate.errors import SubstrateError
+from substrate.loops import cancel_and_wait, reraise_lost_cancel
 from substrate.models import Condition, SessionState, WorkerPool, WorkerPoolSpec, WorkerRecord, WorkerState
 from substrate.settings import Settings
 from substrate.specs import Catalog
@@ -313,10 +314,7 @@ class PoolController:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-        if self._follow:
-            self._follow.cancel()
+        await cancel_and_wait([self._task, self._follow])
 
         async def stop_one(wid: str) -> None:  # graceful: the worker suspends its sessions first
             try:
@@ -360,6 +358,7 @@ class PoolController:
                 await self.tick()
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("pool reconcile failed", exc_info=True)
+            reraise_lost_cancel()
 
     async def tick(self) -> None:
         """One observe-reconcile-apply round for every pool (errors propagate to the loop, which logs)."""

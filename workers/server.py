@@ -85,7 +85,7 @@ from substrate.errors import (
 )
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
-from substrate.loops import run_forever
+from substrate.loops import cancel_and_wait, reraise_lost_cancel, run_forever
 from substrate.models import SUSPEND_REASONS, ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
 from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
@@ -398,6 +398,7 @@ class Worker:
                     break
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("heartbeat failed", exc_info=True)
+            reraise_lost_cancel()
             # the next beat at the interval, or sooner once a host has booted on a worker that reported
             # no warm slot (a new worker's first hosts), at most every ``_WARM_BEAT_MIN_S``
             with contextlib.suppress(asyncio.TimeoutError):
@@ -412,6 +413,7 @@ class Worker:
                 await self.reconcile()
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("activation reconciliation failed", exc_info=True)
+            reraise_lost_cancel()
 
     async def reconcile(self, only: str | None = None) -> list[str]:
         """Free every activation (of ``only``, or all) the directory does not name: its record is gone,
@@ -485,8 +487,7 @@ class Worker:
                 log.warning("graceful stop ran out of time", extra={"worker": self.id,
                                                                     "left": len(self.activations)})
         self._closed = True
-        for t in self._tasks:
-            t.cancel()
+        await cancel_and_wait(self._tasks)
         left = list(self.activations.values())
         for act in left:
             await self._drop(act)

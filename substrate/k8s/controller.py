@@ -32,6 +32,7 @@ from substrate.directory import Directory
 from substrate import metrics
 from substrate.k8s import dra, gpu, status as kstatus
 from substrate.k8s.api import GROUP, VERSION, Informer, Kube, KubeError
+from substrate.loops import cancel_and_wait
 from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
 from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
 from substrate.pool import PoolController, desired_replicas
@@ -143,10 +144,7 @@ class KubePoolController(PoolController):
 
     async def stop(self) -> None:
         # leave worker Pods running: a controller restart or failover must not touch serving workers
-        if self._task:
-            self._task.cancel()
-        if self._follow:
-            self._follow.cancel()
+        await cancel_and_wait([self._task, self._follow])
         self.claims.stop()
         self.slices.stop()
         await self.backend.close()

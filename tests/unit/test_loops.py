@@ -1,0 +1,129 @@
+"""Control loops end when cancelled, even when a step swallowed the cancellation.
+
+On Python 3.11, ``asyncio.wait_for`` (inside every redis-py command) can swallow a ``cancel()`` that
+arrives as the command completes (CPython gh-86296). ``substrate up`` then hung on Ctrl-C in about one
+stop in ten: its signing-key refresh loop slept and stepped on, and ``asyncio.run`` waited for it for ever
+(the suite's runtimes were SIGKILLed after 20 s). The steps below swallow the cancellation the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from substrate.loops import cancel_and_wait, reraise_lost_cancel, run_forever
+
+
+def _swallowing_step(entered: asyncio.Event, calls: list[int]):
+    async def step() -> None:
+        calls.append(1)
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return  # what a lost cancellation looks like to the caller: a normal return
+    return step
+
+
+async def test_a_loop_whose_step_swallowed_the_cancel_still_ends() -> None:
+    entered, calls = asyncio.Event(), []
+    task = asyncio.create_task(run_forever(_swallowing_step(entered, calls), 3600, "test loop"))
+    await entered.wait()
+    task.cancel()
+    # without reraise_lost_cancel the loop goes on to its hour-long sleep and this wait runs out
+    done, _ = await asyncio.wait([task], timeout=5)
+    assert task in done and task.cancelled()
+    assert calls == [1], "no step after the cancel"
+
+
+async def test_a_loop_whose_step_failed_while_cancelled_still_ends(caplog: pytest.LogCaptureFixture) -> None:
+    entered = asyncio.Event()
+
+    async def step() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise ConnectionError("connection closed by the cancel") from None  # a client that converts it
+
+    task = asyncio.create_task(run_forever(step, 3600, "test loop"))
+    await entered.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=5)
+    assert task in done and task.cancelled()
+    assert "test loop failed" in caplog.text  # the error is still logged, as for any failed step
+
+
+async def test_an_uncancelled_loop_keeps_going_after_errors() -> None:
+    calls: list[int] = []
+
+    async def step() -> None:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("transient")
+
+    task = asyncio.create_task(run_forever(step, 0, "test loop"))
+    for _ in range(200):
+        if len(calls) >= 4:
+            break
+        await asyncio.sleep(0)
+    assert len(calls) >= 4 and not task.done(), "a control loop never dies of a step's error"
+    await cancel_and_wait([task])
+    assert task.cancelled()
+
+
+async def test_reraise_lost_cancel_is_a_no_op_unless_cancel_was_asked() -> None:
+    reraise_lost_cancel()  # in a task nobody cancelled: nothing happens
+    outcome: list[str] = []
+
+    async def swallow_then_check() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            outcome.append("swallowed")
+        reraise_lost_cancel()
+        outcome.append("went on")  # never reached
+
+    t = asyncio.create_task(swallow_then_check())
+    await asyncio.sleep(0)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert outcome == ["swallowed"]
+
+
+async def test_cancel_and_wait_waits_for_the_tasks_and_names_one_that_will_not_stop(
+        caplog: pytest.LogCaptureFixture) -> None:
+    cleaned: list[str] = []
+
+    async def tidy() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.01)  # releases what it holds before it ends
+            cleaned.append("tidy")
+
+    stubborn_go = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not stubborn_go.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # refuses to stop
+
+    a = asyncio.create_task(tidy(), name="tidy")
+    b = asyncio.create_task(stubborn(), name="stubborn")
+    await asyncio.sleep(0)
+    caplog.set_level(logging.WARNING)
+    left = await cancel_and_wait([a, None, b], timeout_s=0.2)
+    assert left == 1 and a.done() and cleaned == ["tidy"], "the tidy task finished its clean-up first"
+    assert not b.done()
+    assert any(getattr(r, "task", None) == "stubborn" for r in caplog.records)
+    stubborn_go.set()
+    b.cancel()
+    await asyncio.wait([b], timeout=5)
+    assert b.done()
+    assert await cancel_and_wait([]) == 0
