@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,10 @@ class RuntimeProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                # said in the run's warnings summary, not silently killed: such a stop once hid a hang on
+                # Ctrl-C (a cancel lost in a Redis call; see substrate/loops.py)
+                warnings.warn(f"runtime on port {self.port} did not stop within 20 s of SIGINT; SIGKILLed "
+                              f"(its log: {self.log.name})", stacklevel=1)
         # everything it started must be gone: no worker process outlives the runtime
         if not self.shared:
             for key in self.r.scan_iter(f"{self.prefix}:*", count=1000):
