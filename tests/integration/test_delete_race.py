@@ -99,7 +99,6 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     ``snapshot_corrupt`` "object ... is missing", recorded a corrupt snapshot after the delete and counted
     a failure against the tenant. It is the 404 ``session_not_found`` any call after a delete gets."""
     from substrate.errors import SnapshotCorrupt
-    from substrate.models import SnapshotRef
 
     d = directory
     ref = await _suspended_session(d)
@@ -199,8 +198,6 @@ async def test_a_wake_that_loses_its_compare_and_set_to_a_delete_is_404_with_no_
     the record SUSPENDED, the delete marked it DELETED, the wake's compare-and-set failed and was
     recorded ``wake conflict`` while its client was told 404. It now loses as any call after a delete
     does: 404 ``session_not_found``, no record of its own, answered once the delete is done."""
-    from substrate.models import SnapshotRef
-
     d = directory
     ref = await _suspended_session(d)
     stale = await d.get_session("s1")
