@@ -387,6 +387,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
+    from substrate.backends.local import check_capacity
     from substrate.specs import SpecError, load_catalog
 
     if os.environ.get("SUBSTRATE_ROLE", "embedded") != "embedded":
@@ -400,7 +401,9 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         # fail before starting anything, with the file and field; an entrypoint module the workers (this
         # interpreter) cannot import too (a user trial: only the first create failed, 500 agent_start_failed)
         # its warnings (a field of no meaning here) are logged once, by the runtime's own load below
-        load_catalog(settings.config_dir, check_modules=True, log_warnings=False)
+        catalog = load_catalog(settings.config_dir, check_modules=True, log_warnings=False)
+        # and no more workers or slots than this machine can run (a fresh-user `replicas: 100000`)
+        check_capacity(catalog, settings, source=str(settings.config_dir))
     except SpecError as e:
         err.print(f"[red]error[/red]: {escape(e.message)}" + ("" if config is not None else " (use --config DIR)"))
         raise typer.Exit(2) from None

@@ -556,6 +556,12 @@ class PoolSettings(_Section):
     #: once, whose boots took the CPU the creates needed: create p99 11.8 s against 9.0 s with 4
     #: (docs/replays/azure-conv/report-2026-12-05-scale-up-step-ab.md)
     scale_up_step: int = Field(4, ge=0)
+    #: the most worker processes the local backend (``substrate up``) may be asked to run, all pools
+    #: together (each pool's ``spec.replicas``, or ``spec.autoscaling.maxReplicas`` when it has one):
+    #: a config asking for more is refused at start (``substrate.backends.local.check_capacity``). Each
+    #: worker is a Python process (tens of MiB); a fresh-user run's ``replicas: 100000`` forked ~830
+    #: within 2 minutes and took a 2-core machine down with it. The baseline replay keeps up to 400
+    local_max_workers: int = Field(512, ge=1)
 
 
 class KubernetesSettings(_Section):

@@ -33,14 +33,52 @@ from typing import Any
 from pathlib import Path
 
 from substrate import sandbox_sweep
-from substrate.models import WorkerPool
+from substrate.models import WorkerPool, WorkerPoolSpec
 from substrate.settings import Settings
+from substrate.specs import Catalog, SpecError
 
 log = logging.getLogger(__name__)
 
 #: the environment variable that names the lifeline's read end in a worker (``workers/lifeline.py``; the
 #: substrate package imports nothing of workers, so the name is repeated here)
 LIFELINE_ENV = "SUBSTRATE_LIFELINE_FD"
+
+
+def max_workers(spec: WorkerPoolSpec) -> int:
+    """The most workers the pool controller may run for a pool of ``spec``: ``autoscaling.maxReplicas``
+    when it autoscales (the safety bound), else ``replicas``."""
+    return spec.autoscaling.maxReplicas if spec.autoscaling is not None else spec.replicas
+
+
+def check_capacity(catalog: Catalog, settings: Settings, *, source: str = "", as_root: bool | None = None) -> None:
+    """Refuse pools this machine's local backend cannot run, before anything starts. Raises
+    ``SpecError`` (code ``invalid_spec``) naming each pool's worker and slot counts when
+
+    * all pools together may ask for more than ``pool.local_max_workers`` worker processes, or
+    * running as root (``as_root``; default: the effective uid is 0), they may ask for more slots than
+      there are sandbox uids (``worker.sandbox_uid_span``): each slot of a worker started as root holds
+      one uid of its own, and a worker that finds none free fails to start, again and again.
+
+    ``source`` (the config folder) starts the message. Only for the local backend: on Kubernetes the
+    scheduler and the nodes say what fits."""
+    pools = sorted(catalog.pools.values(), key=lambda p: p.name)
+    workers = sum(max_workers(p.spec) for p in pools)
+    slots = sum(max_workers(p.spec) * p.spec.slots for p in pools)
+
+    def each() -> str:
+        return (f"{source}: " if source else "") + "; ".join(f"WorkerPool {p.name}: {max_workers(p.spec)} workers ("
+                         + ("spec.autoscaling.maxReplicas" if p.spec.autoscaling is not None else "spec.replicas")
+                         + f") x {p.spec.slots} slots" for p in pools if max_workers(p.spec))
+
+    if workers > settings.pool.local_max_workers:
+        raise SpecError(f"{each()}: {workers} worker processes in all, over the {settings.pool.local_max_workers} "
+                        "this machine's local runtime runs (SUBSTRATE_POOL__LOCAL_MAX_WORKERS; each is a Python "
+                        "process): lower them, put more slots on each worker, or run on Kubernetes")
+    root = os.geteuid() == 0 if as_root is None else as_root
+    if root and slots > settings.worker.sandbox_uid_span:
+        raise SpecError(f"{each()}: {slots} slots in all, over the {settings.worker.sandbox_uid_span} sandbox uids "
+                        "(SUBSTRATE_WORKER__SANDBOX_UID_SPAN; running as root, each slot holds one): lower them "
+                        "or widen the span")
 
 
 @dataclass
