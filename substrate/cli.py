@@ -486,7 +486,7 @@ def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the r
             # beside Kubernetes-style ones, another tool's YAML is left out with a word, as `up` does
             # (it made the whole file "no Kubernetes-style documents": fresh-user round 8); never its content
             warnings = [f"{f} document {i} is {'a mapping without kind' if isinstance(d, dict) else 'a YAML list, string or number'}"
-                        ", not a Kubernetes-style document; left out" for i, d in enumerate(parsed)
+                        ", not a Kubernetes-style document; left out" for i, d in enumerate(parsed, 1)
                         if d is not None and not (isinstance(d, dict) and "kind" in d)] + warnings
         except (OSError, yaml.YAMLError, SpecError, RecursionError, UnicodeDecodeError) as e:
             msg = "nested too deeply" if isinstance(e, RecursionError) else getattr(e, "message", None) or str(e)

@@ -186,7 +186,7 @@ def _v1alpha2_claims(docs: list[Any], source: str) -> dict[str, tuple[dict[str, 
     from substrate.k8s.dra import translate_v1alpha2_claim
 
     out = {}
-    for i, d in enumerate(docs):
+    for i, d in enumerate(docs, 1):  # numbered from 1, as an editor counts them
         if isinstance(d, dict) and d.get("apiVersion") == "resource.k8s.io/v1alpha2" and d.get("kind") == "ResourceClaim":
             try:
                 out[(d.get("metadata") or {}).get("name")] = translate_v1alpha2_claim(d)
@@ -263,7 +263,7 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
     ``normalize``), also logged unless ``log_warnings`` is false."""
     cat = Catalog()
     v1alpha2 = _v1alpha2_claims(docs, source)
-    for i, doc in enumerate(docs):
+    for i, doc in enumerate(docs, 1):  # numbered from 1, as an editor counts them
         if doc is None:  # an empty document (a trailing ``---``, a file of comments)
             continue
         if not isinstance(doc, dict) or not (doc.get("apiVersion") or doc.get("kind")):
@@ -286,7 +286,16 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                 raise SpecError(f"{source} document {i}: {_unknown_kind(kind, doc.get('apiVersion'))}")
             continue  # another group's (Kubernetes objects beside ours): not ours to judge here
         try:
-            doc, warns = normalize(doc)
+            if "metadata" in doc and doc["metadata"] is None:
+                doc = {**doc, "metadata": {}}  # ``metadata:`` left empty: said as its missing name
+            try:
+                doc, warns = normalize(doc)
+            except (AttributeError, TypeError) as e:
+                # a field of the wrong shape (a list where a mapping belongs) met by the translation before
+                # the schema check: the schema names the field (a fresh-user run: `spec:` as a list was an
+                # AttributeError traceback)
+                (ActorTemplate if kind == "ActorTemplate" else WorkerPool).model_validate(doc)
+                raise ValueError(f"a field has the wrong type ({e})") from None
             if kind == "WorkerPool" and v1alpha2:
                 warns += _use_v1alpha2_claims(doc, v1alpha2)
             if kind == "ActorTemplate":
@@ -366,6 +375,11 @@ def _validation_error(er: Any, model: Any) -> str:
     from substrate.settings import closest, fields_at
 
     where = ".".join(map(str, er["loc"]))
+    if er.get("type") in ("model_type", "dict_type"):
+        # pydantic says "a valid dictionary or instance of ActorTemplateSpec": our class names mean nothing
+        # to the YAML's author
+        got = "empty" if er.get("input") is None else f"a {_yaml_type(er.get('input'))}"
+        return f"{where}: must be a mapping (field: value), not {got}"
     if er.get("type") != "extra_forbidden":
         return f"{where}: {er['msg']}"
     known = fields_at(er["loc"], root=model)
@@ -649,6 +663,10 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
             docs = parse_yaml_documents(f.read_text())
         except yaml.YAMLError as e:
             raise SpecError(f"{f}: not valid YAML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise SpecError(f"{f}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+        except OSError as e:  # a symlink loop, a folder named *.yaml, no permission
+            raise SpecError(f"{f}: cannot be read: {e.strerror or e}") from None
         part = load_documents(docs, str(f), log_warnings=log_warnings)
         # one name, one definition: the last file used to win without a word (fresh-user run)
         for what, mine, theirs in (("ActorTemplate", part.templates, cat.templates), ("WorkerPool", part.pools, cat.pools)):

@@ -181,5 +181,5 @@ def test_other_yaml_beside_kubernetes_style_documents_is_left_out_with_a_warning
     r = CliRunner().invoke(app, ["convert", str(f)])
     assert r.exit_code == 0, r.output
     assert [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap"]
-    assert f"{f} document 1 is a mapping without kind, not a Kubernetes-style document; left out" in r.stderr
-    assert f"{f} document 2 is a YAML list, string or number" in r.stderr and "secret-ish" not in r.stderr
+    assert f"{f} document 2 is a mapping without kind, not a Kubernetes-style document; left out" in r.stderr
+    assert f"{f} document 3 is a YAML list, string or number" in r.stderr and "secret-ish" not in r.stderr

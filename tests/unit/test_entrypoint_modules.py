@@ -122,7 +122,7 @@ def test_up_with_a_misspelt_kind_is_one_error_line_and_exit_2(tmp_path: Path, mo
                                      "--config", str(cfg)])
     assert r.exit_code == 2, r.output
     line = " ".join(r.output.split())  # the console may wrap the one line
-    assert line.startswith(f"error: {cfg / 'typo.yaml'} document 0: kind 'ActorTemplat' is not a kind of "
+    assert line.startswith(f"error: {cfg / 'typo.yaml'} document 1: kind 'ActorTemplat' is not a kind of "
                            "substrate.agent.dev/v1 (its kinds: ActorTemplate, WorkerPool): did you mean "
                            "ActorTemplate?"), r.output
     assert "Traceback" not in r.output and not (tmp_path / "var").exists()

@@ -169,7 +169,7 @@ def test_a_typo_of_a_known_field_is_refused(kind, spec, message):
     doc = {"apiVersion": "substrate.agent.dev/v1", "kind": kind, "metadata": {"name": "x"}, "spec": spec}
     with pytest.raises(SpecError) as e:
         load_documents([doc], "t.yaml")
-    assert e.value.message.startswith(f"t.yaml document 0 ({kind}): ") and message in e.value.message, e.value.message
+    assert e.value.message.startswith(f"t.yaml document 1 ({kind}): ") and message in e.value.message, e.value.message
     from pathlib import Path
 
     examples = Path(__file__).resolve().parents[2] / "substrate" / "examples"
@@ -234,7 +234,7 @@ def test_an_unknown_kind_of_our_group_is_refused_like_a_wrong_version(tmp_path, 
                                      "---\n" + doc)
     with pytest.raises(SpecError) as e:
         load_catalog(tmp_path)
-    assert str(tmp_path / "t.yaml") + " document 1: " in e.value.message and message in e.value.message
+    assert str(tmp_path / "t.yaml") + " document 2: " in e.value.message and message in e.value.message
     assert "'Session'" not in message or "did you mean" not in e.value.message
 
 
@@ -335,7 +335,7 @@ def test_a_template_env_no_agent_can_be_given_is_refused_at_load(env, says):
            "spec": {"command": ["/bin/cat"], "env": env}}
     with pytest.raises(SpecError) as e:
         load_documents([doc], "t.yaml")
-    assert e.value.message.startswith("t.yaml document 0 (ActorTemplate): spec.env: ") and says in e.value.message, \
+    assert e.value.message.startswith("t.yaml document 1 (ActorTemplate): spec.env: ") and says in e.value.message, \
         e.value.message
     ok = [{"name": "ANTHROPIC_API_KEY", "value": "x"}, {"name": "_private2"}, {"name": "SHELL_TIMEOUT_S", "value": "5"}]
     load_documents([{**doc, "spec": {"command": ["/bin/cat"], "env": ok}}], "t.yaml")

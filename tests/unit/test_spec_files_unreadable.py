@@ -1,0 +1,80 @@
+"""Config files that cannot be read, or hold a field of the wrong shape, are one error line naming the
+file (and the field), never a traceback (fresh-user round 11: ``spec:`` written as a list, a file that
+is not UTF-8 and a symlink loop each ended ``substrate up`` with a 40-50 line traceback and exit 1)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from substrate.cli import app
+from substrate.specs import SpecError, load_catalog
+
+POOL = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: default}\nspec: {replicas: 1, slots: 2}\n"
+HEAD = "apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\n"
+OK = HEAD + "metadata: {name: ok}\nspec: {entrypoint: 'workers.agents.counter:Counter'}\n"
+
+
+def _write(cfg: Path, case: str) -> Path:
+    bad = cfg / "t.yaml"
+    if case == "spec as a list":
+        bad.write_text(HEAD + "metadata: {name: c}\nspec:\n  - entrypoint: workers.agents.counter:Counter\n")
+    elif case == "isolation as a string":
+        bad.write_text(HEAD + "metadata: {name: c}\nspec: {entrypoint: 'workers.agents.counter:Counter', "
+                       "isolation: strict}\n")
+    elif case == "pool template as a list":
+        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
+                       "spec: {template: [1, 2]}\n")
+    elif case == "empty metadata":
+        bad.write_text(HEAD + "metadata:\nspec: {entrypoint: 'workers.agents.counter:Counter'}\n")
+    elif case == "not UTF-8":
+        bad.write_bytes(b"\xff\xfeapiVersion: x\n")
+    elif case == "symlink loop":
+        bad.symlink_to(bad.name)
+    return bad
+
+
+CASES = {
+    "spec as a list": "document 1 (ActorTemplate): spec: must be a mapping (field: value), not a list",
+    "isolation as a string": "document 1 (ActorTemplate): spec.isolation: must be a mapping (field: value), not a string",
+    "pool template as a list": "document 2 (WorkerPool): spec.template: ",
+    "empty metadata": "document 1 (ActorTemplate): metadata.name: Field required",
+    "not UTF-8": ": not UTF-8 text (byte 0xff at offset 0)",
+    "symlink loop": ": cannot be read: Too many levels of symbolic links",
+}
+
+
+def _config(tmp_path: Path, case: str) -> tuple[Path, Path]:
+    cfg = tmp_path / "config"
+    cfg.mkdir()
+    (cfg / "pool.yaml").write_text(POOL)
+    (cfg / "a-ok.yaml").write_text(OK)
+    return cfg, _write(cfg, case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_is_one_spec_error_naming_the_file(tmp_path: Path, case: str) -> None:
+    cfg, bad = _config(tmp_path, case)
+    with pytest.raises(SpecError) as e:
+        load_catalog(cfg)
+    assert e.value.message.startswith(f"{bad}"), e.value.message
+    assert CASES[case] in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("case", ["spec as a list", "not UTF-8", "symlink loop"])
+def test_up_says_it_in_one_line_and_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "var"))
+    monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
+    cfg, bad = _config(tmp_path, case)
+    with socket.socket() as s:  # a taken port: were the file accepted, `up` would stop at the port check
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
+                                     "--config", str(cfg)])
+    assert r.exit_code == 2, r.output
+    line = " ".join(r.output.split())
+    assert line.startswith(f"error: {bad}") and CASES[case] in line, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "var").exists()
