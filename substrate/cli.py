@@ -314,22 +314,36 @@ def _redis_problem(url: str) -> str | None:
 
 
 def _client(server: str, token: Optional[str]) -> SubstrateClient:
-    """The SDK client for a CLI command; a token it refuses is one line and exit 1 (never the token)."""
-    return _run(lambda: SubstrateClient(server, token=token))
+    """The SDK client for a CLI command; a token it refuses is one line and exit 1 (never the token); a
+    server URL that cannot name one is a bad argument: one line naming ``--server``, exit 2 (it read as
+    an HTTP answer, ``error 400 invalid_server_url``, exit 1: fresh-user round 11)."""
+    try:
+        return SubstrateClient(server, token=token)
+    except ApiError as e:
+        if e.code != "invalid_server_url":
+            _api_error_exit(e)
+        err.print(f"[red]error[/red]: --server (or SUBSTRATE_SERVER): {escape(e.message)}", soft_wrap=True,
+                  highlight=False)
+        raise typer.Exit(2) from None
 
 
 def _print(obj: Any) -> None:
     console.print_json(json.dumps(obj))
 
 
+def _api_error_exit(e: ApiError) -> NoReturn:
+    """One line for an API error (status, code, message) and exit 1."""
+    # a 401's message names the HTTP header; this CLI's way to send one is --token (fresh-user run)
+    hint = " (this CLI sends one with --token or SUBSTRATE_TOKEN)" if e.status == 401 else ""
+    err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}{hint}")
+    raise typer.Exit(1) from None
+
+
 def _run(fn: Any) -> Any:
     try:
         return fn()
     except ApiError as e:
-        # a 401's message names the HTTP header; this CLI's way to send one is --token (fresh-user run)
-        hint = " (this CLI sends one with --token or SUBSTRATE_TOKEN)" if e.status == 401 else ""
-        err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}{hint}")
-        raise typer.Exit(1) from None
+        _api_error_exit(e)
     except Exception as e:  # noqa: BLE001 - connection errors etc. as one clear line
         import httpx
 

@@ -93,6 +93,23 @@ def _raise_for(resp: httpx.Response) -> None:
     raise ApiError(resp.status_code, code, message, float(ra) if ra else None, details)
 
 
+def server_url_problem(url: str) -> str | None:
+    """Why ``url`` (with a scheme) cannot name an API server, or None: a scheme other than http(s), no
+    host, or a host with spaces (each was "cannot reach the API" at the first request: fresh-user
+    round 11)."""
+    try:
+        u = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError) as e:
+        return f"is not a URL: {e}"
+    if u.scheme not in ("http", "https"):
+        return f"has scheme {u.scheme!r}: use http:// or https://"
+    if not u.host:
+        return "names no host: e.g. http://127.0.0.1:8080"
+    if any(c.isspace() for c in url):
+        return "has a space in it"
+    return None
+
+
 class SubstrateClient:
     """Synchronous client. ``base_url`` like ``http://127.0.0.1:8080``; ``token`` for bearer auth."""
 
@@ -110,6 +127,8 @@ class SubstrateClient:
         if "://" not in base_url:  # httpx read "localhost:8080" as scheme "localhost" (fresh-user run)
             raise ApiError(400, "invalid_server_url", f"server URL {base_url!r} has no scheme: use "
                            f"http://{base_url} (or https://)")
+        if problem := server_url_problem(base_url):
+            raise ApiError(400, "invalid_server_url", f"server URL {base_url!r} {problem}")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers,
                                  transport=transport)

@@ -83,6 +83,32 @@ def test_a_server_url_without_a_scheme_says_which_to_use() -> None:
     assert e.value.code == "invalid_server_url" and "http://localhost:19080" in e.value.message
 
 
+@pytest.mark.parametrize("url, says", [
+    ("notaurl", "has no scheme: use http://notaurl"),
+    ("ftp://x", "has scheme 'ftp': use http:// or https://"),
+    ("http://", "names no host"),
+    ("http://:80", "names no host"),
+    ("http://a b", "has a space in it"),
+])
+def test_a_server_url_that_names_no_server_is_a_bad_argument_of_the_cli(url: str, says: str) -> None:
+    """Fresh-user round 11: ``--server notaurl`` printed ``error 400 invalid_server_url`` (it read as an
+    HTTP answer) and exited 1; ``ftp://x`` and ``http://`` were "cannot reach the API". Each is now a bad
+    argument: one line naming --server, exit 2, before any request."""
+    from typer.testing import CliRunner
+
+    from substrate.cli import app
+
+    with pytest.raises(ApiError) as e:
+        SubstrateClient(url)
+    assert e.value.code == "invalid_server_url" and says in e.value.message
+    r = CliRunner().invoke(app, ["--server", url, "sessions", "list"], env={"COLUMNS": "300"})
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: --server (or SUBSTRATE_SERVER): ") and says in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+    SubstrateClient("http://127.0.0.1:8080").close()  # a good one is taken
+    SubstrateClient("https://api.example.com/base/").close()
+
+
 @pytest.mark.parametrize("key, says", [
     ("é", "printable ASCII (space to ~): U+00E9 at position 1"),
     ("ok\nno", "U+000A at position 3"),
