@@ -394,6 +394,11 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     """Run the embedded default in the foreground: API + state manager + local worker pool (+ an embedded
     Redis when SUBSTRATE_REDIS_URL is unset). Stops everything it started on SIGINT/SIGTERM/SIGHUP (a
     closed terminal), gracefully."""
+    # SIGINT stops `up` from its first moment, as it does once serving: a shell starts a background job
+    # (`substrate up &` in a script) with SIGINT ignored, and until the server installed its handler a
+    # `kill -INT` was lost and the runtime went on to serve (fresh-user round 11). Before serving, it
+    # ends like a Ctrl-C at a prompt: exit 130, nothing started is left (the finally below)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from substrate.embedded import EmbeddedRedis
     from substrate.logs import configure_logging

@@ -78,3 +78,21 @@ def test_up_says_it_in_one_line_and_exits_2(tmp_path: Path, monkeypatch: pytest.
     line = " ".join(r.output.split())
     assert line.startswith(f"error: {bad}") and CASES[case] in line, r.output
     assert "Traceback" not in r.output and not (tmp_path / "var").exists()
+
+
+def test_up_takes_sigint_from_its_first_moment_even_if_started_ignoring_it(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user round 11: `setsid substrate up &` in a script starts it with SIGINT ignored (what a shell
+    does to a background job); a `kill -INT` in its first half second was lost and it went on to serve.
+    `up` now puts Python's own SIGINT handling back first thing (a Ctrl-C before serving: exit 130)."""
+    import signal
+
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "var"))
+    cfg, _ = _config(tmp_path, "not UTF-8")  # `up` stops at the config, after its first statement
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        r = CliRunner().invoke(app, ["up", "--port", "1", "--config", str(cfg)])
+        assert r.exit_code == 2, r.output
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
