@@ -678,12 +678,13 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
         cat.warnings += part.warnings
     if not cat.templates:
         raise SpecError(f"no ActorTemplate found in {path}")
-    try:
-        cat.validate()
-    except SpecError:
-        raise
-    except InvalidInput as e:  # an unknown workerPool: one line at start-up, like every other spec error
-        raise SpecError(f"{path}: {e.message}", code=e.code) from None
+    for name, t in cat.templates.items():
+        try:
+            cat.pool_for(t)
+        except SpecError:
+            raise
+        except InvalidInput as e:  # an unknown workerPool: one line at start-up naming the template's file
+            raise SpecError(f"{where.get(('ActorTemplate', name), path)}: {e.message}", code=e.code) from None
     if check_modules:
         check_entrypoint_modules(cat.templates, {n: f for (what, n), f in where.items() if what == "ActorTemplate"})
     return cat

@@ -87,9 +87,13 @@ def test_template_naming_an_unknown_pool(tmp_path):
     (tmp_path / "t.yaml").write_text("kind: ActorTemplate\nmetadata: {name: x}\n"
                                      "spec: {entrypoint: 'a:B', workerPool: ghost}\n"
                                      "---\nkind: WorkerPool\nmetadata: {name: p}\n")
+    (tmp_path / "u.yaml").write_text("kind: WorkerPool\nmetadata: {name: q}\n")
     with pytest.raises(InvalidInput) as e:
         load_catalog(tmp_path)
     assert e.value.code == "unknown_pool"
+    # the template's own file, not the folder (fresh-user round 11)
+    assert e.value.message.startswith(f"{tmp_path / 't.yaml'}: template 'x' names unknown workerPool 'ghost'"), \
+        e.value.message
 
 
 def test_an_unknown_pool_is_one_line_at_start_up(tmp_path, monkeypatch):
