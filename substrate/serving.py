@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,6 +97,19 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.force_exit:
             self.exit_now()
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        """uvicorn's graceful shutdown, said in one plain line on stderr when requests are in flight:
+        the stop then waits up to ``timeout_graceful_shutdown`` seconds for them before the workers
+        suspend their sessions (a fresh-user run's stop with a 30 s turn in flight took 28 s with only
+        uvicorn's JSON "Waiting for connections to close" to show for it)."""
+        n = len(self.server_state.tasks)
+        if n:
+            sys.stderr.write(f"stopping: waiting up to {self.config.timeout_graceful_shutdown:g} s for {n} request"
+                             f"{'s' if n != 1 else ''} in flight (a second Ctrl-C forces the exit), then the "
+                             "workers suspend their sessions\n")
+            sys.stderr.flush()
+        await super().shutdown(sockets)
 
     def exit_now(self) -> None:
         """End the process now. Runs in the signal handler, on the main thread, so the event loop is

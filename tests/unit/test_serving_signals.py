@@ -86,3 +86,26 @@ def test_the_served_config_keeps_idle_connections_longer_than_clients_do(monkeyp
     monkeypatch.setenv("SUBSTRATE_API__KEEP_ALIVE_TIMEOUT_S", "120")
     assert server_config(Settings().api, "127.0.0.1", 8080).timeout_keep_alive == 120
     assert server_config(Settings().api, "127.0.0.1", 8080).http.header_read_timeout_s == 10.0
+
+
+async def test_a_stop_with_requests_in_flight_says_what_it_waits_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """Fresh-user round 11: a stop with a 30 s turn in flight took 28 s and said only uvicorn's JSON
+    "Waiting for connections to close". It now says in one plain line what it waits for, and how long."""
+    import asyncio
+
+    class Lifespan:
+        async def shutdown(self) -> None:
+            pass
+
+    s = _server()
+    s.config.timeout_graceful_shutdown = 5
+    s.servers, s.lifespan = [], Lifespan()
+    await s.shutdown()
+    assert capsys.readouterr().err == "", "nothing in flight: nothing said"
+    turn = asyncio.ensure_future(asyncio.sleep(0.05))
+    s.server_state.tasks.add(turn)
+    turn.add_done_callback(s.server_state.tasks.discard)
+    await s.shutdown()
+    assert capsys.readouterr().err == ("stopping: waiting up to 5 s for 1 request in flight (a second Ctrl-C forces "
+                                       "the exit), then the workers suspend their sessions\n")
+    assert turn.done(), "the graceful wait itself is uvicorn's, unchanged"
