@@ -11,7 +11,9 @@ template's ``spec.entrypoint`` (``module:Class``) can be found by this Python (`
 import system's finders, without importing the module or any package above it, so no agent code runs in
 the control plane), and refuses the folder with ``SpecError`` code ``agent_module_not_found`` naming the
 file, the template and the module. A user trial's ``entrypoint: nosuch.module:Agent`` loaded fine and only
-failed at the first create, with 500 ``agent_start_failed``. Only the embedded default asks for the
+failed at the first create, with 500 ``agent_start_failed``. The class is looked for in the module's
+source too (``module_names``: read with ``ast``, not run; code ``agent_class_not_found``, naming the closest
+name the module binds). Only the embedded default asks for the
 check (``substrate up``, and ``api.runtime`` when it builds an embedded runtime from files): there the
 workers are forked from the same interpreter and site-packages, so a module this process cannot find is
 one no agent host can import. For a sandboxed template (the default) the module is looked up only where
@@ -567,9 +569,15 @@ def module_findable(name: str, *, sandboxed: bool = False) -> bool:
     imports ``a`` (running its ``__init__``), so each level below the top one is looked up with
     ``PathFinder`` in the search locations of the level above. Modules already imported count as found
     (unsandboxed only). Never raises."""
+    return _module_spec(name, sandboxed=sandboxed) is not None
+
+
+def _module_spec(name: str, *, sandboxed: bool = False) -> Any:
+    """:func:`module_findable`'s lookup: the module's ``ModuleSpec``, the module itself when it is already
+    imported (unsandboxed only), or None when it cannot be found."""
     parts = name.split(".")
     if not all(parts):
-        return False
+        return None
     try:
         if sandboxed and parts[0] != _SANDBOX_PACKAGE:
             if parts[0] in sys.builtin_module_names:
@@ -577,39 +585,100 @@ def module_findable(name: str, *, sandboxed: bool = False) -> bool:
             else:
                 spec = importlib.machinery.PathFinder.find_spec(parts[0], sandbox_import_path())
         elif name in sys.modules:
-            return True
+            return sys.modules[name]
         else:
             spec = importlib.util.find_spec(parts[0])  # the top level: no parent to import
         for i in range(1, len(parts)):
             if spec is None or spec.submodule_search_locations is None:  # missing, or a module, not a package
-                return False
+                return None
             full = ".".join(parts[: i + 1])
             found = importlib.machinery.PathFinder.find_spec(full, list(spec.submodule_search_locations))
             if found is None and not sandboxed and ".".join(parts[:i]) in sys.modules:
                 found = importlib.util.find_spec(full)  # the parent is imported already: its own finders may know
             spec = found
     except (ImportError, ValueError, AttributeError, OSError):
-        return False
-    return spec is not None
+        return None
+    return spec
+
+
+def module_names(origin: str | None) -> set[str] | None:
+    """The names a Python source file binds at its top level (classes, functions, assignments, imports,
+    also inside top-level ``if``/``try``/``with``/``for`` blocks), read with ``ast``, without running it;
+    None when they cannot be told that way: no ``.py`` source, unreadable or unparsable, a ``from x import
+    *``, or a module ``__getattr__``."""
+    import ast
+
+    if not origin or not origin.endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(origin).read_bytes(), origin)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                if a.name == "*":
+                    return None
+                names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor, ast.With,
+                               ast.AsyncWith)):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if not isinstance(node, (ast.With, ast.AsyncWith)) else \
+                [i.optional_vars for i in node.items if i.optional_vars is not None]
+            for t in targets:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        if isinstance(node, (ast.If, ast.Try, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)) or \
+                type(node).__name__ == "TryStar":
+            for part in ("body", "orelse", "finalbody"):
+                todo.extend(getattr(node, part, []) or [])
+            for h in getattr(node, "handlers", []) or []:
+                todo.extend(h.body)
+    return None if "__getattr__" in names else names
 
 
 def check_entrypoint_modules(templates: dict[str, ActorTemplate], where: dict[str, Path | str]) -> None:
     """Raise ``SpecError`` (code ``agent_module_not_found``) if the module of a template's
     ``spec.entrypoint`` cannot be found by this Python (``module_findable``); the message names each such
     template, its file (``where``, by template name) and the module. See the module docstring for where
-    this check is made and why not on Kubernetes."""
-    missing = []
+    this check is made and why not on Kubernetes. Then, code ``agent_class_not_found``, if the module's
+    source (read with ``ast``, never run: :func:`module_names`) binds no such name at its top level, with
+    the closest name it does bind; a module whose names cannot be told that way (a ``*`` import, a module
+    ``__getattr__``, no ``.py`` source) passes."""
+    import difflib
+
+    missing, no_class = [], []
     for name, t in templates.items():
         entry = t.spec.entrypoint
         sandboxed = t.spec.isolation.sandbox
-        if entry and not module_findable(module := entry.partition(":")[0], sandboxed=sandboxed):
+        if not entry:
+            continue
+        module, _, cls = entry.partition(":")
+        found = _module_spec(module, sandboxed=sandboxed)
+        if found is None:
             missing.append(f"{where.get(name, '<memory>')}: ActorTemplate {name!r}: spec.entrypoint {entry!r}: "
                            f"module {module!r} cannot be found by this Python ({sys.executable})"
                            + (" in what its sandbox sees (the installed packages and `workers`; not the "
                               "current folder or a project folder)" if sandboxed else ""))
+            continue
+        # the class too, read from the module's source (never run here): a typo in it passed, and every
+        # create failed 500 agent_start_failed (fresh-user round 11)
+        origin = getattr(found, "origin", None) or getattr(found, "__file__", None)
+        names = module_names(origin)
+        if names is not None and cls.split(".")[0] not in names:
+            close = difflib.get_close_matches(cls.split(".")[0], sorted(names), n=1)
+            no_class.append(f"{where.get(name, '<memory>')}: ActorTemplate {name!r}: spec.entrypoint {entry!r}: "
+                            f"module {module!r} ({origin}) defines no {cls.split('.')[0]!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else ""))
     if missing:
         raise SpecError("; ".join(missing) + ": install the package that holds it into this environment (the "
                         "workers run the same interpreter) or fix the name", code="agent_module_not_found")
+    if no_class:
+        raise SpecError("; ".join(no_class), code="agent_class_not_found")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -651,7 +720,8 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
     check that every ``spec.entrypoint``'s module can be found (``check_entrypoint_modules``; only where
     the workers share this interpreter: see the module docstring). ``log_warnings`` false: the warnings
     are in ``Catalog.warnings`` only (a reader other than the control plane's own load, which logs them
-    once). Raises ``SpecError`` (code ``invalid_spec``, ``unknown_pool`` or ``agent_module_not_found``)."""
+    once). Raises ``SpecError`` (code ``invalid_spec``, ``unknown_pool``, ``agent_module_not_found`` or
+    ``agent_class_not_found``)."""
     path = Path(path)
     if not path.exists():
         raise SpecError(f"spec path {str(path)!r} does not exist")

@@ -126,3 +126,36 @@ def test_up_with_a_misspelt_kind_is_one_error_line_and_exit_2(tmp_path: Path, mo
                            "substrate.agent.dev/v1 (its kinds: ActorTemplate, WorkerPool): did you mean "
                            "ActorTemplate?"), r.output
     assert "Traceback" not in r.output and not (tmp_path / "var").exists()
+
+
+def test_a_class_the_module_does_not_define_is_refused_with_the_closest_name(tmp_path: Path) -> None:
+    """Fresh-user round 11: ``entrypoint: workers.agents.counter:NoSuchClass`` started, and the first create
+    failed 500 ``agent_start_failed``. The module's source is read (never run) for the name."""
+    cfg = _config(tmp_path, ("typo", "workers.agents.counter:Countr"))
+    with pytest.raises(SpecError) as e:
+        load_catalog(cfg, check_modules=True)
+    assert e.value.code == "agent_class_not_found"
+    assert "ActorTemplate 'typo'" in e.value.message and "defines no 'Countr' (did you mean 'Counter'?)" in e.value.message
+
+
+def test_module_names_reads_top_level_bindings_without_running_the_module(tmp_path: Path) -> None:
+    from substrate.specs import module_names
+
+    src = tmp_path / "m.py"
+    src.write_text("import os.path\nfrom json import loads as L\nraise SystemExit('never run')\n"
+                   "class A: pass\nasync def f(): pass\nB = C = 1\nD: int = 2\n"
+                   "try:\n    from fast import E\nexcept ImportError:\n    class E: pass\n"
+                   "if True:\n    G = 3\nwith open('x') as H: pass\nfor I in (): pass\n"
+                   "def g():\n    INNER = 1\nclass K:\n    NESTED = 1\n")
+    assert module_names(str(src)) == {"os", "L", "A", "f", "B", "C", "D", "E", "G", "H", "I", "g", "K"}
+    src.write_text("from x import *\nclass A: pass\n")
+    assert module_names(str(src)) is None, "a * import: the names cannot be told"
+    src.write_text("def __getattr__(name): ...\n")
+    assert module_names(str(src)) is None, "a module __getattr__ can give any name"
+    src.write_text("def broken(:\n")
+    assert module_names(str(src)) is None
+    assert module_names(None) is None and module_names(str(tmp_path / "ext.so")) is None
+    # every shipped agent's class is found
+    cfg = _config(tmp_path, ("c", "workers.agents.counter:Counter"), ("s", "workers.agents.shell:Shell"),
+                  ("n", "workers.agents.notebook:Notebook"))
+    assert set(load_catalog(cfg, check_modules=True).templates) == {"c", "s", "n"}

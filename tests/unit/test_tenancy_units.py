@@ -94,7 +94,7 @@ INTERNAL = {"not_active", "busy", "stale_epoch", "missing_token", "token_not_for
             "no_signing_key", "api_key_not_found", "invalid_api_key_spec",
             "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
             "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch", "invalid_reason",
-            "agent_module_not_found"}  # a config's start-up error (substrate.specs), never an API answer
+            "agent_module_not_found", "agent_class_not_found"}  # a config's start-up error (substrate.specs), never an API answer
 
 
 def test_every_error_code_is_documented():
