@@ -234,6 +234,8 @@ class EmbeddedRedis:
             self._tmp = None
         if self._lock_fd is not None:
             url_file(self._dir()).unlink(missing_ok=True)
+            # the pid file is for finding a Redis a killed runtime left; after a clean stop there is none
+            (Path(self._dir()) / "redis.pid").unlink(missing_ok=True)
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 

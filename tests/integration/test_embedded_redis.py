@@ -31,6 +31,8 @@ def test_data_survives_a_stop_and_start_in_the_same_folder(tmp_path: Path) -> No
         r = redis.Redis.from_url(a.url)
         r.hset("substrate:{s1}:session", mapping={"state": "SUSPENDED", "epoch": "4"})
     assert list((tmp_path / "redis").iterdir()), "an append-only file was written"
+    # a clean stop leaves no pid file behind (it is for finding a Redis a killed runtime left: round 11)
+    assert not (tmp_path / "redis" / "redis.pid").exists()
     with EmbeddedRedis(tmp_path / "redis") as b:
         assert redis.Redis.from_url(b.url).hgetall("substrate:{s1}:session") == {b"state": b"SUSPENDED", b"epoch": b"4"}
         assert b.url != a.url, "a new password each start"
