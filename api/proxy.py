@@ -35,6 +35,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from api.errors_doc import ERROR_CODES
 from api.guard import retry_after, www_authenticate
 from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 from substrate import audit, metrics
@@ -569,8 +570,18 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         # turn's NDJSON lines, a plain turn's JSON), whichever this call asked for
         ndjson = resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
         if _streamed(resp, stream):
-            return StreamingResponse(_relay(resp, runtime, sid, first), status_code=200,
-                                     media_type="application/x-ndjson", headers=extra)
+            failed = _failed_at_once(first)
+            if failed is None:
+                return StreamingResponse(_relay(resp, runtime, sid, first), status_code=200,
+                                         media_type="application/x-ndjson", headers=extra)
+            # the turn failed before it said anything: nothing has reached the client yet, so it is
+            # answered as the same plain turn is, with the error's own status (a fresh-user run: a
+            # streamed invoke of bad input was 200 with an error line, the plain one 422 agent_error)
+            resp.release()
+            status = ERROR_CODES.get(str(failed.get("code")), (500, ""))[0]
+            if status >= 500 and not await _exists(runtime, sid):
+                raise _deleted(sid)
+            return Response(error_json(failed), status_code=status, headers={**_JSON, **extra})
         try:
             data = await resp.read()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
@@ -632,6 +643,22 @@ def _streamed(resp: aiohttp.ClientResponse | Answer, stream: bool) -> bool:
     """Whether the worker's answer is relayed as a stream: asked for, 200, and NDJSON (a replayed plain
     turn comes back as JSON whatever was asked)."""
     return stream and resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
+
+
+def _failed_at_once(first: bytes) -> dict[str, Any] | None:
+    """The error of a streamed turn whose first line (in ``first``, the bytes read so far) is its error
+    line, ``{"error": {"code": ..., ...}}``: it failed before any output. None otherwise (output first, or
+    the first line not whole yet)."""
+    if not first.startswith(b'{"error"'):
+        return None
+    line, nl, _ = first.partition(b"\n")
+    if not nl:
+        return None
+    try:
+        err = json.loads(line).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err if isinstance(err, dict) and isinstance(err.get("code"), str) else None
 
 
 async def _first_bytes(resp: aiohttp.ClientResponse) -> bytes:
