@@ -68,7 +68,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "answer_not_kept": (410, "a retried turn (same `Idempotency-Key`) that already ran, whose answer was too big to "
                              "keep (`worker.answer_keep_bytes`); the turn is not run again"),
     "session_deleted": (410, "the session was deleted while this turn was under way: the delete stopped the turn "
-                             "(the outcome of its side effects is unknown) and the session is gone"),
+                             "(the outcome of its side effects is unknown) and the session is gone; to a create, "
+                             "the session it made was deleted while it started"),
     "state_load_failed": (422, "the session's saved state cannot be loaded by its agent (`details.exception` names "
                                "what the load raised); the session is FAILED with its snapshot kept, DELETE works, "
                                "the tenant's breaker does not count it"),

@@ -62,6 +62,7 @@ from substrate.errors import (
     DirectoryUnavailable,
     NoCapacity,
     NotFound,
+    SessionDeleted,
     SnapshotCorrupt,
     StaleEpoch,
     StateLoadFailed,
@@ -142,8 +143,9 @@ def blames_tenant(e: SubstrateError) -> bool:
     after store and Redis pauses, recovery up to 31.6 s); nor a worker that died or stopped answering
     (``worker_unavailable``: agents run outside the worker process, so its loss is the platform's; e2e
     chaos on 5828cab: four worker SIGKILLs under load failed 11 wakes of the one tenant and opened its
-    breaker)."""
-    return (not isinstance(e, (TooManyRequests, DirectoryUnavailable, StoreUnavailable, WorkerUnavailable))
+    breaker); nor a create whose session a DELETE removed while it started (``session_deleted``)."""
+    return (not isinstance(e, (TooManyRequests, DirectoryUnavailable, StoreUnavailable, WorkerUnavailable,
+                               SessionDeleted))
             and e.code != "worker_fenced")
 
 
@@ -880,6 +882,10 @@ class Activator:
                 rec.id, from_states=[SessionState.STARTING], epoch=epoch, to=SessionState.RUNNING,
                 set={"lastActiveAt": now})
             if not done.ok:
+                if not done.found or done.state == SessionState.DELETED:
+                    # a DELETE won the race: this create's session is gone, as a turn's is when a delete
+                    # stops it (it was 409 ``conflict`` next to the delete's 204: fresh-user round 12)
+                    raise SessionDeleted(f"session {rec.id!r} was deleted while it was starting")
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
         except BaseException as e:
             if await self._undo_create(rec, worker, slot, e, epoch):

@@ -225,3 +225,49 @@ async def test_a_wake_that_loses_its_compare_and_set_to_a_delete_is_404_with_no_
     assert trail == ["removed"], "answered only once the delete was done"
     await remover
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
+
+
+async def test_a_create_whose_session_a_delete_removed_while_it_started_is_410_session_deleted(
+        directory: Directory) -> None:
+    """Fresh-user round 12: a create racing a DELETE of the same ID answered 409 ``conflict`` ("changed
+    while starting") while the DELETE answered 204. The session it made is gone: 410 ``session_deleted``,
+    as a turn the delete stopped is told, and the tenant's breaker does not count it."""
+    from substrate.errors import SessionDeleted
+
+    d = directory
+    now = time.time()
+    await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                         leaseExpiresAt=now + 60, startedAt=now))
+    settings = Settings()
+    audit = AuditLog(d.redis, d.keys, settings.audit)
+    deleted: list[Any] = []
+
+    class Starting(Workers):
+        """The worker's activation is where the DELETE comes in: by another router, while STARTING."""
+
+        async def activate(self, address: str, **kw: Any) -> None:
+            deleted.append(await other.delete(kw["session"]))
+            for _ in range(200):  # the delete has marked or removed the record
+                try:
+                    if (await d.get_session(kw["session"])).state == SessionState.DELETED:
+                        break
+                except NotFound:
+                    break
+                await asyncio.sleep(0.01)
+
+    workers = Starting()
+    routers = []
+    for _ in range(2):
+        view = WorkerView(d, 60)
+        await view.refresh()
+        routers.append(Activator(settings, d, CATALOG, workers, view, audit=audit))  # type: ignore[arg-type]
+    creator, other = routers
+    rec = SessionRecord(id="c1", state=SessionState.PENDING, actorTemplate="counter", pool="default",
+                        tenant="team-a", createdAt=now, updatedAt=now, lastActiveAt=now)
+    with pytest.raises(SessionDeleted) as e:
+        await asyncio.wait_for(creator.create(rec, CATALOG.template("counter")), 10)
+    assert (e.value.status, e.value.code) == (410, "session_deleted") and deleted == [None], deleted
+    assert not creator.breaker._failures.get(("team-a", "counter")), "not counted against the tenant"
+    with pytest.raises(NotFound):
+        await d.get_session("c1")
+    assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
