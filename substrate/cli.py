@@ -574,7 +574,8 @@ def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
            port: int = typer.Option(8080, parser=port_parser(), help="Listen port."),
            kubernetes: bool = typer.Option(True, "--kubernetes/--files",
                                            help="Templates and pools from the Kubernetes API (default) or from "
-                                                "--config files.")) -> None:
+                                                "the YAML files in SUBSTRATE_CONFIG_DIR (default: the shipped "
+                                                "examples).")) -> None:
     """Run the public REST API and proxy only (stateless: run any number side by side). Needs
     SUBSTRATE_REDIS_URL and SUBSTRATE_WORKER__INTERNAL_TOKEN (the same value on every router)."""
     _warn_unknown_env()
@@ -584,9 +585,20 @@ def router(host: str = typer.Option("0.0.0.0", help="Listen address."),
     if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
         err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (routers must share it)")
         raise typer.Exit(2)
+    if kubernetes:
+        _exit_without_kube()
     os.environ["SUBSTRATE_ROLE"] = "router"
     os.environ["SUBSTRATE_CATALOG_SOURCE"] = "kubernetes" if kubernetes else "files"
     _serve_api(host, port)
+
+
+def _exit_without_kube() -> None:
+    """One line and exit 2 when no Kubernetes API is configured (``substrate.k8s.api.config_problem``)."""
+    from substrate.k8s.api import config_problem
+
+    if why := config_problem(_settings()):
+        err.print(f"[red]error[/red]: {escape(why)}", soft_wrap=True, highlight=False)
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -603,6 +615,7 @@ def controller(host: str = typer.Option("0.0.0.0", help="Probe/metrics listen ad
     if not os.environ.get("SUBSTRATE_WORKER__INTERNAL_TOKEN"):
         err.print("[red]error[/red]: SUBSTRATE_WORKER__INTERNAL_TOKEN is not set (workers and routers share it)")
         raise typer.Exit(2)
+    _exit_without_kube()
     raise typer.Exit(importlib.import_module("api.controller").main(host, port))
 
 

@@ -61,6 +61,26 @@ def make_api_client(settings: Settings) -> Any:
     return client.ApiClient()
 
 
+def config_problem(settings: Settings) -> str | None:
+    """Why :func:`make_api_client` cannot reach any Kubernetes API configuration, or None: not in a
+    cluster (no service account), no kubeconfig, and ``kubernetes.api_url`` unset; or an ``api_url`` that
+    is not an http(s) URL. Reads files only, never calls the API (an API server that is down is waited
+    for, as in a rollout). ``substrate router`` and ``substrate controller`` say it in one line and
+    exit 2 (they printed a 149-line traceback: fresh-user round 13)."""
+    url = settings.kubernetes.api_url
+    if url:
+        return None if url.startswith(("http://", "https://")) else \
+            f"SUBSTRATE_KUBERNETES__API_URL={url!r} is not an http(s) URL"
+    from kubernetes import config
+
+    try:
+        make_api_client(settings)
+    except (config.ConfigException, OSError, ValueError) as e:
+        return ("no Kubernetes API configured: not in a cluster (no service account), no usable kubeconfig "
+                f"(KUBECONFIG or ~/.kube/config: {str(e).strip()[:200]}), and SUBSTRATE_KUBERNETES__API_URL unset")
+    return None
+
+
 class Kube:
     """The verbs the runtime uses, each one call (blocking; wrap in ``asyncio.to_thread``)."""
 
