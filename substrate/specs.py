@@ -264,6 +264,7 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
     ``WorkerPool`` (the message names the kinds and the closest one), as a wrong version is. Translations and ignored fields are in ``Catalog.warnings`` (see
     ``normalize``), also logged unless ``log_warnings`` is false."""
     cat = Catalog()
+    docs = expand_lists(docs)
     v1alpha2 = _v1alpha2_claims(docs, source)
     for i, doc in enumerate(docs, 1):  # numbered from 1, as an editor counts them
         if doc is None:  # an empty document (a trailing ``---``, a file of comments)
@@ -421,6 +422,20 @@ def _clean(doc: dict[str, Any]) -> dict[str, Any]:
     return strip(doc)
 
 
+def expand_lists(docs: list[Any]) -> list[Any]:
+    """``docs`` with each ``apiVersion: v1, kind: List`` document (what ``kubectl get -o yaml`` prints)
+    replaced by its ``items``, nested lists too; every other document as it is. A List went through
+    ``substrate convert`` untranslated and unchecked (fresh-user round 13)."""
+    out: list[Any] = []
+    for d in docs:
+        if isinstance(d, dict) and d.get("kind") == "List" and d.get("apiVersion") == "v1" \
+                and isinstance(d.get("items"), list):
+            out.extend(expand_lists(d["items"]))
+        else:
+            out.append(d)
+    return out
+
+
 def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[dict[str, Any]], list[str]]:
     """Documents as our API server takes them (``substrate convert``): WorkerPools/ActorTemplates
     normalised (seed spellings translated), v1alpha2 ResourceClasses -> v1 DeviceClasses, v1alpha2
@@ -432,6 +447,7 @@ def convert_documents(docs: list[Any], source: str = "<memory>") -> tuple[list[d
     that re-applying it resets the HPA's choice. Returns (documents, warnings). Raises ``SpecError``."""
     from substrate.k8s.dra import translate_v1alpha2_class
 
+    docs = expand_lists(docs)
     cat = load_documents(docs, source)
     out: list[dict[str, Any]] = []
     warnings = list(cat.warnings)

@@ -183,3 +183,24 @@ def test_other_yaml_beside_kubernetes_style_documents_is_left_out_with_a_warning
     assert [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap"]
     assert f"{f} document 2 is a mapping without kind, not a Kubernetes-style document; left out" in r.stderr
     assert f"{f} document 3 is a YAML list, string or number" in r.stderr and "secret-ish" not in r.stderr
+
+
+def test_a_kind_list_is_converted_item_by_item(tmp_path: Path) -> None:
+    """Fresh-user round 13: a ``kind: List`` (what ``kubectl get -o yaml`` prints) went through untouched:
+    the seed's apiVersion and ``runtimeClass`` stayed, and an invalid pool inside it passed, exit 0."""
+    root = Path(__file__).resolve().parents[2]
+    seed = [d for d in yaml.safe_load_all((root / "tests/k8s/seed/section-4-3.yaml").read_text()) if d]
+    f = tmp_path / "list.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": seed}))
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 0, r.output
+    out = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert {d["kind"] for d in out} >= {"WorkerPool", "ActorTemplate"} and "List" not in {d["kind"] for d in out}
+    assert all(d["apiVersion"] == "substrate.agent.dev/v1" for d in out if d["kind"] in ("WorkerPool", "ActorTemplate"))
+    pod = next(d for d in out if d["kind"] == "WorkerPool")["spec"]["template"]["spec"]
+    assert pod.get("runtimeClassName") == "gvisor" and "runtimeClass" not in pod, pod
+    assert "mapped to substrate.agent.dev/v1" in r.stderr
+    f.write_text("apiVersion: v1\nkind: List\nitems:\n- apiVersion: substrate.agent.dev/v1\n  kind: WorkerPool\n"
+                 "  metadata: {name: p}\n  spec: {replicas: -1}\n")
+    r = CliRunner().invoke(app, ["convert", str(f)])
+    assert r.exit_code == 2 and "spec.replicas" in r.output, r.output
