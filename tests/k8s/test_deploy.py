@@ -126,3 +126,45 @@ def test_gvisor_component_renders_a_runtime_class(tmp_path: Path) -> None:
     rc = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "RuntimeClass"]
     assert len(rc) == 1 and rc[0]["handler"] == "runsc"
     kubernetes_validate.validate(rc[0], "1.37", strict=True)
+
+
+def test_the_network_policies_let_prometheus_scrape_every_monitored_port() -> None:
+    """Fresh-user round 13: the base's default-deny left no way in to the controller's 8090 or the workers'
+    8081 for a Prometheus in another namespace, so the ServiceMonitor's controller target and the
+    PodMonitor's worker targets timed out. With deploy/monitoring, a scrape from Prometheus's pods reaches
+    every port a monitor names; the workers stay closed to everyone else."""
+    from substrate.k8s.pods import build_worker_pod
+    from substrate.settings import Settings
+
+    base, mon = render("base"), render("monitoring")
+    pols = [d for d in base + mon if d["kind"] == "NetworkPolicy"]
+    prom_ns, prom_pod = {"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "prometheus"}
+
+    def admits(pod_labels: dict[str, str], port: int) -> bool:
+        for p in pols:
+            if not _matches(p["spec"]["podSelector"], pod_labels):
+                continue
+            for rule in p["spec"].get("ingress") or []:
+                if port not in [x["port"] for x in rule.get("ports") or []]:
+                    continue
+                peers = rule.get("from")
+                if not peers:  # from anywhere
+                    return True
+                for peer in peers:
+                    if _matches(peer.get("namespaceSelector") or {}, prom_ns) and \
+                            _matches(peer.get("podSelector") or {}, prom_pod) and "namespaceSelector" in peer:
+                        return True
+        return False
+
+    deps = {d["metadata"]["name"]: d for d in base if d["kind"] == "Deployment"}
+    for name in ("substrate-router", "substrate-controller"):
+        tpl = deps[name]["spec"]["template"]
+        (port,) = [p["containerPort"] for p in tpl["spec"]["containers"][0]["ports"] if p["name"] == "http"]
+        assert admits(tpl["metadata"]["labels"], port), name
+    pool = WorkerPool.model_validate(next(d for d in base if d["kind"] == "WorkerPool"))
+    pod = build_worker_pod(pool, "default-w", Settings())
+    (port,) = [p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "http"]
+    assert admits(pod["metadata"]["labels"], port)
+    # and without deploy/monitoring, a pod outside the namespace still cannot reach a worker
+    pols = [d for d in base if d["kind"] == "NetworkPolicy"]
+    assert not admits(pod["metadata"]["labels"], port)
