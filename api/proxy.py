@@ -551,6 +551,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 err, status = pub.to_dict(), pub.status
             else:
                 status = resp.status
+            _count_error(err)
             return Response(error_json(err), status_code=status, headers={**_JSON, "X-Request-ID": rid})
         extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
         for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At", "X-Substrate-Replayed"):
@@ -581,6 +582,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             status = ERROR_CODES.get(str(failed.get("code")), (500, ""))[0]
             if status >= 500 and not await _exists(runtime, sid):
                 raise _deleted(sid)
+            _count_error(failed)
             return Response(error_json(failed), status_code=status, headers={**_JSON, **extra})
         try:
             data = await resp.read()
@@ -600,6 +602,11 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
         if resp.status == 422 and key_is_request_id:
             data = _request_id_key_reused(data, rid)
+        if resp.status >= 400:  # the worker's or its agent's error (agent_error, turn_timeout ...): counted too
+            try:
+                _count_error(json.loads(data))
+            except ValueError:
+                _count_error({})
         if ndjson:
             extra["Content-Type"] = "application/x-ndjson"
         return Response(data, status_code=resp.status, headers={**_JSON, **extra})
@@ -643,6 +650,14 @@ def _streamed(resp: aiohttp.ClientResponse | Answer, stream: bool) -> bool:
     """Whether the worker's answer is relayed as a stream: asked for, 200, and NDJSON (a replayed plain
     turn comes back as JSON whatever was asked)."""
     return stream and resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
+
+
+def _count_error(err: Any) -> None:
+    """Count an error answer the router passes on from a worker in ``agent_substrate_errors_total`` by
+    its ``code`` (``worker_error`` when it has none): only the router's own errors were counted, so the
+    dashboard's errors-by-code missed every agent error (fresh-user round 13)."""
+    code = err.get("code") if isinstance(err, dict) else None
+    metrics.ERRORS_TOTAL.labels(code=code if isinstance(code, str) and code else "worker_error").inc()
 
 
 def _failed_at_once(first: bytes) -> dict[str, Any] | None:

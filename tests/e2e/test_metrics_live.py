@@ -83,6 +83,9 @@ def test_every_series_the_alerts_and_dashboard_use_moves_under_real_traffic(runt
     assert r.status_code == 200 and r.headers["x-substrate-woke"] == "1"
     assert c.http.post("/v1/sessions/nope/invoke", json={"input": "get"}).status_code == 404
     assert c.http.post("/v1/sessions", json={"actorTemplate": "no-such"}).status_code == 422
+    # an agent's own error, passed on from the worker, plain and streamed (fresh-user round 13: not counted)
+    assert c.http.post(f"/v1/sessions/{s1['id']}/invoke", json={"input": "bogus"}).status_code == 422
+    assert c.http.post(f"/v1/sessions/{s1['id']}/invoke?stream=1", json={"input": "bogus"}).status_code == 422
     # the state manager exports the session gauge on its next scan
     # and the pool controller the capacity gauges on its next round
     rt.wait_for(lambda: 'state="RUNNING"} 2.0' in httpx.get(f"{rt.url}/metrics").text, what="sessions gauge")
@@ -118,5 +121,6 @@ def test_every_series_the_alerts_and_dashboard_use_moves_under_real_traffic(runt
         'agent_substrate_requests_total{"code": "404", "route": "/v1/sessions/{sid}/invoke"}'] >= 1
     errors = router["agent_substrate_errors"]
     assert any('"session_not_found"' in k and v >= 1 for k, v in errors.items())
+    assert any('"agent_error"' in k and v >= 2 for k, v in errors.items()), errors
     assert any(f'"state": "RUNNING"' in k and v == 2 for k, v in router["agent_substrate_sessions"].items())
     assert any('"state": "READY"' in k and v >= 1 for k, v in router["agent_substrate_workers"].items())
