@@ -598,6 +598,11 @@ class TargetRunner:
             if all_done not in finished:
                 stopped_by = "interrupted" if stopper in finished else "host_unreachable" if gone in finished \
                     else "wall_cap"
+                if stopped_by == "wall_cap" and all(t["status"] != "not_run" for t in self.turns):
+                    # every turn ran: only the sessions' final idle hold (--idle-split) was cut, which at a low
+                    # --compress is most of the plan (a fresh-user run: 80 of 80 turns in 25 s, then a
+                    # "Partial run" for a 1,825 s plan cut at 50 s)
+                    stopped_by = "wall_cap_in_final_idle"
                 if stopped_by == "host_unreachable":
                     print(f"substrate-replay: {self.name}: {self.host} refused connections for {HOST_GONE_S:g} s: "
                           "stopping (the figures cover the run up to then)", file=sys.stderr)
@@ -882,6 +887,12 @@ def _print_plan(plan: Plan, cfg: dict[str, Any]) -> None:
     print(f"plan: {s['sessions']} sessions / {s['owners']} owners / {s['turns']} turns "
           f"({s['trace_failed_turns']} trace-failed), idle split {cfg['idle_split_s']:.0f} s, "
           f"compress {cfg['compress']}x -> {s['wall_span_s']:.1f} s wall, {s['busy_s']:.1f} busy s")
+    last_turn_end_s = max((ps.last_end_s for ps in plan.sessions), default=0.0)
+    if s["wall_span_s"] - last_turn_end_s > 1.0:
+        # said, or a short trace at a low --compress looks like a plan of idle split length for nothing
+        print(f"  (the last turn ends at {last_turn_end_s:.1f} s; each session is deleted its idle split, "
+              f"{cfg['idle_split_s'] / cfg['compress']:.1f} s wall, after its own last turn: --idle-split "
+              "shortens that tail)")
     print(f"analytical always-on baseline: {s['baseline_worker_seconds']:.1f} worker-seconds (wall), "
           f"{s['baseline_worker_seconds'] * cfg['compress'] / 3600:.1f} worker-hours of trace time")
 

@@ -429,7 +429,12 @@ def render_markdown(result: Mapping[str, Any]) -> str:
                          f"stopped by {targets[n].get('stopped_by')})" for n in names),
         "",
     ]
-    partial = [n for n in names if targets[n].get("stopped_by") not in (None, "done")]
+    idle_cut = [n for n in names if targets[n].get("stopped_by") == "wall_cap_in_final_idle"]
+    if idle_cut:
+        lines += [(f"**Every turn ran** ({', '.join(idle_cut)}); the wall cap cut the sessions' final idle hold "
+                   "(each is deleted its idle split after its last turn): the cost figures cover the time run, "
+                   "the analytical baseline is clipped to it."), ""]
+    partial = [n for n in names if targets[n].get("stopped_by") not in (None, "done", "wall_cap_in_final_idle")]
     if partial:
         why = ", ".join(f"{n} stopped by {targets[n]['stopped_by']}" for n in partial)
         lines += [(f"**Partial run** ({why}): turns not sent are `not_run`; the analytical baseline "

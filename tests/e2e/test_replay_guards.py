@@ -70,3 +70,25 @@ def test_a_host_that_dies_mid_run_stops_the_replay_and_fails_it(runtime_factory,
     assert ours["stopped_by"] == "host_unreachable"
     assert ours["summary"]["turns_run"] < ours["summary"]["turns_planned"]
     assert f"refused connections for {HOST_GONE_S:g} s: stopping" in capsys.readouterr().err
+
+
+def test_a_short_trace_cut_in_its_final_idle_hold_says_every_turn_ran(runtime_factory, tmp_path, capsys):
+    """Fresh-user round 13: a plain trace of 25 s at --compress 1 planned 1,825 s (each session is deleted
+    its idle split, 30 min, after its last turn); cut by --max-wall at 50 s with 80 of 80 turns run, the
+    report said "Partial run". The plan now says where its wall time goes, and a cut that only shortened
+    the final idle hold is said as such."""
+    rt = runtime_factory(replicas=1, slots=4)
+    trace = tmp_path / "short.csv"
+    trace.write_text("session_id,arrival_s,duration_s\n" + "".join(
+        f"s{i},{0.3 * j + 0.1 * i},0.05\n" for i in range(3) for j in range(3)))
+    out = tmp_path / "r"
+    code = replay_main([str(trace), "--host", rt.url, "--template", "counter", "--compress", "1", "--no-progress",
+                        "--max-wall", "8s", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "the last turn ends at" in printed and "--idle-split shortens that tail" in printed, printed
+    ours = json.loads((out / "result.json").read_text())["targets"]["ours"]
+    assert ours["stopped_by"] == "wall_cap_in_final_idle"
+    assert ours["summary"]["turns_run"] == ours["summary"]["turns_planned"] == 9
+    report = (out / "report.md").read_text()
+    assert "**Every turn ran**" in report and "**Partial run**" not in report
