@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -106,4 +107,17 @@ def main(host: str, port: int) -> int:
 
     settings = get_settings()
     configure_logging(settings.log_level, settings.log_json)
+    if why := store_warning(settings):
+        log.warning(why)
     return asyncio.run(run(settings, host, port))
+
+
+def store_warning(settings: Any) -> str | None:
+    """The warning the controller logs at start when snapshots would stay on each worker Pod's own disk
+    (``snapshot.store`` local: ``deploy/overlays/external-redis`` alone sets no store, fresh-user round 13),
+    or None."""
+    if settings.snapshot.store != "local":
+        return None
+    return ("snapshots go to each worker Pod's own disk (SUBSTRATE_SNAPSHOT__STORE=local): another worker cannot "
+            "restore them and they are lost with the Pod; set SUBSTRATE_SNAPSHOT__STORE=s3 and its bucket "
+            "(deploy/overlays/s3) on a cluster")

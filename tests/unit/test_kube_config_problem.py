@@ -47,3 +47,14 @@ def test_the_router_from_files_needs_no_cluster_and_a_bad_api_url_is_named(no_cl
                                  "current-context: c\nusers:\n- name: u\n  user: {token: t}\n")
     monkeypatch.delenv("SUBSTRATE_KUBERNETES__API_URL")
     assert config_problem(Settings()) is None, "a kubeconfig is enough"
+
+
+def test_the_controller_warns_when_snapshots_would_stay_on_each_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user round 13: deploy/overlays/external-redis alone sets no snapshot store, so snapshots went
+    to each worker Pod's emptyDir without a word."""
+    from api.controller import store_warning
+
+    monkeypatch.delenv("SUBSTRATE_SNAPSHOT__STORE", raising=False)
+    assert "lost with the Pod" in (store_warning(Settings()) or "")
+    monkeypatch.setenv("SUBSTRATE_SNAPSHOT__STORE", "s3")
+    assert store_warning(Settings()) is None
