@@ -109,6 +109,9 @@ def main(host: str, port: int) -> int:
     configure_logging(settings.log_level, settings.log_json)
     if why := store_warning(settings):
         log.warning(why)
+    # kustomize's `images:` does not rewrite the env value this comes from (fresh-user round 13): said
+    log.warning("worker image for pools whose pod template names none: %s (SUBSTRATE_KUBERNETES__WORKER_IMAGE)",
+                settings.kubernetes.worker_image)
     return asyncio.run(run(settings, host, port))
 
 
