@@ -43,6 +43,16 @@ class Workers:
         self.deactivated.append((session, epoch))
 
 
+async def _routers(d: Directory, workers: Workers, settings: Settings, audit: AuditLog, n: int = 2) -> list[Activator]:
+    """``n`` activators (routers) over one directory and one fake of the workers' internal API."""
+    out = []
+    for _ in range(n):
+        view = WorkerView(d, 60)
+        await view.refresh()
+        out.append(Activator(settings, d, CATALOG, workers, view, audit=audit))  # type: ignore[arg-type]
+    return out
+
+
 async def _running_session(d: Directory) -> None:
     """Worker ``w1`` and session ``s1`` RUNNING on one of its slots, epoch 2."""
     now = time.time()
@@ -63,11 +73,7 @@ async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(direct
     settings = Settings()
     audit = AuditLog(d.redis, d.keys, settings.audit)
     workers = Workers()
-    routers = []
-    for _ in range(2):
-        view = WorkerView(d, 60)
-        await view.refresh()
-        routers.append(Activator(settings, d, CATALOG, workers, view, audit=audit))  # type: ignore[arg-type]
+    routers = await _routers(d, workers, settings, audit)
     read = d.get_session
     both_read = asyncio.Barrier(2)
     reads = 0
@@ -256,11 +262,7 @@ async def test_a_create_whose_session_a_delete_removed_while_it_started_is_410_s
                 await asyncio.sleep(0.01)
 
     workers = Starting()
-    routers = []
-    for _ in range(2):
-        view = WorkerView(d, 60)
-        await view.refresh()
-        routers.append(Activator(settings, d, CATALOG, workers, view, audit=audit))  # type: ignore[arg-type]
+    routers = await _routers(d, workers, settings, audit)
     creator, other = routers
     rec = SessionRecord(id="c1", state=SessionState.PENDING, actorTemplate="counter", pool="default",
                         tenant="team-a", createdAt=now, updatedAt=now, lastActiveAt=now)

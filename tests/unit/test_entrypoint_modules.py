@@ -6,16 +6,14 @@ code runs in the control plane), and is not made for catalogs whose workers may 
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from substrate.cli import app
 from substrate.settings import EXAMPLES_DIR
 from substrate.specs import SpecError, load_catalog, load_documents, module_findable
+from tests.cli_up import up_on_a_taken_port
 
 POOL = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: default}\nspec: {replicas: 1, slots: 2}\n"
 TEMPLATE = "---\napiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: %s}\nspec: {entrypoint: '%s'}\n"
@@ -75,11 +73,7 @@ def test_up_with_such_a_config_is_one_error_line_and_exit_2(tmp_path: Path, monk
     monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "var"))
     monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
     cfg = _config(tmp_path, ("broken", "nosuch.module:Agent"))
-    with socket.socket() as s:  # a taken port: were the check missing, `up` would stop at the port check
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
-                                     "--config", str(cfg)])
+    r = up_on_a_taken_port(cfg)  # were the check missing, `up` would stop at the port check
     assert r.exit_code == 2, r.output
     lines = r.output.strip().splitlines()
     assert lines[0].startswith("error: ") and "'broken'" in r.output and "'nosuch.module'" in r.output, r.output
@@ -115,11 +109,7 @@ def test_up_with_a_misspelt_kind_is_one_error_line_and_exit_2(tmp_path: Path, mo
     monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
     cfg = _config(tmp_path, ("counter", "workers.agents.counter:Counter"))
     (cfg / "typo.yaml").write_text("apiVersion: substrate.agent.dev/v1\nkind: ActorTemplat\nmetadata: {name: t}\n")
-    with socket.socket() as s:  # a taken port: were the kind still skipped, `up` would stop at the port check
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
-                                     "--config", str(cfg)])
+    r = up_on_a_taken_port(cfg)  # were the check missing, `up` would stop at the port check
     assert r.exit_code == 2, r.output
     line = " ".join(r.output.split())  # the console may wrap the one line
     assert line.startswith(f"error: {cfg / 'typo.yaml'} document 1: kind 'ActorTemplat' is not a kind of "

@@ -6,16 +6,14 @@ on the cgroup folder's lock). ``substrate.backends.local.check_capacity`` now sa
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from substrate.backends.local import check_capacity, max_workers
-from substrate.cli import app
 from substrate.settings import Settings
 from substrate.specs import SpecError, load_documents, parse_yaml_documents
+from tests.cli_up import up_on_a_taken_port
 
 TEMPLATE = """---
 apiVersion: substrate.agent.dev/v1
@@ -81,11 +79,7 @@ def test_up_with_a_huge_pool_is_one_error_line_and_exit_2(tmp_path: Path, monkey
     cfg.mkdir()
     (cfg / "pool.yaml").write_text(_pool("a", "{replicas: 100000, slots: 4}"))
     (cfg / "templates.yaml").write_text(TEMPLATE)
-    with socket.socket() as s:  # a taken port: were the check missing, `up` would stop at the port check
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
-                                     "--config", str(cfg)])
+    r = up_on_a_taken_port(cfg)  # were the check missing, `up` would stop at the port check
     assert r.exit_code == 2, r.output
     line = " ".join(r.output.split())
     assert line.startswith(f"error: {cfg}: WorkerPool a: 100000 workers (spec.replicas) x 4 slots: 100000 worker "

@@ -4,7 +4,6 @@ is not UTF-8 and a symlink loop each ended ``substrate up`` with a 40-50 line tr
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from typer.testing import CliRunner
 
 from substrate.cli import app
 from substrate.specs import SpecError, load_catalog
+from tests.cli_up import up_on_a_taken_port
 
 POOL = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: default}\nspec: {replicas: 1, slots: 2}\n"
 HEAD = "apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\n"
@@ -69,11 +69,7 @@ def test_up_says_it_in_one_line_and_exits_2(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path / "var"))
     monkeypatch.delenv("SUBSTRATE_API__AUTH_TOKEN", raising=False)
     cfg, bad = _config(tmp_path, case)
-    with socket.socket() as s:  # a taken port: were the file accepted, `up` would stop at the port check
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        r = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--port", str(s.getsockname()[1]),
-                                     "--config", str(cfg)])
+    r = up_on_a_taken_port(cfg)  # were the check missing, `up` would stop at the port check
     assert r.exit_code == 2, r.output
     line = " ".join(r.output.split())
     assert line.startswith(f"error: {bad}") and CASES[case] in line, r.output
