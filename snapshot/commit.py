@@ -52,7 +52,7 @@ class SnapshotManager:
         self.directory = directory
         self.settings = settings
         self.tmp_dir = tmp_dir
-        tmp_dir.mkdir(parents=True, exist_ok=True)
+        tmp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # archives in flight: sessions' data
         self._seq = itertools.count(int(time.time() * 1000) % 1_000_000)
 
     async def capture(self, sid: str, epoch: int, template: str, workspace: Path,

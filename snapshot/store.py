@@ -256,20 +256,37 @@ class LocalDirStore:
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = Path(root)
         self.fsync = fsync
+        self._private = False
 
     def _path(self, key: str) -> Path:
         _check_key(key)
         return self.root / key
 
+    def _make_private(self) -> None:
+        """The store's folder is its owner's only (0700), once per instance: snapshots hold sessions'
+        workspaces and state, and were 0644 under a 0755 folder (a fresh-user run untarred them as
+        ``nobody``). A folder of another owner is left as it is (a warning says so)."""
+        if self._private:
+            return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            if self.root.stat().st_mode & 0o077:
+                os.chmod(self.root, 0o700)
+        except OSError as e:
+            log.warning("cannot make the snapshot folder %s private to this user (%s): other local users "
+                        "may read the snapshots", self.root, e.strerror or e)
+        self._private = True
+
     def _put(self, key: str, src: Any) -> None:
         target = self._path(key)
         try:
+            self._make_private()
             target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():  # cheap early answer; the link below is the real guard
                 raise _exists(key)
             tmp = target.parent / f"{_TMP_MARK}{target.name}.{uuid.uuid4().hex[:8]}"
             try:
-                with open(tmp, "xb") as dst:
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as dst:
                     shutil.copyfileobj(src, dst, _COPY_CHUNK)
                     if self.fsync:
                         dst.flush()

@@ -70,6 +70,29 @@ def die_with_parent_hook() -> "Callable[[], None]":
     return hook
 
 
+def private_folder(path: Path) -> None:
+    """Make ``path`` (a folder of this runtime's own data) readable by its owner only (mode 0700).
+
+    A folder this process does not own is left as it is, with a warning: it may be a shared folder the
+    user chose on purpose (``chmod`` would fail there anyway)."""
+    try:
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, 0o700)
+    except OSError as e:
+        log.warning("cannot make %s private to this user (%s): other local users may read what it holds",
+                    path, e.strerror or e)
+
+
+def _private_files(hook: "Callable[[], None]") -> "Callable[[], None]":
+    """``hook`` preceded by ``umask 077``: what the child creates is its owner's only."""
+
+    def run() -> None:
+        os.umask(0o077)
+        hook()
+
+    return run
+
+
 def _free_port() -> int:
     return free_port()  # outside the ephemeral range: see substrate.netports
 
@@ -114,7 +137,11 @@ class EmbeddedRedis:
 
     def _dir(self) -> str:
         if self.data_dir is not None:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # private to the runtime's user: the append-only file holds every session record and the
+            # activation-token signing keys, and redis-server writes it 0644 (a fresh-user run read them as
+            # ``nobody`` and minted worker tokens); the folder's mode closes every file in it
+            self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_folder(self.data_dir)
             return str(self.data_dir.resolve())
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="substrate-redis-")
@@ -166,7 +193,7 @@ class EmbeddedRedis:
             [self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
              "--dir", self._dir(), "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent_hook())
+            start_new_session=True, preexec_fn=_private_files(die_with_parent_hook()))
         if self.data_dir is not None:
             (Path(self._dir()) / "redis.pid").write_text(str(self.proc.pid))
         assert self.proc.stdin is not None

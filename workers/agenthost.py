@@ -99,7 +99,10 @@ class Host:
         sent = True
         tag = {} if self.rid is None else {"id": self.rid}
         try:
-            line = json.dumps({**msg, **tag}).encode()
+            # strict JSON (RFC 8259): NaN and Infinity are not JSON, and a lone surrogate is not Unicode
+            # (UTF-8 cannot encode it); an answer holding either reached clients as invalid JSON labelled
+            # application/json (fresh-user round 14)
+            line = json.dumps({**msg, **tag}, allow_nan=False, ensure_ascii=False).encode()
         except (TypeError, ValueError, RecursionError) as e:
             line = json.dumps({"error": f"agent answered something that is not JSON: {e}",
                                "code": "agent_error", **tag}).encode()

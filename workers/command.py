@@ -48,6 +48,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import re
 import secrets
 import sys
 import time
@@ -58,6 +60,9 @@ from workers.handler import Agent, AgentError, SessionContext
 from workers.sandbox import WORKSPACE_PATH, HostProcess, Limits, SandboxPool, Slot
 
 _STOP_GRACE_S = 2.0
+#: the error codes an agent host answers to any request (``workers.agenthost``); ``snapshot`` may also
+#: answer ``state_too_large``, ``start`` ``state_load_failed`` (``_expect_ok``)
+_HOST_CODES = frozenset({"agent_error", "agent_crashed", "memory_limit_exceeded", "output_too_large"})
 _STATUS = {"turn_timeout": 504, "memory_limit_exceeded": 422, "agent_crashed": 500, "agent_error": 422,
            "agent_start_failed": 500, "output_too_large": 422, "state_load_failed": 422, "state_too_large": 422,
            "agent_protocol_violation": 500}
@@ -71,6 +76,46 @@ LINE_SLACK_BYTES = 64 * 1024
 def _keys(msg: dict[str, Any]) -> str:
     """A stray line's first keys, for an error message (never its values: they may be large)."""
     return ", ".join(repr(str(k)[:40]) for k in list(msg)[:6]) or "none"
+
+
+
+#: a number literal whose exponent may overflow a float (``1e999`` parses as inf): checked only then
+_BIG_EXPONENT = re.compile(rb"[eE][+]?[0-9]{3}")
+#: a ``\uD800``-``\uDFFF`` escape: only then can a parsed string hold a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if math.isinf(v):
+        raise ValueError(f"{text} is out of a double's range")
+    return v
+
+
+def strict_json(line: bytes) -> Any:
+    """``json.loads`` of an agent's protocol line, refusing what is not strict JSON (RFC 8259) or not
+    Unicode: ``NaN``/``Infinity``, a number out of a double's range, and a string holding a lone
+    surrogate (an escape such as ``"\ud800"``). Python accepts all of them and writes them back out,
+    so an answer holding one reached clients as invalid JSON (fresh-user round 14). The checks run only
+    when a cheap scan of the raw line finds what they look for. Raises ``ValueError``."""
+    msg = json.loads(line, parse_constant=_no_constant,
+                     parse_float=_finite if _BIG_EXPONENT.search(line) else None)
+    if _SURROGATE_ESCAPE.search(line):
+        stack = [msg]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                v.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+            elif isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+    return msg
 
 
 class TurnFailed(SubstrateError):
@@ -200,10 +245,10 @@ class HostedAgent(Agent):
         if not line:
             raise await self._died("agent process exited")
         try:
-            msg = json.loads(line)
+            msg = strict_json(line)
         except (ValueError, RecursionError) as e:
             await self._kill()
-            raise TurnFailed(f"agent wrote a line that is not JSON: {line[:200]!r}", "agent_crashed") from e
+            raise TurnFailed(f"agent wrote a line that is not JSON ({e}): {line[:200]!r}", "agent_crashed") from e
         if not isinstance(msg, dict):
             await self._kill()
             raise TurnFailed(f"agent wrote a JSON line that is not an object: {line[:200]!r}", "agent_crashed")
@@ -364,19 +409,23 @@ class HostedAgent(Agent):
                 raise self._error(msg)
 
     @staticmethod
-    def _error(msg: dict[str, Any]) -> Exception:
+    def _error(msg: dict[str, Any], also: tuple[str, ...] = ()) -> Exception:
+        """The exception for an agent host's error answer: its ``code`` if the host may answer it to this
+        request (``_HOST_CODES`` plus ``also``), else ``agent_crashed``. The agent's own code can write
+        any line to the protocol pipe: a forged ``state_load_failed`` answering a turn was passed on as
+        422 ``state_load_failed`` while the session stayed RUNNING (fresh-user round 14)."""
         code = str(msg.get("code") or "agent_error")
         text = str(msg.get("error", msg))
         if code == "agent_error":
             return AgentError(text)
-        return TurnFailed(text, code if code in _STATUS else "agent_crashed")
+        return TurnFailed(text, code if code in _HOST_CODES or code in also else "agent_crashed")
 
     async def snapshot(self) -> dict[str, Any]:
         await self._ensure()
         rid = await self._send({"op": "snapshot"})
         msg = await self._recv(self._deadline(), rid, kinds=("state",))
         if "state" not in msg:
-            err = self._error(msg)
+            err = self._error(msg, also=("state_too_large",))
             # a snapshot's callers (suspend, periodic snapshot) handle ``SubstrateError``s only: an agent
             # that refuses a snapshot is a failed call of 422 ``agent_error``, never an unhandled exception
             raise TurnFailed(str(err), "agent_error") if isinstance(err, AgentError) else err

@@ -17,6 +17,7 @@ No timing is asserted.
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -72,6 +73,38 @@ spec:
   - "-c"
   - |
 {textwrap.indent(MIDCRASH, "    ")}"""
+
+# a command agent whose answers are what its input names: JSON that is not strict JSON or not Unicode,
+# or an error code no turn may answer with
+FORGER = """import json, sys
+BAD = {"nan": '{"output": NaN', "inf": '{"output": 1e999', "surrogate": '{"output": "a\\\\ud800b"',
+       "code": '{"error": "forged", "code": "state_load_failed"'}
+for line in sys.stdin:
+    msg = json.loads(line)
+    op, rid = msg.get("op"), json.dumps(msg.get("id"))
+    if op == "stop":
+        break
+    if op == "invoke" and msg.get("input") in BAD:
+        sys.stdout.write(BAD[msg["input"]] + ', "id": ' + rid + '}\\n')
+    else:
+        reply = {"output": {"echo": msg.get("input")}} if op == "invoke" else \\
+            {"state": {}} if op == "snapshot" else {"ok": True}
+        reply["id"] = msg.get("id")
+        sys.stdout.write(json.dumps(reply) + "\\n")
+    sys.stdout.flush()
+"""
+EXTRA += f"""
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: forger}}
+spec:
+  command:
+  - "{sys.executable}"
+  - "-u"
+  - "-c"
+  - |
+{textwrap.indent(FORGER, "    ")}"""
 
 FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
          'h.out.write(b\'{"output": "FORGED"}\\n\'); h.out.flush()\n"real"')
@@ -248,5 +281,44 @@ def test_a_replay_after_crashes_carries_the_marker_of_the_activation_that_ran_it
         for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At"):
             assert lost.headers.get(h) is not None and again.headers.get(h) == lost.headers.get(h), (h, lost.headers)
         assert lost.headers["X-Substrate-Restored"] == "agent_restarted"
+    finally:
+        c.delete_session(sid)
+
+
+def _not_json(name: str) -> None:
+    raise AssertionError(f"{name} in an answer")
+
+
+@pytest.mark.parametrize("what", ["nan", "inf", "surrogate"])
+def test_an_answer_that_is_not_strict_json_never_reaches_the_client(rt: RuntimeProc, what: str) -> None:
+    """Regression (fresh-user round 14): an agent's ``NaN``, ``1e999`` or lone surrogate ``"\\ud800"``
+    was passed on as the turn's answer, invalid JSON labelled application/json (strict parsers such
+    as JavaScript's JSON.parse or Go's fail on it). Such a line is not JSON: the agent is ended (500
+    ``agent_crashed``) and the session comes back on its next turn."""
+    c = rt.client
+    sid = c.create_session("forger")["id"]
+    try:
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": what})
+        assert (r.status_code, r.json()["code"]) == (500, "agent_crashed"), r.text
+        json.loads(r.content.decode("utf-8"), parse_constant=_not_json)  # strict JSON, valid UTF-8
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "next"})
+        assert r.status_code == 200 and r.json()["output"] == {"echo": "next"}, r.text
+    finally:
+        c.delete_session(sid)
+
+
+def test_an_error_code_a_turn_cannot_have_is_answered_as_a_crash(rt: RuntimeProc) -> None:
+    """Regression (fresh-user round 14): a turn answered with the code ``state_load_failed`` (the
+    agent's word, at a wake, that the saved state cannot be loaded) was passed on as 422
+    ``state_load_failed`` while the session stayed RUNNING. A code the agent host never answers to a
+    turn is the agent misbehaving: 500 ``agent_crashed``; the session goes on."""
+    c = rt.client
+    sid = c.create_session("forger")["id"]
+    try:
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "code"})
+        assert (r.status_code, r.json()["code"]) == (500, "agent_crashed"), r.text
+        assert c.get_session(sid)["state"] == "RUNNING"
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "next"})
+        assert r.status_code == 200 and "X-Substrate-Restored" not in r.headers, r.text
     finally:
         c.delete_session(sid)

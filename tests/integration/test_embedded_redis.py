@@ -99,3 +99,45 @@ def test_cli_commands_find_the_running_embedded_redis(tmp_path: Path) -> None:
         f = url_file(tmp_path / "redis")
         assert f.read_text().strip() == a.url and (f.stat().st_mode & 0o777) == 0o600
     assert not f.exists()
+
+
+def _readable_by_nobody(path: Path) -> bool:
+    """Whether uid/gid 65534 can read ``path`` (a real open as that user, via setpriv)."""
+    import subprocess
+
+    r = subprocess.run(["/usr/bin/setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                        "/bin/cat", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reading as another user needs root to switch to it")
+def test_the_append_only_file_is_not_readable_by_other_local_users() -> None:
+    """Regression (fresh-user round 14): redis-server wrote its append-only files 0644 in 0755 folders, so
+    any local user read the session records and the activation-token signing keys and minted worker
+    tokens. A folder left 0755 by an older version is made private too."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="substrate-private-", dir="/tmp"))  # enterable by every user
+    tmp_path.chmod(0o755)
+    try:
+        _check_private(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_private(tmp_path: Path) -> None:
+    folder = tmp_path / "redis"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    with EmbeddedRedis(folder) as a:
+        redis.Redis.from_url(a.url).hset("substrate:auth:signing", mapping={"k1": "secret-key-material"})
+        redis.Redis.from_url(a.url).execute_command("BGREWRITEAOF")
+        files = [p for p in folder.rglob("*") if p.is_file() and p.suffix in (".aof", ".rdb", ".manifest")]
+        assert files, "an append-only file was written"
+        _wait(lambda: any(b"secret-key-material" in p.read_bytes() for p in folder.rglob("*") if p.is_file()))
+        assert folder.stat().st_mode & 0o777 == 0o700
+        for p in folder.rglob("*"):
+            if p.is_file():
+                assert not _readable_by_nobody(p), f"{p} is readable by another user"
+                assert p.stat().st_mode & 0o077 == 0 or p.name in ("redis.pid",), oct(p.stat().st_mode)
