@@ -775,7 +775,16 @@ class Worker:
                 ref = await self._capture(act, epoch)
             except BaseException as e:
                 if act.agent.dead:  # suspended from its last snapshot instead, and the next answer says so
-                    await self._end_dead(act, f"found dead by a suspend: {e}")
+                    moved = await self._end_dead(act, f"found dead by a suspend: {e}")
+                    if moved and reason == "explicit" and isinstance(e, TurnFailed) and not isinstance(e, AgentGone):
+                        # this suspend's own snapshot call ended the agent (it hung past the turn timeout,
+                        # ran out of memory, crashed): the caller is told, never a 202 naming a snapshot
+                        # that holds none of the state it asked to save (fresh-user round 14)
+                        raise TurnFailed(
+                            f"the suspend could not snapshot the agent ({e}); its process was ended, so the "
+                            "session is SUSPENDED from its last committed snapshot and its state since then "
+                            "is gone (with no snapshot yet, its next wake starts it empty)",
+                            e.code, details={"state": SessionState.SUSPENDED.value}) from e
                     raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
                                                 to=SessionState.RUNNING)
@@ -1031,7 +1040,7 @@ class Worker:
         return {"X-Substrate-Restored": restored,
                 **({"X-Substrate-Restored-Snapshot-At": f"{at:.6f}"} if at is not None else {})}
 
-    async def _end_dead(self, act: Activation, what: str, failed_key: str | None = None) -> None:
+    async def _end_dead(self, act: Activation, what: str, failed_key: str | None = None) -> bool:
         """End an activation whose agent died (crash, memory limit, turn timeout): the record goes (guarded
         by epoch and worker) to SUSPENDED with a new epoch, marked ``agent_restarted``, so the next turn
         restores its last committed snapshot elsewhere or here, and every answer of that activation says
@@ -1043,7 +1052,8 @@ class Worker:
         (``carriedAnswers``, the newest 16) to the next activation: a retry of that turn is answered with
         its error, never run again (an SDK retrying a 504 would otherwise rerun a turn that times out);
         ``failed_key``: the key of a streamed turn that killed the agent, whose kept answer (its NDJSON lines,
-        ending in the error) has the stream's status 200 and goes with them."""
+        ending in the error) has the stream's status 200 and goes with them. Returns whether this call
+        moved the record to SUSPENDED."""
         act.closing = True
         moved = deleted = False
         # ``failed_key``: a streamed turn that failed in-band (its kept answer's status is the stream's 200)
@@ -1082,6 +1092,7 @@ class Worker:
             # that lost its CAS was made by someone else, who records it; one the directory never saw is
             # repaired (and recorded) by the router as ``activation_lost``
             await self._left_live("recover", act, reason="agent_restarted")
+        return moved
 
     def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str, *,
                       routers: bool = False) -> None:

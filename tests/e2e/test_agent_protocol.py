@@ -106,6 +106,37 @@ spec:
   - |
 {textwrap.indent(FORGER, "    ")}"""
 
+# a command agent whose snapshot hangs once armed (its turns answer at once)
+SLOWSNAP = """import json, sys, time
+armed = False
+for line in sys.stdin:
+    msg = json.loads(line)
+    op = msg.get("op")
+    if op == "stop":
+        break
+    if op == "snapshot" and armed:
+        time.sleep(600)
+    if op == "invoke":
+        armed = armed or msg.get("input") == "arm"
+    reply = {"output": {"armed": armed}} if op == "invoke" else {"state": {}} if op == "snapshot" else {"ok": True}
+    reply["id"] = msg.get("id")
+    sys.stdout.write(json.dumps(reply) + "\\n")
+    sys.stdout.flush()
+"""
+EXTRA += f"""
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: slowsnap}}
+spec:
+  isolation: {{turnTimeout: 2s}}
+  command:
+  - "{sys.executable}"
+  - "-u"
+  - "-c"
+  - |
+{textwrap.indent(SLOWSNAP, "    ")}"""
+
 FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
          'h.out.write(b\'{"output": "FORGED"}\\n\'); h.out.flush()\n"real"')
 
@@ -320,5 +351,27 @@ def test_an_error_code_a_turn_cannot_have_is_answered_as_a_crash(rt: RuntimeProc
         assert c.get_session(sid)["state"] == "RUNNING"
         r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "next"})
         assert r.status_code == 200 and "X-Substrate-Restored" not in r.headers, r.text
+    finally:
+        c.delete_session(sid)
+
+
+def test_a_suspend_whose_snapshot_ends_the_agent_says_so_instead_of_202(rt: RuntimeProc) -> None:
+    """Regression (fresh-user round 14): a suspend whose snapshot call hung past the turn timeout (or ran
+    out of memory) answered 202 SUSPENDED with ``snapshot: null``: the state it asked to save was gone, and
+    the trail had no record of the suspend. Now the suspend answers the failure (504 ``turn_timeout``),
+    says the session is SUSPENDED from its last snapshot, and leaves its record."""
+    c = rt.client
+    sid = c.create_session("slowsnap")["id"]
+    try:
+        assert c.invoke(sid, "arm") == {"armed": True}
+        r = c.http.post(f"/v1/sessions/{sid}/suspend")
+        assert (r.status_code, r.json()["code"]) == (504, "turn_timeout"), r.text
+        assert "could not snapshot" in r.json()["message"] and r.json()["details"]["state"] == "SUSPENDED"
+        assert c.get_session(sid)["state"] == "SUSPENDED"
+        records = [(ev["action"], ev["result"]) for ev in _events(rt, sid)]
+        assert ("suspend", "turn_timeout") in records, records
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})  # back, empty, and it says so
+        assert r.status_code == 200 and r.json()["output"] == {"armed": False}, r.text
+        assert r.headers.get("X-Substrate-Restored", "").startswith("agent_restarted"), r.headers
     finally:
         c.delete_session(sid)
