@@ -314,6 +314,13 @@ def load_documents(docs: list[Any], source: str = "<memory>", *, log_warnings: b
                     # worker is: every create of it is refused (fresh-user round 10)
                     warns.append(f"has spec.quota.{zero[0]} 0: every tenant's creates of it are refused (429 "
                                  "quota_*) until it is raised")
+                if not t.spec.isolation.sandbox:
+                    # it loads (the opt-out is documented), but said at start: such an agent sees the machine
+                    # (fresh-user round 14: one ran as root and read the runtime's Redis password)
+                    warns.append("has isolation.sandbox false: its agents run without namespaces or the "
+                                 "seccomp filter and see this machine's files, processes and network, as "
+                                 "their slot's unprivileged uid (as the runtime's user if that uid cannot run "
+                                 "this Python: the worker's log says so)")
                 if not (t.spec.entrypoint or t.spec.command):
                     # it loads (the seed's template is one), but every create of it is refused by the API:
                     # said once here, at start, not first at a create (fresh-user run with the seed)

@@ -212,13 +212,14 @@ def _unshare(uid: int | None, network: str) -> list[str]:
     return out
 
 
-def _setpriv(uid: int | None) -> list[str]:
-    """util-linux ``setpriv``: become the slot uid with no groups and no capabilities at all (bwrap has
-    already set no_new_privs, so no setuid binary can regain any)."""
+def _setpriv(uid: int | None, *, no_new_privs: bool = False) -> list[str]:
+    """util-linux ``setpriv``: become the slot uid with no groups and no capabilities at all (in a sandbox
+    bwrap has already set no_new_privs, so no setuid binary can regain any; ``no_new_privs`` sets it
+    here, for a host without bwrap)."""
     if uid is None:
         return []
     return ["/usr/bin/setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all", "--"]
+            "--inh-caps=-all", "--bounding-set=-all", *(["--no-new-privs"] if no_new_privs else []), "--"]
 
 
 # ------------------------------------------------------------------------------------------------ uids
@@ -555,6 +556,9 @@ class SandboxPool:
         #: what a pre-started host is spawned with (its kind: sandboxed with network none, or not)
         self.prestart_limits = Limits() if require_sandbox else Limits(sandboxed=False)
         self.as_root = os.geteuid() == 0
+        #: opted-out hosts (``isolation.sandbox: false``) run as their slot's uid: None until the first
+        #: one is spawned (``_probe_unsandboxed_uid``), then whether that uid can run the host
+        self.unsandboxed_uid_ok: bool | None = None
         self.uid_lock_dir = uid_lock_dir
         self._worker_lock: int | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -957,7 +961,10 @@ class SandboxPool:
         """The command line of a host in ``slot`` (bwrap + python, or python alone when opted out)."""
         host = [sys.executable, "-s", "-B", "-m", "workers.agenthost"]
         if not limits.sandboxed:
-            return host
+            # opted out (no namespaces, no seccomp): still not root when the slot's uid can run the host
+            # (``unsandboxed_uid_ok``); a fresh-user run's opted-out agent ran as root and read the
+            # runtime's Redis password, every workspace and every snapshot
+            return [*_setpriv(slot.uid, no_new_privs=True), *host] if self.unsandboxed_uid_ok else host
         assert self.bwrap
         a = [self.bwrap, *_unshare(slot.uid, limits.network), "--die-with-parent", "--new-session",
              "--hostname", "sandbox", "--clearenv"]
@@ -1007,10 +1014,36 @@ class SandboxPool:
             out += ["/bin/sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"',
                     "sh", *(str(d / "cgroup.procs") for d in slot.cgroup.dirs.values()), "--"]
         out += ["/usr/bin/prlimit", "--core=0:0"]
-        if limits.processes and slot.uid is not None and limits.sandboxed:  # counts the slot uid's processes
+        # counts the slot uid's processes: only when the host runs as that uid
+        if limits.processes and slot.uid is not None and (limits.sandboxed or self.unsandboxed_uid_ok):
             out.append(f"--nproc={limits.processes}:{limits.processes}")
         self._check_reaper()
         return out + ["--", "/usr/bin/setpriv", "--pdeathsig", "KILL", "--"]
+
+    async def _probe_unsandboxed_uid(self, slot: Slot) -> None:
+        """Find out once whether an opted-out host can run as a slot's unprivileged uid: it needs to read
+        this Python, its packages and the project's ``workers`` package, and to enter its slot's folder,
+        any of which may sit in a folder only root can enter (``/root``). Sets ``unsandboxed_uid_ok``; if not, opted-out hosts run as
+        this process's user, said once in the log with the reason."""
+        # and to reach the slot's folder: a data folder under /root (a checkout there) cannot be entered
+        argv = [*_setpriv(slot.uid, no_new_privs=True), sys.executable, "-s", "-B", "-c",
+                "import os, sys, workers.agenthost; os.chdir(sys.argv[1])", str(slot.dir.resolve())]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE, env=self.base_env(Limits(sandboxed=False)), cwd="/", close_fds=True)
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+            ok, why = proc.returncode == 0, err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        except (OSError, asyncio.TimeoutError) as e:
+            ok, why = False, [str(e) or type(e).__name__]
+        if self.unsandboxed_uid_ok is None:
+            self.unsandboxed_uid_ok = ok
+            if not ok:
+                log.warning("agents of templates with isolation.sandbox false run as this worker's user (root): "
+                            "the slot's unprivileged uid cannot run this Python or enter the worker's folder "
+                            "(%s); keep Python, the project and SUBSTRATE_DATA_DIR where every user can enter "
+                            "them (not under /root) to run them unprivileged",
+                            why[0][:300])
 
     def base_env(self, limits: Limits) -> dict[str, str]:
         """The fixed minimum environment of a host (the template and session env come with ``init``)."""
@@ -1025,6 +1058,8 @@ class SandboxPool:
         ``limits`` could not be put in force; nothing is started)."""
         if limits.sandboxed and self.unavailable:
             raise SandboxUnavailable(self.unavailable)
+        if not limits.sandboxed and slot.uid is not None and self.unsandboxed_uid_ok is None:
+            await self._probe_unsandboxed_uid(slot)
         cg = slot.cgroup
         if cg is not None:
             cg.freeze(False)
