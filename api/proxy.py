@@ -520,7 +520,9 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             continue
         except TimeoutError as e:
             cache.drop(sid)
-            raise WorkerUnavailable(f"worker {route.worker} did not answer within the invoke timeout",
+            raise WorkerUnavailable(f"worker {route.worker} did not answer within the invoke timeout "
+                                    f"({s.api.invoke_timeout_s:g} s): the turn may still be running there; retry "
+                                    "with the same Idempotency-Key to get its answer instead of running it again",
                                     code="invoke_timeout") from e
         if resp.status in (404, 409, 503):
             try:
