@@ -20,6 +20,7 @@ The slot of a suspending session is released by the caller only after ``commit``
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import itertools
 import logging
@@ -33,12 +34,26 @@ from snapshot.archive import WorkspaceNotArchivable, pack, unpack_stream
 from snapshot.store import ObjectStore, session_prefix, snapshot_key
 from substrate import metrics
 from substrate.directory import Directory
-from substrate.errors import InvalidInput, NotFound, SnapshotCorrupt
+from substrate.errors import InvalidInput, NotFound, SnapshotCorrupt, StoreUnavailable
 from substrate.models import SessionState, SnapshotRef
 from substrate.settings import SnapshotSettings
 
 log = logging.getLogger(__name__)
 
+
+
+#: errnos of a condition of this worker (disk full, quota, out of files or memory), not of the workspace
+#: or the snapshot: the operation is answered 503 and may be retried; nothing is refused or condemned
+LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _local_failure(what: str, e: OSError, outcome: str) -> StoreUnavailable:
+    """503 ``snapshot_store_unavailable`` (retryable) for ``e``, an error of this worker's own disk or
+    limits, named with its reason (``details.reason`` ``worker_disk``)."""
+    err = StoreUnavailable(f"{what}: this worker's disk or limits failed ({e.strerror or e}); {outcome}; "
+                           "retry (free space on the worker's SUBSTRATE_WORKER__ROOT_DIR if it persists)",
+                           details={"reason": "worker_disk", "errno": e.errno}, retry_after_s=5)
+    return err
 
 class SnapshotManager:
     """Capture, commit and restore snapshots for the activations of one worker.
@@ -77,8 +92,13 @@ class SnapshotManager:
                 raise InvalidInput(f"snapshot of {sid!r} not taken: {e}", code=e.code) from e
             except (FileNotFoundError, NotADirectoryError):
                 raise  # the activation went away meanwhile: the caller's concern
-            except OSError as e:  # e.g. ENAMETOOLONG, EACCES on a file the agent made unreadable
-                raise InvalidInput(f"snapshot of {sid!r} not taken: {e.strerror or e} ({e.filename})",
+            except OSError as e:
+                if e.errno in LOCAL_ERRNOS:  # this worker's disk or limits, not the workspace: retry
+                    raise _local_failure(f"snapshot of {sid!r} not taken", e,
+                                         "the session keeps running with all its state") from e
+                # e.g. ENAMETOOLONG, EACCES on a file the agent made unreadable
+                where = f" ({e.filename})" if e.filename else ""
+                raise InvalidInput(f"snapshot of {sid!r} not taken: {e.strerror or e}{where}",
                                    code="workspace_unreadable") from e
             t1 = time.perf_counter()
             key = snapshot_key(self.settings.prefix, sid, epoch, next(self._seq))
@@ -150,7 +170,14 @@ class SnapshotManager:
                 unpack_stream, workspace=workspace, expect_session=sid, expect_sha256=ref.sha256, owner=owner))
         except NotFound as e:
             raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"}) from e
-        except OSError as e:  # name too long, disk full, ...: this snapshot cannot be restored here
+        except OSError as e:
+            if e.errno in LOCAL_ERRNOS:
+                # this worker's disk is full (or out of files or memory) for the moment: the snapshot is
+                # sound and stays the session's; condemning it made a few retries during a disk-full
+                # minute discard every snapshot a session had (fresh-user round 15)
+                raise _local_failure(f"snapshot {ref.key!r} not restored", e,
+                                     "the session stays SUSPENDED with its snapshot") from e
+            # name too long, ...: this snapshot cannot be restored here
             raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {e.__class__.__name__}: {e}",
                                   details={"reason": "os_error", "errno": e.errno}) from e
         metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="restore").observe(time.perf_counter() - t0)

@@ -121,7 +121,11 @@ def script_failure(e: BaseException) -> SubstrateError | None:
     ``user_script:<line>``): a bug of ours, 500 ``internal``, not an unavailable Redis (a fresh-user run:
     a quota script's arithmetic on nil was answered 503 "Redis unavailable" with ``Retry-After: 1``, and
     would have marked the directory unavailable). None for any other error."""
-    if "user_script:" not in str(e):
+    text = str(e)
+    # Redis refusing writes (a script's write included) for a reason of its own: its disk is full or
+    # failing (MISCONF), it is out of memory (OOM), it is a replica (READONLY): unavailable, not a bug
+    # (fresh-user round 15: a full disk under the AOF answered 500 ``internal`` "a bug")
+    if "user_script:" not in text or any(w in text for w in ("MISCONF", "OOM command", "READONLY", "NOREPLICAS")):
         return None
     return SubstrateError(f"a session directory script failed (a bug, not an unavailable Redis): {e}")
 
