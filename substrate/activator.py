@@ -60,6 +60,7 @@ from substrate.directory import CasResult, Directory
 from substrate.errors import (
     Conflict,
     DirectoryUnavailable,
+    InvalidInput,
     NoCapacity,
     NotFound,
     SessionDeleted,
@@ -1202,6 +1203,13 @@ class Activator:
         activation (False: another process won it). Raises ``TooManyRequests`` (429 ``quota_*``) before
         anything is claimed if the quota is full now (a dry check: a wake that will be refused must not
         lazy-suspend anyone for its slot); the binding take follows the claim (``_resume_placed``)."""
+        if rec.actorTemplate not in self.catalog.templates:
+            # the session's own template, not one the request named: say so, and what can be done
+            # (fresh-user round 15: "unknown actorTemplate 'shell' (known: ...)" read as a bad request)
+            raise InvalidInput(f"session {rec.id!r} uses actorTemplate {rec.actorTemplate!r}, which this runtime "
+                               "no longer defines: restore the template in the config (its snapshot is kept) "
+                               "or DELETE the session", code="unknown_template",
+                               details={"actorTemplate": rec.actorTemplate})
         template = self.catalog.template(rec.actorTemplate)
         if self.quotas is not None:
             quotas = self.quotas
