@@ -93,3 +93,57 @@ async def test_a_resume_overtaken_by_a_concurrent_suspend_is_409_not_200_naming_
     act.wake_retrying = wake  # type: ignore[method-assign]
     route, rec = await act.resume_explicit("s1", tenant="team-a")
     assert rec.state == SessionState.RUNNING and rec.epoch == route.epoch
+
+
+class CommitsThenDies:
+    """A worker's suspend that commits (RUNNING -> SUSPENDED with the new snapshot, as the worker's
+    commit script does) and then dies before its answer reaches the router."""
+
+    def __init__(self, d: Directory, *, commit: bool) -> None:
+        self.d = d
+        self.commit = commit
+
+    async def suspend(self, address: str, session: str, epoch: int, **_: Any) -> Any:
+        from substrate.models import SnapshotRef
+
+        if self.commit:
+            cas = await self.d.transition(session, from_states=[SessionState.RUNNING], epoch=epoch, worker="w1",
+                                          to=SessionState.SUSPENDING, deadline_s=60)
+            assert cas.ok
+            ref = SnapshotRef(key=f"snapshots/{session}/000000000004-1-x.tar.zst", epoch=epoch, createdAt=time.time(),
+                              sizeBytes=1, sha256="0" * 64, files=0)
+            ok, _ = await self.d.commit_snapshot(session, epoch=epoch, ref=ref, states=(SessionState.SUSPENDING,),
+                                                 to=SessionState.SUSPENDED, unset=("worker", "slot"), retention=2)
+            assert ok
+        raise WorkerUnavailable(f"worker at {address} closed the connection", code="worker_unavailable")
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_suspend_whose_worker_dies_after_committing_is_answered_as_done(directory: Directory,
+                                                                              committed: bool) -> None:
+    """Regression (fresh-user round 15): a worker killed right after a suspend's commit made the suspend
+    answer 502 ``worker_unavailable`` though the session was SUSPENDED with its new snapshot. The
+    directory decides: committed is success; not committed stays the 502."""
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                                 leaseExpiresAt=now + 60, startedAt=now))
+    rec = SessionRecord(id="s2", state=SessionState.RUNNING, actorTemplate="counter", pool="default",
+                        tenant="team-a", epoch=4, worker="w1", slot=0, createdAt=now, updatedAt=now, lastActiveAt=now)
+    await directory.create_session(rec)
+    view = WorkerView(directory, 60)
+    await view.refresh()
+    act = Activator(Settings(), directory, CATALOG, CommitsThenDies(directory, commit=committed), view)  # type: ignore[arg-type]
+    act.check_worker = _no_check  # type: ignore[method-assign]  (the worker is not really gone here)
+    told: list[bool] = []
+    if committed:
+        out = await act.suspend_explicit(rec, on_committed=lambda: told.append(True))
+        assert out.state == SessionState.SUSPENDED and out.snapshot is not None and out.snapshot.epoch == 4
+        assert told == [True]
+    else:
+        with pytest.raises(WorkerUnavailable):
+            await act.suspend_explicit(rec, on_committed=lambda: told.append(True))
+        assert told == []
+
+
+async def _no_check(*_: Any, **__: Any) -> None:
+    return None
