@@ -711,12 +711,18 @@ class Worker:
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
                 "sandboxed": spec.isolation.sandbox}
 
-    async def _capture(self, act: Activation, epoch: int) -> SnapshotRef:
+    async def _capture(self, act: Activation, epoch: int, *, deadline: float | None = None) -> SnapshotRef:
+        """The agent's state, then its workspace packed and uploaded (not committed). ``deadline`` (event
+        loop time) bounds the pack and upload: ``asyncio.TimeoutError`` past it. The agent's own call is
+        bounded by its turn timeout only: cut mid-answer, its line would arrive for no request."""
         state = self._with_answers(await act.agent.snapshot(), act)
         act.agent.freeze(True)  # no agent process runs while its workspace is packed
         try:
-            return await self.snapshots.capture(act.sid, epoch, act.template, act.workspace, state,
-                                                max_bytes=act.spec.isolation.disk_bytes)
+            upload = self.snapshots.capture(act.sid, epoch, act.template, act.workspace, state,
+                                            max_bytes=act.spec.isolation.disk_bytes)
+            if deadline is None:
+                return await upload
+            return await asyncio.wait_for(upload, max(0.1, deadline - asyncio.get_running_loop().time()))
         finally:
             act.agent.freeze(False)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id}
@@ -772,7 +778,18 @@ class Worker:
                 raise Conflict(f"session {sid!r} is {cas.state.value if cas.state else 'gone'}, not RUNNING",
                                code="invalid_state")
             try:
-                ref = await self._capture(act, epoch)
+                # within SUSPENDING's deadline: past it the state manager rolls the session back to RUNNING,
+                # and a store that hangs (each call retried, 30 s apiece) kept the caller waiting ~93 s for
+                # a failure the directory had settled at 60 s (fresh-user round 15)
+                budget_s = self.settings.state.transition_deadline_s * 0.9
+                try:
+                    ref = await self._capture(act, epoch, deadline=asyncio.get_running_loop().time() + budget_s)
+                except asyncio.TimeoutError:
+                    err = SubstrateError(f"suspend of {sid!r} did not finish within {budget_s:g} s (SUSPENDING's "
+                                         "deadline): the object store is too slow or hangs; the session stays "
+                                         "RUNNING with all its state", code="suspend_timeout", retry_after_s=5)
+                    err.status = 503
+                    raise err from None
             except BaseException as e:
                 if act.agent.dead:  # suspended from its last snapshot instead, and the next answer says so
                     moved = await self._end_dead(act, f"found dead by a suspend: {e}")

@@ -552,3 +552,28 @@ def test_a_closed_terminal_sighup_stops_gracefully_and_keeps_every_acknowledged_
     r = httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke", json={"input": "get"}, timeout=60)
     assert r.status_code == 200 and r.json()["output"] == {"count": 3}, r.text
     assert "x-substrate-restored" not in r.headers, r.headers
+
+
+def test_a_suspend_against_a_hanging_store_answers_within_its_deadline_and_keeps_the_session(
+        runtime_factory, moto_proc):
+    """Regression (fresh-user round 15): with the object store hanging, a suspend answered only after ~93 s
+    (the store's read timeout times its attempts), 33 s after the directory had rolled the session back
+    to RUNNING at SUSPENDING's deadline, and with ``snapshot_store_unavailable`` where the README says
+    ``suspend_timeout``. Now the pack and upload are bounded by that deadline (4 s here)."""
+    rt = runtime_factory(replicas=1, slots=4, env={**moto_proc.env(), "SUBSTRATE_STATE__TRANSITION_DEADLINE_S": "4"})
+    c = rt.client
+    s = c.create_session("counter")
+    c.invoke(s["id"], "increment")
+    moto_proc.freeze()
+    try:
+        with pytest.raises(ApiError) as e:
+            c.suspend(s["id"])
+        assert (e.value.status, e.value.code) == (503, "suspend_timeout"), e.value
+        assert "stays RUNNING with all its state" in e.value.message
+        got = c.get_session(s["id"])
+        assert got["state"] == "RUNNING" and got["snapshot"] is None
+        assert c.invoke(s["id"], "increment") == {"count": 2}, "nothing freed, nothing lost"
+    finally:
+        moto_proc.thaw()
+    assert c.suspend(s["id"])["state"] == "SUSPENDED"
+    assert c.invoke(s["id"], "get") == {"count": 2}
