@@ -105,6 +105,8 @@ _NOT_DELETED = tuple(s for s in SessionState if s != SessionState.DELETED)
 #: how long a delete that lost to a concurrent one waits for that one to remove the record (s); the
 #: record stays DELETED longer only if the process that marked it died (the state manager's scans repair it)
 DELETE_WAIT_S = 5.0
+#: a ``resume_timeout`` names the session's previous failed wake if it failed at most this long ago
+_WAKE_FAILURE_SAID_S = 600.0
 #: codes of an automatic suspend that was skipped, not attempted (mid-turn, moved on, gone): no audit record
 _SKIPPED = ("busy", "invalid_state", "not_active", "stale_epoch", "conflict")
 
@@ -263,6 +265,10 @@ class Activator:
         #: parked wakes whose wait for a slot or a permit has ended: ``perf_counter()`` then (the
         #: restore's park timeout counts from it; dropped when the wake ends)
         self._wait_ended: dict[str, float] = {}
+        #: the last wake of a session that failed in this process, as (monotonic time, code, message): a
+        #: later ``resume_timeout`` says so (fresh-user round 14: a wake whose agent start hung answered
+        #: "its wake goes on: retry" on every call while each wake failed); bounded, oldest dropped
+        self._wake_failed: OrderedDict[str, tuple[float, str, str]] = OrderedDict()
         #: retries of an activation on another worker when the chosen one is fenced (past its lease)
         self.max_fenced_retries = 3
         #: pool -> adaptive bound on this process's activations under way (``substrate.admission``)
@@ -1044,12 +1050,20 @@ class Activator:
             def _done(t: asyncio.Task[Route], f: asyncio.Future[Route] = fut) -> None:
                 self._wakes.pop(sid, None)
                 self._wait_ended.pop(sid, None)
+                exc = None if t.cancelled() else t.exception()
+                if isinstance(exc, SubstrateError) and exc.status >= 500 and not isinstance(exc, ResumeTimeout):
+                    self._wake_failed[sid] = (time.monotonic(), exc.code, exc.message)
+                    self._wake_failed.move_to_end(sid)
+                    while len(self._wake_failed) > 10_000:
+                        self._wake_failed.popitem(last=False)
+                elif exc is None and not t.cancelled():
+                    self._wake_failed.pop(sid, None)
                 if f.done():
                     return
                 if t.cancelled():
                     f.cancel()
-                elif t.exception() is not None:
-                    f.set_exception(t.exception())  # type: ignore[arg-type]
+                elif exc is not None:
+                    f.set_exception(exc)
                 else:
                     f.set_result(t.result())
             task.add_done_callback(_done)
@@ -1081,8 +1095,14 @@ class Activator:
                 else:
                     raise
         except asyncio.TimeoutError:
-            raise ResumeTimeout(f"session {sid!r} did not resume within {budget_s:g}s (its wake goes on: retry)",
-                                retry_after_s=self.settings.api.retry_after_s) from None
+            msg = f"session {sid!r} did not resume within {budget_s:g}s (its wake goes on: retry)"
+            details: dict[str, object] = {}
+            last = self._wake_failed.get(sid)
+            if last is not None and time.monotonic() - last[0] < _WAKE_FAILURE_SAID_S:
+                ago = time.monotonic() - last[0]
+                msg += f"; its previous wake failed {ago:.0f} s ago: {last[1]}: {last[2][:300]}"
+                details["previousWake"] = {"code": last[1], "message": last[2][:300], "agoSeconds": round(ago, 1)}
+            raise ResumeTimeout(msg, retry_after_s=self.settings.api.retry_after_s, details=details or None) from None
         finally:
             self.parked -= 1
             metrics.PARKED_REQUESTS.set(self.parked)

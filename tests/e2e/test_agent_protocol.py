@@ -375,3 +375,62 @@ def test_a_suspend_whose_snapshot_ends_the_agent_says_so_instead_of_202(rt: Runt
         assert r.headers.get("X-Substrate-Restored", "").startswith("agent_restarted"), r.headers
     finally:
         c.delete_session(sid)
+
+
+# a command agent whose wake hangs in ``start`` once its saved state says so
+HANGWAKE = """import json, sys, time
+armed = False
+for line in sys.stdin:
+    msg = json.loads(line)
+    op = msg.get("op")
+    if op == "stop":
+        break
+    if op == "start" and (msg.get("state") or {}).get("hang"):
+        time.sleep(600)
+    if op == "invoke":
+        armed = armed or msg.get("input") == "arm"
+    reply = {"output": {"armed": armed}} if op == "invoke" else {"state": {"hang": armed}} if op == "snapshot" \\
+        else {"ok": True}
+    reply["id"] = msg.get("id")
+    sys.stdout.write(json.dumps(reply) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+def test_a_resume_timeout_names_the_previous_wake_that_failed(runtime_factory) -> None:
+    """Regression (fresh-user round 14): a session whose agent hangs in ``start`` answered 503
+    ``resume_timeout`` "(its wake goes on: retry)" on every call, while each of those wakes failed
+    (``agent_start_failed``) after the caller had been told to retry. A later ``resume_timeout`` now
+    names the previous wake's failure."""
+    import time
+
+    extra = f"""
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: hangwake}}
+spec:
+  isolation: {{turnTimeout: 2s}}
+  command:
+  - "{sys.executable}"
+  - "-u"
+  - "-c"
+  - |
+{textwrap.indent(HANGWAKE, "    ")}"""
+    rt = runtime_factory(replicas=1, slots=2, extra_yaml=extra, env={"SUBSTRATE_API__PARK_TIMEOUT_S": "0.5"})
+    c = rt.client
+    sid = c.create_session("hangwake")["id"]
+    assert c.invoke(sid, "arm") == {"armed": True}
+    assert c.suspend(sid)["state"] == "SUSPENDED"
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
+    assert (r.status_code, r.json()["code"]) == (503, "resume_timeout"), r.text
+    assert "previousWake" not in (r.json().get("details") or {})
+    deadline = time.monotonic() + 60
+    while not any(ev["action"] == "wake" and ev["result"] == "agent_start_failed" for ev in _events(rt, sid)):
+        assert time.monotonic() < deadline, _events(rt, sid)
+        time.sleep(0.2)
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
+    assert (r.status_code, r.json()["code"]) == (503, "resume_timeout"), r.text
+    assert "its previous wake failed" in r.json()["message"], r.text
+    assert r.json()["details"]["previousWake"]["code"] == "agent_start_failed", r.text
+    c.delete_session(sid)
