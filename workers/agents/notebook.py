@@ -188,11 +188,16 @@ class Notebook(Agent):
                 tmp.unlink()
             if isinstance(e, _WriteError) and e.errno in _NO_ROOM:
                 disk = (self.ctx.limits or {}).get("diskBytes")
+                # EFBIG is the file limit (maxDiskBytes); ENOSPC/EDQUOT may be the machine's disk as well,
+                # which no `del` of the user's fixes alone (fresh-user round 15: a 14 MiB state on a full
+                # disk was blamed on the 1 GiB limit)
+                why = (f"isolation.maxDiskBytes is {disk} bytes per file and per workspace" if e.errno == errno.EFBIG
+                       else f"the disk holding the workspace is full (or isolation.maxDiskBytes, {disk} bytes, "
+                            "is reached)")
                 raise StateTooLarge(
                     f"the notebook's variables do not fit in the workspace ({os.strerror(e.errno)} writing "
-                    f"{_STATE_FILE}): isolation.maxDiskBytes is {disk} bytes per file and per workspace; "
-                    "the session keeps running with all its variables (free some, e.g. `del name`, and "
-                    "suspend again)") from None
+                    f"{_STATE_FILE}): {why}; the session keeps running with all its variables (free some, "
+                    "e.g. `del name`, or space on the worker, and suspend again)") from None
             if isinstance(e, _WriteError):
                 raise OSError(e.errno, f"writing {_STATE_FILE}: {os.strerror(e.errno)}") from None
             raise
