@@ -112,6 +112,15 @@ class Runtime:
             lambda: self.signing.load(create=False), self.signing.refresh_s, "signing key refresh",
             first_delay=True)))
         await self.auth.start()
+        if not self.auth.enabled:
+            egress = sorted(t.name for t in self.catalog.templates.values() if t.spec.isolation.network == "egress")
+            if egress:
+                # an egress agent shares this machine's network, so it can call this very API, which
+                # asks no credentials in open mode: any session of these templates can act on every
+                # session (fresh-user round 14: one deleted another session through the API)
+                log.warning("open mode (no API keys) with templates whose agents have network egress (%s): their "
+                            "agents can call this API on loopback and act on every session; create an API key "
+                            "(substrate keys create) or use isolation.network none/loopback", ", ".join(egress))
         ensure = getattr(self.store, "ensure_bucket", None)
         if ensure is not None and self.settings.snapshot.create_bucket:
             try:
