@@ -1023,9 +1023,10 @@ class SandboxPool:
     async def _probe_unsandboxed_uid(self, slot: Slot) -> None:
         """Find out once whether an opted-out host can run as a slot's unprivileged uid: it needs to read
         this Python, its packages and the project's ``workers`` package, and to enter its slot's folder,
-        any of which may sit in a folder only root can enter (``/root``). Sets ``unsandboxed_uid_ok``; if not, opted-out hosts run as
-        this process's user, said once in the log with the reason."""
-        # and to reach the slot's folder: a data folder under /root (a checkout there) cannot be entered
+        any of which may sit in a folder only root can enter (``/root``: a checkout there keeps its data
+        folder there too). Sets ``unsandboxed_uid_ok``; if not, opted-out hosts run as this process's
+        user, said once in the log with the reason."""
+        proc = None
         argv = [*_setpriv(slot.uid, no_new_privs=True), sys.executable, "-s", "-B", "-c",
                 "import os, sys, workers.agenthost; os.chdir(sys.argv[1])", str(slot.dir.resolve())]
         try:
@@ -1036,6 +1037,10 @@ class SandboxPool:
             ok, why = proc.returncode == 0, err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         except (OSError, asyncio.TimeoutError) as e:
             ok, why = False, [str(e) or type(e).__name__]
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
         if self.unsandboxed_uid_ok is None:
             self.unsandboxed_uid_ok = ok
             if not ok:
