@@ -160,6 +160,8 @@ def parse_quantity_value(value: str | int | float | None, what: str) -> float | 
 #: the smallest value of each isolation quantity, and how it is said: a memory limit below 1 MiB cannot
 #: hold any agent host (the kernel refuses such a cgroup limit outright); a CPU quota below 1 ms per
 #: 100 ms period (10m) is raised to that by the kernel's minimum; a disk limit is whole bytes
+#: the largest byte limit a template may ask for (the kernel's limits are signed 64-bit counts)
+_MAX_BYTES = (1 << 63) - 1
 _LEAST = {"maxMemory": (1 << 20, "1Mi (an agent host needs tens of MiB)"),
           "maxCpu": (0.01, "10m (the kernel's smallest CPU quota: 1 ms per 100 ms)"),
           "maxDiskBytes": (1, "1 (whole bytes)")}
@@ -201,6 +203,12 @@ class Isolation(BaseModel):
         least, why = _LEAST[info.field_name]
         if q is not None and q < least:
             raise ValueError(f"isolation.{info.field_name} must be at least {why}, got {v!r}")
+        # bytes are whole: "1.5" was loaded and used as 1 (fresh-user round 16)
+        if q is not None and info.field_name == "maxDiskBytes" and q != int(q):
+            raise ValueError(f"isolation.{info.field_name} must be a whole number of bytes, got {v!r}")
+        # beyond what the kernel's limits can hold (a 64-bit count of bytes): no limit a machine has
+        if q is not None and info.field_name in ("maxMemory", "maxDiskBytes") and q > _MAX_BYTES:
+            raise ValueError(f"isolation.{info.field_name} must be under 8Ei (2^63 bytes), got {v!r}")
         return v
 
     @field_validator("turnTimeout")

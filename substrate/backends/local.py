@@ -107,6 +107,10 @@ class _Worker:
             pass
 
 
+#: ``<worker>.after-runtime-exit.log`` files kept in the workers' folder (the newest)
+EXIT_LOGS_KEPT = 10
+
+
 class LocalBackend:
     """Start/stop worker processes on this machine (``fork_server`` uses the zygote)."""
 
@@ -181,6 +185,7 @@ class LocalBackend:
         """Start the zygote now and wait until it has imported what workers need, so that a pool
         scaling from zero pays for a fork (tens of ms), not for the imports (~1 s, far more on a loaded
         machine). A zygote that does not come up makes workers start cold."""
+        self._tidy_exit_logs()
         if not self.fork_server:
             return
         async with self._zlock:
@@ -194,6 +199,21 @@ class LocalBackend:
                 log.warning("zygote did not start; starting workers cold", exc_info=True)
                 self.fork_server = False
                 z.kill()
+
+    def _tidy_exit_logs(self, keep: int = EXIT_LOGS_KEPT) -> None:
+        """Keep the newest ``keep`` ``<worker>.after-runtime-exit.log`` files (what a worker wrote after its
+        runtime was gone: ``workers.lifeline``) and remove the older ones: each hard stop left one per
+        worker, never removed (fresh-user round 16). The ones kept are named once in the log."""
+        root = Path(self.settings.worker.root_dir)
+        try:
+            logs = sorted(root.glob("*.after-runtime-exit.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+        except OSError:
+            return
+        for old in logs[keep:]:
+            old.unlink(missing_ok=True)
+        if logs:
+            log.info("%d log(s) of workers that outlived a stopped runtime are kept in %s (*.after-runtime-exit.log, "
+                     "the newest %d)", min(len(logs), keep), root, keep)
 
     async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
         """Ask the zygote for a worker; None if the zygote is unusable (the caller spawns cold)."""

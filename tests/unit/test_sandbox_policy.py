@@ -70,6 +70,10 @@ def test_template_names_are_not_overridable_and_sizes_are_bounded():
     ({"maxMemory": "0.5"}, False), ({"maxMemory": "999m"}, False), ({"maxMemory": "1Ki"}, False),
     ({"maxMemory": "1Mi"}, True), ({"maxCpu": "1m"}, False), ({"maxCpu": "10m"}, True),
     ({"maxDiskBytes": "0.5"}, False),
+    # whole bytes, within what the kernel's 64-bit limits hold (fresh-user round 16: "1.5" was used as 1,
+    # and maxMemory 99999999Ei loaded)
+    ({"maxDiskBytes": "1.5"}, False), ({"maxDiskBytes": 1.5}, False), ({"maxDiskBytes": "1.5Gi"}, True),
+    ({"maxMemory": "99999999Ei"}, False), ({"maxDiskBytes": "9Ei"}, False), ({"maxMemory": "7Ei"}, True),
 ])
 def test_isolation_is_checked_when_the_template_is_loaded(iso, ok):
     doc = {"kind": "ActorTemplate", "metadata": {"name": "t"},
