@@ -770,7 +770,10 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
         cat.pools.update(part.pools)
         cat.warnings += part.warnings
     if not cat.templates:
-        raise SpecError(f"no ActorTemplate found in {path}")
+        # what loading ignored may be why (a document without apiVersion/kind): said here, as the warnings
+        # of a load that fails are not printed (fresh-user round 16)
+        why = "; ".join(cat.warnings[:3]) + (f"; and {len(cat.warnings) - 3} more" if len(cat.warnings) > 3 else "")
+        raise SpecError(f"no ActorTemplate found in {path}" + (f" ({why})" if why else ""))
     for name, t in cat.templates.items():
         try:
             cat.pool_for(t)

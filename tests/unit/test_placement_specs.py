@@ -359,3 +359,13 @@ def test_a_template_closed_by_a_quota_of_zero_is_warned_of_at_load(quota, warned
         assert said == []
     else:
         assert len(said) == 1 and warned in said[0] and "every tenant's creates of it are refused" in said[0]
+
+
+def test_a_folder_with_no_template_says_what_it_ignored(tmp_path):
+    """Fresh-user round 16: a folder whose only document lacked apiVersion and kind failed with just
+    ``no ActorTemplate found``: the warning that said why is not printed when the load fails."""
+    (tmp_path / "t.yaml").write_text("metadata: {name: x}\nspec: {entrypoint: 'a:B'}\n")
+    with pytest.raises(SpecError) as e:
+        load_catalog(tmp_path)
+    assert e.value.message.startswith(f"no ActorTemplate found in {tmp_path} (")
+    assert "document 1 is a mapping with neither apiVersion nor kind" in e.value.message
