@@ -23,8 +23,13 @@ dev: install           ## run the embedded default on 127.0.0.1:8080 (PORT=...) 
 lint: install
 	$(UV) run lint-imports
 
-test: install lint     ## the whole suite (unit, integration, e2e); needs no server installed by hand
-	$(UV) run pytest -q
+#: test workers (pytest-xdist): most tests wait on real processes, so 3 workers fill 2 cores; TEST_WORKERS=0: serially
+TEST_WORKERS ?= 3
+#: each file whole to one worker (files share module-scoped runtimes), slowest files first (tests/xdist_order.py)
+PYTEST_XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+test: install lint     ## the whole suite (unit, integration, e2e) on TEST_WORKERS workers; needs no server installed by hand
+	$(UV) run pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 chaos: install         ## fault injection + history check, 10 min -> chaos-results/report.md (exit 1 on a violation)
 	$(UV) run python -m loadtest.chaos --duration $${CHAOS_DURATION_S:-600} --out chaos-results

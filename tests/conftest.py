@@ -27,7 +27,7 @@ from substrate.client import SubstrateClient
 from substrate.embedded import EmbeddedRedis
 from substrate.keys import Keys
 
-pytest_plugins = ["tests.integration.conftest_s3", "tests.redis_cluster"]
+pytest_plugins = ["tests.integration.conftest_s3", "tests.redis_cluster", "tests.xdist_order"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
