@@ -183,9 +183,10 @@ def _fresh(c: SubstrateClient, *, suspended: bool = False, template: str = "coun
 
 
 def test_deadline_rollback_of_a_suspend_leaves_one_record(runtime_factory, moto_proc):
-    """Object store frozen during a suspend: the state manager rolls the session back to RUNNING at
-    its deadline (one ``deadline`` record by the system); the suspend call's own record carries the
-    error code it answered (``suspend_timeout``)."""
+    """Object store frozen during a suspend: the worker gives up at 0.9 of SUSPENDING's deadline and puts
+    the session back to RUNNING itself; the suspend call's own record carries the error code it answered
+    (``suspend_timeout``). Should the state manager's deadline roll come first (a loaded machine), it
+    leaves one ``deadline`` record by the system, before the call's."""
     rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_AUTH__API_KEYS": _keys_env(), **moto_proc.env(),
                                                    **FAST_DEADLINE})
     a = _client(rt.url, KEY_A)
@@ -202,10 +203,13 @@ def test_deadline_rollback_of_a_suspend_leaves_one_record(runtime_factory, moto_
         moto_proc.thaw()
     assert r.status_code == 503 and r.json()["code"] == "suspend_timeout", r.text
     time.sleep(1.0)  # two state-manager scans: a second roll would be recorded by now
-    assert _actions(a, s["id"]) == [("create", "", "ok"), ("deadline", "SUSPENDING->RUNNING", "ok"),
-                                    ("suspend", "explicit", "suspend_timeout")], "the call answers after the roll"
-    _system(_one(a, s["id"], "deadline", "SUSPENDING->RUNNING"), tenant="team-a", worker=s["worker"],
-            epoch=s["epoch"])
+    actions = _actions(a, s["id"])
+    assert actions in ([("create", "", "ok"), ("suspend", "explicit", "suspend_timeout")],
+                       [("create", "", "ok"), ("deadline", "SUSPENDING->RUNNING", "ok"),
+                        ("suspend", "explicit", "suspend_timeout")]), actions
+    if len(actions) == 3:
+        _system(_one(a, s["id"], "deadline", "SUSPENDING->RUNNING"), tenant="team-a", worker=s["worker"],
+                epoch=s["epoch"])
     call = _one(a, s["id"], "suspend", "explicit")
     assert call["who"].startswith("apikey:") and call["epoch"] == s["epoch"]
     assert a.invoke(s["id"], "get") == {"count": 1}
@@ -366,10 +370,12 @@ spec:
 
 
 def test_a_failed_idle_suspend_is_recorded_with_its_error_code(runtime_factory, moto_proc):
-    """Object store frozen while the state manager suspends an idle session: the deadline rolls it back
-    while the suspend still hangs (the hanging suspend used to block the whole scan, deadlines
-    included, until the store came back), the attempt's record carries the code it failed with, and
-    the retry once the store is back leaves one ``ok`` record: one record per attempt and per transition."""
+    """Object store frozen while the state manager suspends an idle session: the attempt fails within
+    SUSPENDING's deadline (the worker gives up at 0.9 of it and puts the session back to RUNNING; should
+    the deadline roll come first on a loaded machine, that roll has its own record; a hanging suspend
+    used to block the whole scan, deadlines included, until the store came back), the attempt's record
+    carries the code it failed with, and the retry once the store is back leaves one ``ok`` record: one
+    record per attempt and per transition."""
     extra = """
 ---
 apiVersion: substrate.agent.dev/v1
@@ -386,8 +392,8 @@ spec:
     moto_proc.freeze()
     try:
         s = _fresh(a, template="idle-counter")  # a create reads and writes no snapshot
-        rt.wait_for(lambda: ("deadline", "SUSPENDING->RUNNING", "ok") in _actions(a, s["id"]), timeout_s=30,
-                    what="the deadline rolled the hanging idle suspend back")
+        rt.wait_for(lambda: ("suspend", "idle", "suspend_timeout") in _actions(a, s["id"]), timeout_s=30,
+                    what="the hanging idle suspend failed within its deadline")
         assert _state(a, s["id"]) == "RUNNING"
     finally:
         moto_proc.thaw()
@@ -403,7 +409,7 @@ spec:
     # on a loaded machine the retry too may miss the deadline), one for the success
     assert len(failed) == 1, got
     rolls = got.count(("deadline", "SUSPENDING->RUNNING", "ok"))
-    assert rolls >= 1 and got[0] == ("create", "", "ok") and got[-1] == ("suspend", "idle", "ok"), got
+    assert got[0] == ("create", "", "ok") and got[-1] == ("suspend", "idle", "ok"), got
     assert len(got) == 1 + rolls + 1 + 1, got
 
 

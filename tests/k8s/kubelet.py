@@ -180,6 +180,9 @@ class TestKubelet:
             cmd = [sys.executable, "-m", "substrate.cli", *cmd[1:]]
         port = int(next((p["containerPort"] for p in container.get("ports") or [] if p.get("name") == "http"), 8081))
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115
+        # SIGTERM when the kubelet's thread (so the test run) is gone: a test run killed mid-way left its
+        # Pods' worker processes running for good (they have no lifeline, as on a real node)
+        cmd = ["/usr/bin/setpriv", "--pdeathsig", "TERM", "--", *cmd]
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(self.root))
         self.procs[name] = (proc, ip, port)
