@@ -1067,8 +1067,13 @@ def _async(coro_fn: Any) -> Any:
 
     from redis.exceptions import RedisError
 
+    where: list[str] = []
+
     async def run() -> Any:
         settings, r = _keys_backend()
+        # which runtime was asked: a key "not found" here may live in another one (fresh-user round 16)
+        where.append(f"Redis {_safe_redis_url(settings.redis.url)}, key prefix {settings.redis.key_prefix}"
+                     if settings.redis.url else f"the runtime of the data folder {settings.data_dir}")
         try:
             return await coro_fn(settings, r)
         finally:
@@ -1076,7 +1081,9 @@ def _async(coro_fn: Any) -> Any:
     try:
         return asyncio.run(run())
     except SubstrateError as e:
-        err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
+        said = f" (looked in {where[0]}; SUBSTRATE_DATA_DIR or SUBSTRATE_REDIS_URL picks another)" \
+            if where and e.code.endswith("not_found") else ""
+        err.print(f"[red]error {e.code}[/red]: {escape(e.message)}{escape(said)}")
         raise typer.Exit(1) from None
     except (OSError, RedisError) as e:  # redis-py's ConnectionError is not an OSError: one line, not a traceback
         err.print(f"[red]error[/red]: Redis unreachable: {escape(str(e))}")
