@@ -60,6 +60,8 @@ from workers.handler import Agent, AgentError, SessionContext
 from workers.sandbox import WORKSPACE_PATH, HostProcess, Limits, SandboxPool, Slot
 
 _STOP_GRACE_S = 2.0
+#: the least time an agent host gets to boot (before its agent's code runs), whatever the turn timeout
+HOST_BOOT_FLOOR_S = 30.0
 #: the error codes an agent host answers to any request (``workers.agenthost``); ``snapshot`` may also
 #: answer ``state_too_large``, ``start`` ``state_load_failed`` (``_expect_ok``)
 _HOST_CODES = frozenset({"agent_error", "agent_crashed", "memory_limit_exceeded", "output_too_large"})
@@ -282,8 +284,11 @@ class HostedAgent(Agent):
         self.host = await self.pool.host_for(self.slot, self.limits)
         self._started = True
         self.host.session, self.host.epoch = self.ctx.session_id, self.ctx.epoch  # labels its logged stderr
+        # the host's own boot (bwrap, the interpreter: none of the agent's code) gets at least
+        # ``HOST_BOOT_FLOOR_S``: bounded by a 1 s turnTimeout, creates failed 500 agent_start_failed on a
+        # loaded machine; the agent's init and start get the turn timeout, counted from the boot's end
+        await self._booted(time.monotonic() + max(self.limits.turn_timeout_s, HOST_BOOT_FLOOR_S))
         deadline = self._deadline()
-        await self._booted(deadline)
         with_memory_rlimit = self.slot.cgroup is None
         start = {"op": "start", "session": self.ctx.session_id, "epoch": self.ctx.epoch,
                  "workspace": self.workspace_in_sandbox, "state": self._state}

@@ -221,8 +221,11 @@ async def test_a_suspend_names_its_reason_and_an_unknown_one_is_refused(tmp_path
     await directory.close()
 
 
-async def test_a_host_that_does_not_boot_in_time_says_it_timed_out(pool: SandboxPool) -> None:
+async def test_a_host_that_does_not_boot_in_time_says_it_timed_out(pool: SandboxPool, monkeypatch) -> None:
     """The message was "agent host did not start: " (fresh-user run): an empty TimeoutError was formatted."""
+    from workers import command
+
+    monkeypatch.setattr(command, "HOST_BOOT_FLOOR_S", 1e-6)  # the boot's own bound, made too short
     slot = await pool.acquire()
     ctx = SessionContext(session_id="s1", epoch=1, template="t", workspace=slot.workspace)
     agent = HostedAgent(ctx, pool=pool, slot=slot, limits=Limits(sandboxed=False, turn_timeout_s=1e-6),
@@ -244,5 +247,33 @@ async def test_a_stream_closed_mid_answer_reads_the_rest_so_the_next_call_gets_i
         await gen.aclose()
         assert not agent.dead
         assert (await agent.invoke("x * 2"))["repr"] == "10"  # the cut turn ran to its end, and this is ours
+    finally:
+        await _done(pool, agent)
+
+
+async def test_the_hosts_boot_is_not_bounded_by_a_short_turn_timeout(pool: SandboxPool, monkeypatch) -> None:
+    """Regression: the agent host's own boot (bwrap and the interpreter, before any of the agent's code)
+    was bounded by the template's turnTimeout: with ``turnTimeout: 1s`` creates failed 500
+    ``agent_start_failed`` on a loaded machine (the suite at 4 workers). It gets at least
+    ``HOST_BOOT_FLOOR_S``; init and start still get the turn timeout."""
+    from workers import command
+    from workers.sandbox import HostProcess
+
+    asked: list[float] = []
+    real = HostProcess.wait_booted
+
+    async def recording(self: HostProcess, timeout_s: float) -> None:
+        asked.append(timeout_s)
+        await real(self, timeout_s)
+
+    monkeypatch.setattr(HostProcess, "wait_booted", recording)
+    slot = await pool.acquire()
+    ctx = SessionContext(session_id="s1", epoch=1, template="t", workspace=slot.workspace)
+    agent = HostedAgent(ctx, pool=pool, slot=slot, limits=Limits(sandboxed=False, turn_timeout_s=1.0),
+                        entrypoint="workers.agents.counter:Counter", argv=None)
+    await agent.start(None)
+    try:
+        assert asked and asked[0] > command.HOST_BOOT_FLOOR_S - 1, asked
+        assert await agent.invoke("increment") == {"count": 1}
     finally:
         await _done(pool, agent)
