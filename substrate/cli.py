@@ -162,6 +162,17 @@ def _folder_problem(path: Path) -> str | None:
         return f"{p} is not a folder" if p == path.absolute() else f"{p} (in {path}) is not a folder"
     if not os.access(p, os.W_OK | os.X_OK):
         return f"{p} is not writable" + ("" if p == path.absolute() else f" (to create {path})")
+    if p == path.absolute():
+        # another user's folder (made there before this runtime did, e.g. in a world-writable data folder)
+        # lets that user read, move or delete what the runtime keeps in it: snapshots, the Redis files
+        # (fresh-user round 17 moved every committed snapshot of a session away that way)
+        st = p.stat()
+        if st.st_uid != os.geteuid():
+            return (f"{p} is owned by uid {st.st_uid}, not this user (uid {os.geteuid()}): that user could read, "
+                    "move or delete what the runtime keeps there; remove it, or chown it to this user")
+        if st.st_mode & 0o002 and not st.st_mode & 0o1000:
+            return (f"{p} is writable by every user: another user could move what the runtime keeps there; "
+                    "chmod o-w (or +t) it")
     if p != path.absolute():
         # os.access says yes for root on file systems that refuse folders (/proc, /sys): try making the
         # first missing one, and take it away again (a check changes nothing)
@@ -436,6 +447,11 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         for why in problems:
             err.print(f"[red]error[/red]: {escape(why)}")
         raise typer.Exit(2)
+    # made now, by this user, not at first use: in a data folder others can write in, a folder another
+    # user made first would be theirs (snapshots: 0700; workers: 0755, entered by the slots' uids)
+    settings.worker.root_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if settings.snapshot.store == "local":
+        settings.snapshot.local_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if settings.redis.url and (why := _redis_problem(settings.redis.url)):
         err.print(f"[red]error[/red]: SUBSTRATE_REDIS_URL={escape(_safe_redis_url(settings.redis.url))}: Redis did "
                   f"not answer ({escape(why)}); start that Redis or fix the URL, or unset SUBSTRATE_REDIS_URL "

@@ -324,3 +324,34 @@ def test_a_template_warning_is_not_repeated_by_the_start_up_check_or_the_workers
     r = _up("--config", str(cfg))
     assert isinstance(r.exception, AssertionError), r.output  # got as far as starting the embedded Redis
     assert not any("snapshotIntervl" in m for m in logged) and "snapshotIntervl" not in r.output, logged
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another user needs root")
+@pytest.mark.parametrize("sub, var", [("snapshots", "SUBSTRATE_DATA_DIR"), ("redis", "SUBSTRATE_DATA_DIR"),
+                                      ("workers", "SUBSTRATE_DATA_DIR")])
+def test_a_runtime_folder_another_user_made_is_refused(sub: str, var: str, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """Fresh-user round 17: in a world-writable data folder (a tmpfs root is 1777) another user made
+    ``snapshots/`` before the runtime's first snapshot; the runtime wrote into it, and that user moved every
+    committed snapshot of a session away (the session came back empty)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o1777)
+    (data / sub).mkdir()
+    os.chown(data / sub, 65534, 65534)
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(data))
+    r = _up()
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r.output)
+    assert line.startswith(f"error: {var}: {data / sub} is owned by uid 65534, not this user"), line
+
+
+def test_a_data_folder_every_user_can_write_in_without_the_sticky_bit_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                                  tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o777)
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(data))
+    r = _up()
+    assert r.exit_code == 2, r.output
+    assert "is writable by every user" in _one_error_line(r.output)
