@@ -447,16 +447,17 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         for why in problems:
             err.print(f"[red]error[/red]: {escape(why)}")
         raise typer.Exit(2)
-    # made now, by this user, not at first use: in a data folder others can write in, a folder another
-    # user made first would be theirs (snapshots: 0700; workers: 0755, entered by the slots' uids)
-    settings.worker.root_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-    if settings.snapshot.store == "local":
-        settings.snapshot.local_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if settings.redis.url and (why := _redis_problem(settings.redis.url)):
         err.print(f"[red]error[/red]: SUBSTRATE_REDIS_URL={escape(_safe_redis_url(settings.redis.url))}: Redis did "
                   f"not answer ({escape(why)}); start that Redis or fix the URL, or unset SUBSTRATE_REDIS_URL "
                   "to run an embedded one")
         raise typer.Exit(2)
+    # made now, by this user, not at first use (and only once every check passed: a refused start makes
+    # nothing): in a data folder others can write in, a folder another user made first would be theirs
+    # (snapshots: 0700; workers: 0755, entered by the slots' uids)
+    settings.worker.root_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if settings.snapshot.store == "local":
+        settings.snapshot.local_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     embedded = None
     if not settings.redis.url:
         embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
