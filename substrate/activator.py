@@ -1270,10 +1270,14 @@ class Activator:
             except BaseException:
                 # refused (a create or wake took the last place since the dry check) or Redis failed:
                 # undo the claim, guarded by its epoch; a deadline roll does it if this cannot
-                with contextlib.suppress(SubstrateError):
+                try:
                     await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
                                                     to=SessionState.SUSPENDED, unset=("worker", "slot"))
                     await self.directory.release_slot(worker.id, slot, rec.id)
+                except DirectoryUnavailable:  # retried as soon as Redis answers (see _activate_claimed)
+                    self._background(self._roll_back_when_reachable(rec.id, epoch, worker, slot))
+                except SubstrateError:
+                    pass
                 await self.release_quota(rec, epoch=epoch)  # in case Redis failed after taking it
                 raise
         try:
@@ -1316,9 +1320,16 @@ class Activator:
             raise
         except SubstrateError as e:
             # back to SUSPENDED (guarded by the epoch: a deadline roll may have done it already), then
-            # fence the half-made activation on the worker; its reconciliation frees what this misses
-            await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
-                                            to=SessionState.SUSPENDED, unset=("worker", "slot"))
+            # fence the half-made activation on the worker; its reconciliation frees what this misses.
+            # Redis refusing that write too (down, its disk full) is retried in the background as soon as
+            # it answers: left to the deadline roll, the session stayed RESUMING, every call 503, for up to
+            # a minute after Redis was back (fresh-user round 17)
+            try:
+                await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
+                                                to=SessionState.SUSPENDED, unset=("worker", "slot"))
+            except DirectoryUnavailable:
+                self._background(self._roll_back_when_reachable(rec.id, epoch, worker, slot))
+                raise e from None
             await self._abandon(rec.id, worker, slot, epoch)
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(worker.id)

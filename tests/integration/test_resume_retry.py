@@ -147,3 +147,54 @@ async def test_a_suspend_whose_worker_dies_after_committing_is_answered_as_done(
 
 async def _no_check(*_: Any, **__: Any) -> None:
     return None
+
+
+class StartFails:
+    async def activate(self, address: str, *, session: str, epoch: int, **_: Any) -> dict[str, Any]:
+        from substrate.errors import SubstrateError
+
+        err = SubstrateError("agent host did not start: timed out", code="agent_start_failed")
+        err.status = 500
+        raise err
+
+    async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
+        pass
+
+
+async def test_a_failed_wake_whose_rollback_meets_an_unavailable_redis_is_rolled_back_once_it_answers(
+        directory: Directory, monkeypatch) -> None:
+    """Regression (fresh-user round 17): a wake that failed while Redis refused writes (its disk full) could
+    not put the session back to SUSPENDED; it stayed RESUMING, every call 503 ``resume_timeout``, until the
+    state manager's deadline roll a minute later, though Redis was back within seconds. The rollback is now
+    retried in the background as soon as Redis answers."""
+    import asyncio
+
+    from substrate.errors import DirectoryUnavailable, SubstrateError
+
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
+                                                 leaseExpiresAt=now + 60, startedAt=now))
+    await directory.create_session(SessionRecord(id="s3", state=SessionState.SUSPENDED, actorTemplate="counter",
+                                                 pool="default", tenant="team-a", epoch=3, createdAt=now,
+                                                 updatedAt=now, lastActiveAt=now))
+    view = WorkerView(directory, 60)
+    await view.refresh()
+    act = Activator(Settings(), directory, CATALOG, StartFails(), view)  # type: ignore[arg-type]
+    real = directory.transition
+    refused: list[int] = []
+
+    async def refusing_once(sid: str, **kw: Any) -> Any:
+        if kw.get("to") == SessionState.SUSPENDED and kw.get("from_states") == [SessionState.RESUMING] and not refused:
+            refused.append(1)
+            raise DirectoryUnavailable("session directory (Redis) unavailable: MISCONF Errors writing to the AOF file")
+        return await real(sid, **kw)
+
+    monkeypatch.setattr(directory, "transition", refusing_once)
+    with pytest.raises(SubstrateError) as e:
+        await act.wake_retrying("s3", tenant="team-a", audit_action=None)
+    assert e.value.code == "agent_start_failed" and refused == [1]
+    for _ in range(100):  # bounded: the background retry's first delay is 0.1 s
+        if (await directory.get_session("s3")).state == SessionState.SUSPENDED:
+            break
+        await asyncio.sleep(0.05)
+    assert (await directory.get_session("s3")).state == SessionState.SUSPENDED
