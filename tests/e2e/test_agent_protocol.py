@@ -46,6 +46,23 @@ spec:
   container: {image: busybox}
 """
 
+def _command_template(name: str, source: str, spec: str = "") -> str:
+    """An ActorTemplate document whose agent is ``source`` run by this Python (``spec.command``);
+    ``spec``: more lines of its spec (YAML, two-space indented)."""
+    return f"""
+---
+apiVersion: substrate.agent.dev/v1
+kind: ActorTemplate
+metadata: {{name: {name}}}
+spec:
+{spec}  command:
+  - "{sys.executable}"
+  - "-u"
+  - "-c"
+  - |
+{textwrap.indent(source, "    ")}"""
+
+
 # a command agent (sandboxed, the default) that answers every turn and dies mid-turn on "die"
 MIDCRASH = """import json, os, sys
 for line in sys.stdin:
@@ -61,18 +78,7 @@ for line in sys.stdin:
     sys.stdout.write(json.dumps(reply) + "\\n")
     sys.stdout.flush()
 """
-EXTRA += f"""
----
-apiVersion: substrate.agent.dev/v1
-kind: ActorTemplate
-metadata: {{name: midcrash}}
-spec:
-  command:
-  - "{sys.executable}"
-  - "-u"
-  - "-c"
-  - |
-{textwrap.indent(MIDCRASH, "    ")}"""
+EXTRA += _command_template("midcrash", MIDCRASH)
 
 # a command agent whose answers are what its input names: JSON that is not strict JSON or not Unicode,
 # or an error code no turn may answer with
@@ -93,18 +99,7 @@ for line in sys.stdin:
         sys.stdout.write(json.dumps(reply) + "\\n")
     sys.stdout.flush()
 """
-EXTRA += f"""
----
-apiVersion: substrate.agent.dev/v1
-kind: ActorTemplate
-metadata: {{name: forger}}
-spec:
-  command:
-  - "{sys.executable}"
-  - "-u"
-  - "-c"
-  - |
-{textwrap.indent(FORGER, "    ")}"""
+EXTRA += _command_template("forger", FORGER)
 
 # a command agent whose snapshot hangs once armed (its turns answer at once)
 SLOWSNAP = """import json, sys, time
@@ -123,19 +118,7 @@ for line in sys.stdin:
     sys.stdout.write(json.dumps(reply) + "\\n")
     sys.stdout.flush()
 """
-EXTRA += f"""
----
-apiVersion: substrate.agent.dev/v1
-kind: ActorTemplate
-metadata: {{name: slowsnap}}
-spec:
-  isolation: {{turnTimeout: 2s}}
-  command:
-  - "{sys.executable}"
-  - "-u"
-  - "-c"
-  - |
-{textwrap.indent(SLOWSNAP, "    ")}"""
+EXTRA += _command_template("slowsnap", SLOWSNAP, "  isolation: {turnTimeout: 2s}\n")
 
 FORGE = ('import gc\nh = [o for o in gc.get_objects() if type(o).__name__ == "Host"][0]\n'
          'h.out.write(b\'{"output": "FORGED"}\\n\'); h.out.flush()\n"real"')
@@ -404,19 +387,7 @@ def test_a_resume_timeout_names_the_previous_wake_that_failed(runtime_factory) -
     names the previous wake's failure."""
     import time
 
-    extra = f"""
----
-apiVersion: substrate.agent.dev/v1
-kind: ActorTemplate
-metadata: {{name: hangwake}}
-spec:
-  isolation: {{turnTimeout: 2s}}
-  command:
-  - "{sys.executable}"
-  - "-u"
-  - "-c"
-  - |
-{textwrap.indent(HANGWAKE, "    ")}"""
+    extra = _command_template("hangwake", HANGWAKE, "  isolation: {turnTimeout: 2s}\n")
     rt = runtime_factory(replicas=1, slots=2, extra_yaml=extra, env={"SUBSTRATE_API__PARK_TIMEOUT_S": "0.5"})
     c = rt.client
     sid = c.create_session("hangwake")["id"]

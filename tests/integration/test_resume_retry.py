@@ -33,17 +33,19 @@ class DiesOnFirstRestore:
         pass
 
 
-async def _setup(d: Directory) -> Activator:
+async def _setup(d: Directory, client: Any = None, *, sid: str = "s1", **session: Any) -> Activator:
+    """Workers w1 and w2, session ``sid`` (SUSPENDED at epoch 3 unless ``session`` says otherwise), and an
+    activator calling ``client`` (default ``DiesOnFirstRestore``) as the workers' internal API."""
     now = time.time()
     for wid in ("w1", "w2"):
         await d.register_worker(WorkerRecord(id=wid, pool="default", address=f"http://{wid}", slots=4,
                                              leaseExpiresAt=now + 60, startedAt=now))
-    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
-                                         pool="default", tenant="team-a", epoch=3, createdAt=now,
-                                         updatedAt=now, lastActiveAt=now))
+    fields: dict[str, Any] = {"state": SessionState.SUSPENDED, "epoch": 3, **session}
+    await d.create_session(SessionRecord(id=sid, actorTemplate="counter", pool="default", tenant="team-a",
+                                         createdAt=now, updatedAt=now, lastActiveAt=now, **fields))
     view = WorkerView(d, 60)
     await view.refresh()
-    return Activator(Settings(), d, CATALOG, DiesOnFirstRestore(), view)  # type: ignore[arg-type]
+    return Activator(Settings(), d, CATALOG, client or DiesOnFirstRestore(), view)  # type: ignore[arg-type]
 
 
 async def test_a_resume_whose_worker_dies_mid_restore_is_woken_again(directory: Directory) -> None:
@@ -124,15 +126,9 @@ async def test_a_suspend_whose_worker_dies_after_committing_is_answered_as_done(
     """Regression (fresh-user round 15): a worker killed right after a suspend's commit made the suspend
     answer 502 ``worker_unavailable`` though the session was SUSPENDED with its new snapshot. The
     directory decides: committed is success; not committed stays the 502."""
-    now = time.time()
-    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
-                                                 leaseExpiresAt=now + 60, startedAt=now))
-    rec = SessionRecord(id="s2", state=SessionState.RUNNING, actorTemplate="counter", pool="default",
-                        tenant="team-a", epoch=4, worker="w1", slot=0, createdAt=now, updatedAt=now, lastActiveAt=now)
-    await directory.create_session(rec)
-    view = WorkerView(directory, 60)
-    await view.refresh()
-    act = Activator(Settings(), directory, CATALOG, CommitsThenDies(directory, commit=committed), view)  # type: ignore[arg-type]
+    act = await _setup(directory, CommitsThenDies(directory, commit=committed), sid="s2",
+                       state=SessionState.RUNNING, epoch=4, worker="w1", slot=0)
+    rec = await directory.get_session("s2")
     act.check_worker = _no_check  # type: ignore[method-assign]  (the worker is not really gone here)
     told: list[bool] = []
     if committed:
@@ -171,15 +167,7 @@ async def test_a_failed_wake_whose_rollback_meets_an_unavailable_redis_is_rolled
 
     from substrate.errors import DirectoryUnavailable, SubstrateError
 
-    now = time.time()
-    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
-                                                 leaseExpiresAt=now + 60, startedAt=now))
-    await directory.create_session(SessionRecord(id="s3", state=SessionState.SUSPENDED, actorTemplate="counter",
-                                                 pool="default", tenant="team-a", epoch=3, createdAt=now,
-                                                 updatedAt=now, lastActiveAt=now))
-    view = WorkerView(directory, 60)
-    await view.refresh()
-    act = Activator(Settings(), directory, CATALOG, StartFails(), view)  # type: ignore[arg-type]
+    act = await _setup(directory, StartFails(), sid="s3")
     real = directory.transition
     refused: list[int] = []
 
