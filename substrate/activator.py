@@ -119,6 +119,25 @@ class _Admission:
     latency_s: float | None = None
 
 
+#: the longest one read of a pool's sessions serves its pressure suspensions (s; ``_suspend_lru``)
+_LRU_SCAN_TTL_S = 1.0
+
+
+@dataclass
+class _LruScan:
+    """One read of a pool's sessions for pressure suspension (``Activator._suspend_lru``)."""
+
+    #: when it was read (``time.monotonic()``)
+    at: float
+    #: ``(lastActiveAt, session id, tenant)`` of its RUNNING sessions, least recently used first, less
+    #: those tried since
+    order: list[tuple[float, str, str]]
+    #: slots of the pool held per tenant (less the sessions suspended from this scan since)
+    held: dict[str, int]
+    #: slots of the pool's READY workers
+    pool_slots: int
+
+
 @dataclass
 class _Activated:
     """One activation under way (``Activator._activation``): its caller sets ``worker`` once the
@@ -243,6 +262,8 @@ class Activator:
         self._headroom: dict[str, asyncio.Task[None]] = {}
         #: per pool, no headroom search before this (monotonic s): the last one found nobody to suspend
         self._headroom_quiet_until: dict[str, float] = {}
+        #: per pool, the last read of its sessions for pressure suspension (``_suspend_lru``)
+        self._lru_scans: dict[str, _LruScan] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
@@ -741,39 +762,58 @@ class Activator:
                            count: int = 1) -> int:
         """Suspend up to ``count`` least-recently-used idle RUNNING sessions of ``pool`` (idle at least
         ``min_idle_s``); returns how many were suspended. Fairness: a ``tenant`` at or over its share of
-        the pool's slots only displaces its own sessions."""
-        sids: list[str] = []
-        pool_slots = 0
-        for w in list(self.view.workers.values()):  # a recovery may drop workers while we await
-            if w.pool == pool and w.state == WorkerState.READY:
-                pool_slots += w.slots
-                sids.extend((await self.directory.worker_slots(w.id)).values())
-        recs = await self.directory.get_sessions(sids)
+        the pool's slots only displaces its own sessions.
+
+        The pool's sessions are read once per ``min(_LRU_SCAN_TTL_S, min_idle_s)`` (``_LruScan``), not
+        at each call: the slot queue asks for room every round (``poll_s``) while its waiters find no
+        slot, and the read is O(sessions of the pool). A session missing from a scan became RUNNING
+        after it, so it cannot have been idle ``min_idle_s`` before the next scan; each candidate's
+        record is read again when it is chosen, and its worker refuses it if it is busy or was active
+        within ``min_idle_s``."""
+        scan = self._lru_scans.get(pool)
+        ttl = min(_LRU_SCAN_TTL_S, min_idle_s)
+        if scan is None or time.monotonic() - scan.at >= ttl:
+            scan = self._lru_scans[pool] = await self._scan_lru(pool)
+        only = victim_filter(tenant, scan.held, scan.pool_slots)
+        now = time.time()
+        order = [sid for last, sid, owner in scan.order
+                 if (only is None or owner == only) and now - last >= min_idle_s]
+        return await self._suspend_victims(order, count, min_idle_s, skipped="pressure suspend skipped",
+                                           scan=scan)
+
+    async def _scan_lru(self, pool: str) -> _LruScan:
+        """One read of ``pool``'s sessions on READY workers: their slot maps and, per session, only its
+        state, last activity and tenant (two pipelined round trips)."""
+        workers = [w for w in list(self.view.workers.values())  # a recovery may drop workers while we await
+                   if w.pool == pool and w.state == WorkerState.READY]
+        slots = await self.directory.slots_of([w.id for w in workers])
+        sids = [sid for m in slots.values() for sid in m.values()]
         held: dict[str, int] = {}
-        for r in recs:
-            held[r.tenant] = held.get(r.tenant, 0) + 1
-        only = victim_filter(tenant, held, pool_slots)
-        if only is not None:
-            recs = [r for r in recs if r.tenant == only]
-        return await self._suspend_victims(recs, count, min_idle_s, skipped="pressure suspend skipped")
+        order: list[tuple[float, str, str]] = []
+        for sid, state, last, owner in await self.directory.session_activity(sids):
+            held[owner] = held.get(owner, 0) + 1
+            if state == SessionState.RUNNING.value:
+                order.append((last, sid, owner))
+        order.sort()
+        return _LruScan(at=time.monotonic(), order=order, held=held, pool_slots=sum(w.slots for w in workers))
 
-    async def _suspend_victims(self, recs: list[SessionRecord], count: int, min_idle_s: float, *,
-                               skipped: str) -> int:
-        """Suspend up to ``count`` of ``recs``, least recently used first among the RUNNING ones idle at
-        least ``min_idle_s`` (``substrate.placement.lru_victims``), reason ``pressure``; a session that
-        refuses (busy since it was read, or moved) is logged as ``skipped`` and the next one is tried.
-        Returns how many were suspended."""
-        order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs],
-                            min_idle_s=min_idle_s)
-        by_id = {r.id: r for r in recs}
-
-        async def one(sid: str) -> bool:
+    async def _suspend_victims(self, order: list[str], count: int, min_idle_s: float, *, skipped: str,
+                               recs: dict[str, SessionRecord] | None = None, scan: _LruScan | None = None) -> int:
+        """Suspend up to ``count`` of the sessions ``order`` names (least recently used first), reason
+        ``pressure``; a session that refuses (busy since it was read, or moved) is logged as
+        ``skipped`` and the next one is tried. ``recs``: their records, if read already; else each
+        batch's records are read now, and one no longer RUNNING or idle ``min_idle_s`` is passed
+        over. ``scan``: the ``_LruScan`` ``order`` came from; every session tried is taken out of it
+        (another call does not try it again before the next scan). Returns how many were suspended."""
+        async def one(rec: SessionRecord) -> bool:
             try:
-                await self.suspend(by_id[sid], idle_s=min_idle_s, reason="pressure")
-                return True
+                await self.suspend(rec, idle_s=min_idle_s, reason="pressure")
             except SubstrateError as e:
-                log.info(skipped, extra={"session": sid, "code": e.code})
+                log.info(skipped, extra={"session": rec.id, "code": e.code})
                 return False
+            if scan is not None:
+                scan.held[rec.tenant] = max(0, scan.held.get(rec.tenant, 0) - 1)
+            return True
 
         # ``count`` distinct victims at once (a queue of waiters needs as many slots; suspending them one
         # after the other would make the last waiter wait for all the snapshots); the next ones in LRU
@@ -783,7 +823,16 @@ class Activator:
         while freed < count and i < len(order):
             batch = order[i:i + count - freed]
             i += len(batch)
-            freed += sum(await asyncio.gather(*(one(sid) for sid in batch)))
+            if scan is not None:
+                tried = set(batch)
+                scan.order = [c for c in scan.order if c[1] not in tried]
+            if recs is not None:
+                chosen = [recs[sid] for sid in batch]
+            else:
+                now = time.time()
+                chosen = [r for r in await self.directory.get_sessions(batch)
+                          if r.state == SessionState.RUNNING and now - r.lastActiveAt >= min_idle_s]
+            freed += sum(await asyncio.gather(*(one(r) for r in chosen)))
         return freed
 
     async def _with_running_room(self, rec: SessionRecord, template: ActorTemplate,
@@ -813,8 +862,10 @@ class Activator:
         assert self.quotas is not None
         min_idle_s = self.settings.api.pressure_min_idle_s
         sids = [s for s in await self.quotas.running(tenant, template) if s != exclude]
-        recs = [r for r in await self.directory.get_sessions(sids) if r.tenant == tenant]
-        return await self._suspend_victims(recs, 1, min_idle_s, skipped="quota suspend skipped") > 0
+        recs = {r.id: r for r in await self.directory.get_sessions(sids) if r.tenant == tenant}
+        order = lru_victims([(r.id, r.lastActiveAt, r.state == SessionState.RUNNING) for r in recs.values()],
+                            min_idle_s=min_idle_s)
+        return await self._suspend_victims(order, 1, min_idle_s, skipped="quota suspend skipped", recs=recs) > 0
 
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:

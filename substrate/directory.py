@@ -591,6 +591,23 @@ class Directory:
                 for r in raws]
 
     @_translate
+    async def session_activity(self, sids: list[str]) -> list[tuple[str, str, float, str]]:
+        """``(id, state, lastActiveAt, tenant)`` of each of ``sids`` that exists, in order (one pipelined
+        round trip of ``HMGET``; missing and DELETED records left out): what choosing pressure victims
+        needs, without reading and validating whole records (a full pool's scan did that for every
+        session: about a fifth of the router's CPU in a creation burst, 2026-12-06)."""
+        if not sids:
+            return []
+        await self._ready()
+        async with self.pipeline() as p:
+            for sid in sids:
+                p.hmget(self.keys.session(sid), "state", "lastActiveAt", "tenant", "actorTemplate")
+            rows = await p.execute()
+        return [(sid, state, float(last or 0.0), tenant or "default")
+                for sid, (state, last, tenant, template) in zip(sids, rows)
+                if template is not None and state is not None and state != SessionState.DELETED.value]
+
+    @_translate
     async def count_sessions(self) -> int:
         return int(await self.redis.zcard(self.keys.sessions_index))
 
@@ -712,6 +729,18 @@ class Directory:
     @_translate
     async def worker_slots(self, wid: str) -> dict[int, str]:
         return {int(k): v for k, v in (await self.redis.hgetall(self.keys.worker_slots(wid))).items()}
+
+    @_translate
+    async def slots_of(self, wids: list[str]) -> dict[str, dict[int, str]]:
+        """``worker_slots`` of each of ``wids`` (worker id -> slot -> session id), one pipelined round
+        trip."""
+        if not wids:
+            return {}
+        async with self.pipeline() as p:
+            for wid in wids:
+                p.hgetall(self.keys.worker_slots(wid))
+            raws = await p.execute()
+        return {wid: {int(k): v for k, v in (raw or {}).items()} for wid, raw in zip(wids, raws)}
 
     @_translate
     async def claim_slot(self, wid: str, sid: str, now: float | None = None) -> int:

@@ -590,3 +590,56 @@ async def test_a_headroom_search_that_finds_nobody_idle_is_not_repeated_per_plac
         await act.view.refresh()
     assert workers.suspended == []
     assert searches == 1, "one search found nobody idle for 30 s; the next placements did not repeat it"
+
+
+async def test_pressure_suspensions_read_the_pools_sessions_once_per_scan_not_per_call(env, monkeypatch):
+    """The slot queue asks for room every round (50 ms) while its waiters find no slot; each ask read and
+    decoded every session of the pool (a fifth of the router's CPU in a 1,000-create burst, 2026-12-06).
+    Asks within ``min(_LRU_SCAN_TTL_S, pressure_min_idle_s)`` of one read take their victims from it, least
+    recently used first, each session tried once; a later ask reads the pool again."""
+    import substrate.activator as activator_mod
+
+    d, act, workers = env
+    await _worker(d, "w", slots=4)
+    for sid, idle_s in (("oldest", 300), ("older", 200), ("old", 100), ("fresh", 0)):
+        await _idle_running(d, sid, "w", idle_s=idle_s)
+    await act.view.refresh()
+    reads = 0
+    activity = d.session_activity
+
+    async def counting(sids):
+        nonlocal reads
+        reads += 1
+        return await activity(sids)
+
+    monkeypatch.setattr(d, "session_activity", counting)
+    monkeypatch.setattr(activator_mod, "_LRU_SCAN_TTL_S", 60.0)
+    act.settings.api.pressure_min_idle_s = 10.0
+    assert await act._suspend_lru("default", 10.0, count=1) == 1
+    assert await act._suspend_lru("default", 10.0, count=1) == 1
+    assert workers.suspended == ["oldest", "older"], "least recently used first, each once"
+    assert reads == 1, "the second ask took its victim from the first one's read"
+    # a candidate of that read that was active since is read again when chosen and passed over
+    await d.redis.hset(d.keys.session("old"), "lastActiveAt", str(time.time()))
+    assert await act._suspend_lru("default", 10.0, count=1) == 0
+    assert workers.suspended == ["oldest", "older"] and reads == 1
+    assert (await d.get_session("old")).state == SessionState.RUNNING
+    monkeypatch.setattr(activator_mod, "_LRU_SCAN_TTL_S", 0.0)  # the read has expired: the next ask reads again
+    assert await act._suspend_lru("default", 10.0, count=1) == 0
+    assert reads == 2 and (await d.get_session("fresh")).state == SessionState.RUNNING
+
+
+async def test_a_session_that_became_running_after_a_scan_is_found_by_the_next_scan(env, monkeypatch):
+    """A session missing from a read (it became RUNNING after it) qualifies only after
+    ``pressure_min_idle_s``, and the read lasts at most that long: the next ask after it sees the session."""
+    import substrate.activator as activator_mod
+
+    d, act, workers = env
+    monkeypatch.setattr(activator_mod, "_LRU_SCAN_TTL_S", 60.0)
+    await _worker(d, "w", slots=2)
+    await act.view.refresh()
+    assert await act._suspend_lru("default", 0.2, count=1) == 0  # an empty pool: nobody to suspend
+    await _idle_running(d, "later", "w", idle_s=0)
+    await asyncio.sleep(0.3)  # idle 0.3 s > 0.2 s: the read of the empty pool is older than 0.2 s too
+    assert await act._suspend_lru("default", 0.2, count=1) == 1
+    assert workers.suspended == ["later"]
