@@ -21,6 +21,7 @@ from api.proxy import RouteCache
 from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
 from snapshot.store import ObjectStore, make_store
+from substrate import storeloc
 from substrate.activator import Activator, WorkerView
 from substrate.audit import AuditLog
 from substrate.demand import DemandBoard
@@ -121,6 +122,15 @@ class Runtime:
                 log.warning("open mode (no API keys) with templates whose agents have network egress (%s): their "
                             "agents can call this API on loopback and act on every session; create an API key "
                             "(substrate keys create) or use isolation.network none/loopback", ", ".join(egress))
+        if self.pools is not None:  # the embedded default: one store for every pool (Kubernetes applies each
+            # pool's snapshotStorage to its worker Pods; here it was ignored without a word: fresh-user round 18)
+            for pool in self.catalog.pools.values():
+                if pool.spec.snapshotStorage:
+                    log.warning("WorkerPool %s: spec.snapshotStorage %s is applied on Kubernetes only; substrate up "
+                                "keeps every session's snapshots in %s (SUBSTRATE_SNAPSHOT__*)", pool.name,
+                                pool.spec.snapshotStorage, storeloc.location_of(self.settings.snapshot))
+        if why := await storeloc.check(self.directory.redis, self.directory.keys, self.settings.snapshot):
+            raise RuntimeError(why)  # a configuration error: nothing has started (substrate/storeloc.py)
         ensure = getattr(self.store, "ensure_bucket", None)
         if ensure is not None and self.settings.snapshot.create_bucket:
             try:

@@ -439,7 +439,14 @@ class S3Store:
             code, status = self._code(e)
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
                 return _exists(key)
-            if op == "get" and (code in ("NoSuchKey", "NoSuchBucket", "404") or status == 404):
+            if code == "NoSuchBucket":
+                # the whole bucket is not there: the store is not the one the snapshots were written to
+                # (a mistyped bucket) or it was deleted, never one object lost; a read that said
+                # "missing" set each session's snapshots aside as corrupt (fresh-user round 18)
+                err = _unavailable(op, key, f"the bucket {self.bucket!r} does not exist (NoSuchBucket)")
+                err.details.update(s3Code=code, httpStatus=status)
+                return err
+            if op == "get" and (code in ("NoSuchKey", "404") or status == 404):
                 return _missing(key)
             err = _unavailable(op, key, f"{code or 'error'} (HTTP {status})")
             err.details.update(s3Code=code, httpStatus=status)

@@ -324,6 +324,28 @@ def _redis_problem(url: str) -> str | None:
     return None
 
 
+def _store_location_problem(settings: Any, redis_url: str) -> str | None:
+    """The objection of ``substrate.storeloc.check`` to this start's snapshot store (None: none, and the
+    location is recorded), or why Redis could not be asked (then the runtime's own start asks again)."""
+    import asyncio
+
+    from redis.exceptions import RedisError
+
+    from substrate import storeloc
+    from substrate.directory import Directory
+
+    async def ask() -> str | None:
+        d = Directory(redis_url, settings.redis.key_prefix, socket_timeout_s=5)
+        try:
+            return await storeloc.check(d.redis, d.keys, settings.snapshot)
+        finally:
+            await d.close()
+    try:
+        return asyncio.run(ask())
+    except (OSError, RedisError, asyncio.TimeoutError):
+        return None
+
+
 def _client(server: str, token: Optional[str]) -> SubstrateClient:
     """The SDK client for a CLI command; a token it refuses is one line and exit 1 (never the token); a
     server URL that cannot name one is a bad argument: one line naming ``--server``, exit 2 (it read as
@@ -467,6 +489,12 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
             err.print(f"[red]error[/red]: {e}")
             raise typer.Exit(2) from None
         err.print(f"embedded Redis at {embedded.safe_url}")
+    if why := _store_location_problem(settings, os.environ.get("SUBSTRATE_REDIS_URL") or settings.redis.url):
+        err.print(f"[red]error[/red]: {escape(why)}")
+        if embedded is not None:
+            embedded.stop()
+        raise typer.Exit(2)
+
     def _term(*_: object) -> None:
         # uvicorn re-raises the signal it caught after a graceful shutdown; turn SIGTERM (and SIGHUP: a
         # closed terminal) into an exception so the finally below still stops the embedded Redis

@@ -41,6 +41,12 @@ class Keys:
         return f"{self.prefix}:sessions"
 
     @property
+    def snapshot_location(self) -> str:
+        """String: the snapshot store this directory's sessions keep their snapshots in
+        (``substrate.storeloc``)."""
+        return f"{self.prefix}:snapshot:location"
+
+    @property
     def deadlines(self) -> str:
         """Sorted set: session id -> deadline (s) of its current transitional state."""
         return f"{self.prefix}:deadlines"

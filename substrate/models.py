@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from enum import Enum
@@ -57,6 +58,11 @@ def parse_duration_s(value: str | int | float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            # YAML's .nan and .inf parse as floats: a maxIdleTime of .nan suspended the session after every
+            # turn and read back as null (never), an snapshotInterval of .nan snapshotted every tick
+            # (fresh-user round 18)
+            raise ValueError(f"duration must be a finite number of seconds, not {value}")
         if value < 0:
             raise ValueError("duration must be >= 0")
         return float(value)
@@ -152,6 +158,8 @@ def parse_quantity_value(value: str | int | float | None, what: str) -> float | 
         q = parse_quantity(value)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{what}: not a quantity: {value!r} (use e.g. 512Mi, 2Gi, 500m, 2)") from e
+    if not q.is_finite():  # YAML's .inf: maxCpu .inf loaded and overflowed the CPU quota at the spawn
+        raise ValueError(f"{what} must be a finite quantity, got {value!r}")
     if q <= 0:
         raise ValueError(f"{what} must be > 0, got {value!r}")
     return float(q)

@@ -505,6 +505,9 @@ class SnapshotSettings(_Section):
     zstd_level: int = Field(3, le=22)
     #: create the bucket at start-up if it is missing (S3 store)
     create_bucket: bool = True
+    #: record the configured store as the place of this directory's snapshots even if another one is
+    #: recorded (the objects were moved there); without it such a start is refused (substrate/storeloc.py)
+    accept_new_location: bool = False
     #: the state manager's orphan sweep (objects no committed snapshot points at) runs this often
     sweep_interval_s: float = Field(300.0, gt=0)
     #: an object is deleted by the sweep only after it was found orphaned this long (an upload in

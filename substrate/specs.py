@@ -179,7 +179,8 @@ def normalize(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
             parse_storage_uri(sm["snapshotStorage"])
             warn.append("stateManagement.snapshotStorage is not applied per template: sessions are stored in their "
-                        "WorkerPool's snapshotStorage (or the runtime's store)")
+                        "WorkerPool's snapshotStorage on Kubernetes, and in the runtime's store (SUBSTRATE_SNAPSHOT__*) "
+                        "under substrate up")
     return doc, warn
 
 

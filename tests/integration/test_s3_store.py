@@ -91,10 +91,20 @@ async def test_read_missing_is_not_found(s3_store: S3Store, s3_store_factory: Ca
     assert info.value.code == "snapshot_missing"
     assert called == []  # raised before the consumer is handed a stream
     no_bucket = s3_store_factory()  # bucket never created
-    with pytest.raises(NotFound) as info:
-        await no_bucket.read("k/missing", called.append)
-    assert info.value.code == "snapshot_missing" and called == []
     assert await no_bucket.list_keys("k/") == []
+
+
+async def test_a_read_from_a_bucket_that_does_not_exist_is_the_store_unavailable_not_a_missing_snapshot(
+        s3_store_factory: Callable[..., S3Store]) -> None:
+    """A mistyped bucket read every snapshot as missing, and each session's snapshots were set aside as
+    corrupt (fresh-user round 18): a missing bucket is the store not being the right one, a 503."""
+    called: list[object] = []
+    no_bucket = s3_store_factory()  # bucket never created
+    with pytest.raises(StoreUnavailable) as info:
+        await no_bucket.read("k/missing", called.append)
+    assert info.value.code == "snapshot_store_unavailable" and called == []
+    assert info.value.details["s3Code"] == "NoSuchBucket"
+    assert f"the bucket {no_bucket.bucket!r} does not exist" in info.value.message
 
 
 async def test_list_and_delete(s3_store: S3Store, tmp_path: Path) -> None:

@@ -52,10 +52,35 @@ def test_durations(v, s):
     assert parse_duration_s(v) == s
 
 
-@pytest.mark.parametrize("v", ["five", "-1s", "1d", ""])
+@pytest.mark.parametrize("v", ["five", "-1s", "1d", "", float("nan"), float("inf"), -float("inf")])
 def test_bad_durations(v):
     with pytest.raises(ValueError):
         parse_duration_s(v)
+
+
+@pytest.mark.parametrize("field", ["maxIdleTime", "snapshotInterval"])
+@pytest.mark.parametrize("value", [".nan", ".inf"])
+def test_a_template_duration_of_nan_or_inf_is_refused_at_load(field, value):
+    """Fresh-user round 18: ``maxIdleTime: .nan`` loaded, read back as null (never) and suspended the
+    session after every turn; ``snapshotInterval: .nan`` snapshotted at every tick."""
+    from substrate.specs import parse_yaml_documents
+
+    text = ("apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: x}\n"
+            f"spec:\n  entrypoint: a:B\n  stateManagement: {{{field}: {value}}}\n")
+    with pytest.raises(SpecError) as e:
+        load_documents(parse_yaml_documents(text), "t.yaml")
+    assert "finite number of seconds" in e.value.message and field in e.value.message, e.value.message
+
+
+def test_an_infinite_cpu_limit_is_refused_at_load():
+    """``isolation.maxCpu: .inf`` loaded and would overflow the CPU quota at the agent's spawn."""
+    from substrate.specs import parse_yaml_documents
+
+    text = ("apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\nmetadata: {name: x}\n"
+            "spec:\n  entrypoint: a:B\n  isolation: {maxCpu: .inf}\n")
+    with pytest.raises(SpecError) as e:
+        load_documents(parse_yaml_documents(text), "t.yaml")
+    assert "maxCpu must be a finite quantity" in e.value.message, e.value.message
 
 
 def test_examples_load_and_templates_find_their_pool():
