@@ -218,3 +218,20 @@ async def test_a_round_of_suspensions_longer_than_the_timeout_counts_as_progress
                                    return_exceptions=True)
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert len(pool.claimed) == 16
+
+
+async def test_a_queue_that_finds_nothing_pauses_longer_and_longer_and_a_notify_serves_it_at_once():
+    """Each round re-reads the registry (O(workers)); a burst waiting on a full pool read it 40 times a
+    second. Rounds that find nothing double the pause up to ``max_poll_s``; a freed slot (``notify``) is
+    still served at once."""
+    pool = FakePool(free=0)
+    q = SlotQueue(pool.claim, refresh=pool.refresh, make_room=pool.make_room, release=pool.release,
+                  poll_s=0.01, max_poll_s=0.08)
+    task = asyncio.create_task(q.wait("s0", None, 5.0))
+    await asyncio.sleep(0.6)
+    # a fixed 10 ms pause reads the registry about 60 times in 0.6 s; 10, 20, 40, then 80 ms: about 10
+    assert pool.reads <= 20, pool.reads
+    pool.free = 1
+    q.notify()
+    got = await asyncio.wait_for(task, 1.0)  # a bound on a hang, not a speed figure
+    assert got[0] == "w1" and pool.claimed == ["s0"]
