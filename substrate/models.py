@@ -50,6 +50,16 @@ NAME_RE = re.compile(r"\A[a-z0-9]([a-z0-9\-.]{0,251}[a-z0-9])?\Z")
 _DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*")
 
 
+#: the longest duration a spec may give (s): a year; longer ones are typos or "never" written as a number
+MAX_DURATION_S = 365 * 86400.0
+
+
+def clip_value(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters with a note of the length (for error messages)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def parse_duration_s(value: str | int | float | None) -> float | None:
     """Parse ``"60s"``, ``"5m"``, ``"1h"``, ``"250ms"`` or a bare number of seconds into seconds.
 
@@ -65,12 +75,17 @@ def parse_duration_s(value: str | int | float | None) -> float | None:
             raise ValueError(f"duration must be a finite number of seconds, not {value}")
         if value < 0:
             raise ValueError("duration must be >= 0")
+        if value > MAX_DURATION_S:
+            raise ValueError(f"duration must be at most {MAX_DURATION_S:.0f} s (a year), got {clip_value(value)}")
         return float(value)
     m = _DURATION_RE.fullmatch(value)
     if not m:
         raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 1h)")
     n, unit = float(m.group(1)), m.group(2) or "s"
-    return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+    out = n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+    if out > MAX_DURATION_S:  # 400 digits parsed to inf and read back as the 400 digits (fresh-user round 19)
+        raise ValueError(f"duration must be at most {MAX_DURATION_S:.0f} s (a year), got {clip_value(value)}")
+    return out
 
 
 class SessionState(str, Enum):
@@ -158,8 +173,8 @@ def parse_quantity_value(value: str | int | float | None, what: str) -> float | 
         q = parse_quantity(value)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{what}: not a quantity: {value!r} (use e.g. 512Mi, 2Gi, 500m, 2)") from e
-    if not q.is_finite():  # YAML's .inf: maxCpu .inf loaded and overflowed the CPU quota at the spawn
-        raise ValueError(f"{what} must be a finite quantity, got {value!r}")
+    if not q.is_finite() or not math.isfinite(float(q)):  # YAML's .inf, "1e309": beyond a float
+        raise ValueError(f"{what} must be a finite quantity, got {clip_value(value)}")
     if q <= 0:
         raise ValueError(f"{what} must be > 0, got {value!r}")
     return float(q)
@@ -170,6 +185,9 @@ def parse_quantity_value(value: str | int | float | None, what: str) -> float | 
 #: 100 ms period (10m) is raised to that by the kernel's minimum; a disk limit is whole bytes
 #: the largest byte limit a template may ask for (the kernel's limits are signed 64-bit counts)
 _MAX_BYTES = (1 << 63) - 1
+#: the largest CPU limit a template may ask for (more cores than any machine has; the kernel's CFS quota
+#: holds at most ~17,592 s per period, about 175,000 cores of a 100 ms period)
+_MAX_CPU_CORES = 4096
 _LEAST = {"maxMemory": (1 << 20, "1Mi (an agent host needs tens of MiB)"),
           "maxCpu": (0.01, "10m (the kernel's smallest CPU quota: 1 ms per 100 ms)"),
           "maxDiskBytes": (1, "1 (whole bytes)")}
@@ -217,6 +235,10 @@ class Isolation(BaseModel):
         # beyond what the kernel's limits can hold (a 64-bit count of bytes): no limit a machine has
         if q is not None and info.field_name in ("maxMemory", "maxDiskBytes") and q > _MAX_BYTES:
             raise ValueError(f"isolation.{info.field_name} must be under 8Ei (2^63 bytes), got {v!r}")
+        # the CFS quota (cores x 100 ms period, in µs) must fit the kernel's: "1e18" loaded and every create
+        # then failed "Numerical result out of range", "1e309" overflowed to infinity (fresh-user round 19)
+        if q is not None and info.field_name == "maxCpu" and q > _MAX_CPU_CORES:
+            raise ValueError(f"isolation.maxCpu must be at most {_MAX_CPU_CORES} cores, got {v!r}")
         return v
 
     @field_validator("turnTimeout")

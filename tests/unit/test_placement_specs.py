@@ -394,3 +394,19 @@ def test_a_folder_with_no_template_says_what_it_ignored(tmp_path):
         load_catalog(tmp_path)
     assert e.value.message.startswith(f"no ActorTemplate found in {tmp_path} (")
     assert "document 1 is a mapping with neither apiVersion nor kind" in e.value.message
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"isolation": {"maxCpu": "1e309"}}, "isolation.maxCpu must be a finite quantity, got '1e309'"),
+    ({"isolation": {"maxCpu": "1e18"}}, "isolation.maxCpu must be at most 4096 cores, got '1e18'"),
+    ({"stateManagement": {"maxIdleTime": "9" * 400 + "s"}}, "duration must be at most 31536000 s (a year)"),
+    ({"isolation": {"turnTimeout": 10 ** 12}}, "duration must be at most 31536000 s (a year)"),
+])
+def test_limits_and_durations_beyond_what_the_kernel_or_a_clock_holds_are_refused_at_load(spec, message):
+    """Fresh-user round 19: ``maxCpu: "1e18"`` loaded and every create failed "Numerical result out of
+    range", ``"1e309"`` overflowed to infinity; a 400-digit duration became infinite and was printed back."""
+    doc = {"apiVersion": "substrate.agent.dev/v1", "kind": "ActorTemplate", "metadata": {"name": "x"},
+           "spec": {"entrypoint": "a:B", **spec}}
+    with pytest.raises(SpecError) as e:
+        load_documents([doc], "t.yaml")
+    assert message in e.value.message and len(e.value.message) < 400, e.value.message
