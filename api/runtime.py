@@ -20,6 +20,7 @@ from api.auth import Authenticator
 from api.proxy import RouteCache
 from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
+from snapshot.guard import GuardedStore
 from snapshot.store import ObjectStore, make_store
 from substrate import storeloc
 from substrate.activator import Activator, WorkerView
@@ -97,7 +98,7 @@ class Runtime:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=settings.api.invoke_timeout_s, sock_connect=2),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
-        store = make_store(settings.snapshot)
+        store = GuardedStore(make_store(settings.snapshot), directory.redis, directory.keys, settings.snapshot)
         auth = Authenticator(settings, directory.redis, directory.keys, http)
         rt = cls(settings, directory, catalog, view, client, activator, http, store, auth, signing, quotas, audit)
         rt.kube_catalog = kube_catalog
@@ -131,15 +132,19 @@ class Runtime:
                                 pool.spec.snapshotStorage, storeloc.location_of(self.settings.snapshot))
         if why := await storeloc.check(self.directory.redis, self.directory.keys, self.settings.snapshot):
             raise RuntimeError(why)  # a configuration error: nothing has started (substrate/storeloc.py)
-        ensure = getattr(self.store, "ensure_bucket", None)
-        if ensure is not None and self.settings.snapshot.create_bucket:
+        ready = getattr(self.store, "ready", None)
+        if ready is not None:
+            # checks the store's marker (snapshot.guard); in a new directory makes the bucket (with
+            # snapshot.create_bucket) and the marker. A fenced store has said why in the log already
             try:
-                await ensure()
+                await ready()
             except SubstrateError as e:  # the store's own error says what is wrong: one line, no traceback
-                log.warning("could not ensure the snapshot bucket exists: %s (suspends fail and are retried until "
-                            "the store answers; check SUBSTRATE_SNAPSHOT__ENDPOINT_URL and its credentials)", e.message)
+                if (e.details or {}).get("reason") != "store_not_verified":
+                    log.warning("could not check the snapshot store: %s (suspends fail and are retried until "
+                                "the store answers; check SUBSTRATE_SNAPSHOT__ENDPOINT_URL and its credentials)",
+                                e.message)
             except Exception:  # noqa: BLE001 - suspends fail (and retry) until the store is reachable
-                log.warning("could not ensure the snapshot bucket exists", exc_info=True)
+                log.warning("could not check the snapshot store", exc_info=True)
         try:
             await self.view.refresh()
         except Exception:  # noqa: BLE001 - Redis may come later; /readyz says so

@@ -555,19 +555,12 @@ class S3Store:
     async def put_file(self, key: str, path: Path) -> None:
         full = self._full(key)
         size = os.stat(path).st_size  # FileNotFoundError is the caller's
-        for attempt in (1, 2):
-            try:
-                if size >= self.multipart_threshold_bytes:
-                    await self._put_multipart(key, full, path, size)
-                else:
-                    await self._call("put", key, self._put_single, full, path, size)
-                return
-            except StoreUnavailable as e:
-                cause = e.__cause__
-                if attempt == 1 and isinstance(cause, Exception) and self._is_no_bucket(cause):
-                    await self.ensure_bucket()
-                    continue
-                raise
+        # a missing bucket is not made here: in a store that held snapshots, an upload into a bucket made
+        # again empty hid that the others were gone (snapshot.guard makes it, once, in a new directory)
+        if size >= self.multipart_threshold_bytes:
+            await self._put_multipart(key, full, path, size)
+        else:
+            await self._call("put", key, self._put_single, full, path, size)
 
     # -------------------------------------------------------------------------------- read, delete, list
 

@@ -47,6 +47,11 @@ class Keys:
         return f"{self.prefix}:snapshot:location"
 
     @property
+    def snapshot_store_id(self) -> str:
+        """String: the id in the marker object of this directory's snapshot store (``snapshot.guard``)."""
+        return f"{self.prefix}:snapshot:store-id"
+
+    @property
     def deadlines(self) -> str:
         """Sorted set: session id -> deadline (s) of its current transitional state."""
         return f"{self.prefix}:deadlines"

@@ -12,6 +12,11 @@ line before anything runs. An operator who moved the objects on purpose starts o
 ``SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true``, which records the new location. With no session in
 the directory nothing can be lost and the new location is recorded silently. The endpoint URL is not
 part of the location: one bucket is reached by several names (a cluster's service name, loopback).
+
+This check reads Redis only, so ``substrate up`` can refuse in one line before anything starts. What
+proves a store is this directory's is its marker object (``snapshot.guard``): a wrong endpoint, a
+bucket emptied or made again, or a mistyped location accepted with the flag above is fenced there
+(503, nothing condemned), not here.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def problem(recorded: str | None, configured: str, sessions: int) -> str | None:
     return (f"the {sessions} session(s) in this directory keep their snapshots in {recorded}, but this start is "
             f"configured for {configured}: every snapshot would read as missing and the sessions would wake "
             "empty. Fix SUBSTRATE_SNAPSHOT__STORE, __BUCKET, __PREFIX or __LOCAL_DIR; if the snapshot objects "
-            "were moved there, start once with SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true")
+            "were moved there (with their .substrate-store marker), start once with "
+            "SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true")
 
 
 async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> str | None:

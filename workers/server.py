@@ -67,6 +67,7 @@ from typing import Any
 from aiohttp import web
 
 from snapshot.commit import SnapshotManager
+from snapshot.guard import GuardedStore
 from snapshot.store import make_store
 from substrate import metrics
 from substrate.audit import SYSTEM, AuditLog
@@ -1248,7 +1249,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     directory = Directory(settings.redis.url or "redis://127.0.0.1:6379/0", settings.redis.key_prefix,
                           socket_timeout_s=settings.redis.socket_timeout_s)
     root = Path(settings.worker.root_dir) / worker_id
-    store = make_store(settings.snapshot)
+    store = GuardedStore(make_store(settings.snapshot), directory.redis, directory.keys, settings.snapshot)
     snapshots = SnapshotManager(store, directory, settings.snapshot, root / "tmp")
     try:
         sandboxes = SandboxPool(root, slots, name=worker_id, bwrap=find_bwrap(),

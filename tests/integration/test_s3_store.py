@@ -119,11 +119,19 @@ async def test_list_and_delete(s3_store: S3Store, tmp_path: Path) -> None:
     assert await s3_store.list_keys("snaps/") == sorted(keys[1:])
 
 
-async def test_prefix_namespaces_keys_and_bucket_is_created_on_first_put(
+async def test_prefix_namespaces_keys_and_a_put_never_makes_a_missing_bucket(
         s3_store_factory: Callable[..., S3Store], tmp_path: Path) -> None:
+    """A put into a bucket that does not exist is 503 (the bucket is made by snapshot.guard, once, in a new
+    directory): an upload that made a deleted bucket again, empty, hid that the other snapshots were gone
+    (fresh-user round 19)."""
     store = s3_store_factory(prefix="tenant-a")
     src = write(tmp_path / "a", 10)
-    await store.put_file("snaps/s1/x", src)  # no ensure_bucket(): created on demand
+    with pytest.raises(StoreUnavailable) as info:
+        await store.put_file("snaps/s1/x", src)
+    assert info.value.details["s3Code"] == "NoSuchBucket"
+    assert store.bucket not in [b["Name"] for b in store._client.list_buckets()["Buckets"]]
+    await store.ensure_bucket()
+    await store.put_file("snaps/s1/x", src)
     assert await store.list_keys("snaps/") == ["snaps/s1/x"]
     raw = store._client.list_objects_v2(Bucket=store.bucket)["Contents"]
     assert [o["Key"] for o in raw] == ["tenant-a/snaps/s1/x"]

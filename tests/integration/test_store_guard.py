@@ -1,0 +1,105 @@
+"""``snapshot.guard.GuardedStore``: a snapshot store is used only once its marker object holds the id this
+directory recorded; otherwise every call is 503 and nothing is read as missing (fresh-user rounds 18 and
+19: a store that was not the one the refs were written to woke sessions empty). Real Redis; moto S3 over
+HTTP and the local store."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from snapshot.guard import GuardedStore, marker_key
+from snapshot.store import LocalDirStore, S3Store
+from substrate.directory import Directory
+from substrate.errors import NotFound, StoreUnavailable
+from substrate.settings import SnapshotSettings
+
+
+@pytest.fixture
+async def d(redis_url):
+    d = Directory(redis_url, f"sg{uuid.uuid4().hex[:8]}")
+    yield d
+    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
+        await d.redis.delete(key)
+    await d.close()
+
+
+def guarded(d: Directory, inner, settings: SnapshotSettings, recheck_s: float = 0.0) -> GuardedStore:
+    return GuardedStore(inner, d.redis, d.keys, settings, recheck_s=recheck_s)
+
+
+def local(root: Path) -> tuple[LocalDirStore, SnapshotSettings]:
+    return LocalDirStore(root), SnapshotSettings(store="local", local_dir=root)
+
+
+async def test_a_new_directory_writes_the_marker_and_every_process_then_uses_the_store(d, tmp_path: Path) -> None:
+    inner, settings = local(tmp_path / "snaps")
+    first = guarded(d, inner, settings)
+    await first.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    recorded = await d.redis.get(d.keys.snapshot_store_id)
+    assert recorded and (tmp_path / "snaps" / marker_key("snapshots")).read_text() == recorded
+    other = guarded(d, LocalDirStore(tmp_path / "snaps"), settings)  # another process: a worker
+    assert await other.read("snapshots/s1/a", lambda f: f.read()) == b"one"
+    assert await other.list_keys("snapshots/s1/") == ["snapshots/s1/a"], "the marker is no session's object"
+
+
+async def test_another_store_is_fenced_nothing_is_written_and_a_missing_object_is_not_missing(d, tmp_path) -> None:
+    inner, settings = local(tmp_path / "snaps")
+    await guarded(d, inner, settings).put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    wrong_inner, wrong = local(tmp_path / "snapz")  # a mistyped folder, adopted on purpose or not
+    store = guarded(d, wrong_inner, wrong)
+    for call in (store.read("snapshots/s1/a", lambda f: f.read()), store.put_file("snapshots/s1/b", tmp_path / "a"),
+                 store.delete("snapshots/s1/a"), store.list_keys("snapshots/")):
+        with pytest.raises(StoreUnavailable) as info:
+            await call
+        assert info.value.details["reason"] == "store_not_verified"
+        assert "does not hold this directory's snapshots" in info.value.message
+    assert not (tmp_path / "snapz").exists() or not any((tmp_path / "snapz").rglob("*")), "nothing written there"
+
+
+async def test_a_store_emptied_after_the_check_answers_503_then_serves_again_once_its_objects_are_back(
+        d, tmp_path: Path) -> None:
+    inner, settings = local(tmp_path / "snaps")
+    store = guarded(d, inner, settings)
+    await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    marker = tmp_path / "snaps" / marker_key("snapshots")
+    saved = marker.read_bytes()
+    marker.unlink()
+    (tmp_path / "snaps" / "snapshots" / "s1" / "a").unlink()  # the store was emptied under the runtime
+    with pytest.raises(StoreUnavailable):  # not NotFound: the caller would condemn the snapshot
+        await store.read("snapshots/s1/a", lambda f: f.read())
+    marker.write_bytes(saved)  # the operator puts the objects back
+    with pytest.raises(NotFound):  # the marker is there: this object really is missing
+        await store.read("snapshots/s1/a", lambda f: f.read())
+
+
+async def test_a_marker_of_another_directory_fences_the_store(d, tmp_path: Path) -> None:
+    inner, settings = local(tmp_path / "snaps")
+    await guarded(d, inner, settings).ready()
+    await d.redis.set(d.keys.snapshot_store_id, "someone-else")
+    with pytest.raises(StoreUnavailable) as info:
+        await guarded(d, LocalDirStore(tmp_path / "snaps"), settings).ready()
+    assert "holds another directory's snapshots" in info.value.message
+
+
+async def test_s3_a_new_directory_makes_its_bucket_and_a_recorded_one_never_makes_it_again(
+        d, s3_store_factory: Callable[..., S3Store], tmp_path: Path) -> None:
+    inner = s3_store_factory()
+    settings = SnapshotSettings(store="s3", bucket=inner.bucket)
+    await guarded(d, inner, settings).put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    # the same bucket name on another endpoint (or deleted and made again): it does not exist there
+    elsewhere = s3_store_factory()
+    elsewhere.bucket = inner.bucket + "-x"
+    with pytest.raises(StoreUnavailable) as info:
+        await guarded(d, elsewhere, SnapshotSettings(store="s3", bucket=elsewhere.bucket)).read(
+            "snapshots/s1/a", lambda f: f.read())
+    assert "its bucket does not exist" in info.value.message
+    assert elsewhere.bucket not in [b["Name"] for b in elsewhere._client.list_buckets()["Buckets"]]
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
