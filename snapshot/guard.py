@@ -6,24 +6,30 @@ empty, a mistyped bucket adopted on purpose) answered every wake "object missing
 set aside as corrupt, the session fell back to its previous one and then woke empty, while the real
 objects sat untouched elsewhere until the orphan sweep deleted them (fresh-user rounds 18 and 19).
 
-``GuardedStore`` wraps the real store. The first use in a directory writes a marker object,
-``<prefix>/.substrate-store`` holding a random id, and records the id in Redis
-(``Keys.snapshot_store_id``). Every process then checks, before its first use of the store, that the
-marker there holds the recorded id:
+``GuardedStore`` wraps the real store. A directory's id is claimed in Redis
+(``Keys.snapshot_store_id``, ``SET NX``: its processes agree on one) and written into a marker object,
+``<prefix>/.substrate-store``. Every process checks, before its first use of the store, that the marker
+there holds that id:
 
-* it does: the store is used as it is (no cost on later calls);
-* no id recorded yet (a new directory, or one from before markers): the marker found is adopted, or one
-  is written (the bucket created first when ``snapshot.create_bucket``);
-* the marker is missing or holds another id, or the bucket does not exist: the store is **fenced**.
-  Every call answers ``StoreUnavailable`` (503 ``snapshot_store_unavailable``) saying why; nothing is
-  read, written or deleted, so no session's snapshot is condemned and none is written where it would
-  be lost. The check runs again at most every ``recheck_s``: once the operator fixes the settings or
-  puts the objects back (a move that copies the objects copies the marker too), the store serves again.
+* it does: the store is used, and its location recorded as the directory's (``substrate.storeloc``);
+* no marker, in a directory that is new or holds no session (nothing can be lost): the marker is
+  written (the bucket made first, with ``snapshot.create_bucket``);
+* no marker in a directory with sessions, a marker holding another id (another runtime, or another
+  ``SUBSTRATE_REDIS__KEY_PREFIX``, uses this store: adopting its marker let that directory's orphan
+  sweep delete the first one's snapshots, fresh-user round 20), or no bucket: the store is **fenced**.
+  Every call answers ``StoreUnavailable`` (503 ``snapshot_store_unavailable``) saying why, logged once;
+  nothing is read, written or deleted, so no session's snapshot is condemned and none is written where
+  it would be lost. The check runs again at most every ``recheck_s``: once the settings are fixed or
+  the objects put back (a move that copies the objects copies the marker too), the store serves again.
 
-A read that finds its object missing checks the marker again before it answers: if the marker is gone
-too, the store was emptied or replaced, and the read answers ``StoreUnavailable`` instead of
-``snapshot_missing`` (which the caller reports as corrupt). Only a missing object in a store that still
-holds this directory's marker is a missing snapshot.
+The marker is read again before each upload (a suspend into a bucket emptied since the check wrote a
+snapshot that no wake would find beside the others) and before each listing (the orphan sweep), and a
+read that finds its object missing checks it again before it answers: if the marker is gone too, the
+store was emptied or replaced, and the read answers ``StoreUnavailable`` instead of
+``snapshot_missing`` (which the caller reports as corrupt). Only a missing object in a store that
+still holds this directory's marker is a missing snapshot. What this cannot tell apart: a bucket put
+back from an older copy holds the marker, so a session whose newer snapshot is missing from it falls
+back to the older one (and its answer says so, ``X-Substrate-Restored: snapshot_corrupt``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any, BinaryIO, TypeVar
 from substrate.errors import Conflict, NotFound, StoreUnavailable
 from substrate.keys import Keys
 from substrate.settings import SnapshotSettings
+from substrate import storeloc
 from substrate.storeloc import location_of
 
 log = logging.getLogger(__name__)
@@ -97,37 +104,66 @@ class GuardedStore:
 
     async def _check(self) -> None:
         try:
-            recorded = await self.redis.get(self.keys.snapshot_store_id)
+            recorded = await self._get(self.keys.snapshot_store_id)
+            new = recorded is None
+            if new:  # this directory's id: claimed in Redis first, so that two of its processes agree
+                await self.redis.set(self.keys.snapshot_store_id, uuid.uuid4().hex, nx=True)
+                recorded = await self._get(self.keys.snapshot_store_id)
+            sessions = int(await self.redis.zcard(self.keys.sessions_index))
+        except StoreUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001 - Redis down: checked again at the next call
             raise StoreUnavailable(f"snapshot store not checked yet: Redis did not answer ({e.__class__.__name__})",
                                    details={"reason": "store_not_verified"}) from e
-        recorded = recorded.decode() if isinstance(recorded, bytes) else recorded
-        marker = await self._read_marker(create_bucket=recorded is None and self.settings.create_bucket)
-        if recorded is None:
-            if marker is None:
-                marker = await self._write_marker(uuid.uuid4().hex)
-            await self.redis.set(self.keys.snapshot_store_id, marker, nx=True)
-            recorded = await self.redis.get(self.keys.snapshot_store_id)
-            recorded = recorded.decode() if isinstance(recorded, bytes) else recorded
+        assert recorded is not None
+        # a bucket is made only where nothing can be lost: a new directory, or one with no session
+        marker = await self._read_marker(create_bucket=(new or sessions == 0) and self.settings.create_bucket)
+        if marker is None and (new or sessions == 0):
+            marker = await self._write_marker(recorded)
         where = location_of(self.settings)
         if marker == recorded:
             if self.fenced is not None:
                 log.warning("snapshot store %s holds this directory's snapshots again: serving", where)
             self.fenced, self.verified = None, True
+            try:
+                await storeloc.record(self.redis, self.keys, self.settings)
+            except Exception:  # noqa: BLE001 - recorded at the next check
+                log.warning("recording the snapshot store's location failed", exc_info=True)
             return
         if marker is None:
             why = (f"the snapshot store {where} does not hold this directory's snapshots: its marker object "
                    f"{self.marker!r} is missing (another endpoint with a bucket of that name, or the bucket was "
-                   "emptied or made again); fix SUBSTRATE_SNAPSHOT__ENDPOINT_URL, __BUCKET or __PREFIX, or put "
+                   "emptied or made again); fix SUBSTRATE_SNAPSHOT__ENDPOINT_URL, __BUCKET or __LOCAL_DIR, or put "
                    "the objects back: wakes and suspends answer 503 until then")
         else:
             why = (f"the snapshot store {where} holds another directory's snapshots (its marker {self.marker!r} "
-                   "names another directory): fix SUBSTRATE_SNAPSHOT__ENDPOINT_URL, __BUCKET or __PREFIX, or "
-                   "SUBSTRATE_REDIS__KEY_PREFIX: wakes and suspends answer 503 until then")
+                   "is not this directory's: another runtime, or another SUBSTRATE_REDIS__KEY_PREFIX, uses it); "
+                   "give each directory its own bucket or SUBSTRATE_SNAPSHOT__PREFIX: wakes and suspends answer "
+                   "503 until then")
+        self._fence(why)
+
+    def _fence(self, why: str) -> None:
+        """Fence the store for ``why`` (logged once per reason) and raise ``StoreUnavailable``."""
         if why != self.fenced:
             log.error("%s", why)
         self.fenced, self.verified = why, False
+        self._checked_at = time.monotonic()
         raise StoreUnavailable(why, details={"reason": "store_not_verified"})
+
+    async def _get(self, key: str) -> str | None:
+        raw = await self.redis.get(key)
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    async def _still_ours(self) -> None:
+        """Read the marker again (one small object) and fence the store if it is gone or changed: before
+        an upload (a suspend into a bucket emptied since the check wrote a snapshot no wake would find
+        with the others) and before the orphan sweep lists the store."""
+        recorded = await self._get(self.keys.snapshot_store_id)
+        marker = await self._read_marker(create_bucket=False)
+        if marker is None or marker != recorded:
+            self.verified = False
+            async with self._lock:
+                await self._check()
 
     async def _read_marker(self, *, create_bucket: bool) -> str | None:
         """The marker's content, or None if it is missing; with ``create_bucket``, a bucket that does
@@ -140,13 +176,24 @@ class GuardedStore:
             if (e.details or {}).get("s3Code") != "NoSuchBucket":
                 raise
             if not create_bucket:
-                where = location_of(self.settings)
-                raise StoreUnavailable(f"the snapshot store {where}: its bucket does not exist; fix "
-                                       "SUBSTRATE_SNAPSHOT__ENDPOINT_URL or __BUCKET, or make the bucket and put "
-                                       "the objects back: wakes and suspends answer 503 until then",
-                                       details={"reason": "store_not_verified"}) from e
+                self._fence(self._no_bucket())
             await self.inner.ensure_bucket()
             return None
+
+    def _no_bucket(self) -> str:
+        return (f"the snapshot store {location_of(self.settings)}: its bucket does not exist; fix "
+                "SUBSTRATE_SNAPSHOT__ENDPOINT_URL or __BUCKET, or make the bucket and put the objects back: "
+                "wakes and suspends answer 503 until then")
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` of the real store; a bucket found missing fences the store (and says so in the log)."""
+        try:
+            return await fn(*args)
+        except StoreUnavailable as e:
+            if (e.details or {}).get("s3Code") == "NoSuchBucket":
+                async with self._lock:
+                    self._fence(self._no_bucket())
+            raise
 
     async def _write_marker(self, content: str) -> str:
         """Write the marker with ``content`` unless one exists; the content the marker holds then."""
@@ -166,24 +213,25 @@ class GuardedStore:
     # -------------------------------------------------------------------------------- the store's calls
     async def put_file(self, key: str, path: Path) -> None:
         await self.ready()
-        await self.inner.put_file(key, path)
+        await self._still_ours()
+        await self._call(self.inner.put_file, key, path)
 
     async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
         await self.ready()
         try:
-            return await self.inner.read(key, consume)
+            return await self._call(self.inner.read, key, consume)
         except NotFound:
             # a missing object, or a store emptied or replaced since the check: look at the marker again
             async with self._lock:
                 self.verified = False
-                self._checked_at = time.monotonic()
                 await self._check()
             raise
 
     async def delete(self, key: str) -> None:
         await self.ready()
-        await self.inner.delete(key)
+        await self._call(self.inner.delete, key)
 
     async def list_keys(self, prefix: str) -> list[str]:
         await self.ready()
-        return await self.inner.list_keys(prefix)
+        await self._still_ours()
+        return await self._call(self.inner.list_keys, prefix)

@@ -31,39 +31,76 @@ log = logging.getLogger(__name__)
 
 
 def location_of(snapshot: SnapshotSettings) -> str:
-    """The configured store as one string: ``s3://<bucket>/<prefix>`` or ``file://<absolute folder>``."""
+    """The configured store as one string: ``s3://<bucket>/<prefix>`` or ``file://<absolute folder>/<prefix>``
+    (every snapshot key begins with the prefix, so it is part of where the snapshots are)."""
+    prefix = snapshot.prefix.strip("/")
     if snapshot.store == "s3":
-        return f"s3://{snapshot.bucket}/{snapshot.prefix.strip('/')}"
-    return f"file://{snapshot.local_dir.resolve()}"
+        return f"s3://{snapshot.bucket}/{prefix}"
+    folder = str(snapshot.local_dir.resolve())
+    return f"file://{folder}/{prefix}" if prefix else f"file://{folder}"
 
 
-def problem(recorded: str | None, configured: str, sessions: int) -> str | None:
+def _prefix_of(location: str) -> str:
+    """The prefix part of a ``location_of`` string recorded with ``record`` (after ``#``)."""
+    return location.rpartition("#")[2]
+
+
+def _recorded(snapshot: SnapshotSettings) -> str:
+    """What is recorded: the location and, after ``#``, the prefix alone (compared on its own)."""
+    return f"{location_of(snapshot)}#{snapshot.prefix.strip('/')}"
+
+
+def problem(recorded: str | None, configured: str, sessions: int, *, accept: bool = False) -> str | None:
     """Why a start configured for ``configured`` must not run on a directory of ``sessions`` sessions
-    whose snapshots are recorded as kept in ``recorded`` (None: no objection)."""
+    whose snapshots are recorded as kept in ``recorded`` (both as ``_recorded`` makes them; None: no
+    objection). ``accept``: the operator says the objects were moved there; a changed prefix is refused
+    even then, since every snapshot's key begins with the old one."""
     if recorded is None or recorded == configured or sessions == 0:
         return None
-    return (f"the {sessions} session(s) in this directory keep their snapshots in {recorded}, but this start is "
-            f"configured for {configured}: every snapshot would read as missing and the sessions would wake "
-            "empty. Fix SUBSTRATE_SNAPSHOT__STORE, __BUCKET, __PREFIX or __LOCAL_DIR; if the snapshot objects "
+    was, now = recorded.rpartition("#")[0], configured.rpartition("#")[0]
+    old_prefix, new_prefix = _prefix_of(recorded), _prefix_of(configured)
+    if old_prefix != new_prefix:
+        return (f"the {sessions} session(s) in this directory keep their snapshots in {was}, under keys that begin "
+                f"with {old_prefix + '/' if old_prefix else 'no prefix'}, but this start is configured for {now}: "
+                f"SUBSTRATE_SNAPSHOT__PREFIX must stay {old_prefix!r} while they exist (their snapshots' keys name "
+                "it; a store may move to another bucket, endpoint or folder, not to another prefix)")
+    if accept:
+        return None
+    return (f"the {sessions} session(s) in this directory keep their snapshots in {was}, but this start is "
+            f"configured for {now}: every snapshot would read as missing and the sessions would wake "
+            "empty. Fix SUBSTRATE_SNAPSHOT__STORE, __BUCKET or __LOCAL_DIR; if the snapshot objects "
             "were moved there (with their .substrate-store marker), start once with "
             "SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true")
 
 
 async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> str | None:
     """Compare the configured store with the one recorded for this directory (``redis``: a redis-py
-    asyncio client) and record it when there is no objection (or ``snapshot.accept_new_location``).
-    Returns the objection (see :func:`problem`), having changed nothing, or None. Raises redis-py's
-    errors when Redis does not answer."""
-    configured = location_of(snapshot)
+    asyncio client). Returns the objection (see :func:`problem`), having changed nothing, or None. With
+    no session in the directory (nothing to lose) the configured store is recorded now; a store accepted
+    as moved (``snapshot.accept_new_location``) is recorded only once its marker proves it holds this
+    directory's snapshots (:func:`record`, called by ``snapshot.guard``): a mistyped location accepted
+    by mistake is then not remembered. Raises redis-py's errors when Redis does not answer."""
+    configured = _recorded(snapshot)
     raw = await redis.get(keys.snapshot_location)
     recorded = raw.decode() if isinstance(raw, bytes) else raw
     if recorded == configured:
         return None
-    if not snapshot.accept_new_location:
-        why = problem(recorded, configured, int(await redis.zcard(keys.sessions_index)))
-        if why is not None:
-            return why
-    if recorded is not None:
-        log.warning("snapshot store location changed from %s to %s", recorded, configured)
-    await redis.set(keys.snapshot_location, configured)
+    sessions = int(await redis.zcard(keys.sessions_index))
+    why = problem(recorded, configured, sessions, accept=snapshot.accept_new_location)
+    if why is not None:
+        return why
+    if recorded is None or sessions == 0:
+        await redis.set(keys.snapshot_location, configured)
     return None
+
+
+async def record(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> None:
+    """Record the configured store as the place of this directory's snapshots (its marker matched)."""
+    configured = _recorded(snapshot)
+    raw = await redis.get(keys.snapshot_location)
+    recorded = raw.decode() if isinstance(raw, bytes) else raw
+    if recorded != configured:
+        if recorded is not None:
+            log.warning("snapshot store location changed from %s to %s", recorded.rpartition("#")[0],
+                        configured.rpartition("#")[0])
+        await redis.set(keys.snapshot_location, configured)

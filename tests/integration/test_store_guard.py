@@ -15,6 +15,7 @@ from snapshot.guard import GuardedStore, marker_key
 from snapshot.store import LocalDirStore, S3Store
 from substrate.directory import Directory
 from substrate.errors import NotFound, StoreUnavailable
+from substrate.models import SessionRecord, SessionState
 from substrate.settings import SnapshotSettings
 
 
@@ -49,6 +50,7 @@ async def test_a_new_directory_writes_the_marker_and_every_process_then_uses_the
 async def test_another_store_is_fenced_nothing_is_written_and_a_missing_object_is_not_missing(d, tmp_path) -> None:
     inner, settings = local(tmp_path / "snaps")
     await guarded(d, inner, settings).put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
     wrong_inner, wrong = local(tmp_path / "snapz")  # a mistyped folder, adopted on purpose or not
     store = guarded(d, wrong_inner, wrong)
     for call in (store.read("snapshots/s1/a", lambda f: f.read()), store.put_file("snapshots/s1/b", tmp_path / "a"),
@@ -65,6 +67,7 @@ async def test_a_store_emptied_after_the_check_answers_503_then_serves_again_onc
     inner, settings = local(tmp_path / "snaps")
     store = guarded(d, inner, settings)
     await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
     marker = tmp_path / "snaps" / marker_key("snapshots")
     saved = marker.read_bytes()
     marker.unlink()
@@ -90,6 +93,7 @@ async def test_s3_a_new_directory_makes_its_bucket_and_a_recorded_one_never_make
     inner = s3_store_factory()
     settings = SnapshotSettings(store="s3", bucket=inner.bucket)
     await guarded(d, inner, settings).put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
     # the same bucket name on another endpoint (or deleted and made again): it does not exist there
     elsewhere = s3_store_factory()
     elsewhere.bucket = inner.bucket + "-x"
@@ -100,6 +104,80 @@ async def test_s3_a_new_directory_makes_its_bucket_and_a_recorded_one_never_make
     assert elsewhere.bucket not in [b["Name"] for b in elsewhere._client.list_buckets()["Buckets"]]
 
 
+async def _a_session(d: Directory) -> None:
+    """A session in the directory: from now on a store without its marker may hold what it would lose."""
+    import time
+
+    now = time.time()
+    await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
+                                         pool="default", createdAt=now, updatedAt=now, lastActiveAt=now))
+
+
 def _file(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+async def test_a_second_directory_never_adopts_a_store_that_holds_another_ones_marker(d, redis_url, tmp_path) -> None:
+    """Fresh-user round 20: a runtime with another SUBSTRATE_REDIS__KEY_PREFIX on the same bucket and prefix
+    adopted the marker it found, and its orphan sweep deleted the first directory's snapshots."""
+    inner, settings = local(tmp_path / "snaps")
+    await guarded(d, inner, settings).put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    other = Directory(redis_url, f"sg{uuid.uuid4().hex[:8]}")
+    try:
+        store = guarded(other, LocalDirStore(tmp_path / "snaps"), settings)
+        with pytest.raises(StoreUnavailable) as info:
+            await store.list_keys("snapshots/")  # what the orphan sweep does first
+        assert "holds another directory's snapshots" in info.value.message
+    finally:
+        async for key in other.redis.scan_iter(f"{other.keys.prefix}:*"):
+            await other.redis.delete(key)
+        await other.close()
+    assert (tmp_path / "snaps" / "snapshots" / "s1" / "a").read_bytes() == b"one"
+
+
+async def test_an_upload_into_a_store_emptied_since_the_check_is_refused(d, tmp_path: Path) -> None:
+    """Fresh-user round 20: a suspend into a bucket emptied after the check was written there (202), and
+    once the objects were put back its session fell back to an older snapshot."""
+    inner, settings = local(tmp_path / "snaps")
+    store = guarded(d, inner, settings, recheck_s=60)
+    await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
+    (tmp_path / "snaps" / marker_key("snapshots")).unlink()  # emptied under the runtime
+    with pytest.raises(StoreUnavailable):
+        await store.put_file("snapshots/s1/b", _file(tmp_path / "b", b"two"))
+    assert not (tmp_path / "snaps" / "snapshots" / "s1" / "b").exists()
+
+
+async def test_the_location_of_an_accepted_move_is_recorded_once_the_marker_matched(d, tmp_path: Path) -> None:
+    from substrate import storeloc
+
+    inner, settings = local(tmp_path / "snaps")
+    await guarded(d, inner, settings).ready()
+    await _a_session(d)
+    import shutil
+
+    shutil.copytree(tmp_path / "snaps", tmp_path / "moved")  # a deliberate move, marker included
+    moved = SnapshotSettings(store="local", local_dir=tmp_path / "moved", accept_new_location=True)
+    assert await storeloc.check(d.redis, d.keys, moved) is None
+    await guarded(d, LocalDirStore(tmp_path / "moved"), moved).ready()
+    plain = SnapshotSettings(store="local", local_dir=tmp_path / "moved")
+    assert await storeloc.check(d.redis, d.keys, plain) is None, "later starts need no flag"
+
+
+async def test_s3_a_bucket_deleted_under_a_running_store_fences_it_and_says_so(
+        d, s3_store_factory: Callable[..., S3Store], tmp_path: Path, caplog) -> None:
+    """Fresh-user round 20: with the bucket deleted, calls answered 503 but the log said nothing."""
+    inner = s3_store_factory()
+    store = guarded(d, inner, SnapshotSettings(store="s3", bucket=inner.bucket), recheck_s=60)
+    await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
+    for o in inner._client.list_objects_v2(Bucket=inner.bucket)["Contents"]:
+        inner._client.delete_object(Bucket=inner.bucket, Key=o["Key"])
+    inner._client.delete_bucket(Bucket=inner.bucket)
+    with caplog.at_level("ERROR", logger="snapshot.guard"), pytest.raises(StoreUnavailable):
+        await store.read("snapshots/s1/a", lambda f: f.read())
+    assert store.fenced is not None and "its bucket does not exist" in store.fenced
+    assert any("its bucket does not exist" in r.getMessage() for r in caplog.records)
+    with pytest.raises(StoreUnavailable):  # fenced: not even tried until the recheck
+        await store.delete("snapshots/s1/a")

@@ -35,12 +35,12 @@ async def _a_session(d: Directory) -> None:
                                          pool="default", createdAt=now, updatedAt=now, lastActiveAt=now))
 
 
-def test_the_location_names_the_bucket_and_prefix_or_the_folder_and_not_the_endpoint(tmp_path: Path) -> None:
+def test_the_location_names_the_bucket_or_folder_and_the_prefix_and_not_the_endpoint(tmp_path: Path) -> None:
     assert storeloc.location_of(s3("snaps", "/p/")) == "s3://snaps/p"
     assert storeloc.location_of(s3("snaps", endpoint_url="http://a:9000")) == storeloc.location_of(
         s3("snaps", endpoint_url="http://b:9000"))
     local = SnapshotSettings(store="local", local_dir=tmp_path / "x")
-    assert storeloc.location_of(local) == f"file://{(tmp_path / 'x').resolve()}"
+    assert storeloc.location_of(local) == f"file://{(tmp_path / 'x').resolve()}/snapshots"
 
 
 async def test_a_start_for_another_store_is_refused_while_sessions_exist_and_changes_nothing(d) -> None:
@@ -52,17 +52,31 @@ async def test_a_start_for_another_store_is_refused_while_sessions_exist_and_cha
     assert "keep their snapshots in s3://fresh18-snaps/snapshots" in why
     assert "configured for s3://fresh18-snapz/snapshots" in why and "ACCEPT_NEW_LOCATION" in why
     assert await storeloc.check(d.redis, d.keys, s3("fresh18-snaps", prefix="other")) is not None
-    assert await d.redis.get(d.keys.snapshot_location) == "s3://fresh18-snaps/snapshots", "nothing changed"
+    assert await d.redis.get(d.keys.snapshot_location) == "s3://fresh18-snaps/snapshots#snapshots", "nothing changed"
 
 
-async def test_a_new_store_is_recorded_when_nothing_can_be_lost_or_when_the_move_is_accepted(d) -> None:
+async def test_a_new_store_is_recorded_when_nothing_can_be_lost_and_an_accepted_move_once_its_marker_matched(
+        d) -> None:
     assert await storeloc.check(d.redis, d.keys, s3("first")) is None
     assert await storeloc.check(d.redis, d.keys, s3("second")) is None  # no session: nothing to lose
-    assert await d.redis.get(d.keys.snapshot_location) == "s3://second/snapshots"
+    assert await d.redis.get(d.keys.snapshot_location) == "s3://second/snapshots#snapshots"
     await _a_session(d)
     assert await storeloc.check(d.redis, d.keys, s3("third", accept_new_location=True)) is None
-    assert await d.redis.get(d.keys.snapshot_location) == "s3://third/snapshots"
+    # accepted, not recorded: a mistyped location accepted by mistake must not be remembered (fresh-user
+    # round 20: going back to the right one was then refused); snapshot.guard records it once the marker matched
+    assert await d.redis.get(d.keys.snapshot_location) == "s3://second/snapshots#snapshots"
+    await storeloc.record(d.redis, d.keys, s3("third"))
     assert await storeloc.check(d.redis, d.keys, s3("third")) is None
+
+
+async def test_a_changed_prefix_is_refused_even_as_an_accepted_move(d) -> None:
+    """Every snapshot's key begins with the prefix: objects moved under another prefix are never found, so a
+    move with ``ACCEPT_NEW_LOCATION`` condemned every session (fresh-user round 20)."""
+    assert await storeloc.check(d.redis, d.keys, s3("bkt")) is None
+    await _a_session(d)
+    why = await storeloc.check(d.redis, d.keys, s3("moved", prefix="snaps", accept_new_location=True))
+    assert why is not None and "SUBSTRATE_SNAPSHOT__PREFIX must stay 'snapshots'" in why
+    assert await storeloc.check(d.redis, d.keys, s3("moved", accept_new_location=True)) is None  # same prefix
 
 
 def test_up_configured_for_another_store_says_so_in_one_line_and_serves_nothing(tmp_path: Path, redis_url: str,
@@ -108,7 +122,7 @@ def test_up_configured_for_another_store_says_so_in_one_line_and_serves_nothing(
     finally:
         recorded = asyncio.run(cleanup())
     assert r.exit_code == 2, r.output
-    assert f"keep their snapshots in file://{(tmp_path / 'snaps').resolve()}" in " ".join(r.output.split())
+    assert f"keep their snapshots in file://{(tmp_path / 'snaps').resolve()}/snapshots" in " ".join(r.output.split())
     assert "Traceback" not in r.output and "serving on" not in r.output
-    assert recorded == f"file://{(tmp_path / 'snaps').resolve()}", "the recorded store is kept"
+    assert recorded == f"file://{(tmp_path / 'snaps').resolve()}/snapshots#snapshots", "the recorded store is kept"
     assert not (tmp_path / "var" / "workers").exists() or not any((tmp_path / "var" / "workers").iterdir())
