@@ -132,19 +132,10 @@ class Runtime:
                                 pool.spec.snapshotStorage, storeloc.location_of(self.settings.snapshot))
         if why := await storeloc.check(self.directory.redis, self.directory.keys, self.settings.snapshot):
             raise RuntimeError(why)  # a configuration error: nothing has started (substrate/storeloc.py)
-        ready = getattr(self.store, "ready", None)
-        if ready is not None:
-            # checks the store's marker (snapshot.guard); in a new directory makes the bucket (with
-            # snapshot.create_bucket) and the marker. A fenced store has said why in the log already
-            try:
-                await ready()
-            except SubstrateError as e:  # the store's own error says what is wrong: one line, no traceback
-                if (e.details or {}).get("reason") != "store_not_verified":
-                    log.warning("could not check the snapshot store: %s (suspends fail and are retried until "
-                                "the store answers; check SUBSTRATE_SNAPSHOT__ENDPOINT_URL and its credentials)",
-                                e.message)
-            except Exception:  # noqa: BLE001 - suspends fail (and retry) until the store is reachable
-                log.warning("could not check the snapshot store", exc_info=True)
+        if getattr(self.store, "ready", None) is not None:
+            # in the background: a store that accepts connections but never answers held the API's start
+            # for 90 s with nothing served (fresh-user round 21); every store call checks it anyway
+            self._tasks.append(asyncio.create_task(self._check_store()))
         try:
             await self.view.refresh()
         except Exception:  # noqa: BLE001 - Redis may come later; /readyz says so
@@ -159,6 +150,19 @@ class Runtime:
         if self.state_manager is not None:
             self.state_manager.start()
         tune_after_startup()  # the router's request path: see substrate/gctune.py
+
+    async def _check_store(self) -> None:
+        """Check the snapshot store's marker once at start (``snapshot.guard``): in a new directory this
+        makes the bucket (with ``snapshot.create_bucket``) and the marker; a fenced store has said why in
+        the log already; an unreachable one is said here (suspends fail and are retried until it answers)."""
+        try:
+            await self.store.ready()  # type: ignore[attr-defined]
+        except SubstrateError as e:  # the store's own error says what is wrong: one line, no traceback
+            if (e.details or {}).get("reason") != "store_not_verified":
+                log.warning("could not check the snapshot store: %s (suspends fail and are retried until the "
+                            "store answers; check SUBSTRATE_SNAPSHOT__ENDPOINT_URL and its credentials)", e.message)
+        except Exception:  # noqa: BLE001 - suspends fail (and retry) until the store is reachable
+            log.warning("could not check the snapshot store", exc_info=True)
 
     async def wait_ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until every pool has a READY worker (embedded mode)."""

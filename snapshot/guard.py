@@ -12,9 +12,10 @@ objects sat untouched elsewhere until the orphan sweep deleted them (fresh-user 
 there holds that id:
 
 * it does: the store is used, and its location recorded as the directory's (``substrate.storeloc``);
-* no marker, in a directory that is new or holds no session (nothing can be lost): the marker is
+* no marker, in a directory whose store never showed its marker (a new one, or one whose store was out
+  of reach at every check so far) or that holds no session (nothing can be lost): the marker is
   written (the bucket made first, with ``snapshot.create_bucket``);
-* no marker in a directory with sessions, a marker holding another id (another runtime, or another
+* no marker in a directory with sessions whose store showed it before, a marker holding another id (another runtime, or another
   ``SUBSTRATE_REDIS__KEY_PREFIX``, uses this store: adopting its marker let that directory's orphan
   sweep delete the first one's snapshots, fresh-user round 20), or no bucket: the store is **fenced**.
   Every call answers ``StoreUnavailable`` (503 ``snapshot_store_unavailable``) saying why, logged once;
@@ -27,7 +28,10 @@ snapshot that no wake would find beside the others) and before each listing (the
 read that finds its object missing checks it again before it answers: if the marker is gone too, the
 store was emptied or replaced, and the read answers ``StoreUnavailable`` instead of
 ``snapshot_missing`` (which the caller reports as corrupt). Only a missing object in a store that
-still holds this directory's marker is a missing snapshot. What this cannot tell apart: a bucket put
+still holds this directory's marker is a missing snapshot, and only once it has been missing
+``snapshot.missing_grace_s`` (first sighting kept in Redis): the marker proves which store this is, not
+that its objects are all there (a copy that put the marker back first, as key order does, condemned the
+snapshots still on their way, round 21). What this cannot tell apart: a bucket put
 back from an older copy holds the marker, so a session whose newer snapshot is missing from it falls
 back to the older one (and its answer says so, ``X-Substrate-Restored: snapshot_corrupt``).
 """
@@ -105,10 +109,13 @@ class GuardedStore:
     async def _check(self) -> None:
         try:
             recorded = await self._get(self.keys.snapshot_store_id)
-            new = recorded is None
-            if new:  # this directory's id: claimed in Redis first, so that two of its processes agree
+            if recorded is None:  # this directory's id: claimed in Redis first, so its processes agree
                 await self.redis.set(self.keys.snapshot_store_id, uuid.uuid4().hex, nx=True)
                 recorded = await self._get(self.keys.snapshot_store_id)
+            # no store ever showed this directory's marker (a new directory, or its store was out of reach
+            # at every check so far: a store down at the first start was fenced for good once a session
+            # existed, fresh-user round 21), or it holds no session: nothing can be lost
+            new = await self._get(self.keys.snapshot_store_marked) is None
             sessions = int(await self.redis.zcard(self.keys.sessions_index))
         except StoreUnavailable:
             raise
@@ -126,6 +133,7 @@ class GuardedStore:
                 log.warning("snapshot store %s holds this directory's snapshots again: serving", where)
             self.fenced, self.verified = None, True
             try:
+                await self.redis.set(self.keys.snapshot_store_marked, "1")
                 await storeloc.record(self.redis, self.keys, self.settings)
             except Exception:  # noqa: BLE001 - recorded at the next check
                 log.warning("recording the snapshot store's location failed", exc_info=True)
@@ -220,12 +228,36 @@ class GuardedStore:
         await self.ready()
         try:
             return await self._call(self.inner.read, key, consume)
-        except NotFound:
+        except NotFound as e:
             # a missing object, or a store emptied or replaced since the check: look at the marker again
             async with self._lock:
                 self.verified = False
                 await self._check()
+            await self._missing_long_enough(key, e)
             raise
+
+    async def _missing_long_enough(self, key: str, cause: NotFound) -> None:
+        """Return if ``key`` has been missing at least ``snapshot.missing_grace_s`` (first seen missing now
+        or earlier, kept in Redis); else raise ``StoreUnavailable``: the marker proves which store this
+        is, not that its objects are all there (a copy that put the marker back first condemned the
+        snapshots still on their way, round 21)."""
+        grace = self.settings.missing_grace_s
+        if grace <= 0:
+            return
+        now = time.time()
+        try:
+            k = self.keys.snapshot_missing(key)
+            await self.redis.set(k, repr(now), nx=True, ex=max(1, int(grace * 10)))
+            first = float(await self._get(k) or now)
+        except Exception as e:  # noqa: BLE001 - Redis down: not condemned now
+            raise StoreUnavailable(f"snapshot object {key!r} is missing; not condemned while Redis does not answer",
+                                   details={"reason": "object_missing", "key": key}) from e
+        if now - first < grace:
+            raise StoreUnavailable(
+                f"snapshot object {key!r} is missing from {location_of(self.settings)}; it counts as lost only "
+                f"once it has been missing {grace:g} s (SUBSTRATE_SNAPSHOT__MISSING_GRACE_S; a copy or move of the "
+                f"store may be under way): 503 until then, {grace - (now - first):.0f} s left",
+                details={"reason": "object_missing", "key": key}) from cause
 
     async def delete(self, key: str) -> None:
         await self.ready()

@@ -31,6 +31,7 @@ import time
 
 from tenacity import wait_exponential
 
+from snapshot.guard import MARKER_NAME
 from snapshot.store import ObjectStore
 from substrate import metrics
 from substrate.activator import Activator
@@ -283,7 +284,10 @@ class StateManager:
         by_session: dict[str, list[str]] = {}
         for key in await self.store.list_keys(root):
             sid, _, name = key[len(root):].partition("/")
-            if sid and name:
+            # a snapshot's key is exactly ``<prefix>/<session>/<file>``: a deeper key or a marker object
+            # belongs to another directory whose prefix is nested in this one's (``snapshots/b`` in
+            # ``snapshots``: this sweep deleted that runtime's snapshots and its marker, round 21)
+            if sid and name and "/" not in name and name != MARKER_NAME and sid != MARKER_NAME:
                 by_session.setdefault(sid, []).append(key)
         d = self.directory
         recs = {r.id: r for r in await d.get_sessions(list(by_session))}

@@ -735,7 +735,7 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
          keep: bool = typer.Option(False, help="Leave the server running (Ctrl-C stops).")) -> None:
     """Start the embedded default, create a counter session and invoke it, suspend it and wake it with
     the next invoke, do the same with a notebook session (its variables survive), then stop everything. The demo's runtime keeps its data (embedded Redis, snapshots,
-    workspaces) in a fresh temporary folder, and under its own key prefix when SUBSTRATE_REDIS_URL names a
+    workspaces) in a fresh temporary folder (the local snapshot store there, whatever SUBSTRATE_SNAPSHOT__STORE says), and under its own key prefix when SUBSTRATE_REDIS_URL names a
     Redis; at the end it deletes its sessions, that folder and those keys: nothing of it is left."""
     import shutil
     import tempfile
@@ -759,7 +759,10 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
                # every folder the runtime writes to, so none of the user's settings points it at ./var
                SUBSTRATE_DATA_DIR=str(data), SUBSTRATE_REDIS__DATA_DIR=str(data / "redis"),
                SUBSTRATE_WORKER__ROOT_DIR=str(data / "workers"), SUBSTRATE_SNAPSHOT__LOCAL_DIR=str(data / "snapshots"),
-               SUBSTRATE_REDIS__KEY_PREFIX=prefix)
+               # the local store in that folder even when the shell names an S3 store: the demo wrote into the
+               # user's bucket and prefix, left its marker there, and a real runtime then found that bucket
+               # holding "another directory's snapshots" (fresh-user round 21)
+               SUBSTRATE_SNAPSHOT__STORE="local", SUBSTRATE_REDIS__KEY_PREFIX=prefix)
     shared_redis = env.get("SUBSTRATE_REDIS_URL") or env.get("SUBSTRATE_REDIS__URL")
     # who owns the folder: a later demo removes it (and the keys) if this one is killed before its end
     (data / DEMO_OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "prefix": prefix, "redis": shared_redis}))

@@ -52,6 +52,15 @@ class Keys:
         return f"{self.prefix}:snapshot:store-id"
 
     @property
+    def snapshot_store_marked(self) -> str:
+        """String: set once a store showed this directory's marker (``snapshot.guard``)."""
+        return f"{self.prefix}:snapshot:store-marked"
+
+    def snapshot_missing(self, object_key: str) -> str:
+        """String with a TTL: when a snapshot object was first found missing (``snapshot.guard``)."""
+        return f"{self.prefix}:snapshot:missing:{object_key}"
+
+    @property
     def deadlines(self) -> str:
         """Sorted set: session id -> deadline (s) of its current transitional state."""
         return f"{self.prefix}:deadlines"

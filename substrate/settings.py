@@ -508,6 +508,10 @@ class SnapshotSettings(_Section):
     #: record the configured store as the place of this directory's snapshots even if another one is
     #: recorded (the objects were moved there); without it such a start is refused (substrate/storeloc.py)
     accept_new_location: bool = False
+    #: an object missing from a store that holds this directory's marker counts as lost (its session
+    #: then falls back to its previous snapshot) only once it has been missing this long (s); until then
+    #: a wake answers 503: a copy or move of the store may still be under way (snapshot/guard.py)
+    missing_grace_s: float = Field(60.0, ge=0)
     #: the state manager's orphan sweep (objects no committed snapshot points at) runs this often
     sweep_interval_s: float = Field(300.0, gt=0)
     #: an object is deleted by the sweep only after it was found orphaned this long (an upload in

@@ -178,6 +178,19 @@ def test_the_demo_leaves_nothing_behind(tmp_path: Path) -> None:
     assert sorted(tmp.iterdir()) == [running, unknown], "the demo's own folder and the killed one's are gone"
 
 
+def test_the_demo_keeps_its_snapshots_in_its_own_folder_whatever_store_the_shell_names(tmp_path: Path) -> None:
+    """Fresh-user round 21: with the shell's S3 settings the demo wrote into the user's bucket and prefix
+    and left its marker there (a real runtime then found the bucket holding "another directory's
+    snapshots"), or failed at its suspend. Here the shell names an S3 endpoint where nothing listens."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
+    env.update(SUBSTRATE_SNAPSHOT__STORE="s3", SUBSTRATE_SNAPSHOT__BUCKET="users-bucket",
+               SUBSTRATE_SNAPSHOT__ENDPOINT_URL=f"http://127.0.0.1:{_free_port()}", AWS_ACCESS_KEY_ID="x",
+               AWS_SECRET_ACCESS_KEY="x", SUBSTRATE_SNAPSHOT__REGION="us-east-1", TMPDIR=str(tmp_path))
+    _run_demo(cwd, env)  # succeeds: its suspends went to the local store in its folder
+
+
 def test_the_demo_leaves_no_keys_in_a_shared_redis(tmp_path: Path, redis_url: str) -> None:
     """With SUBSTRATE_REDIS_URL the demo runs under a key prefix of its own (never the user's
     deployment's) and deletes every key under it at the end."""

@@ -297,6 +297,11 @@ async def test_objects_in_the_store_after_churn_crashes_and_failed_commits(env, 
     await d.delete_session("doomed")
     # an object of a key shape nobody knows under a live session
     store.objects[snapshot_key(settings.snapshot.prefix, "live-2", 1, 7)] = b"junk"
+    # another directory's, whose prefix is nested in this one's (fresh-user round 21): never this sweep's
+    prefix = settings.snapshot.prefix.strip("/")
+    nested = [f"{prefix}/b/.substrate-store", f"{prefix}/b/b1/000000000001-000001-0123abcd.tar.zst"]
+    for key in nested:
+        store.objects[key] = b"theirs"
     t0 = time.time()
     assert await sm.sweep_orphans(now=t0) == [], "first sighting: nothing deleted (uploads in flight)"
     assert crashed.key in store.objects
@@ -304,6 +309,9 @@ async def test_objects_in_the_store_after_churn_crashes_and_failed_commits(env, 
     assert crashed.key in deleted and bad.snapshot.key in deleted
     assert len([k for k in deleted if "/doomed/" in k]) == 2
     kept = [k for sid in [*live, "bad"] for k in await d.committed_snapshots(sid)]
+    assert not set(nested) & set(deleted)
+    for key in nested:
+        del store.objects[key]
     assert sorted(store.objects) == sorted(kept)
     assert len(store.objects) == 3 * 2 + 1
     refs = [await d.get_session(s) for s in live]

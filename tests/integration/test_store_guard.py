@@ -5,6 +5,7 @@ HTTP and the local store."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -74,8 +75,13 @@ async def test_a_store_emptied_after_the_check_answers_503_then_serves_again_onc
     (tmp_path / "snaps" / "snapshots" / "s1" / "a").unlink()  # the store was emptied under the runtime
     with pytest.raises(StoreUnavailable):  # not NotFound: the caller would condemn the snapshot
         await store.read("snapshots/s1/a", lambda f: f.read())
-    marker.write_bytes(saved)  # the operator puts the objects back
-    with pytest.raises(NotFound):  # the marker is there: this object really is missing
+    marker.write_bytes(saved)  # the operator puts the objects back, the marker first (a key-ordered copy)
+    with pytest.raises(StoreUnavailable) as info:  # the marker is there, the object not yet: not condemned
+        await store.read("snapshots/s1/a", lambda f: f.read())
+    assert info.value.details["reason"] == "object_missing" and "counts as lost only once" in info.value.message
+    # still missing after snapshot.missing_grace_s: now it is a missing snapshot (the caller condemns it)
+    await d.redis.set(d.keys.snapshot_missing("snapshots/s1/a"), repr(time.time() - 61))
+    with pytest.raises(NotFound):
         await store.read("snapshots/s1/a", lambda f: f.read())
 
 
@@ -106,8 +112,6 @@ async def test_s3_a_new_directory_makes_its_bucket_and_a_recorded_one_never_make
 
 async def _a_session(d: Directory) -> None:
     """A session in the directory: from now on a store without its marker may hold what it would lose."""
-    import time
-
     now = time.time()
     await d.create_session(SessionRecord(id="s1", state=SessionState.SUSPENDED, actorTemplate="counter",
                                          pool="default", createdAt=now, updatedAt=now, lastActiveAt=now))
@@ -181,3 +185,31 @@ async def test_s3_a_bucket_deleted_under_a_running_store_fences_it_and_says_so(
     assert any("its bucket does not exist" in r.getMessage() for r in caplog.records)
     with pytest.raises(StoreUnavailable):  # fenced: not even tried until the recheck
         await store.delete("snapshots/s1/a")
+
+
+class _Down:
+    """A store that cannot be reached until ``up`` is set (then it is ``inner``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.up = inner, False
+
+    def __getattr__(self, name):
+        async def call(*a, **kw):
+            if not self.up:
+                raise StoreUnavailable("snapshot store unavailable: connection refused")
+            return await getattr(self.inner, name)(*a, **kw)
+        return call
+
+
+async def test_a_store_down_at_the_first_start_gets_its_marker_once_it_answers(d, tmp_path: Path) -> None:
+    """Fresh-user round 21: the id was claimed while the store was down; once a session existed the
+    directory no longer counted as new, so the marker was never written and the store fenced for good."""
+    inner, settings = local(tmp_path / "snaps")
+    down = _Down(inner)
+    store = guarded(d, down, settings)
+    with pytest.raises(StoreUnavailable):
+        await store.ready()
+    await _a_session(d)  # sessions are created meanwhile (their suspends fail)
+    down.up = True
+    await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    assert (tmp_path / "snaps" / marker_key("snapshots")).read_text() == await d.redis.get(d.keys.snapshot_store_id)
