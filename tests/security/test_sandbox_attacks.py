@@ -359,7 +359,10 @@ def test_nothing_outlives_the_turn_timeout_delete_or_suspend(rt):
     c.invoke(nb, f"import subprocess\nsubprocess.Popen(['setsid', 'sleep', '{m3}'])")
     nb2 = c.create_session("notebook")["id"]
     c.invoke(nb2, f"import subprocess\nsubprocess.Popen(['setsid', 'sleep', '{m4}'])")
-    assert host_processes_with(f"sleep {m3}") and host_processes_with(f"sleep {m4}")
+    # `setsid` execs `sleep` a moment after Popen returns (Popen waits for the first exec only): a loaded
+    # full-suite run looked before the second exec (2026-12-06)
+    rt.wait_for(lambda: host_processes_with(f"sleep {m3}") and host_processes_with(f"sleep {m4}"),
+                timeout_s=10, what="both sessions' background processes running")
     c.delete_session(nb)
     c.suspend(nb2)
     rt.wait_for(lambda: not host_processes_with(f"sleep {m3}") and not host_processes_with(f"sleep {m4}"),
