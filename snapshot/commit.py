@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from snapshot.archive import WorkspaceNotArchivable, pack, unpack_stream
+from snapshot.guard import MARKER_NAME
 from snapshot.store import ObjectStore, session_prefix, snapshot_key
 from substrate import metrics
 from substrate.directory import Directory
@@ -186,8 +187,14 @@ class SnapshotManager:
     async def delete_all(self, sid: str) -> None:
         """Remove every snapshot object of a deleted session (best effort)."""
         try:
-            for key in await self.store.list_keys(session_prefix(self.settings.prefix, sid)):
-                await self._delete_quietly(key)
+            under = session_prefix(self.settings.prefix, sid)
+            for key in await self.store.list_keys(under):
+                # only this session's objects, ``<prefix>/<session>/<file>``: a deeper key is another
+                # directory's whose prefix is nested here (a session ``b`` of a runtime on ``snapshots``
+                # deleted the whole store of one on ``snapshots/b``, marker included: round 22)
+                name = key[len(under):]
+                if "/" not in name and name != MARKER_NAME:
+                    await self._delete_quietly(key)
         except Exception:  # noqa: BLE001 - GC never fails a request
             log.warning("snapshot GC failed", extra={"session": sid}, exc_info=True)
 

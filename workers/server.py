@@ -485,8 +485,11 @@ class Worker:
             try:
                 await asyncio.wait_for(self._suspend_all(), self.settings.worker.shutdown_grace_s)
             except asyncio.TimeoutError:
-                log.warning("graceful stop ran out of time", extra={"worker": self.id,
-                                                                    "left": len(self.activations)})
+                # say what it costs (a stop while the object store hangs: fresh-user round 22)
+                log.warning("graceful stop ran out of time: %d session(s) not suspended lose their state since "
+                            "their last snapshot (they wake from it, saying so: X-Substrate-Restored: worker_lost)",
+                            len(self.activations), extra={"worker": self.id, "left": len(self.activations),
+                                                          "sessions": sorted(self.activations)[:20]})
         self._closed = True
         await cancel_and_wait(self._tasks)
         left = list(self.activations.values())

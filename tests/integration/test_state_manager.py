@@ -329,3 +329,18 @@ async def test_retention_one_keeps_one_object(env, tmp_path: Path):
         assert await mgr.commit("one", 1, await mgr.capture("one", 1, "counter", ws, {"n": n}))
     rec = await d.get_session("one")
     assert list(store.objects) == [rec.snapshot.key] and rec.previousSnapshot is None
+
+
+async def test_deleting_a_session_removes_only_its_own_objects_not_a_nested_prefixs(env, tmp_path: Path) -> None:
+    """Fresh-user round 22: a session ``b`` of a runtime on prefix ``snapshots`` deleted, with its own
+    objects, the whole store of another runtime on ``snapshots/b``, marker included."""
+    d, act, fake, sm, store, settings = env
+    mgr = SnapshotManager(store, d, settings.snapshot, tmp_path / "tmp")
+    prefix = settings.snapshot.prefix.strip("/")
+    ours = snapshot_key(settings.snapshot.prefix, "b", 1, 1)
+    theirs = [f"{prefix}/b/.substrate-store", f"{prefix}/b/t3b-1/000000000001-000001-0123abcd.tar.zst"]
+    for key in (ours, *theirs):
+        store.objects[key] = b"x"
+    await mgr.delete_all("b")
+    assert ours not in store.objects
+    assert all(key in store.objects for key in theirs)
