@@ -86,6 +86,8 @@ class GuardedStore:
         #: why the store is fenced, or None; ``verified``: the marker matched at the last check
         self.fenced: str | None = None
         self.verified = False
+        #: this directory's id as the last check that matched read it (the marker must hold it)
+        self._id: str | None = None
         self._checked_at = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -129,6 +131,7 @@ class GuardedStore:
             marker = await self._write_marker(recorded)
         where = location_of(self.settings)
         if marker == recorded:
+            self._id = recorded
             if self.fenced is not None:
                 log.warning("snapshot store %s holds this directory's snapshots again: serving", where)
             self.fenced, self.verified = None, True
@@ -166,9 +169,8 @@ class GuardedStore:
         """Read the marker again (one small object) and fence the store if it is gone or changed: before
         an upload (a suspend into a bucket emptied since the check wrote a snapshot no wake would find
         with the others) and before the orphan sweep lists the store."""
-        recorded = await self._get(self.keys.snapshot_store_id)
         marker = await self._read_marker(create_bucket=False)
-        if marker is None or marker != recorded:
+        if marker is None or marker != self._id:
             self.verified = False
             async with self._lock:
                 await self._check()

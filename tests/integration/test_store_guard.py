@@ -21,12 +21,9 @@ from substrate.settings import SnapshotSettings
 
 
 @pytest.fixture
-async def d(redis_url):
-    d = Directory(redis_url, f"sg{uuid.uuid4().hex[:8]}")
-    yield d
-    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
-        await d.redis.delete(key)
-    await d.close()
+def d(directory: Directory) -> Directory:
+    """The shared ``directory`` fixture (tests/integration/conftest.py) under this file's short name."""
+    return directory
 
 
 def guarded(d: Directory, inner, settings: SnapshotSettings, recheck_s: float = 0.0) -> GuardedStore:

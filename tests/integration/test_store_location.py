@@ -17,12 +17,9 @@ from substrate.settings import SnapshotSettings
 
 
 @pytest.fixture
-async def d(redis_url):
-    d = Directory(redis_url, f"sl{uuid.uuid4().hex[:8]}")
-    yield d
-    async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
-        await d.redis.delete(key)
-    await d.close()
+def d(directory: Directory) -> Directory:
+    """The shared ``directory`` fixture (tests/integration/conftest.py) under this file's short name."""
+    return directory
 
 
 def s3(bucket: str, prefix: str = "snapshots", **kw) -> SnapshotSettings:
