@@ -71,6 +71,7 @@ async def _overhead(n: int, key: str | None) -> tuple[list[float], list[float]]:
             await srv.ready(http, 1)
             st, s, _ = await _post(http, f"{srv.url}/v1/sessions", {"actorTemplate": "counter"})
             assert st == 201, s
+            await srv.settle()  # the pool's host pre-starts would otherwise land in one side's pairs
             import redis
 
             url = os.environ["SUBSTRATE_REDIS_URL"]
