@@ -500,6 +500,10 @@ async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[st
                 for sid in sids:
                     st, b, _ = await _post(http, f"{srv.url}/v1/sessions/{sid}/suspend")
                     assert st == 202, b
+                # the suspends freed `repeats` slots at once, and their hosts' refill (~85 ms of CPU each)
+                # would overlap the first wakes: settle first, so a back-to-back wake competes with what
+                # its label says (the previous wake's teardown and refill), not with this set-up's
+                await srv.settle()
                 mib = size / 2**20
                 # half the sessions woken one right after the other (each wake then competes with the
                 # previous session's teardown and its slot's host pre-start on the same cores), half paced
