@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import tempfile
 import time
@@ -57,6 +58,8 @@ from substrate.storeloc import location_of
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: the longest Retry-After while a missing object is in its grace (s): a copy under way may finish sooner
+_MISSING_RETRY_CAP_S = 10
 
 #: the marker object's name, under the store's prefix (the orphan sweep reads ``<prefix>/<session>/...``
 #: only, so it never takes the marker for garbage)
@@ -255,11 +258,15 @@ class GuardedStore:
             raise StoreUnavailable(f"snapshot object {key!r} is missing; not condemned while Redis does not answer",
                                    details={"reason": "object_missing", "key": key}) from e
         if now - first < grace:
+            left_s = grace - (now - first)
+            # a retry that soon may find the copy done; one every second for the whole grace only loads the store
+            retry_s = float(min(max(1, math.ceil(left_s)), _MISSING_RETRY_CAP_S))
             raise StoreUnavailable(
                 f"snapshot object {key!r} is missing from {location_of(self.settings)}; it counts as lost only "
                 f"once it has been missing {grace:g} s (SUBSTRATE_SNAPSHOT__MISSING_GRACE_S; a copy or move of the "
-                f"store may be under way): 503 until then, {grace - (now - first):.0f} s left",
-                details={"reason": "object_missing", "key": key}) from cause
+                f"store may be under way): 503 until then, {left_s:.0f} s left",
+                retry_after_s=retry_s,
+                details={"reason": "object_missing", "key": key, "retry_after_s": retry_s}) from cause
 
     async def delete(self, key: str) -> None:
         await self.ready()

@@ -34,11 +34,16 @@ _BY_CODE: dict[str, type[E.SubstrateError]] = {
 
 
 def error_from(status: int, body: Any) -> E.SubstrateError:
-    """Rebuild a ``SubstrateError`` from a worker's error answer (status, parsed JSON body)."""
+    """Rebuild a ``SubstrateError`` from a worker's error answer (status, parsed JSON body). A numeric
+    ``details.retry_after_s`` (0 < s <= 3600) becomes the error's ``Retry-After``."""
     code = body.get("code", "worker_error") if isinstance(body, dict) else "worker_error"
     message = body.get("message", str(body)) if isinstance(body, dict) else str(body)
     cls = _BY_CODE.get(code, E.SubstrateError)
-    err = cls(message, code=code, details=body.get("details") if isinstance(body, dict) else None)
+    details = body.get("details") if isinstance(body, dict) else None
+    err = cls(message, code=code, details=details if isinstance(details, dict) else None)
+    hint = err.details.get("retry_after_s")  # a wait the worker knows better than the default (a grace)
+    if isinstance(hint, (int, float)) and not isinstance(hint, bool) and 0 < hint <= 3600:
+        err.retry_after_s = float(hint)
     if cls is E.SubstrateError:
         err.status = status if status >= 400 else 502
     return err

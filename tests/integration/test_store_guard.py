@@ -76,6 +76,13 @@ async def test_a_store_emptied_after_the_check_answers_503_then_serves_again_onc
     with pytest.raises(StoreUnavailable) as info:  # the marker is there, the object not yet: not condemned
         await store.read("snapshots/s1/a", lambda f: f.read())
     assert info.value.details["reason"] == "object_missing" and "counts as lost only once" in info.value.message
+    # the answer's Retry-After: the seconds left of the 60 s grace, capped at 10 (the copy may finish sooner),
+    # carried to the router in the details (substrate.workerclient.error_from)
+    assert info.value.retry_after_s == 10 and info.value.details["retry_after_s"] == 10
+    await d.redis.set(d.keys.snapshot_missing("snapshots/s1/a"), repr(time.time() - 57.5))
+    with pytest.raises(StoreUnavailable) as info:
+        await store.read("snapshots/s1/a", lambda f: f.read())
+    assert info.value.retry_after_s == 3  # 2.5 s left, rounded up
     # still missing after snapshot.missing_grace_s: now it is a missing snapshot (the caller condemns it)
     await d.redis.set(d.keys.snapshot_missing("snapshots/s1/a"), repr(time.time() - 61))
     with pytest.raises(NotFound):
