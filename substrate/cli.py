@@ -43,6 +43,8 @@ ServerOpt = typer.Option("http://127.0.0.1:8080", "--server", "-s", envvar="SUBS
                          help="Base URL of the API.")
 #: the client's credential. Not ``SUBSTRATE_API__AUTH_TOKEN``: that is the server's admin token, and sharing
 #: one variable made a tenant's key an admin token when `substrate up` was started from the same shell
+#: a session's id, as every session command takes it (the usage line said ``{sid}`` without a metavar)
+SessionArg = typer.Argument(..., metavar="SESSION_ID", help="The session's id (from `sessions create` or `sessions list`).")
 TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_TOKEN",
                         help="API key (sk_...) or JWT for the client commands (env SUBSTRATE_TOKEN).")
 
@@ -524,7 +526,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
 
 @app.command()
-def convert(files: list[Path] = typer.Argument(..., help="YAML files (e.g. the repository's tests/k8s/seed/*.yaml, "
+def convert(files: list[Path] = typer.Argument(..., metavar="FILES", help="YAML files (e.g. the repository's tests/k8s/seed/*.yaml, "
                                                          "the documents of the articles this project comes "
                                                          "from); - reads standard input.")) -> None:
     """Print FILES as this runtime's API takes them (pipe into kubectl apply -f -): the seed documents'
@@ -843,7 +845,7 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
 
 
 @sessions.command("create")
-def s_create(template: str = typer.Argument(..., help="ActorTemplate name, e.g. counter"),
+def s_create(template: str = typer.Argument(..., metavar="TEMPLATE", help="ActorTemplate name, e.g. counter"),
              id: Optional[str] = typer.Option(None, "--id", help="Client-chosen session ID."),
              label: list[str] = typer.Option([], "--label", "-l", help="key=value, repeatable"),
              env: list[str] = typer.Option([], "--env", "-e", help="NAME=value for the session's agent, "
@@ -872,7 +874,7 @@ def _pairs(given: list[str], what: str) -> dict[str, str]:
 
 
 @sessions.command("get")
-def s_get(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+def s_get(sid: str = SessionArg, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Show one session."""
     with _client(server, token) as c:
         _print(_run(lambda: c.get_session(sid)))
@@ -949,7 +951,7 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
 
 
 @sessions.command("invoke")
-def s_invoke(sid: str, input: str = typer.Argument(..., help="Input; parsed as JSON if it is JSON, else a string "
+def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="INPUT", help="Input; parsed as JSON if it is JSON, else a string "
                                                         "(--text: always a string)"),
              text: bool = typer.Option(False, "--text", "-t",
                                        help="Send INPUT as a string, as typed: `true`, `42`, `null` or `[1]` "
@@ -1004,14 +1006,14 @@ def _input_value(text: str, *, text_only: bool = False) -> Any:
 
 
 @sessions.command("suspend")
-def s_suspend(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+def s_suspend(sid: str = SessionArg, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Snapshot a session and free its slot."""
     with _client(server, token) as c:
         _print(_run(lambda: c.suspend(sid)))
 
 
 @sessions.command("resume")
-def s_resume(sid: str, worker: Optional[str] = typer.Option(None, help="Wake it on this worker only."),
+def s_resume(sid: str = SessionArg, worker: Optional[str] = typer.Option(None, help="Wake it on this worker only."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Wake a suspended session now."""
     with _client(server, token) as c:
@@ -1019,7 +1021,7 @@ def s_resume(sid: str, worker: Optional[str] = typer.Option(None, help="Wake it 
 
 
 @sessions.command("events")
-def s_events(sid: str, limit: int = typer.Option(100, min=1, max=1000, help="Page size (1 to 1000)."),
+def s_events(sid: str = SessionArg, limit: int = typer.Option(100, min=1, max=1000, help="Page size (1 to 1000)."),
              all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end (from --continue TOKEN if given)."),
              continue_: Optional[str] = typer.Option(None, "--continue",
                                                      help="Start after the page that printed this token."),
@@ -1040,7 +1042,7 @@ def s_events(sid: str, limit: int = typer.Option(100, min=1, max=1000, help="Pag
 
 
 @sessions.command("delete")
-def s_delete(sid: str, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+def s_delete(sid: str = SessionArg, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Delete a session and its snapshots."""
     with _client(server, token) as c:
         _run(lambda: c.delete_session(sid))
@@ -1187,7 +1189,7 @@ def _write_file_keys(path: Path, entries: list[dict[str, Any]]) -> None:
 
 
 @keys_app.command("create")
-def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for (lower-case name)."),
+def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant the key acts for (lower-case name)."),
                 admin: bool = typer.Option(False, help="The key may see and touch every tenant's sessions."),
                 name: str = typer.Option("", help="A label for the key (shown by `keys list`)."),
                 file: Optional[Path] = typer.Option(None, "--file", help="Append the key's hash to this key file "
@@ -1224,7 +1226,7 @@ def keys_create(tenant: str = typer.Argument(..., help="Tenant the key acts for 
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str = typer.Argument(..., help="Key ID (from `keys list`) or the key itself."),
+def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID (from `keys list`) or the key itself."),
                 file: Optional[Path] = typer.Option(None, "--file", help="Remove it from this key file instead "
                                                     "(takes effect when the runtime restarts).")) -> None:
     """Revoke an API key: every router refuses it at once."""
