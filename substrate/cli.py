@@ -43,8 +43,8 @@ ServerOpt = typer.Option("http://127.0.0.1:8080", "--server", "-s", envvar="SUBS
                          help="Base URL of the API.")
 #: the client's credential. Not ``SUBSTRATE_API__AUTH_TOKEN``: that is the server's admin token, and sharing
 #: one variable made a tenant's key an admin token when `substrate up` was started from the same shell
-#: a session's id, as every session command takes it (the usage line said ``{sid}`` without a metavar)
-SessionArg = typer.Argument(..., metavar="SESSION_ID", help="The session's id (from `sessions create` or `sessions list`).")
+#: a session's id, as every session command takes it (as the README writes it; the usage line said ``{sid}``)
+SessionArg = typer.Argument(..., metavar="ID", help="The session's id (from `sessions create` or `sessions list`).")
 TokenOpt = typer.Option(None, "--token", envvar="SUBSTRATE_TOKEN",
                         help="API key (sk_...) or JWT for the client commands (env SUBSTRATE_TOKEN).")
 

@@ -1,4 +1,4 @@
-"""Every CLI command's usage line names its arguments in capitals, as the docs do (``SESSION_ID``), not
+"""Every CLI command's usage line names its arguments in capitals, as the README does (``ID``, ``INPUT``), not
 with the Python parameter's name (``{sid}``, a fresh-user finding carried over several sessions)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from substrate.cli import app
 
 
 @pytest.mark.parametrize("command,names", [
-    (["sessions", "get"], ["SESSION_ID"]),
-    (["sessions", "invoke"], ["SESSION_ID", "INPUT"]),
-    (["sessions", "suspend"], ["SESSION_ID"]),
-    (["sessions", "resume"], ["SESSION_ID"]),
-    (["sessions", "events"], ["SESSION_ID"]),
-    (["sessions", "delete"], ["SESSION_ID"]),
+    (["sessions", "get"], ["ID"]),
+    (["sessions", "invoke"], ["ID", "INPUT"]),
+    (["sessions", "suspend"], ["ID"]),
+    (["sessions", "resume"], ["ID"]),
+    (["sessions", "events"], ["ID"]),
+    (["sessions", "delete"], ["ID"]),
     (["sessions", "create"], ["TEMPLATE"]),
     (["keys", "create"], ["TENANT"]),
     (["keys", "revoke"], ["KEY_ID"]),
