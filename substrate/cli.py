@@ -272,18 +272,20 @@ def _free_port(host: str, port: int) -> str | None:
 
 
 def _worker_host_problem(host: str) -> str | None:
-    """None if local workers can listen on ``host`` (an IPv4 address of this machine, or a name that
-    resolves to one: ``workers.server`` binds an IPv4 socket), else why not. Checked before anything
-    starts: a wrong one had every worker crash at start, one a second, and then every create wait 30 s
-    for a 503 ``no_capacity`` (a fresh-user run)."""
+    """None if local workers can listen on ``host`` (an IPv4 address of this machine or a name that
+    resolves to one, or an IPv6 literal of this machine such as ``::1``: ``workers.server.listen_socket``
+    binds IPv6 for a literal, IPv4 otherwise), else why not. Checked before anything starts: a wrong one
+    had every worker crash at start, one a second, and then every create wait 30 s for a 503
+    ``no_capacity`` (a fresh-user run)."""
     import socket
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        addr = socket.getaddrinfo(host, 0, family=socket.AF_INET, type=socket.SOCK_STREAM)[0][4]
+        addr = socket.getaddrinfo(host.strip("[]"), 0, family=family, type=socket.SOCK_STREAM)[0][4]
     except OSError as e:
-        return (f"{host!r} is not an IPv4 address or a name of one ({e.strerror or e}); local workers listen "
-                "on IPv4: use e.g. 127.0.0.1, or 0.0.0.0 for all")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return (f"{host!r} is not an IPv4 address, an IPv6 literal or a name of an IPv4 address "
+                f"({e.strerror or e}); use e.g. 127.0.0.1, or 0.0.0.0 for all")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
             s.bind((addr[0], 0))
         except OSError as e:

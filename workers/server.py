@@ -1243,6 +1243,41 @@ def pool_opts_out_of_sandbox(settings: Settings, pool: str) -> bool:
     return bool(mine) and all(not t.spec.isolation.sandbox for t in mine)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: any free port), not yet listening. An IPv6 literal
+    (``::``, ``fd00::5``) binds an IPv6 socket; ``::`` also takes IPv4 connections (dual stack,
+    ``IPV6_V6ONLY`` off), so an IPv6-only or dual-stack cluster sets ``SUBSTRATE_WORKER_LISTEN_HOST=::``.
+    Anything else (an IPv4 address, a name) binds IPv4 as before. Raises ``OSError`` as ``bind`` does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host.strip("[]"), port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_host(host: str, advertise_host: str | None) -> str:
+    """The address a worker binds: ``host``, except the IPv4 wildcard ``0.0.0.0`` (the default) with an
+    IPv6 address to advertise (an IPv6 Pod IP, on an IPv6-only or IPv6-first cluster) becomes ``::``,
+    which the advertised address reaches (and, dual stack, IPv4 too)."""
+    if host == "0.0.0.0" and advertise_host and ":" in advertise_host:
+        return "::"
+    return host
+
+
+def worker_url(host: str, port: int) -> str:
+    """The address a worker registers: ``http://host:port``, an IPv6 literal in brackets (RFC 3986 3.2.2:
+    ``http://[fd00::5]:8081``; a Pod IP from ``SUBSTRATE_POD_IP`` is given bare)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, host: str, port: int,
                 ready_fd: int | None = None, advertise_host: str | None = None) -> None:
     """Run a worker until SIGTERM/SIGINT or until it is declared dead. It listens on ``host:port`` and
@@ -1273,13 +1308,11 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
                     sandboxes=sandboxes)
     runner = web.AppRunner(worker.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listen_socket(bind_host(host, advertise_host), port)
     site = web.SockSite(runner, sock)
     await site.start()
     tune_after_startup()  # the worker's request path: see substrate/gctune.py
-    address = f"http://{advertise_host or host}:{sock.getsockname()[1]}"
+    address = worker_url(advertise_host or host, sock.getsockname()[1])
     await worker.register(address)
     log.info("worker ready", extra={"worker": worker_id, "pool": pool, "address": address, "slots": slots})
     if ready_fd is not None:

@@ -69,7 +69,8 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_WORKER__LEASE_S", "0.5", "must be at least twice SUBSTRATE_WORKER__HEARTBEAT_S"),
     # fresh-user run: workers crashed at start one a second, then every create waited 30 s for a 503
     ("SUBSTRATE_WORKER__HOST", "192.0.2.1", "not an address of this machine"),  # RFC 5737 TEST-NET-1
-    ("SUBSTRATE_WORKER__HOST", "::1", "local workers listen on IPv4"),
+    ("SUBSTRATE_WORKER__HOST", "2001:db8::1", "not an address of this machine"),  # RFC 3849 documentation
+    ("SUBSTRATE_WORKER__HOST", "no such host.invalid", "is not an IPv4 address, an IPv6 literal or a name"),
     ("SUBSTRATE_REDIS_URL", "notaurl", "not a Redis URL"),
     ("SUBSTRATE_REDIS__URL", "http://127.0.0.1:6379", "not a Redis URL"),
     ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:notaport/0", "not a Redis URL"),
