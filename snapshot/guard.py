@@ -29,7 +29,8 @@ read that finds its object missing checks it again before it answers: if the mar
 store was emptied or replaced, and the read answers ``StoreUnavailable`` instead of
 ``snapshot_missing`` (which the caller reports as corrupt). Only a missing object in a store that
 still holds this directory's marker is a missing snapshot, and only once it has been missing
-``snapshot.missing_grace_s`` (first sighting kept in Redis): the marker proves which store this is, not
+``snapshot.missing_grace_s`` (first sighting kept in Redis for twice the grace, deleted by a read that
+finds the object again; the 503 meanwhile carries ``Retry-After`` of the seconds left, at most 10): the marker proves which store this is, not
 that its objects are all there (a copy that put the marker back first, as key order does, condemned the
 snapshots still on their way, round 21). What this cannot tell apart: a bucket put
 back from an older copy holds the marker, so a session whose newer snapshot is missing from it falls
@@ -93,6 +94,9 @@ class GuardedStore:
         self._id: str | None = None
         self._checked_at = float("-inf")
         self._lock = asyncio.Lock()
+        #: object keys this process found missing (a first sighting in Redis): a later read that finds
+        #: the object deletes the sighting, so a second disappearance gets its own grace
+        self._sighted: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:  # the real store's other attributes (ensure_bucket, close, ...)
         return getattr(self.inner, name)
@@ -232,7 +236,7 @@ class GuardedStore:
     async def read(self, key: str, consume: Callable[[BinaryIO], T]) -> T:
         await self.ready()
         try:
-            return await self._call(self.inner.read, key, consume)
+            out = await self._call(self.inner.read, key, consume)
         except NotFound as e:
             # a missing object, or a store emptied or replaced since the check: look at the marker again
             async with self._lock:
@@ -240,6 +244,13 @@ class GuardedStore:
                 await self._check()
             await self._missing_long_enough(key, e)
             raise
+        if self._sighted and key in self._sighted:  # it came back (a copy finished): forget the sighting
+            self._sighted.discard(key)
+            try:
+                await self.redis.delete(self.keys.snapshot_missing(key))
+            except Exception:  # noqa: BLE001 - it expires on its own (2x the grace)
+                log.debug("could not delete a missing-object sighting", exc_info=True)
+        return out
 
     async def _missing_long_enough(self, key: str, cause: NotFound) -> None:
         """Return if ``key`` has been missing at least ``snapshot.missing_grace_s`` (first seen missing now
@@ -252,7 +263,10 @@ class GuardedStore:
         now = time.time()
         try:
             k = self.keys.snapshot_missing(key)
-            await self.redis.set(k, repr(now), nx=True, ex=max(1, int(grace * 10)))
+            # kept twice the grace: long enough to condemn a lasting loss, short enough that an object
+            # missing again much later (found in between by another process) gets a grace of its own
+            await self.redis.set(k, repr(now), nx=True, ex=max(1, math.ceil(grace * 2)))
+            self._sighted.add(key)
             first = float(await self._get(k) or now)
         except Exception as e:  # noqa: BLE001 - Redis down: not condemned now
             raise StoreUnavailable(f"snapshot object {key!r} is missing; not condemned while Redis does not answer",

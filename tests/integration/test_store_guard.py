@@ -89,6 +89,29 @@ async def test_a_store_emptied_after_the_check_answers_503_then_serves_again_onc
         await store.read("snapshots/s1/a", lambda f: f.read())
 
 
+async def test_an_object_that_came_back_gets_a_grace_of_its_own_when_it_goes_missing_again(
+        d, tmp_path: Path) -> None:
+    inner, settings = local(tmp_path / "snaps")
+    store = guarded(d, inner, settings)
+    obj = tmp_path / "snaps" / "snapshots" / "s1" / "a"
+    await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
+    saved = obj.read_bytes()
+    obj.unlink()
+    with pytest.raises(StoreUnavailable):  # first disappearance: its grace starts
+        await store.read("snapshots/s1/a", lambda f: f.read())
+    sighting = d.keys.snapshot_missing("snapshots/s1/a")
+    assert 0 < await d.redis.ttl(sighting) <= 2 * settings.missing_grace_s
+    await d.redis.set(sighting, repr(time.time() - 50))  # most of the grace has passed...
+    obj.write_bytes(saved)  # ...when the copy brings it back
+    assert await store.read("snapshots/s1/a", lambda f: f.read()) == b"one"
+    assert not await d.redis.exists(sighting)  # found again: the sighting is gone
+    obj.unlink()  # missing again: a new grace, not condemned at once on the old sighting
+    with pytest.raises(StoreUnavailable) as info:
+        await store.read("snapshots/s1/a", lambda f: f.read())
+    assert info.value.details["reason"] == "object_missing"
+
+
 async def test_a_marker_of_another_directory_fences_the_store(d, tmp_path: Path) -> None:
     inner, settings = local(tmp_path / "snaps")
     await guarded(d, inner, settings).ready()
