@@ -210,7 +210,8 @@ def _whole_bytes(answer: "StoredAnswer") -> int:
 def keep_answer(answers: AnswerLog, key: str, answer: "StoredAnswer", *, keys: int,
                 budget: int) -> None:
     """Keep ``answer`` (its ``text`` is a JSON answer, ASCII: its length is its bytes) for idempotency
-    ``key``, newest last, within ``keys`` answers and ``budget`` bytes of whole answers: an answer over the
+    ``key``, newest last, within ``keys`` answers (one more while the newest is a router-keyed answer, so
+    the turn just answered is always kept) and ``budget`` bytes of whole answers: an answer over the
     budget, and then the oldest answers while the sum is over it, become a small marker (status 410
     ``answer_not_kept``), so a retry of any of the last ``keys`` turns is answered and never runs the turn
     again. Markers keep the digest and restored marker of the turn."""
@@ -226,10 +227,16 @@ def keep_answer(answers: AnswerLog, key: str, answer: "StoredAnswer", *, keys: i
     answers.kept_bytes += _whole_bytes(answer)
     if answer.routers:
         answers.routers[key] = None
-    while len(answers) > keys:
-        # the router's own keys go first: a client's key stays answerable for its next ``keys`` keyed
-        # turns, whatever number of turns without a key run in between (a fresh-user run: 70 keyless
-        # turns, and a retry of a keyed turn before them ran it again)
+    # one place more for the newest turn's answer when the router keyed it: with ``keys`` client keys
+    # kept, that answer made room for itself first and was never kept, so the router's own retry of the
+    # turn after a lost connection (or the client sending its X-Request-ID back) ran it again
+    # (fresh-user round 23: the 65th turn of a session whose last 64 had client keys)
+    limit = keys + 1 if answer.routers and keys > 0 else keys
+    while len(answers) > limit:
+        # the router's own keys go first (the oldest; the newest is the last of them): a client's key
+        # stays answerable for its next ``keys`` keyed turns, whatever number of turns without a key run
+        # in between (a fresh-user run: 70 keyless turns, and a retry of a keyed turn before them ran it
+        # again)
         if answers.routers:
             gone = answers.pop(answers.routers.popitem(last=False)[0])
         else:

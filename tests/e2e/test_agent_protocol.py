@@ -405,3 +405,24 @@ def test_a_resume_timeout_names_the_previous_wake_that_failed(runtime_factory) -
     assert "its previous wake failed" in r.json()["message"], r.text
     assert r.json()["details"]["previousWake"]["code"] == "agent_start_failed", r.text
     c.delete_session(sid)
+
+
+def test_a_keyless_turn_after_a_full_window_of_client_keys_is_replayed_not_run_again(runtime_factory) -> None:
+    """Fresh-user round 23: after 64 (here 4) client-keyed turns, the next keyless turn's answer was never
+    kept, so sending its X-Request-ID back (as the README says a client may) ran the turn again."""
+    rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_WORKER__IDEMPOTENCY_KEYS": "4"})
+    c = rt.client
+    sid = c.create_session("counter")["id"]
+    for i in range(4):
+        assert c.invoke(sid, "increment", idempotency_key=f"key{i}") == {"count": i + 1}
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"})
+    assert r.status_code == 200 and r.json()["output"] == {"count": 5}, r.text
+    rid = r.headers["X-Request-ID"]
+    for header in ("Idempotency-Key", "X-Request-ID"):
+        again = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}, headers={header: rid})
+        assert again.status_code == 200 and again.headers.get("X-Substrate-Replayed") == "1", again.headers
+        assert again.json()["output"] == {"count": 5}
+    # and every client key is still answered (the keyless turn pushed none of them out)
+    first = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}, headers={"Idempotency-Key": "key0"})
+    assert first.headers.get("X-Substrate-Replayed") == "1" and first.json()["output"] == {"count": 1}
+    assert c.invoke(sid, "get") == {"count": 5}

@@ -40,7 +40,8 @@ def _reference(answers: OrderedDict[str, StoredAnswer], key: str, answer: Stored
         answer = replace(answer, status=NOT_KEPT_STATUS, text=_not_kept(answer.status, len(answer.text), budget))
     answers[key] = answer
     answers.move_to_end(key)
-    while len(answers) > keys:  # the oldest of the router's own keys, else the oldest
+    limit = keys + 1 if answer.routers and keys > 0 else keys  # the newest, router-keyed, always kept
+    while len(answers) > limit:  # the oldest of the router's own keys, else the oldest
         answers.pop(next((k for k, v in answers.items() if v.routers), next(iter(answers))))
     total = sum(len(v.text) for v in answers.values() if v.status != NOT_KEPT_STATUS)
     for k, old in list(answers.items()):
@@ -77,10 +78,25 @@ def test_the_routers_own_keys_make_room_first_and_survive_a_snapshot():
     keep_answer(a, "E1", StoredAnswer(200, "one", "d"), keys=4, budget=1000)
     for i in range(70):
         keep_answer(a, f"r{i}", StoredAnswer(200, "x", f"d{i}", routers=True), keys=4, budget=1000)
-    assert list(a) == ["E1", "r67", "r68", "r69"]
+    assert list(a) == ["E1", "r66", "r67", "r68", "r69"]  # `keys`, and one more for the newest turn's
     for i in range(4):
         keep_answer(a, f"c{i}", StoredAnswer(200, "y", "d"), keys=4, budget=1000)
     assert list(a) == ["c0", "c1", "c2", "c3"], "client keys: the window of the last `keys`"
+
+
+def test_the_turn_just_answered_is_kept_when_every_kept_key_is_a_clients():
+    """Fresh-user round 23: with the last 64 turns keyed by the client, the 65th turn's router-made key
+    made room for itself first and was never kept: the client sending its X-Request-ID back (or the
+    router retrying after a lost connection) ran the turn again."""
+    a = AnswerLog()
+    for i in range(4):
+        keep_answer(a, f"c{i}", StoredAnswer(200, "y", "d"), keys=4, budget=1000)
+    keep_answer(a, "r0", StoredAnswer(200, "x", "d", routers=True), keys=4, budget=1000)
+    assert list(a) == ["c0", "c1", "c2", "c3", "r0"], "no client key pushed out, and the turn kept"
+    keep_answer(a, "r1", StoredAnswer(200, "x", "d", routers=True), keys=4, budget=1000)
+    assert list(a) == ["c0", "c1", "c2", "c3", "r1"], "the older router key makes room"
+    keep_answer(a, "z", StoredAnswer(200, "x", "d", routers=True), keys=0, budget=1000)
+    assert "z" not in a, "keys=0 keeps nothing, as before"
     back = StoredAnswer.load(StoredAnswer(200, "x", "d", "", 1.0, routers=True).dump())
     assert back.routers and not StoredAnswer.load([200, "x", "d", "", 1.0]).routers, "an older snapshot's form"
 
