@@ -971,12 +971,32 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
         if stream:
             # each chunk as it arrives (``list(...)`` printed them all only after the turn ended: a
             # fresh-user run); an error mid-stream is one line after the chunks before it
-            chunks = iter(c.invoke_stream(sid, value, idempotency_key=idempotency_key))
+            chunks = iter(c.invoke_stream(sid, value, idempotency_key=idempotency_key,
+                                          on_answer=lambda a: _answer_notes(sid, a)))
             end = object()
             while (chunk := _run(lambda: next(chunks, end))) is not end:
                 _print(chunk)
         else:
-            _print(_run(lambda: c.invoke(sid, value, idempotency_key=idempotency_key)))
+            answer = _run(lambda: c.invoke_answer(sid, value, idempotency_key=idempotency_key))
+            _answer_notes(sid, answer)
+            _print(answer.output)
+
+
+def _answer_notes(sid: str, answer: Any) -> None:
+    """What an answer's headers say that its output does not, one line each on stderr (stdout stays the
+    output alone, for pipes): a state older than the session had (``X-Substrate-Restored``: the CLI and
+    the SDK had dropped it, so a session that came back empty looked like a fresh one; fresh-user round
+    23), and a replay of a turn that already ran under the same key."""
+    if answer.restored:
+        since = ""
+        if answer.restored_snapshot_at is not None:
+            since = time.strftime(" from its snapshot of %Y-%m-%d %H:%M:%S UTC",
+                                  time.gmtime(answer.restored_snapshot_at))
+        err.print(f"warning: session {sid} answered from an older state{since} ({answer.restored}): its state "
+                  "since its last snapshot is gone", markup=False, highlight=False)
+    if answer.replayed:
+        err.print("note: replayed: a turn with this idempotency key already ran; this is its kept answer "
+                  "(the turn was not run again)", markup=False, highlight=False)
 
 
 def _not_json_constant(name: str) -> Any:

@@ -6,6 +6,11 @@
 
 Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``.
 
+An answer that comes from an older state than the session had (its worker was lost, its agent restarted,
+a snapshot was corrupt: the API's ``X-Substrate-Restored``) is not silent here either: ``invoke`` and
+``invoke_stream`` warn with :class:`StateRestoredWarning` (shown for every such answer), and
+``invoke_answer`` returns the output with what the answer's headers say (:class:`Answer`).
+
 Turns are safe to retry: ``invoke`` sends one ``Idempotency-Key`` per turn (or the caller's) and resends
 the same key after a connection error or a retryable answer (502/503/504), up to ``retries`` times with
 exponential back-off (honouring ``Retry-After``); the server answers a turn it already ran from its cache
@@ -15,9 +20,12 @@ instead of running it twice.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
-from typing import Any, Iterator
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 from urllib.parse import quote
 
 import httpx
@@ -32,6 +40,53 @@ class ApiError(Exception):
         self.status, self.code, self.message = status, code, message
         self.retry_after_s = retry_after_s
         self.details = details or {}
+
+
+class StateRestoredWarning(UserWarning):
+    """An answer of a session whose state came back older than it was (``X-Substrate-Restored``): the
+    state since its last snapshot is gone. Shown every time (never only once per call site): a loss
+    is never folded into an earlier one. ``warnings.simplefilter("error", StateRestoredWarning)`` makes it
+    an exception, ``"ignore"`` silences it."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One turn's answer: ``output`` (the agent's), and what the answer's headers say about it:
+    ``restored`` (``X-Substrate-Restored``, e.g. ``worker_lost;snapshot=none``: the state came back older
+    than it was; None when it did not), ``restored_snapshot_at`` (Unix s of the state it came back to, if
+    any), ``replayed`` (the turn had already run under this key: its kept answer), ``woke`` (the session
+    was suspended and woken for this turn), ``worker`` and ``request_id``."""
+
+    output: Any
+    restored: str | None = None
+    restored_snapshot_at: float | None = None
+    replayed: bool = False
+    woke: bool = False
+    worker: str | None = None
+    request_id: str | None = None
+
+    @classmethod
+    def of(cls, resp: httpx.Response, output: Any = None) -> "Answer":
+        h = resp.headers
+        at = h.get("x-substrate-restored-snapshot-at")
+        try:
+            at_s = float(at) if at else None
+        except ValueError:
+            at_s = None
+        return cls(output=output, restored=h.get("x-substrate-restored") or None, restored_snapshot_at=at_s,
+                   replayed=h.get("x-substrate-replayed") == "1", woke=h.get("x-substrate-woke") == "1",
+                   worker=h.get("x-substrate-worker"), request_id=h.get("x-request-id"))
+
+    def warn(self, sid: str) -> None:
+        """Warn (:class:`StateRestoredWarning`) if this answer came from an older state."""
+        if self.restored:
+            # warn_explicit with no registry: the default filter's "once per call site" never folds one
+            # loss into an earlier one, while "error" and "ignore" filters still apply
+            frame = sys._getframe(2)  # the caller of invoke, or the code iterating invoke_stream
+            warnings.warn_explicit(
+                f"session {sid!r} answered from an older state than it had ({self.restored}): its state since "
+                "its last snapshot is gone", StateRestoredWarning, frame.f_code.co_filename, frame.f_lineno,
+                module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
 
 
 def _session_path(sid: str) -> str:
@@ -185,7 +240,15 @@ class SubstrateClient:
 
     def invoke(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Any:  # noqa: A002
         """One turn; returns the agent's ``output``. Retried with the same idempotency key (see the
-        module docstring); raises ``ApiError`` once retries are spent or for a non-retryable answer."""
+        module docstring); raises ``ApiError`` once retries are spent or for a non-retryable answer.
+        Warns ``StateRestoredWarning`` when the answer came from an older state (``invoke_answer`` gives
+        the answer's headers instead)."""
+        answer = self.invoke_answer(sid, input, idempotency_key=idempotency_key)
+        answer.warn(sid)
+        return answer.output
+
+    def invoke_answer(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Answer:  # noqa: A002
+        """``invoke``, returning the :class:`Answer` (output and what its headers say), without a warning."""
         key = checked_idempotency_key(idempotency_key) or uuid.uuid4().hex
         path = _session_path(sid) + "/invoke"
         for attempt in range(self.retries + 1):
@@ -202,7 +265,7 @@ class SubstrateClient:
                 self._backoff(attempt, float(ra) if ra else None)
                 continue
             _raise_for(resp)
-            return resp.json()["output"]
+            return Answer.of(resp, resp.json()["output"])
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _backoff(self, attempt: int, retry_after_s: float | None) -> None:
@@ -211,10 +274,14 @@ class SubstrateClient:
             delay = max(delay, min(retry_after_s, 5.0)) if self.retry_backoff_s else 0.0
         time.sleep(delay)
 
-    def invoke_stream(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Iterator[Any]:  # noqa: A002
+    def invoke_stream(self, sid: str, input: Any, *, idempotency_key: str | None = None,  # noqa: A002
+                      on_answer: Callable[[Answer], None] | None = None) -> Iterator[Any]:
         """One streamed turn; yields the agent's chunks. Not retried here (chunks may have been yielded);
         a caller that retries passes the same ``idempotency_key``: a turn that ran is answered again from
-        its kept lines, never run twice (a plain turn's kept answer comes back as one chunk)."""
+        its kept lines, never run twice (a plain turn's kept answer comes back as one chunk).
+        ``on_answer`` is called once the answer's headers are in, before the first chunk, with an
+        :class:`Answer` whose ``output`` is None; without it, an answer from an older state warns
+        ``StateRestoredWarning``."""
         key = checked_idempotency_key(idempotency_key)
         headers = {"Idempotency-Key": key} if key is not None else {}
         with self.http.stream("POST", _session_path(sid) + "/invoke", params={"stream": "true"},
@@ -222,6 +289,10 @@ class SubstrateClient:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for(resp)
+            if on_answer is not None:
+                on_answer(Answer.of(resp))
+            else:
+                Answer.of(resp).warn(sid)
             if resp.headers.get("content-type", "").startswith("application/json"):
                 resp.read()  # the replay of a plain turn under this key: its answer as it was
                 yield resp.json()["output"]
