@@ -1277,6 +1277,18 @@ def bind_host(host: str, advertise_host: str | None) -> str:
     return host
 
 
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The host a worker registers: ``advertise_host`` when given (on Kubernetes its Pod IP), else the
+    host it listens on, except a wildcard (``0.0.0.0``, ``::``), which no client can connect to by name:
+    then this machine's loopback of that family, which the local runtime's router reaches (it registered
+    ``http://0.0.0.0:port``: fresh-user round 23)."""
+    if advertise_host:
+        return advertise_host
+    if host in ("0.0.0.0", "::", "[::]"):
+        return "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return host
+
+
 def worker_url(host: str, port: int) -> str:
     """The address a worker registers: ``http://host:port``, an IPv6 literal in brackets (RFC 3986 3.2.2:
     ``http://[fd00::5]:8081``; a Pod IP from ``SUBSTRATE_POD_IP`` is given bare)."""
@@ -1319,7 +1331,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     site = web.SockSite(runner, sock)
     await site.start()
     tune_after_startup()  # the worker's request path: see substrate/gctune.py
-    address = worker_url(advertise_host or host, sock.getsockname()[1])
+    address = worker_url(advertised_host(host, advertise_host), sock.getsockname()[1])
     await worker.register(address)
     log.info("worker ready", extra={"worker": worker_id, "pool": pool, "address": address, "slots": slots})
     if ready_fd is not None:

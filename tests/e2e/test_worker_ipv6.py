@@ -1,7 +1,8 @@
 """Workers on IPv6: a worker told to listen on an IPv6 literal (``SUBSTRATE_WORKER__HOST=::1`` here; on an
 IPv6-only or dual-stack cluster ``SUBSTRATE_WORKER_LISTEN_HOST=::`` with an IPv6 Pod IP) binds an IPv6
 socket and registers ``http://[addr]:port``, and the router creates, forwards to, suspends and wakes
-sessions on it. Workers listened on IPv4 only before (``AF_INET`` was fixed)."""
+sessions on it. Workers listened on IPv4 only before (``AF_INET`` was fixed). Also: the address a worker
+registers is never a wildcard (``0.0.0.0`` registered as such, fresh-user round 23)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import httpx
 import pytest
 
-from workers.server import bind_host, listen_socket, worker_url
+from workers.server import advertised_host, bind_host, listen_socket, worker_url
 
 
 def _ipv6_loopback() -> bool:
@@ -40,6 +41,9 @@ def test_a_worker_address_brackets_an_ipv6_literal() -> None:
     assert bind_host("0.0.0.0", "fd00::5") == "::"
     assert bind_host("0.0.0.0", "10.0.0.7") == "0.0.0.0" and bind_host("0.0.0.0", None) == "0.0.0.0"
     assert bind_host("127.0.0.1", "fd00::5") == "127.0.0.1"  # an address set on purpose is kept
+    # what a worker registers: never a wildcard, which no client connects to (fresh-user round 23)
+    assert advertised_host("0.0.0.0", None) == "127.0.0.1" and advertised_host("::", None) == "::1"
+    assert advertised_host("0.0.0.0", "10.0.0.7") == "10.0.0.7" and advertised_host("10.0.0.8", None) == "10.0.0.8"
 
 
 def test_sessions_run_suspend_and_wake_on_a_worker_listening_on_ipv6(runtime_factory) -> None:
