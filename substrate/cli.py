@@ -484,6 +484,16 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     settings.worker.root_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     if settings.snapshot.store == "local":
         settings.snapshot.local_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # one runtime per workers folder, whatever Redis it uses (the embedded Redis locks its own folder too):
+    # two runtimes with an external Redis shared a data folder, so its local snapshot store (then fenced:
+    # another directory's marker) and the workers' folders (fresh-user round 23)
+    from substrate.embedded import lock_folder
+
+    try:
+        workers_lock = lock_folder(settings.worker.root_dir, f"workers folder {settings.worker.root_dir}")
+    except RuntimeError as e:
+        err.print(f"[red]error[/red]: {escape(str(e))}")
+        raise typer.Exit(2) from None
     embedded = None
     if not settings.redis.url:
         embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
@@ -525,6 +535,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     finally:
         if embedded is not None:
             embedded.stop()
+        os.close(workers_lock)
 
 
 @app.command()

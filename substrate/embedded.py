@@ -97,6 +97,23 @@ def _free_port() -> int:
     return free_port()  # outside the ephemeral range: see substrate.netports
 
 
+def lock_folder(folder: Path, what: str) -> int:
+    """Hold ``<folder>/runtime.lock`` (flock, exclusive) and write this process's pid in it; returns the
+    file descriptor, which holds the lock until it is closed (or the process ends). ``what`` names the
+    folder in the error. Raises RuntimeError naming the holder's pid when another live process holds it."""
+    fd = os.open(folder / "runtime.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RuntimeError(f"{what} is in use by another runtime (pid {holder}): stop it, "
+                           "or give this one its own folder (SUBSTRATE_DATA_DIR)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 class EmbeddedRedis:
     """``with EmbeddedRedis(data_dir) as r: r.url`` -> ``redis://:PASSWORD@127.0.0.1:PORT/0``.
 
@@ -155,17 +172,7 @@ class EmbeddedRedis:
         if self.data_dir is None or self._lock_fd is not None:
             return
         folder = Path(self._dir())
-        fd = os.open(folder / "runtime.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RuntimeError(f"data folder {folder} is in use by another runtime (pid {holder}): stop it, "
-                               "or give this one its own folder (SUBSTRATE_DATA_DIR)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = lock_folder(folder, f"data folder {folder}")
         pidfile = folder / "redis.pid"
         try:
             pid = int(pidfile.read_text().strip())

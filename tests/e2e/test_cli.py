@@ -295,3 +295,20 @@ def _record(line: str) -> dict:
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_second_runtime_on_the_same_data_folder_is_refused_with_an_external_redis_too(runtime_factory) -> None:
+    """Fresh-user round 23: with SUBSTRATE_REDIS_URL set, two runtimes of different key prefixes shared one
+    data folder (only the embedded Redis locked its folder); the second's local snapshot store was then
+    fenced (another directory's marker) and the two shared the workers' folders."""
+    rt = runtime_factory(replicas=1, slots=2)
+    env = {**rt.env, "SUBSTRATE_REDIS__KEY_PREFIX": f"other{uuid.uuid4().hex[:8]}"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert f"workers folder {rt.env['SUBSTRATE_WORKER__ROOT_DIR']} is in use by another runtime (pid " \
+           f"{rt.proc.pid})" in p.stderr, p.stderr
+    assert rt.client.create_session("counter")["state"] == "RUNNING"  # the first one serves on
