@@ -426,3 +426,27 @@ def test_a_keyless_turn_after_a_full_window_of_client_keys_is_replayed_not_run_a
     first = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"}, headers={"Idempotency-Key": "key0"})
     assert first.headers.get("X-Substrate-Replayed") == "1" and first.json()["output"] == {"count": 1}
     assert c.invoke(sid, "get") == {"count": 5}
+
+
+def test_a_suspend_whose_worker_dies_under_it_reads_suspended_worker_lost_within_the_lease(runtime_factory) -> None:
+    """Fresh-user round 23: after a suspend answered 502 ``worker_unavailable`` (its worker killed under
+    it), GET showed ``SUSPENDING`` with no reason. The record says what happened once the worker's lease
+    has run out (the README gives that bound): SUSPENDED, ``reason: worker_lost``."""
+    import concurrent.futures as cf
+
+    rt = runtime_factory(replicas=1, slots=2, extra_yaml=EXTRA)
+    c = rt.client
+    sid = c.create_session("slowsnap")["id"]
+    assert c.invoke(sid, "arm") == {"armed": True}
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(c.http.post, f"/v1/sessions/{sid}/suspend")
+        rt.wait_for(lambda: rt.session_raw(sid).get("state") == "SUSPENDING", what="suspending")
+        rt.kill_worker(rt.session_raw(sid)["worker"])
+        r = fut.result(timeout=30)
+    assert (r.status_code, r.json()["code"]) == (502, "worker_unavailable"), r.text
+    lease_s = float(rt.env["SUBSTRATE_WORKER__LEASE_S"])
+    rt.wait_for(lambda: c.get_session(sid)["state"] == "SUSPENDED", timeout_s=lease_s + 10, what="suspended")
+    got = c.get_session(sid)
+    assert got["reason"] == "worker_lost", got
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
+    assert r.status_code == 200 and r.headers.get("X-Substrate-Restored", "").startswith("worker_lost"), r.headers
