@@ -450,3 +450,23 @@ def test_a_suspend_whose_worker_dies_under_it_reads_suspended_worker_lost_within
     assert got["reason"] == "worker_lost", got
     r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
     assert r.status_code == 200 and r.headers.get("X-Substrate-Restored", "").startswith("worker_lost"), r.headers
+
+
+def test_a_turn_sent_right_after_a_suspend_lost_its_worker_waits_and_runs_on_the_recovered_state(
+        runtime_factory) -> None:
+    """The README's promise beside the one above: a turn sent while the record still reads SUSPENDING
+    (the dead worker's lease not yet run out) waits for the recovery and is answered, saying so."""
+    import concurrent.futures as cf
+
+    rt = runtime_factory(replicas=1, slots=2, extra_yaml=EXTRA)
+    c = rt.client
+    sid = c.create_session("slowsnap")["id"]
+    assert c.invoke(sid, "arm") == {"armed": True}
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(c.http.post, f"/v1/sessions/{sid}/suspend")
+        rt.wait_for(lambda: rt.session_raw(sid).get("state") == "SUSPENDING", what="suspending")
+        rt.kill_worker(rt.session_raw(sid)["worker"])
+        assert fut.result(timeout=30).status_code == 502
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
+    assert r.status_code == 200 and r.json()["output"] == {"armed": False}, r.text
+    assert r.headers.get("X-Substrate-Restored", "").startswith("worker_lost"), r.headers
