@@ -866,22 +866,23 @@ def s_create(template: str = typer.Argument(..., metavar="TEMPLATE", help="Actor
              tenant: Optional[str] = typer.Option(None, help="Admins: create it for this tenant."),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Create and start a session."""
-    labels = _pairs(label, "label")
-    env_vars = _pairs(env, "env")
+    labels = _pairs(label, "-l/--label", "key=value")
+    env_vars = _pairs(env, "-e/--env", "NAME=value")
     with _client(server, token) as c:
         _print(_run(lambda: c.create_session(template, id=id, labels=labels, env=env_vars or None, tenant=tenant)))
 
 
-def _pairs(given: list[str], what: str) -> dict[str, str]:
-    """``key=value`` options as a dict; exits 2 (nothing sent) on one without ``=`` or a key, or a key
-    given twice (the later one silently won before: a fresh-user run)."""
+def _pairs(given: list[str], option: str, form: str) -> dict[str, str]:
+    """``key=value`` options (``option``, written as ``form`` in messages) as a dict; exits 2 (nothing
+    sent) on one without ``=`` or a key, or a key given twice (the later one silently won before: a
+    fresh-user run)."""
     bad = [x for x in given if "=" not in x or x.startswith("=")]
     if bad:
-        err.print(f"[red]error[/red]: {what}s must be key=value, got {escape(', '.join(bad))}")
+        err.print(f"[red]error[/red]: {option} takes {form}, got {escape(', '.join(bad))}")
         raise typer.Exit(2)
     keys = [x.split("=", 1)[0] for x in given]
     if dup := sorted({k for k in keys if keys.count(k) > 1}):
-        err.print(f"[red]error[/red]: {what} key given twice: {escape(', '.join(dup))}")
+        err.print(f"[red]error[/red]: {option}: {escape(', '.join(dup))} given twice")
         raise typer.Exit(2)
     return dict(x.split("=", 1) for x in given)
 

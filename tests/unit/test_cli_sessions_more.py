@@ -55,8 +55,10 @@ def test_resume_on_a_worker_and_create_with_env(seen: list[httpx.Request]) -> No
 
 
 @pytest.mark.parametrize("args,message", [
-    (["-e", "NOVALUE"], "envs must be key=value"),
-    (["-e", "A=1", "-e", "A=2"], "env key given twice: A"),
+    (["-e", "NOVALUE"], "-e/--env takes NAME=value, got NOVALUE"),
+    (["-e", "A=1", "-e", "A=2"], "-e/--env: A given twice"),
+    (["-l", "team"], "-l/--label takes key=value, got team"),
+    (["-l", "=x"], "-l/--label takes key=value, got =x"),
 ])
 def test_bad_env_options_send_nothing(seen: list[httpx.Request], args: list[str], message: str) -> None:
     r = CliRunner().invoke(app, ["sessions", "create", "counter", *args])

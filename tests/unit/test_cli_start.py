@@ -255,7 +255,7 @@ def test_a_label_key_given_twice_is_refused_before_any_request() -> None:
     r = CliRunner().invoke(app, ["sessions", "create", "counter", "-l", "team=a", "-l", "x=1", "-l", "team=b",
                                  "--server", "http://127.0.0.1:9"])
     assert r.exit_code == 2, r.output
-    assert "label key given twice: team" in r.output and "Traceback" not in r.output
+    assert "-l/--label: team given twice" in r.output and "Traceback" not in r.output
 
 
 def test_up_in_process_leaves_later_commands_a_working_log_handler(tmp_path: Path,
