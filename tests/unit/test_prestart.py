@@ -122,6 +122,48 @@ async def test_refill_waits_while_spares_last_and_starts_at_once_when_they_run_o
         await pool.close()
 
 
+async def test_each_take_or_release_restarts_a_waiting_refill_but_never_past_its_bound(tmp_path):
+    """A burst of wakes served from the spares: the refill's boots wait for a lull (each take or release
+    restarts the wait) instead of landing under the burst, but a burst that never pauses postpones them
+    at most ``_REFILL_MAX_POSTPONE`` delays."""
+    pool = _pool(tmp_path, 6, prestart=6, refill_delay_s=3600.0)
+    try:
+        await pool.start()
+        await _until(lambda: all(s.ready is not None for s in pool.slots), "all slots pre-started")
+        a = await pool.acquire()
+        host_a = await pool.host_for(a, UNSANDBOXED)
+        first, since = pool._warmup, pool._refill_since
+        assert pool._warmup_waiting
+        await pool.release(a, host_a)
+        await asyncio.sleep(0)  # the cancelled wait ends at the loop's next turn
+        assert pool._warmup is not first and first.cancelled(), "the wait started again"
+        assert pool._warmup_waiting and pool._refill_since == since, "from the first ask, for the bound"
+    finally:
+        await pool.close()
+    # the bound: a take or release every 20 ms, spares never below 2, yet the freed slot gets its host
+    pool = _pool(tmp_path, 6, prestart=6, refill_delay_s=0.05)  # bound: 8 x 50 ms
+    try:
+        await pool.start()
+        await _until(lambda: all(s.ready is not None for s in pool.slots), "all slots pre-started")
+        held = []
+        for _ in range(2):
+            s_ = await pool.acquire()
+            held.append((s_, await pool.host_for(s_, UNSANDBOXED)))
+        freed = held[0][0]
+        await pool.release(*held.pop(0))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while freed.ready is None:  # the burst goes on until the freed slot has its host again
+            assert loop.time() < deadline, "a burst that never pauses postponed the refill for ever"
+            assert pool._spares() > 1  # so the refill is never started for want of spares
+            pool._refill()  # what each take and release of the burst does (without using up the spares)
+            await asyncio.sleep(0.02)
+        for s_, h in held:
+            await pool.release(s_, h)
+    finally:
+        await pool.close()
+
+
 async def test_a_failing_spawn_is_tried_once_per_slot_not_in_a_loop(tmp_path):
     pool = _pool(tmp_path, 3, prestart=3)
     calls = []
