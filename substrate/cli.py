@@ -484,16 +484,6 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     settings.worker.root_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     if settings.snapshot.store == "local":
         settings.snapshot.local_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # one runtime per workers folder, whatever Redis it uses (the embedded Redis locks its own folder too):
-    # two runtimes with an external Redis shared a data folder, so its local snapshot store (then fenced:
-    # another directory's marker) and the workers' folders (fresh-user round 23)
-    from substrate.embedded import lock_folder
-
-    try:
-        workers_lock = lock_folder(settings.worker.root_dir, f"workers folder {settings.worker.root_dir}")
-    except RuntimeError as e:
-        err.print(f"[red]error[/red]: {escape(str(e))}")
-        raise typer.Exit(2) from None
     embedded = None
     if not settings.redis.url:
         embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
@@ -508,6 +498,22 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         if embedded is not None:
             embedded.stop()
         raise typer.Exit(2)
+    # one deployment per workers folder, whatever Redis it uses (the embedded Redis locks its own folder
+    # too): two runtimes of different key prefixes on an external Redis shared a data folder, so its local
+    # snapshot store (then fenced: another directory's marker) and the workers' folders (fresh-user round
+    # 23); processes of one deployment may share it (the chaos run's two `up`)
+    from substrate.embedded import claim_folder
+
+    deployment = (f"Redis {_safe_redis_url(settings.redis.url)}" if settings.redis.url
+                  else f"embedded Redis in {settings.redis.data_dir.resolve()}") + \
+        f", key prefix {settings.redis.key_prefix!r}"
+    try:
+        workers_lock = claim_folder(settings.worker.root_dir, deployment, f"workers folder {settings.worker.root_dir}")
+    except RuntimeError as e:
+        err.print(f"[red]error[/red]: {escape(str(e))}")
+        if embedded is not None:
+            embedded.stop()
+        raise typer.Exit(2) from None
 
     def _term(*_: object) -> None:
         # uvicorn re-raises the signal it caught after a graceful shutdown; turn SIGTERM (and SIGHUP: a

@@ -114,6 +114,50 @@ def lock_folder(folder: Path, what: str) -> int:
     return fd
 
 
+#: the file in a workers folder that names the deployment using it (``claim_folder``)
+DEPLOYMENT_FILE = "deployment"
+
+
+def claim_folder(folder: Path, deployment: str, what: str, *, attempts: int = 100) -> int:
+    """Claim ``folder`` for ``deployment`` (a line naming one runtime's directory: its Redis and key
+    prefix): any number of processes of that deployment may hold it at once (two ``substrate up`` of one
+    deployment on one machine, as the chaos run starts them), a process of another deployment may not.
+    ``<folder>/runtime.lock`` is held shared (flock) while ``<folder>/deployment`` names the holders; the
+    first holder writes it under an exclusive lock, then shares it. Returns the lock's file descriptor
+    (held until closed or the process ends). Raises RuntimeError naming the other deployment."""
+    fd = os.open(folder / "runtime.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    named = folder / DEPLOYMENT_FILE
+    try:
+        for _ in range(attempts):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: by this deployment (join it) or another (refused)
+                try:
+                    holder = named.read_text().strip()
+                except OSError:
+                    holder = ""
+                if holder and holder != deployment:
+                    raise RuntimeError(f"{what} is in use by another runtime ({holder}): stop it, or give this "
+                                       "one its own folder (SUBSTRATE_DATA_DIR)") from None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:  # the first holder is still writing its name
+                    time.sleep(0.05)
+                    continue
+                if named.exists() and named.read_text().strip() == deployment:
+                    return fd
+                fcntl.flock(fd, fcntl.LOCK_UN)  # its first holder was another deployment after all
+                time.sleep(0.05)
+                continue
+            named.write_text(deployment + "\n")  # nobody holds it: ours now
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return fd
+        raise RuntimeError(f"{what}: could not claim it (another runtime starting or stopping there?)")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class EmbeddedRedis:
     """``with EmbeddedRedis(data_dir) as r: r.url`` -> ``redis://:PASSWORD@127.0.0.1:PORT/0``.
 

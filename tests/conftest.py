@@ -167,11 +167,8 @@ class RuntimeProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.var = share_with.var if share_with else tmp / f"var-{self.prefix}"
-        # each process its own workers folder (``substrate up`` locks it: one runtime per folder); a second
-        # process of a deployment shares the snapshot store only
-        workers_dir = self.var / "workers" if share_with is None else tmp / f"workers-{self.prefix}-{self.port}"
         self.env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
-                    "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_WORKER__ROOT_DIR": str(workers_dir),
+                    "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_WORKER__ROOT_DIR": str(self.var / "workers"),
                     "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
                     "SUBSTRATE_LOG_LEVEL": "WARNING", "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2",
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",

@@ -309,6 +309,6 @@ def test_a_second_runtime_on_the_same_data_folder_is_refused_with_an_external_re
     p = subprocess.run([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
-    assert f"workers folder {rt.env['SUBSTRATE_WORKER__ROOT_DIR']} is in use by another runtime (pid " \
-           f"{rt.proc.pid})" in p.stderr, p.stderr
+    assert f"workers folder {rt.env['SUBSTRATE_WORKER__ROOT_DIR']} is in use by another runtime (Redis " \
+           f"{rt.redis_url}, key prefix {rt.prefix!r})" in p.stderr, p.stderr
     assert rt.client.create_session("counter")["state"] == "RUNNING"  # the first one serves on
