@@ -149,7 +149,10 @@ def claim_folder(folder: Path, deployment: str, what: str, *, attempts: int = 10
                 fcntl.flock(fd, fcntl.LOCK_UN)  # its first holder was another deployment after all
                 time.sleep(0.05)
                 continue
-            named.write_text(deployment + "\n")  # nobody holds it: ours now
+            # nobody holds it: ours now (0600: it names the Redis, whose URL the slots' uids need not see)
+            nfd = os.open(named, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(nfd, "w") as out:
+                out.write(deployment + "\n")
             fcntl.flock(fd, fcntl.LOCK_SH)
             return fd
         raise RuntimeError(f"{what}: could not claim it (another runtime starting or stopping there?)")
