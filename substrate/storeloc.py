@@ -22,6 +22,7 @@ bucket emptied or made again, or a mistyped location accepted with the flag abov
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from substrate.keys import Keys
@@ -50,14 +51,27 @@ def _recorded(snapshot: SnapshotSettings) -> str:
     return f"{location_of(snapshot)}#{snapshot.prefix.strip('/')}"
 
 
-def problem(recorded: str | None, configured: str, sessions: int, *, accept: bool = False) -> str | None:
+def problem(recorded: str | None, configured: str, sessions: int, *, accept: bool = False,
+            live_workers: int = 0) -> str | None:
     """Why a start configured for ``configured`` must not run on a directory of ``sessions`` sessions
     whose snapshots are recorded as kept in ``recorded`` (both as ``_recorded`` makes them; None: no
     objection). ``accept``: the operator says the objects were moved there; a changed prefix is refused
-    even then, since every snapshot's key begins with the old one."""
-    if recorded is None or recorded == configured or sessions == 0:
+    even then, since every snapshot's key begins with the old one. ``live_workers``: workers of this
+    directory whose lease runs: with no session yet but a runtime already running on the recorded store,
+    a start configured for another one is refused too (two ``substrate up`` on one Redis and key prefix
+    with their own data folders shared one pool and each other's sessions, whose snapshots the other's
+    workers then could not find: they were condemned and woke empty; fresh-user round 24)."""
+    if recorded is None or recorded == configured:
         return None
     was, now = recorded.rpartition("#")[0], configured.rpartition("#")[0]
+    if sessions == 0:
+        if live_workers == 0 or accept:
+            return None
+        return (f"another runtime of this directory (Redis and key prefix: {live_workers} live worker(s)) keeps "
+                f"its snapshots in {was} (or stopped less than SUBSTRATE_WORKER__LEASE_S ago), but this start is configured "
+                f"for {now}: the two would share one pool "
+                "and each other's sessions, and neither could read the other's snapshots. Give this runtime its "
+                "own SUBSTRATE_REDIS__KEY_PREFIX (another directory), or the same snapshot store")
     old_prefix, new_prefix = _prefix_of(recorded), _prefix_of(configured)
     if old_prefix != new_prefix:
         return (f"the {sessions} session(s) in this directory keep their snapshots in {was}, under keys that begin "
@@ -86,7 +100,8 @@ async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> str | Non
     if recorded == configured:
         return None
     sessions = int(await redis.zcard(keys.sessions_index))
-    why = problem(recorded, configured, sessions, accept=snapshot.accept_new_location)
+    live = int(await redis.zcount(keys.workers_index, time.time(), "+inf")) if recorded is not None else 0
+    why = problem(recorded, configured, sessions, accept=snapshot.accept_new_location, live_workers=live)
     if why is not None:
         return why
     if recorded is None or sessions == 0:

@@ -66,6 +66,23 @@ async def test_a_new_store_is_recorded_when_nothing_can_be_lost_and_an_accepted_
     assert await storeloc.check(d.redis, d.keys, s3("third")) is None
 
 
+async def test_a_second_runtime_of_the_directory_on_another_store_is_refused_while_the_first_runs(d) -> None:
+    """Fresh-user round 24: two ``substrate up`` on one Redis and key prefix, each with its own data folder
+    (a local store each), started with no session yet: both ran, shared one pool and each other's
+    sessions, and a session woken on the other's worker read its snapshot as missing, was condemned and
+    woke empty. A live worker of the directory means a runtime uses the recorded store now."""
+    assert await storeloc.check(d.redis, d.keys, s3("first")) is None
+    await d.redis.zadd(d.keys.workers_index, {"w-of-the-first": time.time() + 30})  # its lease runs
+    why = await storeloc.check(d.redis, d.keys, s3("second"))
+    assert why is not None and "another runtime of this directory (Redis and key prefix: 1 live worker(s))" in why
+    assert "s3://first/snapshots" in why and "configured for s3://second/snapshots" in why
+    assert await d.redis.get(d.keys.snapshot_location) == "s3://first/snapshots#snapshots", "nothing changed"
+    assert await storeloc.check(d.redis, d.keys, s3("first")) is None  # a second process on the same store
+    await d.redis.zadd(d.keys.workers_index, {"w-of-the-first": time.time() - 1})  # its lease ran out
+    assert await storeloc.check(d.redis, d.keys, s3("second")) is None  # nothing runs: nothing to share
+    assert await d.redis.get(d.keys.snapshot_location) == "s3://second/snapshots#snapshots"
+
+
 async def test_a_changed_prefix_is_refused_even_as_an_accepted_move(d) -> None:
     """Every snapshot's key begins with the prefix: objects moved under another prefix are never found, so a
     move with ``ACCEPT_NEW_LOCATION`` condemned every session (fresh-user round 20)."""
