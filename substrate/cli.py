@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -988,16 +989,33 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
     with _client(server, token) as c:
         if stream:
             # each chunk as it arrives (``list(...)`` printed them all only after the turn ended: a
-            # fresh-user run); an error mid-stream is one line after the chunks before it
-            chunks = iter(c.invoke_stream(sid, value, idempotency_key=idempotency_key,
-                                          on_answer=lambda a: _answer_notes(sid, a)))
+            # fresh-user run); an error mid-stream is one line after the chunks before it. A streamed turn
+            # is not retried here, so it always carries a key the error line can name for a resend
+            key = idempotency_key or uuid.uuid4().hex
+            chunks = iter(c.invoke_stream(sid, value, idempotency_key=key, on_answer=lambda a: _answer_notes(sid, a)))
             end = object()
-            while (chunk := _run(lambda: next(chunks, end))) is not end:
+            while (chunk := _run(lambda: _next_chunk(chunks, end, key))) is not end:
                 _print(chunk)
         else:
             answer = _run(lambda: c.invoke_answer(sid, value, idempotency_key=idempotency_key))
             _answer_notes(sid, answer)
-            _print(answer.output)
+            for out in answer.output if answer.streamed else [answer.output]:
+                _print(out)  # a streamed turn's replay: its chunks, as --stream prints them
+
+
+def _next_chunk(chunks: Any, end: object, key: str) -> Any:
+    """The next chunk of a streamed turn, ``end`` after the last; an error after the answer began (a worker
+    lost mid-stream: it printed "error 200 worker_unavailable" with no way on, fresh-user round 24) is
+    one line naming what to resend, and exit 1."""
+    try:
+        return next(chunks, end)
+    except ApiError as e:
+        if not e.details.get("mid_stream"):
+            raise
+        err.print(f"[red]error[/red]: the turn failed after its answer began ({escape(e.code)}: {escape(e.message)}); "
+                  f"resend it with -k {escape(key)}: a turn that completed is answered from its kept answer, "
+                  "one that did not runs again")
+        raise typer.Exit(1) from None
 
 
 def _answer_notes(sid: str, answer: Any) -> None:

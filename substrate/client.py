@@ -51,13 +51,17 @@ class StateRestoredWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Answer:
-    """One turn's answer: ``output`` (the agent's), and what the answer's headers say about it:
+    """One turn's answer: ``output`` (the agent's; a list of chunks when ``streamed``), and what the
+    answer's headers say about it:
     ``restored`` (``X-Substrate-Restored``, e.g. ``worker_lost;snapshot=none``: the state came back older
     than it was; None when it did not), ``restored_snapshot_at`` (Unix s of the state it came back to, if
     any), ``replayed`` (the turn had already run under this key: its kept answer), ``woke`` (the session
     was suspended and woken for this turn), ``worker`` and ``request_id``."""
 
     output: Any
+    #: the answer was a streamed turn's lines (a replay of a turn first run with ``?stream``): ``output``
+    #: is then the list of its chunks
+    streamed: bool = False
     restored: str | None = None
     restored_snapshot_at: float | None = None
     replayed: bool = False
@@ -66,14 +70,15 @@ class Answer:
     request_id: str | None = None
 
     @classmethod
-    def of(cls, resp: httpx.Response, output: Any = None) -> "Answer":
+    def of(cls, resp: httpx.Response, output: Any = None, *, streamed: bool = False) -> "Answer":
         h = resp.headers
         at = h.get("x-substrate-restored-snapshot-at")
         try:
             at_s = float(at) if at else None
         except ValueError:
             at_s = None
-        return cls(output=output, restored=h.get("x-substrate-restored") or None, restored_snapshot_at=at_s,
+        return cls(output=output, streamed=streamed, restored=h.get("x-substrate-restored") or None,
+                   restored_snapshot_at=at_s,
                    replayed=h.get("x-substrate-replayed") == "1", woke=h.get("x-substrate-woke") == "1",
                    worker=h.get("x-substrate-worker"), request_id=h.get("x-request-id"))
 
@@ -87,6 +92,21 @@ class Answer:
                 f"session {sid!r} answered from an older state than it had ({self.restored}): its state since "
                 "its last snapshot is gone", StateRestoredWarning, frame.f_code.co_filename, frame.f_lineno,
                 module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
+
+
+def _chunks(lines: Any) -> Iterator[Any]:
+    """The chunks of a streamed turn's NDJSON lines, in order; an error line (the turn failed after its
+    answer began: a worker lost mid-stream, the agent crashed) raises ``ApiError`` with its code and
+    ``status`` 200 (the answer's status was already sent), ``details.mid_stream`` true."""
+    for line in lines:
+        if not line:
+            continue
+        msg = json.loads(line)
+        if "chunk" in msg:
+            yield msg["chunk"]
+        elif "error" in msg:
+            err = msg["error"]
+            raise ApiError(200, err.get("code", "error"), err.get("message", ""), details={"mid_stream": True})
 
 
 def _session_path(sid: str) -> str:
@@ -265,6 +285,11 @@ class SubstrateClient:
                 self._backoff(attempt, float(ra) if ra else None)
                 continue
             _raise_for(resp)
+            if resp.headers.get("content-type", "").startswith("application/x-ndjson"):
+                # the replay of a streamed turn under this key: it comes as it first ran (its lines); the
+                # output is its chunks in order (a raw JSONDecodeError before: fresh-user round 24)
+                chunks = list(_chunks(resp.text.splitlines()))
+                return Answer.of(resp, chunks, streamed=True)
             return Answer.of(resp, resp.json()["output"])
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -297,15 +322,7 @@ class SubstrateClient:
                 resp.read()  # the replay of a plain turn under this key: its answer as it was
                 yield resp.json()["output"]
                 return
-            for line in resp.iter_lines():
-                if not line:
-                    continue
-                msg = json.loads(line)
-                if "chunk" in msg:
-                    yield msg["chunk"]
-                elif "error" in msg:
-                    err = msg["error"]
-                    raise ApiError(200, err.get("code", "error"), err.get("message", ""))
+            yield from _chunks(resp.iter_lines())
 
     def suspend(self, sid: str) -> dict[str, Any]:
         return self._req("POST", _session_path(sid) + "/suspend")
