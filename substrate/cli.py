@@ -329,6 +329,43 @@ def _redis_problem(url: str) -> str | None:
     return None
 
 
+def _is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a listen address or name) is this machine's loopback only."""
+    import ipaddress
+
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another name: it may resolve anywhere
+
+
+def _open_mode_on_a_network(settings: Any, redis_url: str, host: str) -> bool:
+    """Whether this start serves open mode (no credentials of any kind: no API key configured or ever
+    made, no OIDC issuer, no admin token) on an address beyond loopback, where open mode's ``Host`` check
+    does not apply: anyone who reaches the port drives every session (fresh-user round 24: no word of it at
+    start). False when Redis cannot be asked (the runtime's start asks again)."""
+    import asyncio
+
+    if _is_loopback_host(host) or settings.auth.api_keys or settings.auth.api_keys_file or \
+            settings.auth.oidc_issuer or settings.api.auth_token:
+        return False
+    from substrate.apikeys import ApiKeyStore
+    from substrate.directory import Directory
+
+    async def ask() -> bool:
+        d = Directory(redis_url, settings.redis.key_prefix, socket_timeout_s=5)
+        try:
+            return not await ApiKeyStore(d.redis, d.keys).ever_configured()
+        finally:
+            await d.close()
+    try:
+        return asyncio.run(ask())
+    except Exception:  # noqa: BLE001 - only a warning
+        return False
+
+
 def _store_location_problem(settings: Any, redis_url: str) -> str | None:
     """The objection of ``substrate.storeloc.check`` to this start's snapshot store (None: none, and the
     location is recorded), or why Redis could not be asked (then the runtime's own start asks again)."""
@@ -499,6 +536,11 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         if embedded is not None:
             embedded.stop()
         raise typer.Exit(2)
+    if _open_mode_on_a_network(settings, os.environ.get("SUBSTRATE_REDIS_URL") or settings.redis.url, host):
+        err.print(f"warning: open mode (no API key or other credential) on {host}, beyond loopback: anyone who can "
+                  "reach this port can create, drive and delete every session (the Host check that guards open "
+                  "mode applies to loopback only); create a key first (`substrate keys create NAME --admin`) or "
+                  "listen on 127.0.0.1", markup=False, highlight=False)
     # one deployment per workers folder, whatever Redis it uses (the embedded Redis locks its own folder
     # too): two runtimes of different key prefixes on an external Redis shared a data folder, so its local
     # snapshot store (then fenced: another directory's marker) and the workers' folders (fresh-user round
@@ -533,7 +575,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
             while not server.started and not server.should_exit:
                 time.sleep(0.05)
             if server.started:
-                err.print(f"serving on http://{host}:{port} (docs at /docs); Ctrl-C stops")
+                shown = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal
+                err.print(f"serving on http://{shown}:{port} (docs at /docs); Ctrl-C stops", markup=False)
 
         threading.Thread(target=_announce, name="announce", daemon=True).start()
         server.run()

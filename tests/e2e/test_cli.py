@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import pytest
 import redis
 
 from loadtest.proctree import descendants
@@ -312,3 +313,44 @@ def test_a_second_runtime_on_the_same_data_folder_is_refused_with_an_external_re
     assert f"workers folder {rt.env['SUBSTRATE_WORKER__ROOT_DIR']} is in use by another runtime (Redis " \
            f"{rt.redis_url}, key prefix {rt.prefix!r})" in p.stderr, p.stderr
     assert rt.client.create_session("counter")["state"] == "RUNNING"  # the first one serves on
+
+
+@pytest.mark.parametrize("host,shown,warned", [("0.0.0.0", "http://0.0.0.0:", True), ("::1", "http://[::1]:", False)])
+def test_up_names_a_pasteable_url_and_warns_of_open_mode_beyond_loopback(tmp_path: Path, redis_url: str, host: str,
+                                                                        shown: str, warned: bool) -> None:
+    """Fresh-user round 24: `up --host 0.0.0.0` in open mode said nothing of it; `up --host ::1` printed
+    `http://::1:port`, which neither the CLI nor curl take."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": f"t{uuid.uuid4().hex[:10]}",
+           "SUBSTRATE_DATA_DIR": str(tmp_path / "var"), "SUBSTRATE_CONFIG_DIR": str(tmp_path / "cfg")}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "pool.yaml").write_text(textwrap.dedent("""\
+        apiVersion: substrate.agent.dev/v1
+        kind: WorkerPool
+        metadata: {name: default}
+        spec: {replicas: 1, slots: 1}
+        ---
+        apiVersion: substrate.agent.dev/v1
+        kind: ActorTemplate
+        metadata: {name: counter}
+        spec: {entrypoint: "workers.agents.counter:Counter"}
+        """))
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--host", host, "--port", str(port)],
+                             env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "serving on" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        text = log.read_text()
+        assert f"serving on {shown}{port} " in text, text
+        assert ("warning: open mode (no API key or other credential) on 0.0.0.0, beyond loopback" in text) is warned, text
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{env['SUBSTRATE_REDIS__KEY_PREFIX']}:*"):
+            r.delete(key)
