@@ -813,6 +813,17 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
     from substrate.embedded import die_with_parent_hook
 
     _sweep_killed_demos()
+
+    def _stop(signum: int, _frame: object) -> None:
+        # SIGTERM or SIGHUP (a closed terminal) ends the demo as Ctrl-C does: through the finally blocks
+        # below, which delete its sessions, stop its server and remove its data (they were left behind:
+        # fresh-user round 24)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
+    # Ctrl-C too when the shell started the demo with SIGINT ignored (a background job), as `up` does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # checked before anything starts: with the port taken, the readiness poll below found whatever server
     # held it, and the demo ran (and left its sessions) there (a fresh-user run)
     if why := _free_port("127.0.0.1", port):

@@ -203,6 +203,30 @@ def test_the_demo_leaves_no_keys_in_a_shared_redis(tmp_path: Path, redis_url: st
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_kept_demo_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path: Path, sig: int) -> None:
+    """Fresh-user round 24: `demo --keep` had no handler for SIGTERM or SIGHUP (a closed terminal): it died
+    at once and left its folder (and its keys in a shared Redis) for the next demo to sweep."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
+    env["TMPDIR"] = str(tmp_path)
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "substrate.cli", "demo", "--keep", "--port", str(_free_port())],
+                             env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "Ctrl-C stops" in log.read_text(), log.read_text()[-3000:]
+        p.send_signal(sig)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "demo data removed" in log.read_text(), log.read_text()[-3000:]
+    assert [x.name for x in tmp_path.iterdir()] == ["demo.log"], "the demo's folder is gone"
+
+
 def test_a_second_ctrl_c_exits_at_once_and_leaves_no_process(tmp_path: Path) -> None:
     """Fresh-user run: a deliberate second Ctrl-C (more than 1 s after the first) is documented to force
     the exit, but uvicorn's force does not stop a lifespan shutdown under way: the process lingered
