@@ -178,7 +178,9 @@ class EmbeddedRedis:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.port = 0
-        self.password = secrets.token_urlsafe(24)
+        # hex: a token_urlsafe password may begin with "-", which redis-cli -u then takes for an option
+        # (WRONGPASS with the URL the runtime saved; fresh-user round 24)
+        self.password = secrets.token_hex(24)
         #: how many times the watcher restarted the server
         self.restarts = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None

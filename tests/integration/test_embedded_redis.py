@@ -52,6 +52,7 @@ def test_a_killed_server_is_restarted_with_its_data(tmp_path: Path) -> None:
 def test_it_needs_its_password_and_listens_on_loopback_only(tmp_path: Path) -> None:
     with EmbeddedRedis(None) as e:
         assert "@127.0.0.1:" in e.url and e.password in e.url
+        assert e.password.isalnum(), "no leading - (redis-cli -u took one for an option: fresh-user round 24)"
         with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
             redis.Redis(host="127.0.0.1", port=e.port, socket_timeout=1).ping()
         assert redis.Redis.from_url(e.url).config_get("bind")["bind"] == "127.0.0.1"
