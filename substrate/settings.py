@@ -346,6 +346,10 @@ class ApiKeySpec(_Section):
         digest = (self.sha256 or "").lower().removeprefix("sha256:")
         if self.sha256 is not None and self.key is not None:
             raise ValueError(f"the key of tenant {self.tenant!r} has both `sha256` and `key`: give one of them")
+        if self.sha256 is not None and not _HEX64.match(digest):
+            # it was given: say what is wrong with it (it said "needs `sha256` ... or `key`": round 24)
+            raise ValueError(f"the key of tenant {self.tenant!r} has a `sha256` that is not 64 hex digits "
+                             f"({len(digest)} characters): give the key's SHA-256 in hex, or the key as `key`")
         if not (_HEX64.match(digest) or (not digest and self.key)):
             raise ValueError(f"the key of tenant {self.tenant!r} needs `sha256` (64 hex digits) or `key`")
         # the API looks a bearer token up as an API key only when it starts with ``sk_`` (api/auth.py):

@@ -58,6 +58,8 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS", "garbage", "not valid JSON"),
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"Bad Name","key":"sk_x"}]', "invalid tenant name 'Bad Name'"),
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a"}]', "needs `sha256`"),
+    # fresh-user round 24: a bad sha256 was told it "needs `sha256` ... or `key`"
+    ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","sha256":"zz"}]', "has a `sha256` that is not 64 hex digits (2 characters)"),
     # fresh-user run: a key the API never looks up (not sk_...) closed the open API for good
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"short"}]', "must start with `sk_`"),
     # fresh-user round 10: `sk_` alone was taken (and a key anyone can guess)
