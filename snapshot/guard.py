@@ -148,16 +148,20 @@ class GuardedStore:
             except Exception:  # noqa: BLE001 - recorded at the next check
                 log.warning("recording the snapshot store's location failed", exc_info=True)
             return
+        s3 = self.settings.store == "s3"  # the words of the store at hand (a local one was told of buckets)
         if marker is None:
             why = (f"the snapshot store {where} does not hold this directory's snapshots: its marker object "
-                   f"{self.marker!r} is missing (another endpoint with a bucket of that name, or the bucket was "
-                   "emptied or made again); fix SUBSTRATE_SNAPSHOT__ENDPOINT_URL, __BUCKET or __LOCAL_DIR, or put "
-                   "the objects back: wakes and suspends answer 503 until then")
+                   f"{self.marker!r} is missing ("
+                   + ("another endpoint with a bucket of that name, or the bucket was emptied or made again); fix "
+                      "SUBSTRATE_SNAPSHOT__ENDPOINT_URL or __BUCKET" if s3 else
+                      "another folder, or the folder was emptied or made again); fix SUBSTRATE_SNAPSHOT__LOCAL_DIR "
+                      "(or SUBSTRATE_DATA_DIR)")
+                   + ", or put the objects back: wakes and suspends answer 503 until then")
         else:
             why = (f"the snapshot store {where} holds another directory's snapshots (its marker {self.marker!r} "
                    "is not this directory's: another runtime, or another SUBSTRATE_REDIS__KEY_PREFIX, uses it); "
-                   "give each directory its own bucket or SUBSTRATE_SNAPSHOT__PREFIX: wakes and suspends answer "
-                   "503 until then")
+                   f"give each directory its own {'bucket' if s3 else 'folder'} or SUBSTRATE_SNAPSHOT__PREFIX: wakes "
+                   "and suspends answer 503 until then")
         self._fence(why)
 
     def _fence(self, why: str) -> None:

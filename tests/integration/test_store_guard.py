@@ -57,6 +57,8 @@ async def test_another_store_is_fenced_nothing_is_written_and_a_missing_object_i
             await call
         assert info.value.details["reason"] == "store_not_verified"
         assert "does not hold this directory's snapshots" in info.value.message
+        # in a local store's words, not a bucket's (fresh-user round 24)
+        assert "fix SUBSTRATE_SNAPSHOT__LOCAL_DIR" in info.value.message and "bucket" not in info.value.message
     assert not (tmp_path / "snapz").exists() or not any((tmp_path / "snapz").rglob("*")), "nothing written there"
 
 
