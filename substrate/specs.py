@@ -775,6 +775,9 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
         # of a load that fails are not printed (fresh-user round 16)
         why = "; ".join(cat.warnings[:3]) + (f"; and {len(cat.warnings) - 3} more" if len(cat.warnings) > 3 else "")
         raise SpecError(f"no ActorTemplate found in {path}" + (f" ({why})" if why else ""))
+    if not cat.pools:  # the folder's fault, not one template's file (it named a file: fresh-user round 24)
+        raise SpecError(f"no WorkerPool is defined in {path}: add one (kind: WorkerPool) beside the "
+                        "ActorTemplates", code="unknown_pool")
     for name, t in cat.templates.items():
         try:
             cat.pool_for(t)

@@ -92,3 +92,11 @@ def test_up_takes_sigint_from_its_first_moment_even_if_started_ignoring_it(tmp_p
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_folder_with_templates_and_no_pool_names_the_folder(tmp_path: Path) -> None:
+    """Fresh-user round 24: it named one template's file (``t.yaml: no WorkerPool is defined``)."""
+    (tmp_path / "t.yaml").write_text(OK)
+    with pytest.raises(SpecError) as info:
+        load_catalog(tmp_path)
+    assert str(info.value).startswith(f"no WorkerPool is defined in {tmp_path}: add one"), str(info.value)
