@@ -542,7 +542,8 @@ class SandboxPool:
     activations on a worker started for them waited for the whole batch, and a wake after a restart on a
     loaded 2-core machine ran past the park timeout), and refills start only once the slots have been
     left alone (no host taken, no slot released) for ``refill_delay_s``, at most ``_REFILL_MAX_POSTPONE``
-    of those delays after the first ask, while two or more booted spares are left: a slot is often freed
+    of those delays after the first ask, while more than a quarter of ``prestart`` booted spares are
+    left (``refill_delay_s`` after the first ask below that, at once at one spare): a slot is often freed
     (suspend, delete) just before an activation needs the CPU (a pressure suspend makes room for a waiting
     wake), and a burst of wakes is served from the spares, both of which a refill's boots would slow.
     """
@@ -656,18 +657,30 @@ class SandboxPool:
             return
         spares = self._spares()
         now = asyncio.get_running_loop().time()
+        # three levels of spares: at most one left, warm up now; at most a quarter of ``prestart`` (at least
+        # 2) left (a steady stream of takes), warm up ``refill_delay_s`` after the first ask, as a refill
+        # always did; more (a burst the spares still cover), wait for a lull: each take or release restarts
+        # the wait, up to ``_REFILL_MAX_POSTPONE`` delays in all. Boots (~85 ms of CPU each) then land after
+        # a burst of wakes, not under it (1 MiB S3 wakes back to back: router Wake-Ms p95 about halved),
+        # while sequential creates, which use the spares up, are refilled before they run dry (waiting for
+        # a lull down to the last spare made each create wait for boots: p50 65 -> 75 ms); A/Bs in
+        # docs/bench/2026-12-06-refill-lull-ab.md
+        plenty = spares > max(2, self.prestart // 4)
         if self._warmup is not None and not self._warmup.done():
             if not self._warmup_waiting:
                 return  # booting now
-            self._warmup.cancel()  # waiting: wait again from now (another take or release), or warm up now
+            if spares > 1 and not plenty:
+                return  # waiting since the first ask: keep that wait
+            self._warmup.cancel()  # waiting: wait again from now (a lull), or warm up now
         else:
             self._refill_since = now
-        # a take or release while the refill waits restarts its wait (trailing edge), up to a bound: boots
-        # (~85 ms of CPU each) start in a lull, not under a burst of wakes that the spares still cover
-        # (1 MiB S3 wakes back to back, router Wake-Ms p95 55-65 -> 28-35 ms, the same as paced, A/B
-        # 2026-12-06); a refill waits for nothing once at most one spare is left
-        delay = 0.0 if spares <= 1 else max(0.0, min(
-            self.refill_delay_s, self._refill_since + self.refill_delay_s * _REFILL_MAX_POSTPONE - now))
+        if spares <= 1:
+            delay = 0.0
+        elif not plenty:
+            delay = max(0.0, self._refill_since + self.refill_delay_s - now)
+        else:
+            delay = max(0.0, min(self.refill_delay_s,
+                                 self._refill_since + self.refill_delay_s * _REFILL_MAX_POSTPONE - now))
         self._warmup_waiting = delay > 0
         self._warmup = asyncio.create_task(self._prestart_all(delay))
 

@@ -125,7 +125,8 @@ async def test_refill_waits_while_spares_last_and_starts_at_once_when_they_run_o
 async def test_each_take_or_release_restarts_a_waiting_refill_but_never_past_its_bound(tmp_path):
     """A burst of wakes served from the spares: the refill's boots wait for a lull (each take or release
     restarts the wait) instead of landing under the burst, but a burst that never pauses postpones them
-    at most ``_REFILL_MAX_POSTPONE`` delays."""
+    at most ``_REFILL_MAX_POSTPONE`` delays, and once the spares are down to a quarter (a steady stream of
+    takes) the wait is no longer restarted."""
     pool = _pool(tmp_path, 6, prestart=6, refill_delay_s=3600.0)
     try:
         await pool.start()
@@ -138,6 +139,15 @@ async def test_each_take_or_release_restarts_a_waiting_refill_but_never_past_its
         await asyncio.sleep(0)  # the cancelled wait ends at the loop's next turn
         assert pool._warmup is not first and first.cancelled(), "the wait started again"
         assert pool._warmup_waiting and pool._refill_since == since, "from the first ask, for the bound"
+        held = []
+        while pool._spares() > 2:  # a steady stream of takes down to a quarter of the spares (at least 2)
+            s_ = await pool.acquire()
+            held.append((s_, await pool.host_for(s_, UNSANDBOXED)))
+        waiting = pool._warmup
+        pool._refill()  # another take or release now
+        assert pool._warmup is waiting and pool._warmup_waiting, "no more restarts: it comes a delay after the ask"
+        for s_, h in held:
+            await pool.release(s_, h)
     finally:
         await pool.close()
     # the bound: a take or release every 20 ms, spares never below 2, yet the freed slot gets its host
