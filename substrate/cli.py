@@ -407,7 +407,17 @@ def _print(obj: Any) -> None:
 
 
 def _api_error_exit(e: ApiError) -> NoReturn:
-    """One line for an API error (status, code, message) and exit 1."""
+    """One line for an API error (status, code, message) and exit 1; a replayed one (the kept answer of a
+    turn that already ran under the key) says so first; an error after a streamed answer began prints the
+    chunks before it (on stdout, as ``--stream`` does) and is not called status 200."""
+    if e.replayed:
+        err.print("note: replayed: a turn with this idempotency key already ran; this is its kept answer "
+                  "(the turn was not run again)", markup=False, highlight=False)
+    if e.details.get("mid_stream"):
+        for chunk in e.chunks:
+            _print(chunk)
+        err.print(f"[red]error[/red]: the turn failed after its answer began ({escape(e.code)}: {escape(e.message)})")
+        raise typer.Exit(1) from None
     # a 401's message names the HTTP header; this CLI's way to send one is --token (fresh-user run)
     hint = " (this CLI sends one with --token or SUBSTRATE_TOKEN)" if e.status == 401 else ""
     err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}{hint}")
@@ -417,6 +427,8 @@ def _api_error_exit(e: ApiError) -> NoReturn:
 def _run(fn: Any) -> Any:
     try:
         return fn()
+    except typer.Exit:
+        raise  # an exit already said why (it printed "error: Exit: 1" after its own line: round 25)
     except ApiError as e:
         _api_error_exit(e)
     except Exception as e:  # noqa: BLE001 - connection errors etc. as one clear line
@@ -1064,8 +1076,10 @@ def _next_chunk(chunks: Any, end: object, key: str) -> Any:
     try:
         return next(chunks, end)
     except ApiError as e:
-        if not e.details.get("mid_stream"):
-            raise
+        if not e.details.get("mid_stream") or e.replayed or e.code != "worker_unavailable":
+            if e.details.get("mid_stream"):  # its chunks were printed as they came, its replay note too
+                e.chunks, e.replayed = [], False
+            raise  # an agent's own error, or a kept one: a resend answers the same (no advice)
         err.print(f"[red]error[/red]: the turn failed after its answer began ({escape(e.code)}: {escape(e.message)}); "
                   f"resend it with -k {escape(key)}: a turn that completed is answered from its kept answer, "
                   "one that did not runs again")

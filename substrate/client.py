@@ -34,12 +34,20 @@ from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS
 
 
 class ApiError(Exception):
+    """An error answer: ``status``, ``code``, ``message``, ``retry_after_s``, ``details``; ``replayed``:
+    the answer was the kept one of a turn that already ran under the same key (``X-Substrate-Replayed``),
+    not a new failure. An error after a streamed answer began has ``status`` 200 and
+    ``details.mid_stream`` true, with the chunks that came before it in ``chunks``."""
+
     def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
-                 details: dict[str, Any] | None = None) -> None:
+                 details: dict[str, Any] | None = None, *, replayed: bool = False,
+                 chunks: list[Any] | None = None) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.message = status, code, message
         self.retry_after_s = retry_after_s
         self.details = details or {}
+        self.replayed = replayed
+        self.chunks = chunks or []
 
 
 class StateRestoredWarning(UserWarning):
@@ -94,19 +102,23 @@ class Answer:
                 module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
 
 
-def _chunks(lines: Any) -> Iterator[Any]:
+def _chunks(lines: Any, *, replayed: bool = False) -> Iterator[Any]:
     """The chunks of a streamed turn's NDJSON lines, in order; an error line (the turn failed after its
-    answer began: a worker lost mid-stream, the agent crashed) raises ``ApiError`` with its code and
-    ``status`` 200 (the answer's status was already sent), ``details.mid_stream`` true."""
+    answer began: a worker lost mid-stream, the agent raised) raises ``ApiError`` with its code and
+    ``status`` 200 (the answer's status was already sent), ``details.mid_stream`` true, the chunks before
+    it in ``chunks`` and ``replayed`` as given (the answer was a kept one)."""
+    before: list[Any] = []
     for line in lines:
         if not line:
             continue
         msg = json.loads(line)
         if "chunk" in msg:
+            before.append(msg["chunk"])
             yield msg["chunk"]
         elif "error" in msg:
             err = msg["error"]
-            raise ApiError(200, err.get("code", "error"), err.get("message", ""), details={"mid_stream": True})
+            raise ApiError(200, err.get("code", "error"), err.get("message", ""), details={"mid_stream": True},
+                           replayed=replayed, chunks=before)
 
 
 def _session_path(sid: str) -> str:
@@ -165,7 +177,8 @@ def _raise_for(resp: httpx.Response) -> None:
     except ValueError:
         code, message, details = "error", resp.text, None
     ra = resp.headers.get("retry-after")
-    raise ApiError(resp.status_code, code, message, float(ra) if ra else None, details)
+    raise ApiError(resp.status_code, code, message, float(ra) if ra else None, details,
+                   replayed=resp.headers.get("x-substrate-replayed") == "1")
 
 
 def server_url_problem(url: str) -> str | None:
@@ -288,7 +301,7 @@ class SubstrateClient:
             if resp.headers.get("content-type", "").startswith("application/x-ndjson"):
                 # the replay of a streamed turn under this key: it comes as it first ran (its lines); the
                 # output is its chunks in order (a raw JSONDecodeError before: fresh-user round 24)
-                chunks = list(_chunks(resp.text.splitlines()))
+                chunks = list(_chunks(resp.text.splitlines(), replayed=resp.headers.get("x-substrate-replayed") == "1"))
                 return Answer.of(resp, chunks, streamed=True)
             return Answer.of(resp, resp.json()["output"])
         raise AssertionError("unreachable")  # pragma: no cover
@@ -322,7 +335,7 @@ class SubstrateClient:
                 resp.read()  # the replay of a plain turn under this key: its answer as it was
                 yield resp.json()["output"]
                 return
-            yield from _chunks(resp.iter_lines())
+            yield from _chunks(resp.iter_lines(), replayed=resp.headers.get("x-substrate-replayed") == "1")
 
     def suspend(self, sid: str) -> dict[str, Any]:
         return self._req("POST", _session_path(sid) + "/suspend")
