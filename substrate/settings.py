@@ -490,6 +490,19 @@ class SnapshotSettings(_Section):
     prefix: str = "snapshots"
     endpoint_url: str | None = None
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _an_endpoint_url(cls, v: str | None) -> str | None:
+        # '127.0.0.1:9000' (no scheme) ended the start with botocore's "Invalid endpoint" traceback and exit 3
+        # (fresh-user round 25); an empty value means none (AWS's own endpoint)
+        if v is None or not v.strip():
+            return None
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"endpoint_url must be an http:// or https:// URL with a host (e.g. "
+                             f"http://127.0.0.1:9000), got {v[:100]!r}")
+        return v
+
     @field_validator("bucket")
     @classmethod
     def _a_bucket_name(cls, v: str) -> str:

@@ -67,6 +67,8 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"team-a","key":"sk_a_b","sha256":"' + "0" * 64 + '"}]',
      "has both `sha256` and `key`"),
     ("SUBSTRATE_AUTH__OIDC_ISSUER", "not a url", "must be an http:// or https:// URL"),
+    # fresh-user round 25: botocore's traceback and exit 3 at start
+    ("SUBSTRATE_SNAPSHOT__ENDPOINT_URL", "127.0.0.1:26899", "endpoint_url must be an http:// or https:// URL"),
     # fresh-user run: every worker was declared dead over and over
     ("SUBSTRATE_WORKER__LEASE_S", "0.5", "must be at least twice SUBSTRATE_WORKER__HEARTBEAT_S"),
     # fresh-user run: workers crashed at start one a second, then every create waited 30 s for a 503
