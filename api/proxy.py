@@ -391,8 +391,15 @@ async def invoke(request: Request) -> Response:
                 "Idempotency-Key must be printable ASCII (space to ~; no control characters or non-ASCII bytes)",
                 code="invalid_idempotency_key")
         keyless = not request.headers.get("idempotency-key")
+        # a key a client library made up for its own retries (the SDK and the CLI key every turn) makes
+        # room first, like the router's own: with 64 such turns an explicit key was pushed out of the
+        # window and its retry ran the turn again (fresh-user round 25)
+        origin = request.headers.get("x-substrate-key-origin")
+        if origin is not None and origin != "auto":
+            raise InvalidInput(f"X-Substrate-Key-Origin takes only 'auto' (a key a client library made for its "
+                               f"own retries), not {clip(origin)}", code="invalid_idempotency_key")
         return await _forward(runtime, sid, body, stream, rid, key, principal, key_is_request_id=keyless,
-                              key_by_router=keyless and "x-request-id" not in request.headers)
+                              key_by_router=(keyless and "x-request-id" not in request.headers) or origin == "auto")
     except SubstrateError as e:
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)

@@ -1048,7 +1048,8 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
              idempotency_key: Optional[str] = typer.Option(
                  None, "--idempotency-key", "-k",
                  help="The turn's Idempotency-Key: the same command again with the same key is answered "
-                      "from the kept answer, never run twice (default: a new key per command)"),
+                      "from the kept answer, never run twice (default: a new automatic key per command, which "
+                      "makes room first in the session's window of kept answers)"),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Invoke a session (wakes it if suspended)."""
     value = _input_value(input, text_only=text)
@@ -1058,7 +1059,8 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
             # fresh-user run); an error mid-stream is one line after the chunks before it. A streamed turn
             # is not retried here, so it always carries a key the error line can name for a resend
             key = idempotency_key or uuid.uuid4().hex
-            chunks = iter(c.invoke_stream(sid, value, idempotency_key=key, on_answer=lambda a: _answer_notes(sid, a)))
+            chunks = iter(c.invoke_stream(sid, value, idempotency_key=key, key_is_auto=idempotency_key is None,
+                                          on_answer=lambda a: _answer_notes(sid, a)))
             end = object()
             while (chunk := _run(lambda: _next_chunk(chunks, end, key))) is not end:
                 _print(chunk)

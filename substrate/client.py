@@ -281,13 +281,18 @@ class SubstrateClient:
         return answer.output
 
     def invoke_answer(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Answer:  # noqa: A002
-        """``invoke``, returning the :class:`Answer` (output and what its headers say), without a warning."""
-        key = checked_idempotency_key(idempotency_key) or uuid.uuid4().hex
+        """``invoke``, returning the :class:`Answer` (output and what its headers say), without a warning.
+        Without ``idempotency_key`` the turn gets a key of its own for the retries here, sent as an
+        automatic one (``X-Substrate-Key-Origin: auto``): the worker lets such keys make room first, so
+        any number of such turns never pushes a caller's own key out of its window."""
+        auto = checked_idempotency_key(idempotency_key) is None
+        key = idempotency_key if not auto else uuid.uuid4().hex
+        extra = {"X-Substrate-Key-Origin": "auto"} if auto else {}
         path = _session_path(sid) + "/invoke"
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                resp = self.http.post(path, json={"input": input}, headers={"Idempotency-Key": key})
+                resp = self.http.post(path, json={"input": input}, headers={"Idempotency-Key": key, **extra})
             except (httpx.TransportError,):
                 if last:
                     raise
@@ -313,15 +318,18 @@ class SubstrateClient:
         time.sleep(delay)
 
     def invoke_stream(self, sid: str, input: Any, *, idempotency_key: str | None = None,  # noqa: A002
-                      on_answer: Callable[[Answer], None] | None = None) -> Iterator[Any]:
+                      on_answer: Callable[[Answer], None] | None = None, key_is_auto: bool = False) -> Iterator[Any]:
         """One streamed turn; yields the agent's chunks. Not retried here (chunks may have been yielded);
         a caller that retries passes the same ``idempotency_key``: a turn that ran is answered again from
         its kept lines, never run twice (a plain turn's kept answer comes back as one chunk).
+        ``key_is_auto``: ``idempotency_key`` was made up, not the caller's own (it makes room first).
         ``on_answer`` is called once the answer's headers are in, before the first chunk, with an
         :class:`Answer` whose ``output`` is None; without it, an answer from an older state warns
         ``StateRestoredWarning``."""
         key = checked_idempotency_key(idempotency_key)
         headers = {"Idempotency-Key": key} if key is not None else {}
+        if key is not None and key_is_auto:  # made up by the caller for a resend (see invoke_answer)
+            headers["X-Substrate-Key-Origin"] = "auto"
         with self.http.stream("POST", _session_path(sid) + "/invoke", params={"stream": "true"},
                               json={"input": input}, headers=headers) as resp:
             if resp.status_code >= 400:

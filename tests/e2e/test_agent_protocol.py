@@ -470,3 +470,22 @@ def test_a_turn_sent_right_after_a_suspend_lost_its_worker_waits_and_runs_on_the
     r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
     assert r.status_code == 200 and r.json()["output"] == {"armed": False}, r.text
     assert r.headers.get("X-Substrate-Restored", "").startswith("worker_lost"), r.headers
+
+
+def test_the_sdks_own_keys_never_push_a_callers_key_out_of_the_window(runtime_factory) -> None:
+    """Fresh-user round 25: the SDK and the CLI key every turn (for their retries); those keys counted like
+    the caller's, so after 64 (here 4) plain `invoke` calls a turn sent again with its own key ran twice.
+    They go as automatic keys now, which make room first, like the router's."""
+    rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_WORKER__IDEMPOTENCY_KEYS": "4"})
+    c = rt.client
+    sid = c.create_session("counter")["id"]
+    assert c.invoke(sid, "increment", idempotency_key="imp") == {"count": 1}
+    for i in range(10):
+        assert c.invoke(sid, "increment") == {"count": i + 2}
+    again = c.invoke_answer(sid, "increment", idempotency_key="imp")
+    assert again.replayed and again.output == {"count": 1}
+    assert c.invoke(sid, "get") == {"count": 11}
+    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"},
+                    headers={"Idempotency-Key": "x1", "X-Substrate-Key-Origin": "mine"})
+    assert (r.status_code, r.json()["code"]) == (422, "invalid_idempotency_key"), r.text
+    assert c.invoke(sid, "get") == {"count": 11}, "the refused turn ran nothing"
