@@ -158,6 +158,11 @@ class GuardedStore:
                       "(or SUBSTRATE_DATA_DIR)")
                    + ", or put the objects back: wakes and suspends answer 503 until then")
         else:
+            if new:  # never this directory's store: the location recorded at the start named it by mistake
+                try:
+                    await storeloc.forget(self.redis, self.keys, self.settings)
+                except Exception:  # noqa: BLE001 - Redis down: the start-up check says so, clearly, later
+                    log.debug("could not forget the recorded snapshot location", exc_info=True)
             why = (f"the snapshot store {where} holds another directory's snapshots (its marker {self.marker!r} "
                    "is not this directory's: another runtime, or another SUBSTRATE_REDIS__KEY_PREFIX, uses it); "
                    f"give each directory its own {'bucket' if s3 else 'folder'} or SUBSTRATE_SNAPSHOT__PREFIX: wakes "

@@ -119,3 +119,17 @@ async def record(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> None:
             log.warning("snapshot store location changed from %s to %s", recorded.rpartition("#")[0],
                         configured.rpartition("#")[0])
         await redis.set(keys.snapshot_location, configured)
+
+
+async def forget(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> bool:
+    """Drop the recorded location if it is the configured store (True if dropped): called when that store
+    turned out to hold another directory's snapshots before this directory ever showed its marker there,
+    so the record named a store its sessions never used (a start pointed at another deployment's folder
+    by mistake was recorded, and the corrected start was then refused: fresh-user round 25)."""
+    configured = _recorded(snapshot)
+    raw = await redis.get(keys.snapshot_location)
+    recorded = raw.decode() if isinstance(raw, bytes) else raw
+    if recorded != configured:
+        return False
+    await redis.delete(keys.snapshot_location)
+    return True

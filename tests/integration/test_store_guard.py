@@ -114,6 +114,26 @@ async def test_an_object_that_came_back_gets_a_grace_of_its_own_when_it_goes_mis
     assert info.value.details["reason"] == "object_missing"
 
 
+async def test_a_start_pointed_at_another_directorys_store_does_not_keep_it_as_its_own(d, tmp_path: Path) -> None:
+    """Fresh-user round 25: a new directory started by mistake on another deployment's snapshot folder had
+    that folder recorded as its store; fenced (another's marker), its corrected start was then refused as
+    "the sessions keep their snapshots in" that folder, where they had none."""
+    from substrate import storeloc
+
+    inner, settings = local(tmp_path / "theirs")
+    await guarded(d, inner, settings).ready()  # another directory's store, with its marker
+    await d.redis.delete(d.keys.snapshot_store_marked, d.keys.snapshot_location)
+    await d.redis.set(d.keys.snapshot_store_id, "a-new-directory")  # this directory: new, its own id
+    assert await storeloc.check(d.redis, d.keys, settings) is None  # the start records it (nothing to lose)
+    with pytest.raises(StoreUnavailable) as info:
+        await guarded(d, LocalDirStore(tmp_path / "theirs"), settings).ready()
+    assert "holds another directory's snapshots" in info.value.message
+    assert await d.redis.get(d.keys.snapshot_location) is None, "not this directory's store: forgotten"
+    await _a_session(d)
+    _, mine = local(tmp_path / "mine")
+    assert await storeloc.check(d.redis, d.keys, mine) is None  # the corrected start is not refused
+
+
 async def test_a_marker_of_another_directory_fences_the_store(d, tmp_path: Path) -> None:
     inner, settings = local(tmp_path / "snaps")
     await guarded(d, inner, settings).ready()
