@@ -511,10 +511,16 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         # and no more workers or slots than this machine can run (a fresh-user `replicas: 100000`)
         check_capacity(catalog, settings, source=str(settings.config_dir))
     except SpecError as e:
-        err.print(f"[red]error[/red]: {escape(e.message)}" + ("" if config is not None else " (use --config DIR)"))
+        # which setting named the folder: --config, SUBSTRATE_CONFIG_DIR, or neither (the default)
+        source = ("--config" if config is not None else "SUBSTRATE_CONFIG_DIR" if os.environ.get("SUBSTRATE_CONFIG_DIR")
+                  else "the default config folder")
+        hint = "" if config is not None else " (use --config DIR)"
+        err.print(f"[red]error[/red]: {escape(e.message)} (the folder of {source}){hint}", highlight=False)
         raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_json)
     host = host or settings.api.host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # an IPv6 literal as URLs write it ('[::1]' could not be resolved: round 25)
     port = port or settings.api.port
     if why := _free_port(host, port):  # before Redis and workers start, not as an error deep in the log
         err.print(f"[red]error[/red]: {escape(why)}")
@@ -906,11 +912,16 @@ def demo(port: int = typer.Option(18080, parser=port_parser(), help="Port for th
             finally:
                 # through the API while the server runs: that also deletes their snapshots wherever the
                 # store is (an S3 bucket from SUBSTRATE_SNAPSHOT__* too), not only in the folder below
+                # a Ctrl-C reaches the server too (the terminal signals the whole group): its deletes then
+                # fail as it stops, which loses nothing (its store is the folder removed below); said only
+                # when the demo was not interrupted (one alarming line per session: fresh-user round 25)
+                interrupted = isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit))
                 for sid in created if proc.poll() is None else []:
                     try:
                         c.delete_session(sid)
                     except Exception:  # noqa: BLE001 - best effort; the folder and keys go below anyway
-                        err.print(f"could not delete demo session {sid}")
+                        if not interrupted:
+                            err.print(f"could not delete demo session {sid}")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -257,7 +257,7 @@ def keep_answer(answers: AnswerLog, key: str, answer: "StoredAnswer", *, keys: i
 def _not_kept(status: int, size: int, budget: int) -> str:
     return error_json({"code": "answer_not_kept", "message": (
         f"the turn with this Idempotency-Key already ran (it answered {status}); its {size}-byte answer was "
-        f"not kept (over the worker's {budget}-byte replay budget, worker.answer_keep_bytes), and the turn "
+        f"not kept (over the worker's {budget}-byte replay budget, SUBSTRATE_WORKER__ANSWER_KEEP_BYTES), and the turn "
         "is not run again")})
 
 

@@ -339,7 +339,8 @@ def test_a_second_runtime_on_the_same_data_folder_is_refused_with_an_external_re
     assert rt.client.create_session("counter")["state"] == "RUNNING"  # the first one serves on
 
 
-@pytest.mark.parametrize("host,shown,warned", [("0.0.0.0", "http://0.0.0.0:", True), ("::1", "http://[::1]:", False)])
+@pytest.mark.parametrize("host,shown,warned", [("0.0.0.0", "http://0.0.0.0:", True), ("::1", "http://[::1]:", False),
+                                               ("[::1]", "http://[::1]:", False)])
 def test_up_names_a_pasteable_url_and_warns_of_open_mode_beyond_loopback(tmp_path: Path, redis_url: str, host: str,
                                                                         shown: str, warned: bool) -> None:
     """Fresh-user round 24: `up --host 0.0.0.0` in open mode said nothing of it; `up --host ::1` printed

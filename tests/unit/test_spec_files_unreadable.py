@@ -100,3 +100,13 @@ def test_a_folder_with_templates_and_no_pool_names_the_folder(tmp_path: Path) ->
     with pytest.raises(SpecError) as info:
         load_catalog(tmp_path)
     assert str(info.value).startswith(f"no WorkerPool is defined in {tmp_path}: add one"), str(info.value)
+
+
+@pytest.mark.parametrize("how", ["--config", "SUBSTRATE_CONFIG_DIR"])
+def test_a_missing_config_folder_names_the_setting_that_gave_it(tmp_path: Path, how: str) -> None:
+    """Fresh-user round 25: "spec path '/x' does not exist (use --config DIR)" named neither where the path
+    came from nor, for SUBSTRATE_CONFIG_DIR, the variable."""
+    missing = str(tmp_path / "nowhere")
+    args, env = (["--config", missing], {}) if how == "--config" else ([], {"SUBSTRATE_CONFIG_DIR": missing})
+    r = CliRunner().invoke(app, ["up", "--port", "1", *args], env=env)
+    assert r.exit_code == 2 and f"does not exist (the folder of {how})" in r.output, r.output
