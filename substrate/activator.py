@@ -524,6 +524,11 @@ class Activator:
                 coming = starting > 0 or undecided or queue.progressing(api.slot_wait_s)
                 if left <= 0 or not (coming or was_coming):
                     break
+                if was_coming and not coming:
+                    # what was coming has come (its workers are ready, the controller's note says): the
+                    # queue re-reads the registry now, not after its backed-off pause (up to max_poll_s, longer
+                    # than the one slot_wait_s left here: a k8s test with slot_wait_s 0.2 got 503 under load)
+                    queue.notify()
                 was_coming = coming
                 step = self.capacity_recheck_s if coming else api.slot_wait_s
                 done, _ = await asyncio.wait({waiter}, timeout=min(left, step))
