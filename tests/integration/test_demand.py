@@ -237,3 +237,32 @@ async def test_capacity_notes_are_read_once_per_short_period_for_all_waiting_pla
     assert (await board.capacity("default")).starting == 1  # shared read: no second HGET yet
     await asyncio.sleep(0.35)
     assert (await board.capacity("default")).starting == 2
+
+
+async def test_a_waiting_placement_takes_the_started_worker_without_being_told_in_process(d):
+    """The first fresh-clone run of 6bc687f: a placement waiting on another process's controller (which says
+    a worker is starting) answered 503 once the worker was up. Nothing in the router's process says a
+    worker registered (no ``slot_freed``): the slot queue re-reads the registry on a pause that backs off to
+    0.4 s, longer than the one ``slot_wait_s`` the placement waits after the note stops saying "starting".
+    It re-reads at once now when that happens."""
+    settings = Settings()
+    settings.api.slot_wait_s = 0.05
+    settings.api.start_wait_s = 30
+    router = _router(d, settings)
+    router.capacity_recheck_s = 0.05
+    backend = Backend()
+    pc = _controller(d, settings, backend)
+    await pc.tick()
+    placement = asyncio.create_task(router.place("s1", router.catalog.template("counter")))
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        await pc.tick()
+        if backend.created:
+            break
+    assert len(backend.created) == 1
+    await asyncio.sleep(1.0)  # fruitless rounds: the queue's pause has backed off to its longest
+    assert not placement.done()
+    await _register(d, backend.created[0])  # up, in another process: no slot_freed here
+    await pc.tick()  # the note: nothing starting any more
+    w, slot = await asyncio.wait_for(placement, 10)
+    assert w.id == backend.created[0] and slot == 0
