@@ -178,6 +178,11 @@ class Chaos:
         self.frozen: set[int] = set()
         self.last_ack: dict[str, float] = {}
         self.routers: list[Router] = []
+        # made by setup; teardown stops whichever exist (a setup that failed half-way left a router and
+        # moto running for good: a full-suite run where router a could not start, 2026-12-06)
+        self.moto: subprocess.Popen[bytes] | None = None
+        self.redis_server: Any = None
+        self.r: Any = None
 
     # ------------------------------------------------------------------------------------ set-up
     async def setup(self) -> None:
@@ -230,23 +235,28 @@ class Chaos:
             await rt.wait_ready()
 
     async def teardown(self) -> None:
+        """Stop everything ``setup`` started, also when it failed half-way."""
         for pid in list(self.frozen):
             _signal(pid, signal.SIGCONT)
-        try:
-            os.kill(self.moto.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        try:
-            self.r.execute_command("CLIENT", "UNPAUSE")
-        except redis.RedisError:
-            pass
+        if self.moto is not None:
+            try:
+                os.kill(self.moto.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if self.r is not None:
+            try:
+                self.r.execute_command("CLIENT", "UNPAUSE")
+            except redis.RedisError:
+                pass
         await asyncio.gather(*(rt.stop() for rt in self.routers))
-        self.moto.terminate()
-        try:
-            self.moto.wait(10)
-        except subprocess.TimeoutExpired:
-            self.moto.kill()
-        self.redis_server.stop()
+        if self.moto is not None:
+            self.moto.terminate()
+            try:
+                self.moto.wait(10)
+            except subprocess.TimeoutExpired:
+                self.moto.kill()
+        if self.redis_server is not None:
+            self.redis_server.stop()
 
     # ----------------------------------------------------------------------------------- clients
     async def client(self, sid: str, kind: str) -> None:
@@ -457,8 +467,8 @@ class Chaos:
 
     # --------------------------------------------------------------------------------------- run
     async def run(self) -> tuple[Verdict, dict[str, Any]]:
-        await self.setup()
         try:
+            await self.setup()
             self.sessions = [f"c{i}-{uuid.uuid4().hex[:6]}" for i in range(self.cfg.counters)] + \
                             [f"l{i}-{uuid.uuid4().hex[:6]}" for i in range(self.cfg.logs)]
             clients = [asyncio.create_task(self.client(s, "counter" if s.startswith("c") else "log"))
