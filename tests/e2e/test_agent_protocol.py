@@ -428,10 +428,9 @@ def test_a_keyless_turn_after_a_full_window_of_client_keys_is_replayed_not_run_a
     assert c.invoke(sid, "get") == {"count": 5}
 
 
-def test_a_suspend_whose_worker_dies_under_it_reads_suspended_worker_lost_within_the_lease(runtime_factory) -> None:
-    """Fresh-user round 23: after a suspend answered 502 ``worker_unavailable`` (its worker killed under
-    it), GET showed ``SUSPENDING`` with no reason. The record says what happened once the worker's lease
-    has run out (the README gives that bound): SUSPENDED, ``reason: worker_lost``."""
+def _suspend_with_its_worker_killed(runtime_factory) -> tuple[RuntimeProc, str, Any]:
+    """A runtime, an armed ``slowsnap`` session, and the answer of its suspend whose worker was SIGKILLed
+    while the snapshot hung (the record reads SUSPENDING)."""
     import concurrent.futures as cf
 
     rt = runtime_factory(replicas=1, slots=2, extra_yaml=EXTRA)
@@ -442,7 +441,15 @@ def test_a_suspend_whose_worker_dies_under_it_reads_suspended_worker_lost_within
         fut = ex.submit(c.http.post, f"/v1/sessions/{sid}/suspend")
         rt.wait_for(lambda: rt.session_raw(sid).get("state") == "SUSPENDING", what="suspending")
         rt.kill_worker(rt.session_raw(sid)["worker"])
-        r = fut.result(timeout=30)
+        return rt, sid, fut.result(timeout=30)
+
+
+def test_a_suspend_whose_worker_dies_under_it_reads_suspended_worker_lost_within_the_lease(runtime_factory) -> None:
+    """Fresh-user round 23: after a suspend answered 502 ``worker_unavailable`` (its worker killed under
+    it), GET showed ``SUSPENDING`` with no reason. The record says what happened once the worker's lease
+    has run out (the README gives that bound): SUSPENDED, ``reason: worker_lost``."""
+    rt, sid, r = _suspend_with_its_worker_killed(runtime_factory)
+    c = rt.client
     assert (r.status_code, r.json()["code"]) == (502, "worker_unavailable"), r.text
     lease_s = float(rt.env["SUBSTRATE_WORKER__LEASE_S"])
     rt.wait_for(lambda: c.get_session(sid)["state"] == "SUSPENDED", timeout_s=lease_s + 10, what="suspended")
@@ -456,18 +463,9 @@ def test_a_turn_sent_right_after_a_suspend_lost_its_worker_waits_and_runs_on_the
         runtime_factory) -> None:
     """The README's promise beside the one above: a turn sent while the record still reads SUSPENDING
     (the dead worker's lease not yet run out) waits for the recovery and is answered, saying so."""
-    import concurrent.futures as cf
-
-    rt = runtime_factory(replicas=1, slots=2, extra_yaml=EXTRA)
-    c = rt.client
-    sid = c.create_session("slowsnap")["id"]
-    assert c.invoke(sid, "arm") == {"armed": True}
-    with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(c.http.post, f"/v1/sessions/{sid}/suspend")
-        rt.wait_for(lambda: rt.session_raw(sid).get("state") == "SUSPENDING", what="suspending")
-        rt.kill_worker(rt.session_raw(sid)["worker"])
-        assert fut.result(timeout=30).status_code == 502
-    r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
+    rt, sid, r = _suspend_with_its_worker_killed(runtime_factory)
+    assert r.status_code == 502
+    r = rt.client.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "x"})
     assert r.status_code == 200 and r.json()["output"] == {"armed": False}, r.text
     assert r.headers.get("X-Substrate-Restored", "").startswith("worker_lost"), r.headers
 

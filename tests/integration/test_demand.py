@@ -87,6 +87,15 @@ async def _register(d: Directory, wid: str) -> None:
                                          leaseExpiresAt=now + 60, startedAt=now))
 
 
+async def _ticks_until_created(pc: PoolController, backend: Backend) -> None:
+    """Tick the controller (another process's, in effect) until it has created a worker, at most 5 s."""
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        await pc.tick()
+        if backend.created:
+            return
+
+
 async def test_a_router_waits_for_a_worker_its_demand_made_another_process_start(d):
     """Pool at zero: the router's waiting placement reaches the controller (another process), which
     creates a worker and says so; the router keeps waiting past slot_wait_s and gets the new slot."""
@@ -101,11 +110,7 @@ async def test_a_router_waits_for_a_worker_its_demand_made_another_process_start
 
     placement = asyncio.create_task(router.place("s1", router.catalog.template("counter")))
     # the demand crosses processes through Redis only: the controller's own activator waits for nothing
-    for _ in range(100):
-        await asyncio.sleep(0.05)
-        await pc.tick()
-        if backend.created:
-            break
+    await _ticks_until_created(pc, backend)
     assert len(backend.created) == 1, "the router's waiting placement did not reach the controller"
     assert (await router.board.capacity("default")).starting == 1
     await asyncio.sleep(0.6)  # beyond slot_wait_s: without the note the router would have answered 503
@@ -146,11 +151,7 @@ async def test_an_unschedulable_pool_answers_no_capacity_with_the_reason_not_aft
     backend = Backend()
     pc = _controller(d, settings, backend)
     placement = asyncio.create_task(router.place("s1", router.catalog.template("counter")))
-    for _ in range(100):
-        await asyncio.sleep(0.05)
-        await pc.tick()
-        if backend.created:
-            break
+    await _ticks_until_created(pc, backend)
     backend.stuck = set(backend.created)  # the scheduler marks the new Pod Unschedulable
     await pc.tick()
     note = await router.board.capacity("default")
@@ -254,11 +255,7 @@ async def test_a_waiting_placement_takes_the_started_worker_without_being_told_i
     pc = _controller(d, settings, backend)
     await pc.tick()
     placement = asyncio.create_task(router.place("s1", router.catalog.template("counter")))
-    for _ in range(100):
-        await asyncio.sleep(0.05)
-        await pc.tick()
-        if backend.created:
-            break
+    await _ticks_until_created(pc, backend)
     assert len(backend.created) == 1
     await asyncio.sleep(1.0)  # fruitless rounds: the queue's pause has backed off to its longest
     assert not placement.done()
