@@ -876,7 +876,17 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                            IDEMPOTENCY_KEY_PARAM],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["input"], "properties": {"input": {}}}}}},
-            "responses": {"200": {"description": "the agent's output", "headers": INVOKE_RESPONSE_HEADERS}}}}
+            "responses": {"200": {
+                "description": "the agent's output", "headers": INVOKE_RESPONSE_HEADERS,
+                "content": {
+                    "application/json": {"schema": {
+                        "type": "object", "required": ["output"], "properties": {"output": {}}}},
+                    # one JSON object per line: {"chunk": ...} lines, then {"done": true}; a failure
+                    # after the first line ends the stream with an {"error": {...}} line
+                    "application/x-ndjson": {"schema": {
+                        "type": "object", "properties": {
+                            "chunk": {}, "done": {"type": "boolean"},
+                            "error": {"$ref": "#/components/schemas/Error"}}}}}}}}}
         comps = schema.setdefault("components", {})
         comps.setdefault("schemas", {})["Error"] = openapi_error_schema()
         comps["securitySchemes"] = {

@@ -428,6 +428,10 @@ def test_openapi_lists_every_status_of_each_route_with_the_error_schema(rt: Runt
     assert {"X-Substrate-Worker", "X-Substrate-Epoch", "X-Substrate-Woke", "X-Substrate-Wake-Ms",
             "X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At",
             "X-Substrate-Replayed", "Server-Timing"} <= set(invoke["responses"]["200"]["headers"])
+    # fresh-user run: the 200 had headers but no body schema
+    ok = invoke["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["required"] == ["output"]
+    assert set(ok["application/x-ndjson"]["schema"]["properties"]) == {"chunk", "done", "error"}
     for path, ops in spec["paths"].items():  # the request ID: every /v1 route reads and checks it
         for method, op in ops.items():
             if path.startswith("/v1"):
