@@ -458,9 +458,9 @@ class Guard:
                 bad_host := rebinding(headers, scope.get("server"), api.allowed_hosts)) is not None:
             await _answer(send, 403, "host_not_allowed",
                           f"Host {bad_host!r} is not a name of this server: in open mode (no credentials) a "
-                          "server on a loopback address answers only to localhost, 127.0.0.1 and ::1 (a web "
-                          "page could otherwise reach it by DNS rebinding); SUBSTRATE_API__ALLOWED_HOSTS adds "
-                          "names", scope=scope)
+                          "request that reaches the server on a loopback address (whatever address it listens "
+                          "on) is answered only when its Host is localhost, 127.0.0.1 or ::1 (a web page could "
+                          "otherwise reach it by DNS rebinding); SUBSTRATE_API__ALLOWED_HOSTS adds names", scope=scope)
             return
         if auth is not None:
             try:

@@ -40,6 +40,7 @@ def test_a_rebound_page_can_neither_create_run_nor_read(runtime_factory) -> None
     r = c.http.post("/v1/sessions", json={"actorTemplate": "shell"}, headers=page)
     assert r.status_code == 403 and r.json()["code"] == "host_not_allowed", r.text
     assert "attacker.example" in r.json()["message"]
+    assert "reaches the server on a loopback address" in r.json()["message"]  # true of a 0.0.0.0 listener too
     r = c.http.post(f"/v1/sessions/{mine}/invoke", json={"input": "increment"}, headers=page)
     assert r.status_code == 403 and r.json()["code"] == "host_not_allowed"
     assert c.http.get("/v1/sessions", headers={"Host": "attacker.example"}).status_code == 403
