@@ -39,7 +39,7 @@ from substrate.audit import SYSTEM
 from substrate.directory import Directory
 from substrate.errors import NotFound, SubstrateError
 from substrate.loops import cancel_and_wait, run_forever
-from substrate.models import SessionRecord, SessionState
+from substrate.models import UNANSWERED, SessionRecord, SessionState
 from substrate.settings import Settings
 from substrate.specs import Catalog
 
@@ -212,9 +212,13 @@ class StateManager:
                 if cas.ok:
                     await self.activator.record("deadline", rec, reason="SUSPENDING->RUNNING", who=SYSTEM)
                 return
+        # a start or wake cut off before its first answer lost nothing: no loss marker of its own (one
+        # still unreported from before stays); a suspend cut off may have lost the turns since its
+        # last snapshot
+        loss = None if rec.state in UNANSWERED else {
+            "reason": "deadline", "message": f"{rec.state.value} did not finish in time"}
         cas = await d.transition(rec.id, from_states=[rec.state], epoch=rec.epoch, to=SessionState.SUSPENDED,
-                                 set={"reason": "deadline", "message": f"{rec.state.value} did not finish in time"},
-                                 unset=("worker", "slot"))
+                                 set=loss, unset=("worker", "slot"))
         if cas.ok:  # suspended sessions hold no running quota (a wake since owns a newer epoch's place)
             await self.activator.release_quota(rec, epoch=rec.epoch)
             await self.activator.record("deadline", rec, reason=f"{rec.state.value}->SUSPENDED",

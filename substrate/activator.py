@@ -80,6 +80,7 @@ from substrate.models import (
     SessionRecord,
     SessionState,
     SnapshotRef,
+    UNANSWERED,
     WorkerRecord,
     WorkerState,
 )
@@ -100,6 +101,8 @@ _WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
 #: snapshot_corrupt: the newest snapshot was set aside and the previous good one is used
 _LOSSY = ("worker_lost", "deadline", "activation_lost", "agent_restarted", "snapshot_corrupt")
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
+#: the live states whose activation may have answered turns: losing it loses them (see ``UNANSWERED``)
+_ANSWERED = (SessionState.RUNNING, SessionState.SUSPENDING)
 #: every state but DELETED: what a delete may move to DELETED (``Activator.delete``)
 _NOT_DELETED = tuple(s for s in SessionState if s != SessionState.DELETED)
 #: how long a delete that lost to a concurrent one waits for that one to remove the record (s); the
@@ -1851,10 +1854,15 @@ class Activator:
         what = (f"worker {wid} was lost; state since the last snapshot "
                 f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
         # bump: the dead worker's activation epoch is fenced for good (its reconciliation, should it come
-        # back, sees a newer epoch and frees the slot)
-        cas = await self.directory.transition(sid, from_states=_LIVE, worker=wid, to=SessionState.SUSPENDED,
-                                              bump=True, set={"reason": reason, "message": what},
-                                              unset=("worker", "slot"))
+        # back, sees a newer epoch and frees the slot). A start or wake cut off before its first answer
+        # lost nothing: no marker of its own (it had been "worker_lost", a false loss on the next answer)
+        if rec.state in UNANSWERED:
+            cas = await self.directory.transition(sid, from_states=UNANSWERED, epoch=rec.epoch, worker=wid,
+                                                  to=SessionState.SUSPENDED, bump=True, unset=("worker", "slot"))
+        if rec.state not in UNANSWERED or not cas.ok:  # RUNNING or SUSPENDING (then or since)
+            cas = await self.directory.transition(sid, from_states=_ANSWERED, worker=wid, to=SessionState.SUSPENDED,
+                                                  bump=True, set={"reason": reason, "message": what},
+                                                  unset=("worker", "slot"))
         if cas.ok:  # the bumped epoch is nobody's activation: every place up to it goes
             await self.release_quota(rec, epoch=cas.epoch)
             await self.record("recover", rec, reason=reason, worker=wid, who=SYSTEM)

@@ -107,6 +107,11 @@ class SessionState(str, Enum):
 
 TRANSITIONAL = frozenset({SessionState.PENDING, SessionState.STARTING, SessionState.SUSPENDING,
                           SessionState.RESUMING})
+#: the states of an activation that has answered no turn yet: a turn is sent only once the record says
+#: RUNNING, so cutting one of these off (its worker died, its deadline passed) loses nothing since the
+#: snapshot it started from, and the recovery sets no loss marker of its own (a loss still unreported
+#: from before, the record's ``reason``, stays)
+UNANSWERED = frozenset({SessionState.STARTING, SessionState.RESUMING})
 
 #: the states a session listing can show (``?state=``, ``sessions list --state``): a deleted session is gone
 LISTABLE_STATES = tuple(s for s in SessionState if s != SessionState.DELETED)

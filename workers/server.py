@@ -87,7 +87,15 @@ from substrate.errors import (
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
 from substrate.loops import cancel_and_wait, reraise_lost_cancel, run_forever
-from substrate.models import SUSPEND_REASONS, ActorTemplateSpec, SessionState, SnapshotRef, WorkerRecord, WorkerState
+from substrate.models import (
+    SUSPEND_REASONS,
+    UNANSWERED,
+    ActorTemplateSpec,
+    SessionState,
+    SnapshotRef,
+    WorkerRecord,
+    WorkerState,
+)
 from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
 from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
@@ -506,13 +514,17 @@ class Worker:
         if not self.declared_dead:
             for act in left:  # not suspended in time: back from the last snapshot, and the answer says so
                 try:
+                    # a start or wake not yet settled has answered nothing: no loss marker of its own
                     cas = await self.directory.transition(
-                        act.sid, from_states=[SessionState.STARTING, SessionState.RESUMING, SessionState.RUNNING,
-                                              SessionState.SUSPENDING], epoch=act.epoch,
-                        worker=self.id, to=SessionState.SUSPENDED, bump=True,
-                        set={"reason": "worker_lost", "message": f"worker {self.id} stopped before the "
-                             "session could be suspended; state since the last snapshot is gone"},
-                        unset=("worker", "slot"))
+                        act.sid, from_states=UNANSWERED, epoch=act.epoch, worker=self.id,
+                        to=SessionState.SUSPENDED, bump=True, unset=("worker", "slot"))
+                    if not cas.ok:
+                        cas = await self.directory.transition(
+                            act.sid, from_states=[SessionState.RUNNING, SessionState.SUSPENDING], epoch=act.epoch,
+                            worker=self.id, to=SessionState.SUSPENDED, bump=True,
+                            set={"reason": "worker_lost", "message": f"worker {self.id} stopped before the "
+                                 "session could be suspended; state since the last snapshot is gone"},
+                            unset=("worker", "slot"))
                     if cas.ok:
                         await self._left_live("recover", act, reason="worker_lost")
                 except Exception:  # noqa: BLE001 - the state manager recovers it from the lease

@@ -93,15 +93,23 @@ async def test_every_transitional_state_past_its_deadline_is_rolled(env):
     await _session(d, "su-live", SessionState.SUSPENDING, worker="live", deadline_in_s=-1)
     await _session(d, "su-gone", SessionState.SUSPENDING, worker="gone-worker", deadline_in_s=-1)
     await _session(d, "future", SessionState.RESUMING, worker="live", deadline_in_s=60)
+    # a wake of a session whose earlier loss no answer has reported yet
+    await _session(d, "re-lossy", SessionState.RESUMING, worker="live", deadline_in_s=-1)
+    await d.transition("re-lossy", set={"reason": "worker_lost", "message": "worker w0 was lost"})
     await sm.enforce_deadlines()
     with pytest.raises(NotFound):
         await d.get_session("p")
-    for sid in ("st", "re", "su-gone"):
+    rec = await d.get_session("su-gone")  # a suspend cut off: the turns since the snapshot may be gone
+    assert rec.state == SessionState.SUSPENDED and rec.reason == "deadline" and rec.worker is None
+    for sid in ("st", "re"):  # a start or wake cut off had answered nothing: no loss to report
         rec = await d.get_session(sid)
-        assert rec.state == SessionState.SUSPENDED and rec.reason == "deadline" and rec.worker is None, sid
+        assert rec.state == SessionState.SUSPENDED and rec.reason is None and rec.worker is None, sid
+    rec = await d.get_session("re-lossy")  # the earlier loss is still to be reported
+    assert rec.state == SessionState.SUSPENDED and rec.reason == "worker_lost", rec
+    assert rec.message == "worker w0 was lost"
     assert (await d.get_session("su-live")).state == SessionState.RUNNING, "its worker is alive: rolled back"
     assert (await d.get_session("future")).state == SessionState.RESUMING, "not due yet"
-    assert sorted(fake.deactivated) == [("re", 3), ("st", 3)], "only the fenced epoch is ended"
+    assert sorted(fake.deactivated) == [("re", 3), ("re-lossy", 3), ("st", 3)], "only the fenced epoch is ended"
     assert sorted((await d.worker_slots("live")).values()) == ["future", "su-live"]
     assert await d.expired_deadlines() == []
 
@@ -125,7 +133,7 @@ async def test_a_hanging_orphan_sweep_holds_up_no_deadline(env):
     await _session(d, "re", SessionState.RESUMING, worker="live", deadline_in_s=-1)
     await asyncio.wait_for(sm.scan_once(), 5)  # not held up by the sweep in flight
     rec = await d.get_session("re")
-    assert rec.state == SessionState.SUSPENDED and rec.reason == "deadline"
+    assert rec.state == SessionState.SUSPENDED and rec.worker is None, "rolled"
     sweep = sm._sweep
     sm._swept_at = 0.0
     await sm.scan_once()
@@ -152,6 +160,28 @@ async def test_repair_recovers_sessions_of_vanished_workers_and_frees_orphan_slo
     await sm.repair()
     assert sorted((await d.worker_slots("w1")).values()) == ["fine"], "second sighting: freed"
     assert (await d.get_session("fine")).state == SessionState.RUNNING
+
+
+async def test_a_dead_workers_unanswered_starts_and_wakes_are_recovered_without_a_false_loss(env):
+    """A worker that died under a start or a wake (STARTING, RESUMING: no turn had been sent there) lost
+    nothing since the snapshot the session came from: its recovery marked them ``worker_lost``, and the
+    next answer said ``X-Substrate-Restored: worker_lost``. A loss not yet reported stays."""
+    d, act, fake, sm, _, _ = env
+    await _session(d, "run", SessionState.RUNNING, worker="vanished")
+    await _session(d, "sus", SessionState.SUSPENDING, worker="vanished")
+    await _session(d, "st", SessionState.STARTING, worker="vanished")
+    await _session(d, "re", SessionState.RESUMING, worker="vanished")
+    await _session(d, "re-lossy", SessionState.RESUMING, worker="vanished")
+    await d.transition("re-lossy", set={"reason": "agent_restarted", "message": "agent died"})
+    for sid in ("run", "sus", "st", "re", "re-lossy"):
+        assert await act.recover_session(sid, "vanished", reason="worker_lost"), sid
+    reasons = {sid: (await d.get_session(sid)).reason for sid in ("run", "sus", "st", "re", "re-lossy")}
+    assert reasons == {"run": "worker_lost", "sus": "worker_lost", "st": None, "re": None,
+                       "re-lossy": "agent_restarted"}
+    for sid in reasons:
+        rec = await d.get_session(sid)
+        assert rec.state == SessionState.SUSPENDED and rec.worker is None and rec.epoch == 4, rec
+    assert not await act.recover_session("re", "vanished", reason="worker_lost"), "once"
 
 
 async def test_a_failed_probe_does_not_declare_a_worker_within_its_lease_dead(env):
