@@ -325,3 +325,17 @@ async def test_warm_slots_reported_by_a_heartbeat_shrink_with_the_claims_made_si
     assert [(w.warmSlots, w.freeSlots) for w in await directory.list_workers()] == [(0, 0)]
     assert await directory.heartbeat("w1", now + 10)  # a beat without the figure leaves it
     assert [w.warmSlots for w in await directory.list_workers()] == [0]
+
+
+async def test_the_registry_read_gives_each_workers_record_and_free_slots_and_skips_a_half_gone_one(directory):
+    """``list_workers`` reads the whole registry in one script on a standalone Redis and pipelined per
+    worker on a cluster: both give the same records, free-slot counts and index order."""
+    now = time.time()
+    for wid, slots in (("wa", 4), ("wb", 2), ("wc", 3)):
+        await directory.register_worker(WorkerRecord(id=wid, pool="default", address=f"http://{wid}",
+                                                     slots=slots, leaseExpiresAt=now + 60, startedAt=now))
+    assert await directory.claim_slot("wa", "s1") >= 0 and await directory.claim_slot("wa", "s2") >= 0
+    assert await directory.claim_slot("wb", "s3") >= 0
+    await directory.redis.delete(directory.keys.worker("wc"))  # its index entry outlived its record
+    got = {w.id: (w.freeSlots, w.slots, w.address, w.state) for w in await directory.list_workers()}
+    assert got == {"wa": (2, 4, "http://wa", WorkerState.READY), "wb": (1, 2, "http://wb", WorkerState.READY)}
