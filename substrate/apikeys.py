@@ -148,8 +148,16 @@ class ApiKeyStore:
         return added
 
     async def revoke(self, key_or_id: str) -> ApiKey:
-        """Revoke by key ID (as ``keys list`` shows it) or by the key itself. Raises ``NotFound``."""
-        for rec in await self.list():
+        """Revoke by key ID (as ``keys list`` shows it) or by the key itself. Raises ``NotFound``, and
+        ``InvalidInput`` for an ID that more than one key has (then none is revoked: revoke by the key or
+        its sha256)."""
+        recs = await self.list()
+        by_id = [r for r in recs if r.id == key_or_id]
+        if len(by_id) > 1 and not any(hash_key(key_or_id) == r.sha256 or key_or_id == r.sha256 for r in recs):
+            raise InvalidInput(f"{len(by_id)} keys have the ID {clip(key_or_id)} (tenants "
+                               f"{', '.join(sorted({r.tenant for r in by_id}))}): nothing was revoked; revoke by "
+                               "the key itself or by its sha256, and give the keys distinct names")
+        for rec in recs:
             if key_or_id in (rec.id, rec.sha256) or hash_key(key_or_id) == rec.sha256:
                 # revoked first: a crash between the two steps leaves a key refused, never re-importable
                 async with self.redis.pipeline(transaction=False) as p:

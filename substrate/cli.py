@@ -1350,6 +1350,10 @@ def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant
         kid = _secrets.token_hex(4)
         key = f"sk_{kid}_{_secrets.token_urlsafe(32)}"
         entries = _file_keys(file)
+        if any(e.get("name") == (name or kid) for e in entries):  # its name is its ID: `keys revoke NAME`
+            err.print(f"[red]error invalid_input[/red]: {file} already has a key named {escape(name or kid)}: "
+                      "a key's name is its ID (`substrate keys revoke`); give another --name")
+            raise typer.Exit(2)
         entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
         _write_file_keys(file, entries)
         err.print(f"added to {file}: it works from the next start of a runtime reading that file "

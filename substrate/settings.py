@@ -370,11 +370,18 @@ def duplicate_api_key(specs: list[ApiKeySpec], places: list[str]) -> str | None:
     says where ``specs[i]`` was given) and tenants, never the key; None if none do. The second one was
     dropped without a word, and the key acted as the first one's tenant (fresh-user round 9)."""
     seen: dict[str, int] = {}
+    named: dict[str, int] = {}
     for i, spec in enumerate(specs):
         j = seen.setdefault(spec.digest, i)
         if j != i:
             return (f"{places[i]} (tenant {spec.tenant!r}) gives the same key as {places[j]} (tenant "
                     f"{specs[j].tenant!r}): a key belongs to one tenant; give it once")
+        # a given key's name is its ID (``keys list``, ``keys revoke``): two of one name made ``revoke``
+        # take out the first and leave the other working without a word (fresh-user run)
+        if spec.name and (j := named.setdefault(spec.name, i)) != i:
+            return (f"{places[i]} (tenant {spec.tenant!r}) has the same name {spec.name!r} as {places[j]} "
+                    f"(tenant {specs[j].tenant!r}): a key's name is its ID for `substrate keys revoke`; "
+                    "give each key its own")
     return None
 
 

@@ -19,7 +19,7 @@ from api.auth import Authenticator, JwksVerifier
 from substrate.apikeys import ApiKeyStore, hash_key
 from substrate.audit import Actor, AuditLog
 from substrate.directory import Directory
-from substrate.errors import Forbidden, StaleEpoch, TooManyRequests, Unauthorized
+from substrate.errors import Forbidden, InvalidInput, StaleEpoch, TooManyRequests, Unauthorized
 from substrate.keys import Keys
 from substrate.listing import list_page
 from substrate.models import ActorTemplate, QuotaLimits, SessionRecord, SessionState
@@ -480,3 +480,20 @@ async def test_a_failing_script_is_a_bug_not_an_unavailable_redis(redis_url, red
     assert (e.value.status, e.value.code) == (500, "internal") and "a bug" in e.value.message
     assert quotas_mod.script_failure(ConnectionError("refused")) is None  # the rest stays 503
     await client.aclose()
+
+
+async def test_an_id_two_keys_share_revokes_neither_and_says_how(redis_prefix):
+    """Fresh-user run: two file keys named alike share an ID; ``keys revoke same`` took out the first (a
+    team's key) and left the other (an admin key) working, without a word."""
+    r, keys, prefix = redis_prefix
+    store = ApiKeyStore(r, keys)
+    a, b = "sk_aaaa_" + "a" * 30, "sk_bbbb_" + "b" * 30
+    assert await store.import_specs([ApiKeySpec(tenant="team-c", key=a, name="same"),
+                                     ApiKeySpec(tenant="team-d", key=b, name="same", admin=True)]) == 2
+    with pytest.raises(InvalidInput) as e:
+        await store.revoke("same")
+    assert "2 keys have the ID 'same'" in e.value.message and "team-c, team-d" in e.value.message
+    assert await store.lookup(hash_key(a)) and await store.lookup(hash_key(b)), "nothing revoked"
+    assert (await store.revoke(b)).tenant == "team-d"  # by the key itself: exact
+    assert await store.lookup(hash_key(b)) is None and await store.lookup(hash_key(a))
+    assert (await store.revoke("same")).tenant == "team-c"  # one left with that ID: unambiguous

@@ -79,3 +79,23 @@ def test_no_runtime_found_is_exit_2_and_says_where_the_embedded_redis_is_looked_
     line = _one_line(r)
     assert line.startswith("error: no runtime found") and str(tmp_path / "data") in line, line
     assert "SUBSTRATE_DATA_DIR" in line and "SUBSTRATE_REDIS_URL" in line, line
+
+
+def test_two_keys_of_one_name_are_refused_in_a_file_and_by_create(tmp_path: Path) -> None:
+    """A file key's name is its ID: two alike made ``keys revoke NAME`` take out one and leave the other
+    working (fresh-user run). ``keys create --file`` refuses the second; a file that has them anyway is
+    refused when read (at start-up too: ``load_key_file``), naming both entries."""
+    from substrate.apikeys import load_key_file
+    from substrate.errors import InvalidInput
+
+    f = tmp_path / "keys.yaml"
+    assert CliRunner().invoke(app, ["keys", "create", "team-x", "--name", "ci", "--file", str(f)]).exit_code == 0
+    before = f.read_text()
+    r = CliRunner().invoke(app, ["keys", "create", "ops", "--admin", "--name", "ci", "--file", str(f)])
+    assert r.exit_code == 2 and "already has a key named ci" in _one_line(r), r.output
+    assert f.read_text() == before, "nothing written"
+    f.write_text("- {tenant: team-c, key: sk_aaaa_secret1secret1secret1, name: same}\n"
+                 "- {tenant: team-d, key: sk_bbbb_secret2secret2secret2, name: same, admin: true}\n")
+    with pytest.raises(InvalidInput) as e:
+        load_key_file(f)
+    assert "entry 1 (tenant 'team-d') has the same name 'same' as entry 0 (tenant 'team-c')" in e.value.message
