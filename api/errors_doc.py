@@ -86,7 +86,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "quota_max_creates_per_minute": (429, "the tenant (or template) created its maximum in the last minute"),
     "tenant_parked_share": (429, "the tenant's requests already fill their share of waiting places"),
     "tenant_circuit_open": (429, "the tenant's recent activations of this template kept failing; that breaker is open"),
-    "agent_crashed": (500, "the agent raised an exception in the turn"),
+    "agent_crashed": (500, "the agent's process died or broke its protocol (e.g. an answer that is not "
+                           "JSON): that activation ends and the session comes back from its last snapshot; "
+                           "its answers say so (`X-Substrate-Restored: agent_restarted`)"),
+    "agent_exception": (500, "the agent's code raised an exception in the turn (or answered an error a turn "
+                             "cannot have); its process lives on: the session keeps its state and epoch"),
     "agent_start_failed": (500, "the agent failed to start"),
     "agent_protocol_violation": (500, "the agent wrote a protocol line that does not answer the worker's current "
                                       "request (e.g. agent code writing to the agent host's pipe); it was killed "

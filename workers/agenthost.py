@@ -213,7 +213,11 @@ class Host:
                 self.send({"error": "agent does not implement this operation", "code": "agent_error"})
             except Exception as e:  # noqa: BLE001 - an agent bug is the turn's answer
                 traceback.print_exc(file=sys.stderr)
-                self.send({"error": f"agent raised {e.__class__.__name__}: {e}", "code": "agent_crashed"})
+                # the process lives on with its state: not ``agent_crashed`` (a dead process, the session back
+                # from its snapshot), which a client could not tell from this (fresh-user run); a snapshot
+                # that raises is the agent refusing it, 422 ``agent_error``, as documented
+                code = "agent_error" if op == "snapshot" else "agent_exception"
+                self.send({"error": f"agent raised {e.__class__.__name__}: {e}", "code": code})
 
     def _invoke(self, input: Any, stream: bool) -> None:  # noqa: A002
         if not stream:

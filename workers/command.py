@@ -64,8 +64,10 @@ _STOP_GRACE_S = 2.0
 HOST_BOOT_FLOOR_S = 30.0
 #: the error codes an agent host answers to any request (``workers.agenthost``); ``snapshot`` may also
 #: answer ``state_too_large``, ``start`` ``state_load_failed`` (``_expect_ok``)
-_HOST_CODES = frozenset({"agent_error", "agent_crashed", "memory_limit_exceeded", "output_too_large"})
+_HOST_CODES = frozenset({"agent_error", "agent_exception", "agent_crashed", "memory_limit_exceeded",
+                         "output_too_large"})
 _STATUS = {"turn_timeout": 504, "memory_limit_exceeded": 422, "agent_crashed": 500, "agent_error": 422,
+           "agent_exception": 500,
            "agent_start_failed": 500, "output_too_large": 422, "state_load_failed": 422, "state_too_large": 422,
            "agent_protocol_violation": 500}
 #: bytes a protocol line may carry beyond the answer itself (the ``{"output": ...}`` wrapping)
@@ -416,14 +418,15 @@ class HostedAgent(Agent):
     @staticmethod
     def _error(msg: dict[str, Any], also: tuple[str, ...] = ()) -> Exception:
         """The exception for an agent host's error answer: its ``code`` if the host may answer it to this
-        request (``_HOST_CODES`` plus ``also``), else ``agent_crashed``. The agent's own code can write
-        any line to the protocol pipe: a forged ``state_load_failed`` answering a turn was passed on as
-        422 ``state_load_failed`` while the session stayed RUNNING (fresh-user round 14)."""
+        request (``_HOST_CODES`` plus ``also``), else ``agent_exception`` (the agent failed the call; its
+        process lives on). The agent's own code can write any line to the protocol pipe: a forged
+        ``state_load_failed`` answering a turn was passed on as 422 ``state_load_failed`` while the
+        session stayed RUNNING (fresh-user round 14)."""
         code = str(msg.get("code") or "agent_error")
         text = str(msg.get("error", msg))
         if code == "agent_error":
             return AgentError(text)
-        return TurnFailed(text, code if code in _HOST_CODES or code in also else "agent_crashed")
+        return TurnFailed(text, code if code in _HOST_CODES or code in also else "agent_exception")
 
     async def snapshot(self) -> dict[str, Any]:
         await self._ensure()

@@ -325,12 +325,12 @@ def test_an_error_code_a_turn_cannot_have_is_answered_as_a_crash(rt: RuntimeProc
     """Regression (fresh-user round 14): a turn answered with the code ``state_load_failed`` (the
     agent's word, at a wake, that the saved state cannot be loaded) was passed on as 422
     ``state_load_failed`` while the session stayed RUNNING. A code the agent host never answers to a
-    turn is the agent misbehaving: 500 ``agent_crashed``; the session goes on."""
+    turn is the agent failing the turn: 500 ``agent_exception``; the session goes on."""
     c = rt.client
     sid = c.create_session("forger")["id"]
     try:
         r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "code"})
-        assert (r.status_code, r.json()["code"]) == (500, "agent_crashed"), r.text
+        assert (r.status_code, r.json()["code"]) == (500, "agent_exception"), r.text
         assert c.get_session(sid)["state"] == "RUNNING"
         r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "next"})
         assert r.status_code == 200 and "X-Substrate-Restored" not in r.headers, r.text

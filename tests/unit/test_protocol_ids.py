@@ -277,3 +277,25 @@ async def test_the_hosts_boot_is_not_bounded_by_a_short_turn_timeout(pool: Sandb
         assert await agent.invoke("increment") == {"count": 1}
     finally:
         await _done(pool, agent)
+
+
+async def test_agent_code_that_raises_fails_the_call_and_the_agent_lives_on(pool: SandboxPool) -> None:
+    """Fresh-user run: a turn whose agent code raised was 500 ``agent_crashed``, the code of a dead
+    agent process (the session back from its snapshot), though the process lived on with its state;
+    and a snapshot that raised was that too, where the README promised 422 ``agent_error``."""
+    from workers.command import AgentError
+
+    agent = await _agent(pool, "tests.agents.raiser:Raiser")
+    try:
+        assert await agent.invoke("x") == {"count": 1}
+        with pytest.raises(TurnFailed) as e:
+            await agent.invoke("boom")
+        assert (e.value.code, e.value.status) == ("agent_exception", 500) and "RuntimeError: boom" in e.value.message
+        assert not agent.dead
+        assert await agent.invoke("arm") == {"count": 2}, "the state lived through the exception"
+        with pytest.raises((TurnFailed, AgentError)) as snap:
+            await agent.snapshot()
+        assert (snap.value.code, snap.value.status) == ("agent_error", 422), snap.value
+        assert not agent.dead and await agent.invoke("x") == {"count": 3}
+    finally:
+        await _done(pool, agent)
