@@ -9,7 +9,9 @@ endif
 install:
 	@./scripts/system-deps.sh
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
-	$(UV) sync --frozen --all-extras --compile-bytecode
+	@# --inexact: a package the user installed into .venv (their own agent, README "Your own agent class")
+	@# stays; an exact sync removed it at the next `make` target
+	$(UV) sync --frozen --inexact --all-extras --compile-bytecode
 	@# the project's own modules too: `uv run` sets PYTHONDONTWRITEBYTECODE=1, so without these every
 	@# process (runtime, worker, each sandboxed agent host) compiled them from source at each start
 	$(UV) run --frozen python -m compileall -q substrate api workers snapshot loadtest

@@ -134,6 +134,17 @@ def _session_path(sid: str) -> str:
     return "/v1/sessions/" + quote(sid, safe="")
 
 
+def checked_input(value: Any) -> Any:
+    """``value`` if it is strict JSON (what the API accepts as a turn's ``input``), else ``ApiError`` 422
+    ``invalid_input`` before anything is sent: a NaN, an infinity or an object JSON has no form for
+    raised a bare ``ValueError`` or ``TypeError`` from the HTTP library (fresh-user run)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ApiError(422, "invalid_input", f"the input is not JSON the API takes: {e}") from None
+    return value
+
+
 def checked_idempotency_key(key: str | None) -> str | None:
     """``key`` if the API would take it as an ``Idempotency-Key`` (``substrate.models.IDEMPOTENCY_KEY_RE``:
     1-200 printable ASCII characters, space to ``~``), None for None. Raises ``ApiError`` 422
@@ -285,6 +296,7 @@ class SubstrateClient:
         Without ``idempotency_key`` the turn gets a key of its own for the retries here, sent as an
         automatic one (``X-Substrate-Key-Origin: auto``): the worker lets such keys make room first, so
         any number of such turns never pushes a caller's own key out of its window."""
+        checked_input(input)
         auto = checked_idempotency_key(idempotency_key) is None
         key = idempotency_key if not auto else uuid.uuid4().hex
         extra = {"X-Substrate-Key-Origin": "auto"} if auto else {}
@@ -326,6 +338,7 @@ class SubstrateClient:
         ``on_answer`` is called once the answer's headers are in, before the first chunk, with an
         :class:`Answer` whose ``output`` is None; without it, an answer from an older state warns
         ``StateRestoredWarning``."""
+        checked_input(input)
         key = checked_idempotency_key(idempotency_key)
         headers = {"Idempotency-Key": key} if key is not None else {}
         if key is not None and key_is_auto:  # made up by the caller for a resend (see invoke_answer)

@@ -502,7 +502,7 @@ class Worker:
             except asyncio.TimeoutError:
                 # say what it costs (a stop while the object store hangs: fresh-user round 22)
                 log.warning("graceful stop ran out of time: %d session(s) not suspended lose their state since "
-                            "their last snapshot (they wake from it, saying so: X-Substrate-Restored: worker_lost)",
+                            "their last snapshot (they wake from it, and their next answer says so in X-Substrate-Restored)",
                             len(self.activations), extra={"worker": self.id, "left": len(self.activations),
                                                           "sessions": sorted(self.activations)[:20]})
         self._closed = True

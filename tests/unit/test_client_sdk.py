@@ -141,3 +141,19 @@ def test_a_valid_idempotency_key_is_sent_as_given() -> None:
     c = SubstrateClient("http://test", transport=httpx.MockTransport(handler))
     assert c.invoke("s1", "x", idempotency_key="turn 7 ~ok") == 1
     assert seen[0].headers["idempotency-key"] == "turn 7 ~ok"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), {"a": {1, 2}}, object()])
+def test_an_input_that_is_not_json_is_refused_before_anything_is_sent(bad: object) -> None:
+    """Fresh-user run: ``invoke(sid, float("nan"))`` raised a bare ``ValueError`` from the HTTP library,
+    while the SDK's other checks raise ``ApiError``."""
+    sent: list[httpx.Request] = []
+    c = SubstrateClient("http://127.0.0.1:9")
+    c.http = httpx.Client(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(
+        lambda req: sent.append(req) or httpx.Response(200, json={"output": 1})))
+    for call in (lambda: c.invoke("s1", bad), lambda: list(c.invoke_stream("s1", bad))):
+        with pytest.raises(ApiError) as e:
+            call()
+        assert (e.value.status, e.value.code) == (422, "invalid_input") and "not JSON" in str(e.value)
+    assert sent == [], "nothing was sent"
+    assert c.invoke("s1", {"fine": [1.5, None]}) == 1  # strict JSON goes through
