@@ -272,6 +272,8 @@ class Activator:
         self.client = client
         self.view = view
         self._wakes: dict[str, asyncio.Future[Route]] = {}
+        #: when (monotonic s) a suspension to make room last failed for want of the snapshot store, and why
+        self._room_failed: tuple[float, StoreUnavailable | None] = (float("-inf"), None)
         self.parked = 0
         #: placements waiting for a slot, per pool (demand for the pool controller)
         self.waiting_by_pool: dict[str, int] = {}
@@ -517,7 +519,7 @@ class Activator:
         self._want_capacity(pool, sid)
         self.waiting_by_pool[pool] = self.waiting_by_pool.get(pool, 0) + 1
         self._placing.add(sid)
-        t_wait = time.time()
+        t_wait, t_wait_m = time.time(), time.monotonic()
         self._announce_demand(pool)
         api = self.settings.api
         max_s = max(api.start_wait_s, api.slot_wait_s)
@@ -530,8 +532,9 @@ class Activator:
                     return await queue.wait(sid, worker, api.slot_wait_s, tenant=tenant,
                                             hold=lambda: not self.may_make_room(pool, sid), max_s=max_s)
                 except asyncio.TimeoutError:
-                    raise NoCapacity(f"no free slot in pool {pool!r}; retry later", retry_after_s=api.retry_after_s,
-                                     details={"pool": pool}) from None
+                    raise self._no_room(pool, t_wait_m) or NoCapacity(
+                        f"no free slot in pool {pool!r}; retry later", retry_after_s=api.retry_after_s,
+                        details={"pool": pool}) from None
             # a pool controller in another process (substrate.demand): one place in the FIFO for the whole
             # wait; past slot_wait_s it goes on while that controller says capacity is coming (or has yet
             # to count this demand), and one slot_wait_s more once it stopped coming (the new slots must
@@ -565,7 +568,8 @@ class Activator:
                 raise asyncio.CancelledError
             msg = f"no free slot in pool {pool!r}" + (f": {blocked}" if blocked else "") + "; retry later"
             details = {"pool": pool, **({"reason": blocked} if blocked else {})}
-            raise NoCapacity(msg, retry_after_s=api.retry_after_s, details=details) from None
+            raise self._no_room(pool, t_wait_m) or NoCapacity(msg, retry_after_s=api.retry_after_s,
+                                                              details=details) from None
         finally:
             if waiter is not None and not waiter.done():
                 waiter.cancel()
@@ -573,6 +577,18 @@ class Activator:
             self._placing.discard(sid)
             self._wanted_at.get(pool, {}).pop(sid, None)
             self._waited(sid)
+
+    def _no_room(self, pool: str, since_m: float) -> StoreUnavailable | None:
+        """The answer to a wait for a slot of ``pool`` that ran out (begun at monotonic ``since_m``) when
+        suspending an idle session to make room failed meanwhile because the snapshot store is
+        unavailable: that is why there was no slot, and what to fix (it was 503 ``no_capacity``, which
+        points at the pool's size: fresh-user run). None otherwise."""
+        at, e = self._room_failed
+        if e is None or at < since_m:
+            return None
+        return StoreUnavailable(f"no free slot in pool {pool!r}, and making room (suspending an idle session) "
+                                f"failed: {e.message}", retry_after_s=e.retry_after_s or self.settings.api.retry_after_s,
+                                details={**(e.details or {}), "pool": pool})
 
     async def _capacity_coming(self, pool: str, since: float) -> tuple[int, str, bool]:
         """(workers starting for ``pool``, why none can come, whether the controller has yet to count
@@ -838,6 +854,8 @@ class Activator:
                 await self.suspend(rec, idle_s=min_idle_s, reason="pressure")
             except SubstrateError as e:
                 log.info(skipped, extra={"session": rec.id, "code": e.code})
+                if isinstance(e, StoreUnavailable):  # the waiters' answer names it (see ``_no_room``)
+                    self._room_failed = (time.monotonic(), e)
                 return False
             if scan is not None:
                 scan.held[rec.tenant] = max(0, scan.held.get(rec.tenant, 0) - 1)

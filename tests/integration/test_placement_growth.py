@@ -643,3 +643,44 @@ async def test_a_session_that_became_running_after_a_scan_is_found_by_the_next_s
     await asyncio.sleep(0.3)  # idle 0.3 s > 0.2 s: the read of the empty pool is older than 0.2 s too
     assert await act._suspend_lru("default", 0.2, count=1) == 1
     assert workers.suspended == ["later"]
+
+
+async def test_a_full_pool_whose_idle_sessions_cannot_be_suspended_for_want_of_the_store_says_so(env):
+    """Fresh-user run: with the snapshot store gone, a wake into a full pool answered 503 ``no_capacity``
+    (pointing at the pool's size) while the log said that making room had failed on
+    ``snapshot_store_unavailable``. The answer now names the store; nothing is suspended or placed."""
+    from substrate.errors import StoreUnavailable
+
+    d, act, workers = env
+    await _worker(d, "full")
+    await _idle_running(d, "idle-1", "full", idle_s=30)
+    await _idle_running(d, "idle-2", "full", idle_s=20)
+    await act.view.refresh()
+    act.starting["default"] = 0
+    act.settings.api.start_wait_s = 0.5
+
+    async def store_gone(*a, **k):  # what a worker answers when its snapshot's upload cannot be made
+        raise StoreUnavailable("snapshot store unavailable: the local store folder is missing",
+                               details={"reason": "store_not_verified"})
+
+    workers.suspend = store_gone  # type: ignore[method-assign]
+    ticking = _controller_rounds(act)
+    try:
+        with pytest.raises(StoreUnavailable) as e:
+            await act.place("new", CATALOG.template("counter"))
+    finally:
+        ticking.cancel()
+    assert e.value.code == "snapshot_store_unavailable" and e.value.status == 503
+    assert "making room" in e.value.message and "folder is missing" in e.value.message, e.value.message
+    assert e.value.details["pool"] == "default" and e.value.retry_after_s
+    assert sorted((await d.worker_slots("full")).values()) == ["idle-1", "idle-2"], "nothing moved"
+    # a later wait that fails with no such failure during it is no_capacity again
+    act._room_failed = (float("-inf"), None)
+    act.settings.api.pressure_min_idle_s = 1e9  # nobody idle enough: no suspension is tried
+    ticking = _controller_rounds(act)
+    try:
+        with pytest.raises(SubstrateError) as e2:
+            await act.place("new2", CATALOG.template("counter"))
+    finally:
+        ticking.cancel()
+    assert e2.value.code == "no_capacity"
