@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from substrate.errors import Conflict, DirectoryUnavailable, NotFound, script_failure
 from substrate.keys import Keys
@@ -228,6 +228,10 @@ return 0
 """
 
 
+async def _scripts_loaded() -> None:
+    """A pipeline's ``load_scripts`` once the directory loaded every script (``Directory._ready``)."""
+
+
 def _translate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -372,24 +376,62 @@ class Directory:
         self._set_state = self.redis.register_script(_SET_WORKER_STATE)
         self._read_workers = self.redis.register_script(_READ_WORKERS)  # standalone only (list_workers)
         self._scripts = (self._cas, self._create, self._commit, self._claim, self._release, self._touch,
-                         self._delete, self._renew, self._expire, self._set_state)
-        self._loaded = not cluster
+                         self._delete, self._renew, self._expire, self._set_state, self._read_workers)
+        #: every script is loaded on the server(s) as far as this process knows (see ``_ready``)
+        self._loaded = False
 
     async def _ready(self) -> None:
-        """On a cluster, load every script on every primary once: a script queued in a cluster
-        pipeline runs as EVALSHA, which the cluster client does not reload on its own."""
+        """Load every script once (one round trip; on a cluster, on every primary: a script queued in a
+        cluster pipeline runs as EVALSHA, which the cluster client does not reload on its own). On a
+        standalone Redis a pipeline then sends its scripts' EVALSHAs without first asking SCRIPT EXISTS
+        (redis-py asks at every pipeline that holds a script: a round trip more for each create and
+        each state transition); a server that lost them (restarted) answers NOSCRIPT, and
+        ``_scripted`` loads them again and runs the pipeline once more."""
         if self._loaded:
             return
-        for sc in self._scripts:
-            await self.redis.script_load(sc.script)  # the cluster client sends it to every primary
+        if self.cluster:
+            for sc in self._scripts:
+                await self.redis.script_load(sc.script)  # the cluster client sends it to every primary
+        else:
+            async with self.redis.pipeline(transaction=False) as p:
+                for sc in self._scripts:
+                    p.script_load(sc.script)
+                await p.execute()
         self._loaded = True
 
     def pipeline(self, transaction: bool = False) -> Any:
         """A pipeline. On a cluster, whose client refuses scripts in pipelines, the queued commands run
-        one after the other instead (every script's keys share one hash slot, so each stays atomic)."""
+        one after the other instead (every script's keys share one hash slot, so each stays atomic). On a
+        standalone Redis whose scripts are loaded (``_ready``), without redis-py's SCRIPT EXISTS
+        round trip before the commands."""
         if self.cluster:
             return _SequentialPipeline(self.redis)
-        return self.redis.pipeline(transaction=transaction)
+        p = self.redis.pipeline(transaction=transaction)
+        if self._loaded:
+            p.load_scripts = _scripts_loaded  # type: ignore[method-assign]
+        return p
+
+    async def _scripted(self, queue: Callable[[Any], Awaitable[None]],
+                        undo: Callable[[], Awaitable[None]] | None = None) -> list[Any]:
+        """Run a pipeline that holds one script (called once or more): ``queue(p)`` queues its commands;
+        returns the replies. NOSCRIPT (the server lost its scripts: it restarted since ``_ready``) means
+        the script did not run while the pipeline's other commands did: ``undo()`` takes back those that
+        may not run twice (counter moves; index entries set or removed are idempotent), the scripts are
+        loaded again, and the whole pipeline runs once more."""
+        await self._ready()
+        for attempt in (0, 1):
+            async with self.pipeline() as p:
+                await queue(p)
+                try:
+                    return list(await p.execute())
+                except NoScriptError:
+                    if attempt:
+                        raise
+                    self._loaded = False
+                    if undo is not None:
+                        await undo()
+                    await self._ready()
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -410,17 +452,26 @@ class Directory:
         flat = [x for kv in fields.items() for x in kv]
         # one round trip: the create-if-absent script and the index entries (NX: a failed create of a
         # taken ID leaves the existing entries as they are)
-        await self._ready()
-        async with self.pipeline() as p:
+        # the state counter too, optimistically (undone below if the ID was taken): no round trip more
+        counted = rec.state != SessionState.DELETED
+
+        async def queue(p: Any) -> None:
             await self._create(keys=[key, self.keys.session_epoch_floor(rec.id)], args=flat, client=p)
             p.zadd(self.keys.sessions_index, {rec.id: rec.createdAt}, nx=True)
             if rec.state in TRANSITIONAL and rec.stateDeadline:
                 p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline}, nx=True)
-            created = (await p.execute())[0]
+            if counted:
+                p.hincrby(self.keys.state_counts, rec.state.value, 1)
+
+        async def uncount() -> None:
+            if counted:
+                await self._count_states(rec.state.value, None)
+
+        created = (await self._scripted(queue, uncount))[0]
         if int(created[0]) != 1:
+            await uncount()
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
         rec.epoch = int(created[1])
-        await self._count_states(None, rec.state.value)
         return rec.epoch
 
     @_translate
@@ -474,17 +525,30 @@ class Directory:
         # The deadline index (another hash slot) rides in the same round trip, optimistically: if the CAS
         # fails, the index may be off for this session; the record's own ``stateDeadline`` is the truth
         # and the state manager's repair scan rolls any session past it.
-        await self._ready()
-        async with self.pipeline() as p:
+        # With one state to move from, the state counters move in the same round trip, optimistically
+        # (moved back below if the compare-and-set fails); else after it, from the state it reports
+        froms = args.get("from") or []
+        moved = (froms[0], to.value) if to is not None and len(froms) == 1 and froms[0] != to.value else None
+
+        async def queue(p: Any) -> None:
             await self._cas(keys=[self.keys.session(sid)], args=[json.dumps(args)], client=p)
             if to is not None and to in TRANSITIONAL and "stateDeadline" in fields:
                 p.zadd(self.keys.deadlines, {sid: fields["stateDeadline"]})
             elif to is not None and to not in TRANSITIONAL:
                 p.zrem(self.keys.deadlines, sid)
-            res = (await p.execute())[0]
+            if moved is not None:
+                self._queue_count(p, *moved)
+
+        async def unmove() -> None:
+            if moved is not None:
+                await self._count_states(moved[1], moved[0])
+
+        res = (await self._scripted(queue, unmove))[0]
+        if res[0] != 1:
+            await unmove()
         if res[0] == -1:
             return CasResult(False, None, 0, found=False)
-        if res[0] == 1 and len(res) > 3 and res[3] != res[1]:
+        if moved is None and res[0] == 1 and len(res) > 3 and res[3] != res[1]:
             await self._count_states(res[3], res[1])
         return CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
 
@@ -542,13 +606,13 @@ class Directory:
     async def delete_session(self, sid: str) -> None:
         """Remove the record and its index entries (idempotent). The epoch it reached stays behind as
         the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``)."""
-        await self._ready()
-        async with self.pipeline() as p:
+        async def queue(p: Any) -> None:
             await self._delete(keys=[self.keys.session(sid), self.keys.session_epoch_floor(sid),
                                      self.keys.session_snapshots(sid)], args=[self.epoch_floor_ttl_s], client=p)
             p.zrem(self.keys.sessions_index, sid)
             p.zrem(self.keys.deadlines, sid)
-            prev = (await p.execute())[0][1]
+
+        prev = (await self._scripted(queue))[0][1]
         if prev:
             await self._count_states(prev, None)
 
@@ -667,13 +731,18 @@ class Directory:
                                         "" if counted_at is None else repr(counted_at)])
         if not alive:
             return False
-        async with self.pipeline() as p:
+        turns = turns or {}
+
+        async def queue(p: Any) -> None:
             p.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
-            turns = turns or {}
             for sid, ts in (last_active or {}).items():
                 # only touch records that exist: a deleted session must not be resurrected
                 await self._touch(keys=[self.keys.session(sid)], args=[repr(ts), turns.get(sid, 0)], client=p)
-            await p.execute()
+
+        if last_active:
+            await self._scripted(queue)
+        else:
+            await self.redis.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
         return True
 
     @_translate
@@ -806,11 +875,15 @@ class Directory:
         """Move one session between state counters (a second round trip beside the atomic step, like
         the indexes: derived data that :meth:`reconcile_state_counts` repairs; DELETED is not counted)."""
         async with self.pipeline() as p:
-            if from_state and from_state != SessionState.DELETED.value:
-                p.hincrby(self.keys.state_counts, from_state, -1)
-            if to_state and to_state != SessionState.DELETED.value:
-                p.hincrby(self.keys.state_counts, to_state, 1)
+            self._queue_count(p, from_state, to_state)
             await p.execute()
+
+    def _queue_count(self, p: Any, from_state: str | None, to_state: str | None) -> None:
+        """Queue on pipeline ``p`` the counter moves of one session from ``from_state`` to ``to_state``."""
+        if from_state and from_state != SessionState.DELETED.value:
+            p.hincrby(self.keys.state_counts, from_state, -1)
+        if to_state and to_state != SessionState.DELETED.value:
+            p.hincrby(self.keys.state_counts, to_state, 1)
 
     @_translate
     async def state_counts(self) -> dict[str, int]:

@@ -339,3 +339,60 @@ async def test_the_registry_read_gives_each_workers_record_and_free_slots_and_sk
     await directory.redis.delete(directory.keys.worker("wc"))  # its index entry outlived its record
     got = {w.id: (w.freeSlots, w.slots, w.address, w.state) for w in await directory.list_workers()}
     assert got == {"wa": (2, 4, "http://wa", WorkerState.READY), "wb": (1, 2, "http://wb", WorkerState.READY)}
+
+
+async def test_state_counters_stay_exact_through_creates_transitions_refusals_and_deletes(directory):
+    """The counters move in the same round trip as a create or a one-state transition, optimistically:
+    a refused create or a failed compare-and-set takes its move back."""
+    for sid in ("a", "b", "c"):
+        await directory.create_session(_rec(sid, SessionState.STARTING))
+    with pytest.raises(Conflict):
+        await directory.create_session(_rec("a", SessionState.SUSPENDED))  # refused: counts nothing
+    assert (await directory.transition("a", from_states=[SessionState.STARTING], to=SessionState.RUNNING)).ok
+    assert not (await directory.transition("a", from_states=[SessionState.STARTING], to=SessionState.RUNNING)).ok
+    assert not (await directory.transition("gone", from_states=[SessionState.STARTING], to=SessionState.RUNNING)).ok
+    assert (await directory.transition("b", from_states=[SessionState.STARTING, SessionState.RUNNING],
+                                       to=SessionState.SUSPENDED)).ok  # more than one from-state: after
+    assert (await directory.transition("c", to=SessionState.RUNNING)).ok  # no from-state at all
+    await directory.delete_session("c")
+    counts = await directory.state_counts()
+    assert {k: v for k, v in counts.items() if v} == {"RUNNING": 1, "SUSPENDED": 1}, counts
+
+
+async def test_pipelines_send_no_script_check_and_come_back_after_the_server_lost_its_scripts(monkeypatch):
+    """redis-py asks SCRIPT EXISTS before every pipeline that holds a script (a round trip more per create
+    and per state transition); the directory loads its scripts once instead. A server that lost them (a
+    restart; here SCRIPT FLUSH, on a Redis of this test's own) answers NOSCRIPT: they are loaded again,
+    the pipeline runs once more, and nothing is counted twice."""
+    from redis.asyncio.client import Pipeline
+
+    from substrate.embedded import EmbeddedRedis
+
+    checks: list[int] = []
+    real = Pipeline.load_scripts
+
+    async def counting(self):  # type: ignore[no-untyped-def]
+        checks.append(1)
+        await real(self)
+
+    monkeypatch.setattr(Pipeline, "load_scripts", counting)
+    with EmbeddedRedis() as server:
+        directory = Directory(server.url, "flush")
+        try:
+            await directory.create_session(_rec("a", SessionState.STARTING))
+            assert (await directory.transition("a", from_states=[SessionState.STARTING], to=SessionState.RUNNING)).ok
+            assert checks == [], "no SCRIPT EXISTS round trip"
+            await directory.redis.script_flush()
+            await directory.create_session(_rec("b", SessionState.STARTING))
+            assert (await directory.transition("b", from_states=[SessionState.STARTING],
+                                               to=SessionState.RUNNING)).ok
+            await directory.redis.script_flush()
+            assert (await directory.transition("a", from_states=[SessionState.RUNNING],
+                                               to=SessionState.SUSPENDED)).ok
+            await directory.redis.script_flush()
+            await directory.delete_session("b")
+            assert (await directory.get_session("a")).state == SessionState.SUSPENDED
+            counts = await directory.state_counts()
+            assert {k: v for k, v in counts.items() if v} == {"SUSPENDED": 1}, counts
+        finally:
+            await directory.close()
