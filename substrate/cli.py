@@ -1293,7 +1293,9 @@ def _file_keys(path: Path) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as e:
         _file_error(path, f"cannot read it: {getattr(e, 'strerror', None) or e}")
     except yaml.YAMLError as e:
-        _file_error(path, f"not valid YAML: {str(e).splitlines()[0]}")
+        from substrate.specs import yaml_problem
+
+        _file_error(path, f"not valid YAML: {yaml_problem(e)}")
     if data is None:
         return []
     if isinstance(data, dict) and isinstance(data.get("keys"), list):

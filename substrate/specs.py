@@ -739,6 +739,20 @@ def parse_yaml_documents(text: str) -> list[Any]:
     return list(yaml.load_all(text, Loader=_UniqueKeyLoader))
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """One line for a YAML parser's error: the problem, where (1-based line and column) and in what it
+    was found (PyYAML's own text spans several lines with excerpts of the file; the start-up error is
+    one line)."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return " ".join(str(e).split())
+    out = problem + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "")
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        out += f" ({context}" + (f" at line {cmark.line + 1}, column {cmark.column + 1}" if cmark else "") + ")"
+    return out
+
+
 def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings: bool = True) -> Catalog:
     """Read every YAML file in folder ``path`` (or the single file ``path``). With ``check_modules``, also
     check that every ``spec.entrypoint``'s module can be found (``check_entrypoint_modules``; only where
@@ -756,7 +770,7 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
         try:
             docs = parse_yaml_documents(f.read_text())
         except yaml.YAMLError as e:
-            raise SpecError(f"{f}: not valid YAML: {e}") from e
+            raise SpecError(f"{f}: not valid YAML: {yaml_problem(e)}") from e
         except UnicodeDecodeError as e:
             raise SpecError(f"{f}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         except OSError as e:  # a symlink loop, a folder named *.yaml, no permission

@@ -410,3 +410,14 @@ def test_limits_and_durations_beyond_what_the_kernel_or_a_clock_holds_are_refuse
     with pytest.raises(SpecError) as e:
         load_documents([doc], "t.yaml")
     assert message in e.value.message and len(e.value.message) < 400, e.value.message
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path):
+    """Fresh-user run: a template with a broken flow mapping gave PyYAML's own text at start-up, seven
+    lines with excerpts of the file, where every other start-up error is one line."""
+    (tmp_path / "p.yaml").write_text("kind: WorkerPool\nmetadata: {name: default\nspec:\n  replicas: 1\n")
+    with pytest.raises(SpecError) as e:
+        load_catalog(tmp_path)
+    assert "\n" not in e.value.message
+    assert e.value.message == (f"{tmp_path / 'p.yaml'}: not valid YAML: expected ',' or '}}', but got ':' at line 3, "
+                               "column 5 (while parsing a flow mapping at line 2, column 11)")
