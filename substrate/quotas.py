@@ -337,7 +337,10 @@ class Quotas:
         template_of: dict[tuple[str, str], str] = {}
         members: dict[str, set[str]] = {}  # tenant -> session IDs in its running set
         pattern = f"{self.keys.prefix}:{{t:*}}:quota:*"
-        async for key in self.redis.scan_iter(match=pattern, count=1000):
+        # SCAN walks the whole keyspace whatever the pattern (sessions, snapshots, other deployments'
+        # keys): 10,000 keys a call (a few ms of Redis each) keeps that to a round trip per 10,000 keys
+        # (at 1,000, a burst's repair made 0.56 round trips per create: docs/bench/2026-12-06-creation-round-trips-ab.md)
+        async for key in self.redis.scan_iter(match=pattern, count=10_000):
             tag, _, what = key[len(self.keys.prefix) + 1:].partition("}:quota:")
             tenant = tag[len("{t:"):]
             kind, _, template = what.partition(":")
