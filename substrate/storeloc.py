@@ -13,6 +13,11 @@ line before anything runs. An operator who moved the objects on purpose starts o
 the directory nothing can be lost and the new location is recorded silently. The endpoint URL is not
 part of the location: one bucket is reached by several names (a cluster's service name, loopback).
 
+The record is written by compare-and-set: of two starts that read it at the same moment, each
+configured for its own store, one records its store and the other is refused. Not covered: a start
+that comes after another one recorded its store but before any of that one's workers registered (a
+second or two) takes it for a stopped runtime with no sessions and records its own store over it.
+
 This check reads Redis only, so ``substrate up`` can refuse in one line before anything starts. What
 proves a store is this directory's is its marker object (``snapshot.guard``): a wrong endpoint, a
 bucket emptied or made again, or a mistyped location accepted with the flag above is fenced there
@@ -105,8 +110,33 @@ async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> str | Non
     if why is not None:
         return why
     if recorded is None or sessions == 0:
-        await redis.set(keys.snapshot_location, configured)
+        # compare-and-set: of two starts that read the same record at the same moment (each with its own
+        # store), only one records its store; the other is refused below instead of both running, each
+        # with its own store, on one pool (the check before was a read, then a write)
+        if recorded is None:
+            won = bool(await redis.set(keys.snapshot_location, configured, nx=True))
+        else:
+            won = bool(await redis.eval(_SET_IF_UNCHANGED, 1, keys.snapshot_location, recorded, configured))
+        if not won:
+            raw = await redis.get(keys.snapshot_location)
+            now = raw.decode() if isinstance(raw, bytes) else raw
+            if now != configured:
+                return (f"another runtime of this directory (Redis and key prefix) recorded its snapshot store "
+                        f"{(now or '').rpartition('#')[0] or '(none)'} just now, while this start is configured for "
+                        f"{configured.rpartition('#')[0]}: the two would share one pool and each other's sessions, "
+                        "and neither could read the other's snapshots. Give this runtime its own "
+                        "SUBSTRATE_REDIS__KEY_PREFIX (another directory), or the same snapshot store")
     return None
+
+
+#: KEYS[1] the recorded location; ARGV[1] the value read, ARGV[2] the new one: set only if unchanged -> 1 | 0
+_SET_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
 
 
 async def record(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> None:

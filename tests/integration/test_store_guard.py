@@ -5,6 +5,8 @@ HTTP and the local store."""
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 import uuid
 from collections.abc import Callable
@@ -262,3 +264,45 @@ async def test_a_store_down_at_the_first_start_gets_its_marker_once_it_answers(d
     down.up = True
     await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
     assert (tmp_path / "snaps" / marker_key("snapshots")).read_text() == await d.redis.get(d.keys.snapshot_store_id)
+
+
+class _BothRead:
+    """``redis`` whose first ``get`` of each of two callers returns only once both have read: the two
+    starts read the same record before either writes (two processes' round trips interleaving so)."""
+
+    def __init__(self, redis) -> None:  # type: ignore[no-untyped-def]
+        self.redis, self.barrier, self.waited = redis, asyncio.Barrier(2), 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.redis, name)
+
+    async def get(self, key):  # type: ignore[no-untyped-def]
+        value = await self.redis.get(key)
+        if self.waited < 2:
+            self.waited += 1
+            await self.barrier.wait()
+        return value
+
+
+@pytest.mark.parametrize("before", ["none", "an old store"])
+async def test_two_starts_reading_one_record_with_their_own_stores_do_not_both_run(d, tmp_path: Path,
+                                                                                   before: str) -> None:
+    """Two ``substrate up`` on one Redis and key prefix, each with its own snapshot store, that read the
+    same record (none, or a stopped runtime's store with no session left) before either wrote: both wrote
+    their own and both ran on one pool. The write is a compare-and-set now: one runs, the other is
+    refused naming the store the first recorded; a third with the winner's store is not."""
+    from substrate import storeloc
+
+    if before != "none":
+        _, old = local(tmp_path / "old")
+        assert await storeloc.check(d.redis, d.keys, old) is None
+    _, a = local(tmp_path / "a")
+    _, b = local(tmp_path / "b")
+    r = _BothRead(d.redis)
+    answers = await asyncio.gather(storeloc.check(r, d.keys, a), storeloc.check(r, d.keys, b))
+    assert sorted(x is None for x in answers) == [False, True], answers
+    refused = next(x for x in answers if x is not None)
+    winner = a if answers[0] is None else b
+    assert "recorded its snapshot store" in refused and "just now" in refused
+    assert storeloc.location_of(winner).rpartition("/")[0] in refused
+    assert await storeloc.check(d.redis, d.keys, winner) is None
