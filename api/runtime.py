@@ -62,6 +62,8 @@ class Runtime:
     pools: PoolController | None = None
     kube_catalog: Any = None
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    #: this process holds its snapshot store in the directory (``substrate.storeloc.hold``): let go at stop
+    _holding_store: bool = False
 
     @classmethod
     async def build(cls, settings: Settings, *, embedded: bool = True, catalog: Catalog | None = None) -> "Runtime":
@@ -130,8 +132,12 @@ class Runtime:
                     log.warning("WorkerPool %s: spec.snapshotStorage %s is applied on Kubernetes only; substrate up "
                                 "keeps every session's snapshots in %s (SUBSTRATE_SNAPSHOT__*)", pool.name,
                                 pool.spec.snapshotStorage, storeloc.location_of(self.settings.snapshot))
-        if why := await storeloc.check(self.directory.redis, self.directory.keys, self.settings.snapshot):
+        if why := await storeloc.check(self.directory.redis, self.directory.keys, self.settings.snapshot,
+                                       holding=True):
             raise RuntimeError(why)  # a configuration error: nothing has started (substrate/storeloc.py)
+        self._holding_store = True
+        self._tasks.append(asyncio.create_task(run_forever(
+            self._hold_store, storeloc.HOLD_S / 3, "snapshot store hold", first_delay=True)))
         if getattr(self.store, "ready", None) is not None:
             # in the background: a store that accepts connections but never answers held the API's start
             # for 90 s with nothing served (fresh-user round 21); every store call checks it anyway
@@ -150,6 +156,14 @@ class Runtime:
         if self.state_manager is not None:
             self.state_manager.start()
         tune_after_startup()  # the router's request path: see substrate/gctune.py
+
+    async def _hold_store(self) -> None:
+        """Renew this process's hold of its snapshot store (``substrate.storeloc.hold``)."""
+        other = await storeloc.hold(self.directory.redis, self.directory.keys, self.settings.snapshot)
+        if other is not None:  # it lapsed (Redis out for HOLD_S) and another store was started meanwhile
+            log.warning("another runtime of this directory now runs with its snapshots in %s, not in this "
+                        "runtime's %s: stop one of them", other.rpartition("#")[0],
+                        storeloc.location_of(self.settings.snapshot))
 
     async def _check_store(self) -> None:
         """Check the snapshot store's marker once at start (``snapshot.guard``): in a new directory this
@@ -180,6 +194,11 @@ class Runtime:
         await self.view.stop()
         await self.auth.stop()
         await cancel_and_wait(self._tasks)
+        if self._holding_store:  # a clean stop: another store may start on this directory at once
+            try:
+                await storeloc.release(self.directory.redis, self.directory.keys)
+            except Exception:  # noqa: BLE001 - the hold lapses on its own after storeloc.HOLD_S
+                log.warning("could not let go of the snapshot store hold", exc_info=True)
         if self.kube_catalog is not None:
             self.kube_catalog.stop()
         await self.http.close()

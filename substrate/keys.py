@@ -47,6 +47,12 @@ class Keys:
         return f"{self.prefix}:snapshot:location"
 
     @property
+    def snapshot_location_holders(self) -> str:
+        """Hash: runtime process id -> ``<until (Unix s)> <store location>``: the runtimes running on this
+        directory and the store each uses, held while they run (``substrate.storeloc.hold``)."""
+        return f"{self.prefix}:snapshot:holders"
+
+    @property
     def snapshot_store_id(self) -> str:
         """String: the id in the marker object of this directory's snapshot store (``snapshot.guard``)."""
         return f"{self.prefix}:snapshot:store-id"

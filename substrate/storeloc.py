@@ -14,9 +14,10 @@ the directory nothing can be lost and the new location is recorded silently. The
 part of the location: one bucket is reached by several names (a cluster's service name, loopback).
 
 The record is written by compare-and-set: of two starts that read it at the same moment, each
-configured for its own store, one records its store and the other is refused. Not covered: a start
-that comes after another one recorded its store but before any of that one's workers registered (a
-second or two) takes it for a stopped runtime with no sessions and records its own store over it.
+configured for its own store, one records its store and the other is refused. And every running
+runtime holds its store in Redis (:func:`hold`, renewed every ``HOLD_S / 3`` s, let go at a clean stop):
+a start configured for another store is refused while one holds (a runtime whose pool has no worker yet,
+e.g. ``minReplicas: 0`` before any session, was taken for a stopped one and its record overwritten).
 
 This check reads Redis only, so ``substrate up`` can refuse in one line before anything starts. What
 proves a store is this directory's is its marker object (``snapshot.guard``): a wrong endpoint, a
@@ -30,10 +31,54 @@ import logging
 import time
 from typing import Any
 
+import uuid
+
 from substrate.keys import Keys
 from substrate.settings import SnapshotSettings
 
 log = logging.getLogger(__name__)
+
+#: this process, as a holder of its snapshot store (:func:`hold`)
+HOLDER_ID = uuid.uuid4().hex
+#: how long a hold lasts unless renewed (s): a runtime that died without letting go holds this long
+HOLD_S = 30.0
+
+#: KEYS[1] holders hash. ARGV[1] holder, ARGV[2] location, ARGV[3] now, ARGV[4] until (s). Drops expired
+#: holds; if another holder holds another location -> that location (nothing held); else holds -> nil
+_HOLD = """
+local other = false
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local sep = string.find(all[i + 1], ' ', 1, true)
+  local untl = tonumber(string.sub(all[i + 1], 1, sep - 1)) or 0
+  local loc = string.sub(all[i + 1], sep + 1)
+  if untl < tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[1], all[i])
+  elseif all[i] ~= ARGV[1] and loc ~= ARGV[2] then
+    other = loc
+  end
+end
+if other then return other end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[4] .. ' ' .. ARGV[2])
+return false
+"""
+
+
+async def hold(redis: Any, keys: Keys, snapshot: SnapshotSettings, *, now: float | None = None) -> str | None:
+    """Hold the configured store for this process (``HOLDER_ID``) for ``HOLD_S`` from ``now``, atomically
+    with the check that no other live runtime of this directory holds another store. Returns that other
+    store's location (then nothing is held), or None once held. Raises redis-py's errors."""
+    t = time.time() if now is None else now
+    other = await redis.eval(_HOLD, 1, keys.snapshot_location_holders, HOLDER_ID, _recorded(snapshot),
+                             repr(t), repr(t + HOLD_S))
+    if other is None:
+        return None
+    return other.decode() if isinstance(other, bytes) else str(other)
+
+
+async def release(redis: Any, keys: Keys) -> None:
+    """Let go of this process's hold (a clean stop: another store may start at once)."""
+    await redis.hdel(keys.snapshot_location_holders, HOLDER_ID)
 
 
 def location_of(snapshot: SnapshotSettings) -> str:
@@ -92,14 +137,47 @@ def problem(recorded: str | None, configured: str, sessions: int, *, accept: boo
             "SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true")
 
 
-async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings) -> str | None:
+async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings, *, holding: bool = False) -> str | None:
     """Compare the configured store with the one recorded for this directory (``redis``: a redis-py
     asyncio client). Returns the objection (see :func:`problem`), having changed nothing, or None. With
     no session in the directory (nothing to lose) the configured store is recorded now; a store accepted
     as moved (``snapshot.accept_new_location``) is recorded only once its marker proves it holds this
     directory's snapshots (:func:`record`, called by ``snapshot.guard``): a mistyped location accepted
-    by mistake is then not remembered. Raises redis-py's errors when Redis does not answer."""
+    by mistake is then not remembered. A running runtime holding another store is an objection too;
+    ``holding``: hold the configured store for this process first (:func:`hold`; the runtime renews it),
+    let go again if there is an objection. Raises redis-py's errors when Redis does not answer."""
     configured = _recorded(snapshot)
+    other = await hold(redis, keys, snapshot) if holding else await _held_elsewhere(redis, keys, configured)
+    if other is not None:
+        return (f"another runtime of this directory (Redis and key prefix) is running with its snapshots in "
+                f"{other.rpartition('#')[0]} (or stopped less than {HOLD_S:g} s ago without a clean stop), but "
+                f"this start is configured for {configured.rpartition('#')[0]}: the two would share one pool and "
+                "each other's sessions, and neither could read the other's snapshots. Give this runtime its own "
+                "SUBSTRATE_REDIS__KEY_PREFIX (another directory), or the same snapshot store")
+    why = await _check_record(redis, keys, snapshot, configured)
+    if why is not None and holding:
+        await release(redis, keys)
+    return why
+
+
+async def _held_elsewhere(redis: Any, keys: Keys, configured: str) -> str | None:
+    """The store another live runtime holds, if it is not ``configured`` (read only)."""
+    now = time.time()
+    for holder, raw in (await redis.hgetall(keys.snapshot_location_holders)).items():
+        holder = holder.decode() if isinstance(holder, bytes) else holder
+        value = raw.decode() if isinstance(raw, bytes) else raw
+        until, _, loc = value.partition(" ")
+        try:
+            live = float(until) >= now
+        except ValueError:
+            live = False
+        if live and holder != HOLDER_ID and loc != configured:
+            return loc
+    return None
+
+
+async def _check_record(redis: Any, keys: Keys, snapshot: SnapshotSettings, configured: str) -> str | None:
+    """``check`` against the recorded location (see there)."""
     raw = await redis.get(keys.snapshot_location)
     recorded = raw.decode() if isinstance(raw, bytes) else raw
     if recorded == configured:

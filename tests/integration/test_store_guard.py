@@ -306,3 +306,35 @@ async def test_two_starts_reading_one_record_with_their_own_stores_do_not_both_r
     assert "recorded its snapshot store" in refused and "just now" in refused
     assert storeloc.location_of(winner).rpartition("/")[0] in refused
     assert await storeloc.check(d.redis, d.keys, winner) is None
+
+
+async def test_a_running_runtime_holds_its_store_until_it_stops_or_its_hold_lapses(d, tmp_path: Path) -> None:
+    """A runtime whose pool has no worker yet (``minReplicas: 0``, no session) looked stopped: a second
+    start with another store recorded its store over the first's and both ran on one pool. A running
+    runtime holds its store now: another store is refused until it lets go (a clean stop) or its hold
+    lapses (``HOLD_S`` after its last renewal); the same store may start beside it."""
+    from substrate import storeloc
+
+    _, a = local(tmp_path / "a")
+    _, b = local(tmp_path / "b")
+    assert await storeloc.check(d.redis, d.keys, a, holding=True) is None  # runtime A runs
+    theirs = storeloc.HOLDER_ID
+    try:
+        storeloc.HOLDER_ID = "runtime-b"  # another process
+        why = await storeloc.check(d.redis, d.keys, b, holding=True)
+        assert why is not None and "is running with its snapshots in" in why
+        assert storeloc.location_of(a).rpartition("/")[0] in why
+        assert await storeloc.check(d.redis, d.keys, b) == why, "the read-only check of `up` says it too"
+        held = await d.redis.hgetall(d.keys.snapshot_location_holders)
+        assert set(held) == {theirs}, "the refused start holds nothing"
+        assert await storeloc.check(d.redis, d.keys, a, holding=True) is None, "the same store may join"
+        # A's hold lapses (it died without letting go): B may start
+        assert await storeloc.hold(d.redis, d.keys, b, now=time.time() + storeloc.HOLD_S + 1) is None
+        storeloc.HOLDER_ID = theirs
+        assert await storeloc.hold(d.redis, d.keys, a) is not None, "A, back, finds B holding another store"
+        storeloc.HOLDER_ID = "runtime-b"
+        await storeloc.release(d.redis, d.keys)  # B stops cleanly
+        storeloc.HOLDER_ID = theirs
+        assert await storeloc.hold(d.redis, d.keys, a) is None
+    finally:
+        storeloc.HOLDER_ID = theirs
