@@ -434,6 +434,15 @@ IDEMPOTENCY_KEY_PARAM: dict[str, Any] = {
                    "`idempotency_key_reused`.",
     "schema": {"type": "string", "maxLength": 200, "pattern": "^[ -~]+$"}}
 
+#: the SDK's and CLI's mark of a key they made up (not the caller's own): such keys make room first
+KEY_ORIGIN_PARAM: dict[str, Any] = {
+    "name": "X-Substrate-Key-Origin", "in": "header", "required": False,
+    "description": "`auto`: the `Idempotency-Key` was made up by the client library for its own retries, not "
+                   "chosen by the caller; the worker lets such keys give way first when it keeps no more "
+                   "answers, so they never push a caller's own key out of its window. Any other value: 422 "
+                   "`invalid_idempotency_key`.",
+    "schema": {"type": "string", "enum": ["auto"]}}
+
 
 def _header(description: str) -> dict[str, Any]:
     return {"description": description, "schema": {"type": "string"}}
@@ -873,7 +882,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                            {"name": "stream", "in": "query", "required": False,
                             "description": "`1`/`true`: NDJSON; `0`/`false` (default): JSON; else 422",
                             "schema": {"type": "string", "enum": ["1", "true", "0", "false"]}},
-                           IDEMPOTENCY_KEY_PARAM],
+                           IDEMPOTENCY_KEY_PARAM, KEY_ORIGIN_PARAM],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["input"], "properties": {"input": {}}}}}},
             "responses": {"200": {

@@ -134,14 +134,16 @@ def _session_path(sid: str) -> str:
     return "/v1/sessions/" + quote(sid, safe="")
 
 
-def checked_input(value: Any) -> Any:
+def checked_input(value: Any, what: str = "the input") -> Any:
     """``value`` if it is strict JSON (what the API accepts as a turn's ``input``), else ``ApiError`` 422
     ``invalid_input`` before anything is sent: a NaN, an infinity or an object JSON has no form for
     raised a bare ``ValueError`` or ``TypeError`` from the HTTP library (fresh-user run)."""
     try:
-        json.dumps(value, allow_nan=False)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise ApiError(422, "invalid_input", f"the input is not JSON the API takes: {e}") from None
+        # ensure_ascii off and encoded: a lone surrogate ("\ud800") is no UTF-8 (the HTTP library raised
+        # UnicodeEncodeError for it)
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
+        raise ApiError(422, "invalid_input", f"{what} is not JSON the API takes: {e}") from None
     return value
 
 
@@ -259,6 +261,7 @@ class SubstrateClient:
             body["labels"] = labels
         if env:
             body["env"] = env
+        checked_input(body, "the session's body (env, labels)")
         # `is not None`: an empty tenant is sent, and refused (422 invalid_tenant), not read as "mine"
         return self._req("POST", "/v1/sessions", json=body, params={"tenant": tenant} if tenant is not None else None)
 

@@ -437,9 +437,13 @@ class HostedAgent(Agent):
             # a snapshot's callers (suspend, periodic snapshot) handle ``SubstrateError``s only: an agent
             # that refuses a snapshot is a failed call of 422 ``agent_error``, never an unhandled exception
             raise TurnFailed(str(err), "agent_error") if isinstance(err, AgentError) else err
-        state = msg.get("state") or {}
+        state = msg.get("state")
+        if state is None:  # the agent has no state to keep
+            state = {}
         if not isinstance(state, dict):
-            raise TurnFailed("agent snapshot state is not a JSON object", "agent_crashed")
+            # the agent refusing a snapshot, as one that raises: 422, the session keeps running (it was 500
+            # ``agent_crashed``, the code of a dead agent; and ``[]`` or ``0`` were kept as ``{}``: fresh-user run)
+            raise TurnFailed(f"agent snapshot state is not a JSON object (got {type(state).__name__})", "agent_error")
         self._state = state
         return state
 

@@ -153,6 +153,19 @@ class StoredAnswer:
                    len(v) > 5 and v[5] is True)
 
 
+#: the longest wait between periodic snapshots of an activation whose snapshots keep failing (s)
+_SNAPSHOT_RETRY_MAX_S = 300.0
+
+
+def snapshot_due(last_s: float, failures: int, interval_s: float, now: float) -> bool:
+    """Whether an activation's next periodic snapshot is due: ``interval_s`` after the last one (``last_s``,
+    Unix s, taken or failed), the wait doubling after each of ``failures`` failures in a row, up to
+    ``_SNAPSHOT_RETRY_MAX_S`` (never below the interval): an agent that refuses every snapshot logged a
+    warning each interval for as long as it ran (fresh-user run)."""
+    wait = min(interval_s * 2 ** min(failures, 32), max(interval_s, _SNAPSHOT_RETRY_MAX_S))
+    return now - last_s >= wait
+
+
 @dataclass
 class Activation:
     """One session live in a slot of this worker."""
@@ -185,6 +198,8 @@ class Activation:
     sandbox_lease: int | None = None
     #: ``_drop`` ran (or runs): the sandbox is released once, whoever ends the activation first
     dropped: bool = False
+    #: periodic snapshots that failed in a row (each doubles the wait before the next one)
+    snapshot_failures: int = 0
     #: idempotency key -> answer of recent turns, oldest first
     answers: AnswerLog = field(default_factory=lambda: AnswerLog())
     #: the tenant whose token activated it: a token of another tenant never drives it, even if a router's
@@ -473,7 +488,7 @@ class Worker:
                 interval = act.spec.stateManagement.snapshot_interval_s
                 if not interval or act.closing or act.dirty_turns == 0 or act.lock.locked():
                     continue
-                if now - act.last_snapshot_at < interval:
+                if not snapshot_due(act.last_snapshot_at, act.snapshot_failures, interval, now):
                     continue
                 # no audit record here, neither for a periodic snapshot nor for one that failed: it changes no
                 # lifecycle state (the session stays RUNNING with all its state; a failed one commits
@@ -481,8 +496,10 @@ class Worker:
                 # ``_end_dead``, which records that move
                 try:
                     await self.snapshot(act.sid, act.epoch)
-                except Exception as e:  # noqa: BLE001 - retried one interval later, not every tick
+                    act.snapshot_failures = 0
+                except Exception as e:  # noqa: BLE001 - retried later, not every tick
                     act.last_snapshot_at = now  # (a workspace that cannot be archived logged 100+ tracebacks/min)
+                    act.snapshot_failures += 1
                     log.warning("periodic snapshot failed: %s", e, extra={"session": act.sid},
                                 exc_info=not isinstance(e, SubstrateError))
 

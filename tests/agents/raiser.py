@@ -1,5 +1,5 @@
 """A test agent (entrypoint) whose code raises: a turn of ``"boom"``, and its snapshot once armed with
-``"arm"``. Every other turn counts up, so a test sees whether its state survived the exception."""
+``"arm"`` (or returns a list, once armed with ``"list"``). Every other turn counts up, so a test sees whether its state survived the exception."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ class Raiser:
     async def invoke(self, input: Any) -> Any:  # noqa: A002
         if input == "boom":
             raise RuntimeError("boom")
-        if input == "arm":
-            self.armed = True
+        if input in ("arm", "list"):
+            self.armed = input
         self.count += 1
         return {"count": self.count}
 
     async def snapshot(self) -> dict[str, Any]:
+        if self.armed == "list":
+            return [1, 2]  # type: ignore[return-value]  # JSON, but not an object
         if self.armed:
             raise RuntimeError("snap fail")
         return {"count": self.count}

@@ -422,7 +422,7 @@ def test_openapi_lists_every_status_of_each_route_with_the_error_schema(rt: Runt
     # fresh-user run: invoke's request and answer headers were in the README only
     invoke = spec["paths"]["/v1/sessions/{sid}/invoke"]["post"]
     headers = {p["name"]: p for p in invoke["parameters"] if p["in"] == "header"}
-    assert set(headers) == {"Idempotency-Key", "X-Request-ID"}
+    assert set(headers) == {"Idempotency-Key", "X-Request-ID", "X-Substrate-Key-Origin"}
     assert "never run twice" in headers["Idempotency-Key"]["description"]
     assert "invalid_request_id" in headers["X-Request-ID"]["description"]
     assert {"X-Substrate-Worker", "X-Substrate-Epoch", "X-Substrate-Woke", "X-Substrate-Wake-Ms",

@@ -143,7 +143,7 @@ def test_a_valid_idempotency_key_is_sent_as_given() -> None:
     assert seen[0].headers["idempotency-key"] == "turn 7 ~ok"
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), {"a": {1, 2}}, object()])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), {"a": {1, 2}}, object(), {"v": "\ud800"}])
 def test_an_input_that_is_not_json_is_refused_before_anything_is_sent(bad: object) -> None:
     """Fresh-user run: ``invoke(sid, float("nan"))`` raised a bare ``ValueError`` from the HTTP library,
     while the SDK's other checks raise ``ApiError``."""
@@ -157,3 +157,16 @@ def test_an_input_that_is_not_json_is_refused_before_anything_is_sent(bad: objec
         assert (e.value.status, e.value.code) == (422, "invalid_input") and "not JSON" in str(e.value)
     assert sent == [], "nothing was sent"
     assert c.invoke("s1", {"fine": [1.5, None]}) == 1  # strict JSON goes through
+
+
+def test_a_create_body_that_is_not_json_is_refused_before_anything_is_sent() -> None:
+    sent: list[httpx.Request] = []
+    c = SubstrateClient("http://127.0.0.1:9")
+    c.http = httpx.Client(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(
+        lambda req: sent.append(req) or httpx.Response(201, json={"id": "s1"})))
+    for env, labels in (({"A": float("nan")}, None), (None, {"k": "\ud800"})):
+        with pytest.raises(ApiError) as e:
+            c.create_session("t", env=env, labels=labels)  # type: ignore[arg-type]
+        assert (e.value.status, e.value.code) == (422, "invalid_input") and "body" in str(e.value)
+    assert sent == []
+    assert c.create_session("t", env={"A": "1"})["id"] == "s1"

@@ -297,5 +297,20 @@ async def test_agent_code_that_raises_fails_the_call_and_the_agent_lives_on(pool
             await agent.snapshot()
         assert (snap.value.code, snap.value.status) == ("agent_error", 422), snap.value
         assert not agent.dead and await agent.invoke("x") == {"count": 3}
+        assert await agent.invoke("list") == {"count": 4}
+        with pytest.raises(TurnFailed) as notobj:  # JSON, not an object: refused as well, not a crash
+            await agent.snapshot()
+        assert (notobj.value.code, notobj.value.status) == ("agent_error", 422) and "list" in notobj.value.message
+        assert not agent.dead and await agent.invoke("x") == {"count": 5}
     finally:
         await _done(pool, agent)
+
+
+def test_periodic_snapshots_that_keep_failing_back_off() -> None:
+    from workers.server import _SNAPSHOT_RETRY_MAX_S, snapshot_due
+
+    assert not snapshot_due(100.0, 0, 2.0, 101.9) and snapshot_due(100.0, 0, 2.0, 102.0)
+    assert not snapshot_due(100.0, 1, 2.0, 103.9) and snapshot_due(100.0, 1, 2.0, 104.0)  # 2 x
+    assert not snapshot_due(100.0, 3, 2.0, 115.9) and snapshot_due(100.0, 3, 2.0, 116.0)  # 8 x
+    assert snapshot_due(100.0, 99, 2.0, 100.0 + _SNAPSHOT_RETRY_MAX_S)  # capped
+    assert not snapshot_due(100.0, 99, 600.0, 100.0 + _SNAPSHOT_RETRY_MAX_S), "never below the interval"
