@@ -1249,6 +1249,39 @@ def _keys_backend() -> tuple[Any, Any]:
     return settings, aioredis.from_url(url, decode_responses=True, socket_timeout=5)
 
 
+async def _prefix_mismatch(r: Any, prefix: str) -> str | None:
+    """If no runtime runs on this Redis under key prefix ``prefix`` while runtimes run under others (their
+    store holds, ``substrate.storeloc.hold``): which, as one line; else None. Reads the holds only: a
+    SCAN of the keyspace for them, as a CLI command may."""
+    import time
+
+    from substrate.keys import Keys
+
+    suffix = Keys("x").snapshot_location_holders.removeprefix("x")
+    now = time.time()
+
+    async def live(key: str) -> bool:
+        for value in (await r.hgetall(key)).values():
+            try:
+                if float(str(value).partition(" ")[0]) >= now:
+                    return True
+            except ValueError:
+                pass
+        return False
+
+    mine = f"{prefix}{suffix}"
+    if await live(mine):
+        return None
+    others = sorted({str(k)[:-len(suffix)] async for k in r.scan_iter(match=f"*{suffix}", count=10_000)
+                     if str(k) != mine and await live(str(k))})
+    if not others:
+        return None
+    names = ", ".join(repr(o) for o in others[:5]) + (" ..." if len(others) > 5 else "")
+    return (f"no runtime runs on this Redis with key prefix {prefix!r} (SUBSTRATE_REDIS__KEY_PREFIX), but runtimes "
+            f"with {names} do: this command acts on {prefix!r}, which they do not read; set "
+            "SUBSTRATE_REDIS__KEY_PREFIX to theirs")
+
+
 def _async(coro_fn: Any) -> Any:
     import asyncio
 
@@ -1264,6 +1297,10 @@ def _async(coro_fn: Any) -> Any:
         where.append(f"Redis {_safe_redis_url(settings.redis.url)}, key prefix {settings.redis.key_prefix}"
                      if settings.redis.url else f"the runtime of the data folder {settings.data_dir}")
         try:
+            # before the command: a key made under a prefix no runtime uses leaves the API of the one
+            # that runs (another prefix) as it was, e.g. open, while the command says it made the key
+            if why := await _prefix_mismatch(r, settings.redis.key_prefix):
+                err.print(f"warning: {why}", markup=False, highlight=False)
             return await coro_fn(settings, r)
         finally:
             await r.aclose()
