@@ -746,6 +746,14 @@ class Directory:
         return True
 
     @_translate
+    async def add_turns(self, sid: str, turns: int, last_active: float) -> bool:
+        """Add ``turns`` answered turns to a session's count (and its ``lastActiveAt``), as a heartbeat
+        does, for an activation no heartbeat will report any more. Never creates a record; returns
+        whether the session exists."""
+        await self._ready()
+        return bool(await self._touch(keys=[self.keys.session(sid)], args=[repr(last_active), int(turns)]))
+
+    @_translate
     async def set_worker_state(self, wid: str, state: WorkerState) -> bool:
         """Set an existing worker's state (never creates a record). Returns whether it exists."""
         await self._ready()

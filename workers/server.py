@@ -399,7 +399,8 @@ class Worker:
                     # for the sessions it touches)
                     touched = {a.sid: a.last_active for a in self.activations.values()
                                if a.touched or a.unreported_turns}
-                    turns = {a.sid: a.unreported_turns for a in self.activations.values() if a.unreported_turns}
+                    counted = [(a, a.unreported_turns) for a in self.activations.values() if a.unreported_turns]
+                    turns = {a.sid: n for a, n in counted}
                     now = time.time()
                     window = self.settings.worker.active_window_s
                     first = self.settings.worker.first_turn_window_s
@@ -419,9 +420,8 @@ class Worker:
                     for sid in touched:
                         if sid in self.activations:
                             self.activations[sid].touched = False
-                    for sid, n in turns.items():
-                        if sid in self.activations:
-                            self.activations[sid].unreported_turns -= n
+                    for a, n in counted:  # the activations counted, even if ended meanwhile (``_end_dead``
+                        a.unreported_turns -= n  # reports what is left: it must not report these again)
                 if not alive:
                     log.error("worker record gone (declared dead): stopping", extra={"worker": self.id})
                     self.declared_dead = True
@@ -1140,6 +1140,16 @@ class Worker:
                                                               "worker": self.id, "moved": moved, "why": what[:300]})
         await self._drop(act)
         if moved:
+            # the turns it answered that no heartbeat reported yet (the next beat no longer sees it): the
+            # session's ``turns`` lost them (fresh-user run: 3 turns, a crash, ``turns: 0``)
+            async with self._turns_lock:
+                n, act.unreported_turns = act.unreported_turns, 0
+            if n:
+                try:
+                    await self.directory.add_turns(act.sid, n, act.last_active)
+                except Exception:  # noqa: BLE001 - a count, not state: the session is recovered anyway
+                    log.warning("could not count the turns of an ended activation", extra={"session": act.sid},
+                                exc_info=True)
             try:
                 await self.directory.release_slot(self.id, act.slot, act.sid)
             except Exception:  # noqa: BLE001 - the state manager's repair pass frees a slot nobody holds

@@ -487,3 +487,19 @@ def test_the_sdks_own_keys_never_push_a_callers_key_out_of_the_window(runtime_fa
                     headers={"Idempotency-Key": "x1", "X-Substrate-Key-Origin": "mine"})
     assert (r.status_code, r.json()["code"]) == (422, "invalid_idempotency_key"), r.text
     assert c.invoke(sid, "get") == {"count": 11}, "the refused turn ran nothing"
+
+
+def test_the_turns_of_an_activation_whose_agent_died_are_counted(rt: RuntimeProc) -> None:
+    """Fresh-user run: 3 turns answered, then a turn that killed the agent: the session read ``turns: 0``
+    for good, as the turns no heartbeat had reported yet went with the ended activation."""
+    c = rt.client
+    sid = c.create_session("midcrash")["id"]
+    try:
+        for i in range(3):
+            assert c.invoke(sid, f"t{i}") == {"echo": f"t{i}"}
+        r = c.http.post(f"/v1/sessions/{sid}/invoke", json={"input": "die"})
+        assert r.status_code == 500 and r.json()["code"] == "agent_crashed", r.text
+        rt.wait_for(lambda: c.get_session(sid)["turns"] == 3, timeout_s=15, what="the 3 answered turns counted")
+        assert c.get_session(sid)["state"] == "SUSPENDED"
+    finally:
+        c.delete_session(sid)
