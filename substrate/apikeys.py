@@ -117,7 +117,14 @@ class ApiKeyStore:
         added = 0
         given: set[str] = set()
         revoked = set(await self.redis.smembers(self.revoked_key))
+        existing = await self.list()
         for i, s in enumerate(specs):
+            digest_of = (s.sha256 or "").lower().removeprefix("sha256:") or (hash_key(s.key) if s.key else "")
+            if s.name and (clash := next((r for r in existing if r.id == s.name and r.sha256 != digest_of), None)):
+                # its name is its ID: ``keys revoke NAME`` would then name two keys (it refuses both)
+                log.warning("API key #%d of tenant %r (file or env) is named %r, the ID of another key (tenant "
+                            "%r): `substrate keys revoke %s` names both and revokes neither; give it another name",
+                            i, s.tenant, s.name, clash.tenant, s.name)
             check_tenant(s.tenant)
             digest = (s.sha256 or "").lower().removeprefix("sha256:")
             if not digest and s.key:

@@ -497,3 +497,14 @@ async def test_an_id_two_keys_share_revokes_neither_and_says_how(redis_prefix):
     assert (await store.revoke(b)).tenant == "team-d"  # by the key itself: exact
     assert await store.lookup(hash_key(b)) is None and await store.lookup(hash_key(a))
     assert (await store.revoke("same")).tenant == "team-c"  # one left with that ID: unambiguous
+
+
+async def test_a_file_key_named_as_another_keys_id_is_warned_about(redis_prefix, caplog):
+    """Fresh-user run: a file entry named ``d6b79712``, the ID of a key made with ``keys create``, was
+    imported without a word; ``keys revoke d6b79712`` then named two keys."""
+    r, keys, prefix = redis_prefix
+    store = ApiKeyStore(r, keys)
+    made, _ = await store.create("team-a")
+    with caplog.at_level("WARNING", logger="substrate.apikeys"):
+        assert await store.import_specs([ApiKeySpec(tenant="team-b", key="sk_filex_" + "x" * 30, name=made.id)]) == 1
+    assert f"is named {made.id!r}, the ID of another key (tenant 'team-a')" in caplog.text
