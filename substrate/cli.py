@@ -1433,10 +1433,20 @@ def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID
 
 
 @keys_app.command("list")
-def keys_list() -> None:
+def keys_list(file: Optional[Path] = typer.Option(None, "--file", help="List the keys of this key file instead "
+                                                  "(what a runtime reading it imports at its next start).")) -> None:
     """API keys in Redis (IDs, tenants, roles; never the keys)."""
-    from substrate.apikeys import ApiKeyStore
+    from substrate.apikeys import ApiKeyStore, hash_key
     from substrate.keys import Keys
+
+    if file is not None:  # as create and revoke take it (fresh-user run: "No such option: --file")
+        t = Table("ID", "TENANT", "ADMIN", "SHA256")
+        for e in _file_keys(file):
+            digest = str(e.get("sha256") or (hash_key(str(e["key"])) if e.get("key") else "")).removeprefix("sha256:")
+            t.add_row(str(e.get("name") or f"file-{digest[:8]}"), str(e.get("tenant", "")),
+                      "yes" if e.get("admin") else "", digest[:16] + "...")
+        console.print(t)
+        return
 
     async def go(settings: Any, r: Any) -> Any:
         return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).list()

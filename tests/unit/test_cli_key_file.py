@@ -27,7 +27,7 @@ def _one_line(r) -> str:  # type: ignore[no-untyped-def]
     ("a list of strings", "must hold a list of keys"),
     ("a bad entry", "entry 0"),
 ])
-@pytest.mark.parametrize("command", ["create", "revoke"])
+@pytest.mark.parametrize("command", ["create", "revoke", "list"])
 def test_a_bad_key_file_is_one_line_and_exit_2(tmp_path: Path, case: str, says: str, command: str) -> None:
     f = {"no folder": tmp_path / "missing" / "keys.yaml", "a folder": tmp_path}.get(case, tmp_path / "keys.yaml")
     body = {"bad yaml": "keys: [unclosed\n", "an object": "tenants: {a: 1}\n", "a list of strings": "- a\n- b\n",
@@ -35,8 +35,9 @@ def test_a_bad_key_file_is_one_line_and_exit_2(tmp_path: Path, case: str, says: 
     if case in body:
         f.write_text(body[case])
     before = f.read_text() if f.is_file() else None
-    argv = ["keys", "create", "team-a", "--file", str(f)] if command == "create" else \
-        ["keys", "revoke", "some-key", "--file", str(f)]
+    argv = {"create": ["keys", "create", "team-a", "--file", str(f)],
+            "revoke": ["keys", "revoke", "some-key", "--file", str(f)],
+            "list": ["keys", "list", "--file", str(f)]}[command]
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 2, r.output
     line = _one_line(r)
@@ -99,3 +100,14 @@ def test_two_keys_of_one_name_are_refused_in_a_file_and_by_create(tmp_path: Path
     with pytest.raises(InvalidInput) as e:
         load_key_file(f)
     assert "entry 1 (tenant 'team-d') has the same name 'same' as entry 0 (tenant 'team-c')" in e.value.message
+
+
+def test_keys_list_reads_a_key_file_and_never_shows_a_key(tmp_path: Path) -> None:
+    """Fresh-user run: ``keys list`` had no ``--file`` while ``create`` and ``revoke`` take one."""
+    f = tmp_path / "keys.yaml"
+    f.write_text("- {tenant: team-c, key: sk_aaaa_secret1secret1secret1, name: ci}\n"
+                 "- {tenant: ops, sha256: " + "ab" * 32 + ", admin: true}\n")
+    r = CliRunner().invoke(app, ["keys", "list", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "ci" in r.output and "team-c" in r.output and "file-abababab" in r.output and "yes" in r.output
+    assert "secret1" not in r.output
