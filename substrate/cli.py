@@ -1251,29 +1251,17 @@ def _keys_backend() -> tuple[Any, Any]:
 
 async def _prefix_mismatch(r: Any, prefix: str) -> str | None:
     """If no runtime runs on this Redis under key prefix ``prefix`` while runtimes run under others (their
-    store holds, ``substrate.storeloc.hold``): which, as one line; else None. Reads the holds only: a
-    SCAN of the keyspace for them, as a CLI command may."""
-    import time
-
+    store holds, ``substrate.storeloc.live_holders``): which, as one line; else None. Reads the holds only:
+    a SCAN of the keyspace for them, as a CLI command may."""
     from substrate.keys import Keys
+    from substrate.storeloc import live_holders
 
     suffix = Keys("x").snapshot_location_holders.removeprefix("x")
-    now = time.time()
-
-    async def live(key: str) -> bool:
-        for value in (await r.hgetall(key)).values():
-            try:
-                if float(str(value).partition(" ")[0]) >= now:
-                    return True
-            except ValueError:
-                pass
-        return False
-
     mine = f"{prefix}{suffix}"
-    if await live(mine):
+    if await live_holders(r, mine):
         return None
     others = sorted({str(k)[:-len(suffix)] async for k in r.scan_iter(match=f"*{suffix}", count=10_000)
-                     if str(k) != mine and await live(str(k))})
+                     if str(k) != mine and await live_holders(r, str(k))})
     if not others:
         return None
     names = ", ".join(repr(o) for o in others[:5]) + (" ..." if len(others) > 5 else "")

@@ -134,17 +134,19 @@ def _session_path(sid: str) -> str:
     return "/v1/sessions/" + quote(sid, safe="")
 
 
-def checked_input(value: Any, what: str = "the input") -> Any:
-    """``value`` if it is strict JSON (what the API accepts as a turn's ``input``), else ``ApiError`` 422
-    ``invalid_input`` before anything is sent: a NaN, an infinity or an object JSON has no form for
-    raised a bare ``ValueError`` or ``TypeError`` from the HTTP library (fresh-user run)."""
+def json_body(value: Any, what: str = "the input") -> bytes:
+    """``value`` as the JSON body the API takes (UTF-8, compact), else ``ApiError`` 422 ``invalid_input``
+    before anything is sent: a NaN, an infinity, a lone surrogate or an object JSON has no form for raised
+    a bare ``ValueError``, ``TypeError`` or ``UnicodeEncodeError`` from the HTTP library (fresh-user runs).
+    Sent as it is (``content=``, with ``JSON_HEADERS``), so the body is encoded once."""
     try:
-        # ensure_ascii off and encoded: a lone surrogate ("\ud800") is no UTF-8 (the HTTP library raised
-        # UnicodeEncodeError for it)
-        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
         raise ApiError(422, "invalid_input", f"{what} is not JSON the API takes: {e}") from None
-    return value
+
+
+#: the headers of a body made by ``json_body``
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def checked_idempotency_key(key: str | None) -> str | None:
@@ -261,9 +263,10 @@ class SubstrateClient:
             body["labels"] = labels
         if env:
             body["env"] = env
-        checked_input(body, "the session's body (env, labels)")
+        content = json_body(body, "the session's body (env, labels)")
         # `is not None`: an empty tenant is sent, and refused (422 invalid_tenant), not read as "mine"
-        return self._req("POST", "/v1/sessions", json=body, params={"tenant": tenant} if tenant is not None else None)
+        return self._req("POST", "/v1/sessions", content=content, headers=JSON_HEADERS,
+                         params={"tenant": tenant} if tenant is not None else None)
 
     def get_session(self, sid: str) -> dict[str, Any]:
         return self._req("GET", _session_path(sid))
@@ -299,7 +302,7 @@ class SubstrateClient:
         Without ``idempotency_key`` the turn gets a key of its own for the retries here, sent as an
         automatic one (``X-Substrate-Key-Origin: auto``): the worker lets such keys make room first, so
         any number of such turns never pushes a caller's own key out of its window."""
-        checked_input(input)
+        content = json_body({"input": input})
         auto = checked_idempotency_key(idempotency_key) is None
         key = idempotency_key if not auto else uuid.uuid4().hex
         extra = {"X-Substrate-Key-Origin": "auto"} if auto else {}
@@ -307,7 +310,8 @@ class SubstrateClient:
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                resp = self.http.post(path, json={"input": input}, headers={"Idempotency-Key": key, **extra})
+                resp = self.http.post(path, content=content,
+                                      headers={**JSON_HEADERS, "Idempotency-Key": key, **extra})
             except (httpx.TransportError,):
                 if last:
                     raise
@@ -341,13 +345,13 @@ class SubstrateClient:
         ``on_answer`` is called once the answer's headers are in, before the first chunk, with an
         :class:`Answer` whose ``output`` is None; without it, an answer from an older state warns
         ``StateRestoredWarning``."""
-        checked_input(input)
+        content = json_body({"input": input})
         key = checked_idempotency_key(idempotency_key)
-        headers = {"Idempotency-Key": key} if key is not None else {}
+        headers = {**JSON_HEADERS, **({"Idempotency-Key": key} if key is not None else {})}
         if key is not None and key_is_auto:  # made up by the caller for a resend (see invoke_answer)
             headers["X-Substrate-Key-Origin"] = "auto"
         with self.http.stream("POST", _session_path(sid) + "/invoke", params={"stream": "true"},
-                              json={"input": input}, headers=headers) as resp:
+                              content=content, headers=headers) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for(resp)

@@ -160,20 +160,26 @@ async def check(redis: Any, keys: Keys, snapshot: SnapshotSettings, *, holding: 
     return why
 
 
+async def live_holders(redis: Any, holders_key: str, now: float | None = None) -> dict[str, str]:
+    """The live holds in hash ``holders_key`` (``Keys.snapshot_location_holders`` of some prefix): holder
+    id -> the store location it holds (as ``_recorded`` makes it). Read only."""
+    t = time.time() if now is None else now
+    out: dict[str, str] = {}
+    for holder, raw in (await redis.hgetall(holders_key)).items():
+        holder = holder.decode() if isinstance(holder, bytes) else str(holder)
+        until, _, loc = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(" ")
+        try:
+            if float(until) >= t:
+                out[holder] = loc
+        except ValueError:
+            pass
+    return out
+
+
 async def _held_elsewhere(redis: Any, keys: Keys, configured: str) -> str | None:
     """The store another live runtime holds, if it is not ``configured`` (read only)."""
-    now = time.time()
-    for holder, raw in (await redis.hgetall(keys.snapshot_location_holders)).items():
-        holder = holder.decode() if isinstance(holder, bytes) else holder
-        value = raw.decode() if isinstance(raw, bytes) else raw
-        until, _, loc = value.partition(" ")
-        try:
-            live = float(until) >= now
-        except ValueError:
-            live = False
-        if live and holder != HOLDER_ID and loc != configured:
-            return loc
-    return None
+    held = await live_holders(redis, keys.snapshot_location_holders)
+    return next((loc for holder, loc in held.items() if holder != HOLDER_ID and loc != configured), None)
 
 
 async def _check_record(redis: Any, keys: Keys, snapshot: SnapshotSettings, configured: str) -> str | None:

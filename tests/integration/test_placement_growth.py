@@ -88,6 +88,16 @@ async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None
                                          updatedAt=now - idle_s, lastActiveAt=now - idle_s))
 
 
+async def _full_of_idle_sessions_at_its_size(d: Directory, act: Activator) -> None:
+    """Worker ``full`` (2 slots) holding ``idle-1`` (idle 30 s, the least recently used) and ``idle-2``
+    (idle 20 s), in the activator's view; no worker is starting (the pool is at its size)."""
+    await _worker(d, "full")
+    await _idle_running(d, "idle-1", "full", idle_s=30)
+    await _idle_running(d, "idle-2", "full", idle_s=20)
+    await act.view.refresh()
+    act.starting["default"] = 0
+
+
 async def _full_of_idle_sessions_while_a_worker_starts(d: Directory, act: Activator) -> None:
     """Worker ``full`` (2 slots) holding ``idle-1`` and ``idle-2``, idle 30 s (well past
     ``pressure_min_idle_s``), in the activator's view; its pool controller is starting a worker."""
@@ -198,11 +208,7 @@ async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     # the same full worker, no worker starting, and the controller has run its rounds since the waiter
     # asked (the pool is at its size): the least recently used idle session makes room
     d, act, workers = env
-    await _worker(d, "full")
-    await _idle_running(d, "idle-1", "full", idle_s=30)
-    await _idle_running(d, "idle-2", "full", idle_s=20)
-    await act.view.refresh()
-    act.starting["default"] = 0
+    await _full_of_idle_sessions_at_its_size(d, act)
 
     ticking = _controller_rounds(act)
     try:
@@ -652,11 +658,7 @@ async def test_a_full_pool_whose_idle_sessions_cannot_be_suspended_for_want_of_t
     from substrate.errors import StoreUnavailable
 
     d, act, workers = env
-    await _worker(d, "full")
-    await _idle_running(d, "idle-1", "full", idle_s=30)
-    await _idle_running(d, "idle-2", "full", idle_s=20)
-    await act.view.refresh()
-    act.starting["default"] = 0
+    await _full_of_idle_sessions_at_its_size(d, act)
     act.settings.api.start_wait_s = 0.5
 
     async def store_gone(*a, **k):  # what a worker answers when its snapshot's upload cannot be made
