@@ -218,8 +218,6 @@ class WorkerView:
         self._reads_started = 0
         self._read_done = 0
         self._read_lock = asyncio.Lock()
-        #: registry reads this view made (for tests and the bench)
-        self.reads = 0
 
     async def refresh(self) -> None:
         """Read the worker registry again (``Directory.list_workers``: O(workers)). Calls share reads:
@@ -233,11 +231,15 @@ class WorkerView:
                 return
             self._reads_started += 1
             n = self._reads_started
-            self.reads += 1
             workers = await self.directory.list_workers()
             self.workers = {w.id: w for w in workers}
             self.refreshed_at = time.time()
             self._read_done = n
+
+    @property
+    def reads(self) -> int:
+        """Registry reads this view has begun."""
+        return self._reads_started
 
     def start(self) -> None:
         self._task = asyncio.create_task(run_forever(self.refresh, self.refresh_s, "worker view refresh"))
