@@ -238,14 +238,13 @@ async def _until_stopped(app: ASGIApp, scope: Scope, receive: Receive, send: Sen
     streamed (NDJSON) answer already under way, end it with the line ``{"error": {"code":
     "router_stopping", ...}}``, as a stream cut by a worker's death ends with its error line (it ended as a
     broken chunked body and a traceback at error level: a fresh-user run)."""
-    started = ndjson = ended = False
+    start: Message | None = None  # the answer's start, once sent
+    ended = False
 
     async def tracking(msg: Message) -> None:
-        nonlocal started, ndjson, ended
+        nonlocal start, ended
         if msg["type"] == "http.response.start":
-            started = True
-            ndjson = any(k.lower() == b"content-type" and v.startswith(b"application/x-ndjson")
-                         for k, v in msg.get("headers", ()))
+            start = msg
         elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
             ended = True
         await send(msg)
@@ -253,6 +252,10 @@ async def _until_stopped(app: ASGIApp, scope: Scope, receive: Receive, send: Sen
     try:
         await app(scope, receive, tracking)
     except asyncio.CancelledError:
+        started = start is not None
+        # its content type is looked at only here: every call would otherwise scan its headers
+        ndjson = start is not None and any(k.lower() == b"content-type" and v.startswith(b"application/x-ndjson")
+                                           for k, v in start.get("headers", ()))
         if started and ndjson and not ended:
             line = error_json({"error": {"code": "router_stopping", "message": _STOPPING_MESSAGE}})
             with contextlib.suppress(OSError, RuntimeError):  # the client may be gone too

@@ -32,8 +32,9 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive
 
 from api.errors_doc import ERROR_CODES
 from api.guard import retry_after, www_authenticate
@@ -150,13 +151,15 @@ async def authenticate(runtime: "Runtime", request: Request) -> "Principal":
     The caller is authenticated once per request: a principal the front door (``api.guard.Guard``) put in
     the request's state is used as is (a JWT is not verified twice). Raises the authentication errors
     (401/403) and ``InvalidInput`` ``invalid_request_id`` (see ``request_id``)."""
-    principal = getattr(request.state, "principal", None)
+    # the request's state dict itself (``request.state`` wraps it in a new object on every access)
+    state = request.scope.setdefault("state", {})
+    principal = state.get("principal")
     if principal is None:
         principal = await runtime.auth.authenticate(request.headers)
     # the front door made or checked it already (api.guard.Guard); an app without one checks it here
-    rid = getattr(request.state, "request_id", None) or request_id(request.headers)
-    request.state.request_id = rid
-    request.state.principal = principal
+    rid = state.get("request_id") or request_id(request.headers)
+    state["request_id"] = rid
+    state["principal"] = principal
     audit.actor.set(audit.Actor(principal.subject, principal.tenant, rid))
     return principal
 
@@ -357,30 +360,64 @@ def stream_param(values: list[str]) -> bool:
                        details={"errors": [{"loc": ["query", "stream"], "msg": msg.split(": ", 1)[1]}]})
 
 
+def _first_headers(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """An ASGI scope's headers (lower-case names) as a dict holding each name's first value, as
+    Starlette's ``Headers.get`` answers; one C-level pass where each ``request.headers`` lookup walks
+    the whole list again (six lookups per turn on the hot path)."""
+    return dict(reversed(raw)) if len(raw) > 1 else dict(raw)
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """The request's whole body, as ``Request.body`` reads it (chunks until ``more_body`` is false);
+    raises Starlette's ``ClientDisconnect`` if the client went away first. Behind the front door
+    (``api.guard.Guard``) the body comes as one message already read."""
+    chunks: list[bytes] = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.request":
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        elif msg["type"] == "http.disconnect":
+            raise ClientDisconnect()
+
+
 async def invoke(request: Request) -> Response:
-    """Proxy one turn to the session's worker, waking the session first if it is suspended."""
+    """Proxy one turn to the session's worker, waking the session first if it is suspended.
+
+    Reads the scope's headers, query string and body directly (Starlette's ``Request.headers``,
+    ``query_params`` and ``body()`` cost about 7 % of a saturated router's CPU: profile in
+    ``docs/bench/router-profile-2026-12-06b.md``), with the same answers."""
     runtime: Runtime = request.app.state.runtime
-    sid = request.path_params["sid"]
+    scope = request.scope
+    sid = scope["path_params"]["sid"]
     try:
         principal = await authenticate(runtime, request)
         if not SESSION_ID_RE.fullmatch(sid):
             raise InvalidInput(f"malformed session id {clip(sid)}: {SESSION_ID_HINT}", code="invalid_session_id")
+        raw = scope["headers"]
+        headers = _first_headers(raw)
         limit = runtime.settings.api.max_body_bytes
-        cl = request.headers.get("content-length")
-        if cl is not None and cl.isascii() and cl.isdigit() and int(cl) > limit:
-            raise PayloadTooLarge(f"body of {cl} bytes is over the {limit}-byte limit")
-        body = await request.body()
+        cl = headers.get(b"content-length")
+        if cl is not None and cl.isdigit() and int(cl) > limit:  # bytes.isdigit: ASCII digits only
+            raise PayloadTooLarge(f"body of {cl.decode()} bytes is over the {limit}-byte limit")
+        body = await _read_body(request.receive)
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
-        check_json_content_type(request.headers.get("content-type"), body, request.headers.get("content-encoding"))
+        ctype, cenc = headers.get(b"content-type"), headers.get(b"content-encoding")
+        check_json_content_type(None if ctype is None else ctype.decode("latin-1"), body,
+                                None if cenc is None else cenc.decode("latin-1"))
         check_invoke_body(body)
-        stream = stream_param(request.query_params.getlist("stream"))
-        rid = request.state.request_id
-        key = request.headers.get("idempotency-key") or rid
-        if len(request.headers.getlist("idempotency-key")) > 1:  # which one a proxy or retry meant is unknown
+        # no query string (nearly every turn): nothing to parse
+        stream = stream_param(request.query_params.getlist("stream")) if scope.get("query_string") else False
+        rid = scope["state"]["request_id"]
+        sent_key = headers.get(b"idempotency-key")
+        key = sent_key.decode("latin-1") if sent_key else rid
+        if sent_key is not None and sum(k == b"idempotency-key" for k, _ in raw) > 1:
+            # which one a proxy or retry meant is unknown
             raise InvalidInput("Idempotency-Key is sent more than once: send one per turn",
                                code="invalid_idempotency_key")
-        if "idempotency-key" in request.headers and not request.headers["idempotency-key"].strip():
+        if sent_key is not None and not sent_key.strip():
             # an empty key fell back to the request ID silently (a fresh-user run): a client that meant to
             # send one (a variable left empty) would get no retry safety across requests without knowing
             raise InvalidInput("Idempotency-Key is empty: send a key unique per turn, or no header",
@@ -390,16 +427,17 @@ async def invoke(request: Request) -> Response:
                 f"Idempotency-Key is over {MAX_IDEMPOTENCY_KEY_CHARS} characters" if len(key) > MAX_IDEMPOTENCY_KEY_CHARS else
                 "Idempotency-Key must be printable ASCII (space to ~; no control characters or non-ASCII bytes)",
                 code="invalid_idempotency_key")
-        keyless = not request.headers.get("idempotency-key")
+        keyless = not sent_key
         # a key a client library made up for its own retries (the SDK and the CLI key every turn) makes
         # room first, like the router's own: with 64 such turns an explicit key was pushed out of the
         # window and its retry ran the turn again (fresh-user round 25)
-        origin = request.headers.get("x-substrate-key-origin")
+        raw_origin = headers.get(b"x-substrate-key-origin")
+        origin = None if raw_origin is None else raw_origin.decode("latin-1")
         if origin is not None and origin != "auto":
             raise InvalidInput(f"X-Substrate-Key-Origin takes only 'auto' (a key a client library made for its "
                                f"own retries), not {clip(origin)}", code="invalid_idempotency_key")
         return await _forward(runtime, sid, body, stream, rid, key, principal, key_is_request_id=keyless,
-                              key_by_router=(keyless and "x-request-id" not in request.headers) or origin == "auto")
+                              key_by_router=(keyless and b"x-request-id" not in headers) or origin == "auto")
     except SubstrateError as e:
         metrics.ERRORS_TOTAL.labels(code=e.code).inc()  # wake-path errors too (no_capacity, resume_timeout ...)
         return error_response(e)
@@ -616,9 +654,22 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 _count_error(json.loads(data))
             except ValueError:
                 _count_error({})
-        if ndjson:
-            extra["Content-Type"] = "application/x-ndjson"
-        return Response(data, status_code=resp.status, headers={**_JSON, **extra})
+        return _Plain(data, resp.status, "application/x-ndjson" if ndjson else "application/json", extra)
+
+
+class _Plain(Response):
+    """A whole answer with ``content_type`` and ``headers`` (names as sent, values latin-1 text) and its
+    Content-Length: Starlette's ``Response`` with its headers put in ASGI form directly (its
+    ``init_headers`` lower-cases and re-scans them: ~1 % of a saturated router's CPU)."""
+
+    def __init__(self, body: bytes, status_code: int, content_type: str, headers: dict[str, str]) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body
+        self.raw_headers = [(b"content-type", content_type.encode("latin-1")),
+                            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+        if status_code >= 200 and status_code not in (204, 304):  # as Starlette: these carry no body
+            self.raw_headers.append((b"content-length", str(len(body)).encode("latin-1")))
 
 
 def _request_id_key_reused(data: bytes, rid: str) -> bytes:
