@@ -36,7 +36,7 @@ from snapshot.store import ObjectStore
 from substrate import metrics
 from substrate.activator import Activator
 from substrate.audit import SYSTEM
-from substrate.directory import Directory
+from substrate.directory import Directory, SessionSummary
 from substrate.errors import NotFound, SubstrateError
 from substrate.loops import cancel_and_wait, run_forever
 from substrate.models import UNANSWERED, SessionRecord, SessionState
@@ -57,6 +57,8 @@ class StateManager:
         self._task: asyncio.Task[None] | None = None
         self._retry_at: dict[str, tuple[float, int]] = {}  # session -> (next attempt time, attempts)
         self._scans = 0
+        #: no repair pass before this (``time.monotonic()``): see ``repair_due_s``
+        self._repair_after = 0.0
         self._idle_scan_at = 0.0
         self._orphans: set[tuple[str, int, str]] = set()
         self._orphan_objects: dict[str, float] = {}  # object key -> first seen orphaned (s)
@@ -85,15 +87,24 @@ class StateManager:
                 await step()
             except Exception:  # noqa: BLE001
                 log.warning("state manager step failed", extra={"step": step.__name__}, exc_info=True)
-        if self._scans % 10 == 1:
+        if self._scans % 10 == 1 and time.monotonic() >= self._repair_after:
+            t0 = time.monotonic()
             try:
                 await self.repair()
             except Exception:  # noqa: BLE001
                 log.warning("repair failed", exc_info=True)
+            self._repair_after = time.monotonic() + self.repair_due_s(time.monotonic() - t0)
         if (self.store is not None and (self._sweep is None or self._sweep.done())
                 and time.time() - self._swept_at >= self.settings.snapshot.sweep_interval_s):
             self._swept_at = time.time()
             self._sweep = asyncio.create_task(self._sweep_quietly())
+
+    def repair_due_s(self, took_s: float) -> float:
+        """The least wait (s) after a repair pass that took ``took_s`` seconds before the next may run:
+        ``took_s * (1 / state.repair_max_share - 1)``, so that passes take at most that share of the
+        time (5 %: a pass of 1 s, about 100,000 sessions here, waits 19 s; a small directory's pass keeps
+        the every-tenth-scan cadence)."""
+        return took_s * (1.0 / self.settings.state.repair_max_share - 1.0)
 
     async def _sweep_quietly(self) -> None:
         try:
@@ -233,30 +244,42 @@ class StateManager:
             await d.release_slot(rec.worker, rec.slot, rec.id)
 
     async def repair(self) -> None:
-        """Recover sessions on vanished workers; free slots nobody points at."""
+        """Recover sessions on vanished workers; roll transitional sessions past a deadline the index
+        missed; free slots nobody points at; correct the per-state counters and the quota bookkeeping.
+
+        Reads every session once, as a :class:`~substrate.directory.SessionSummary` (the fields these
+        checks need: no JSON fields, no model validation), and the records of the sessions that hold
+        slots again, fresh, for the orphan check. Measured on this machine (2 vCPUs, a 20,000-session
+        directory, ``/tmp`` scratch script in the note of 2026-12-06): a pass took 2.3-2.6 s of CPU when
+        it read every whole record twice; see ``repair_due_s`` for how often it runs."""
         d = self.directory
         counted_before = await d.state_counts()
         counts: dict[str, int] = {}
         workers = {w.id: w for w in await d.list_workers()}
+        summaries: dict[str, SessionSummary] = {}
         offset: int | None = 0
         while offset is not None:
-            page, offset = await d.list_sessions(limit=1000, offset=offset)
+            # 250 a call: each call's script holds Redis for about 1.5 ms (6 ms at 1,000, measured)
+            page, offset = await d.session_summaries(offset=offset, limit=250)
             now = time.time()
             for rec in page:
+                summaries[rec.id] = rec
                 counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
                 if rec.worker and rec.worker not in workers and rec.state in (
                         SessionState.RUNNING, SessionState.SUSPENDING):
                     await self.activator.recover_session(rec.id, rec.worker, reason="worker_lost")
                 elif rec.state.transitional and rec.stateDeadline and rec.stateDeadline < now:
-                    await self._roll(rec)  # past its deadline but missing from the deadline index
+                    # past its deadline but missing from the deadline index: rolled from its whole record
+                    for full in await d.get_sessions([rec.id]):
+                        await self._roll(full)
         # A slot claim precedes the record write by one round trip, so an entry is freed only if it was
         # already orphaned at the previous repair pass (two-phase: no race with a placement in flight).
         orphans: set[tuple[str, int, str]] = set()
-        for wid in workers:
-            slots = await d.worker_slots(wid)
-            recs = {r.id: r for r in await d.get_sessions(list(slots.values()))}
+        slots_of = await d.slots_of(list(workers))
+        held = {r.id: r for r in await d.summaries_of([sid for slots in slots_of.values() for sid in slots.values()])}
+        for wid, slots in slots_of.items():
             for slot, sid in slots.items():
-                r = recs.get(sid)
+                r = held.get(sid)
                 if r is None or r.worker != wid or r.slot != slot:
                     orphans.add((wid, slot, sid))
         for wid, slot, sid in orphans & self._orphans:
@@ -268,15 +291,10 @@ class StateManager:
             log.info("session state counters corrected", extra={"counts": counts})
         metrics.set_session_counts(await d.state_counts())
         if self.activator.quotas is not None:  # quota bookkeeping is derived data: rebuild it from the records
-            records: dict[str, SessionRecord] = {}
-            offset = 0
-            while offset is not None:
-                page, offset = await d.list_sessions(limit=1000, offset=offset)
-                records.update((r.id, r) for r in page)
             def gpus_of(name: str) -> int:
                 t = self.activator.catalog.templates.get(name)
                 return t.spec.resources.gpus if t else 0
-            await self.activator.quotas.reconcile(records, gpus_of)
+            await self.activator.quotas.reconcile(summaries, gpus_of)
 
     async def sweep_orphans(self, now: float | None = None) -> list[str]:
         """One orphan sweep (see the module docstring). Returns the keys deleted."""

@@ -178,6 +178,25 @@ end
 return out
 """
 
+# KEYS[1] the sessions index. ARGV[1], ARGV[2] first and last rank (ZRANGE), ARGV[3], ARGV[4] what goes
+# before and after a session ID in its record's key. -> {sid, state, tenant, actorTemplate, epoch, worker,
+# slot, stateDeadline, sid, ...}: eight entries per indexed ID, a missing field as nil. Standalone Redis
+# only: the records' keys are not declared (on a cluster they lie in other hash slots).
+_READ_SUMMARIES = """
+local out, n = {}, 0
+for _, sid in ipairs(redis.call('ZRANGE', KEYS[1], ARGV[1], ARGV[2])) do
+  local f = redis.call('HMGET', ARGV[3] .. sid .. ARGV[4], 'state', 'tenant', 'actorTemplate', 'epoch',
+                       'worker', 'slot', 'stateDeadline')
+  out[n + 1] = sid
+  for i = 1, 7 do out[n + 1 + i] = f[i] end
+  n = n + 8
+end
+return out
+"""
+
+#: the record fields a :class:`SessionSummary` holds, in its order after the ID
+_SUMMARY_FIELDS = ("state", "tenant", "actorTemplate", "epoch", "worker", "slot", "stateDeadline")
+
 # KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] now (s), ARGV[2] grace (s), ARGV[3] '1' = force.
 # Removes the worker only if its lease expired more than ``grace`` ago (or ``force``: its process is
 # known to be gone). -> {1, slot, sid, slot, sid ...} removed (with the slot table it had) | {0} alive.
@@ -313,6 +332,34 @@ class _SequentialPipeline:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """The part of a session record that the repair pass and the quota reconciliation read of every
+    session (``substrate.models.SessionRecord`` for the field meanings): read without the JSON fields and
+    without model validation, so a pass over 20,000 sessions costs a tenth of what reading whole records
+    did (``Directory.session_summaries``)."""
+
+    id: str
+    state: SessionState
+    tenant: str
+    actorTemplate: str  # noqa: N815 - the record's field name
+    epoch: int
+    worker: str | None
+    slot: int | None
+    stateDeadline: float | None  # noqa: N815
+
+
+def _summary(sid: str, f: list[Any]) -> SessionSummary | None:
+    """A summary from ``sid`` and its record's ``_SUMMARY_FIELDS`` values (None: no such record, or a
+    DELETED one, as ``get_sessions`` skips)."""
+    state, tenant, template, epoch, worker, slot, deadline = f
+    if state is None or template is None or state == SessionState.DELETED.value:
+        return None
+    return SessionSummary(sid, SessionState(state), tenant or "default", template, int(epoch or 0),
+                          worker or None, None if slot in (None, "") else int(slot),
+                          None if deadline in (None, "") else float(deadline))
+
+
 @dataclass(frozen=True)
 class CasResult:
     """Outcome of a compare-and-set: ``ok``, and the state and epoch the record has now."""
@@ -375,8 +422,10 @@ class Directory:
         self._expire = self.redis.register_script(_EXPIRE_WORKER)
         self._set_state = self.redis.register_script(_SET_WORKER_STATE)
         self._read_workers = self.redis.register_script(_READ_WORKERS)  # standalone only (list_workers)
+        self._read_summaries = self.redis.register_script(_READ_SUMMARIES)  # standalone only
         self._scripts = (self._cas, self._create, self._commit, self._claim, self._release, self._touch,
-                         self._delete, self._renew, self._expire, self._set_state, self._read_workers)
+                         self._delete, self._renew, self._expire, self._set_state, self._read_workers,
+                         self._read_summaries)
         #: every script is loaded on the server(s) as far as this process knows (see ``_ready``)
         self._loaded = False
 
@@ -668,6 +717,41 @@ class Directory:
             raws = await p.execute()
         return [decode_session(r) if r and "actorTemplate" in r and r.get("state") != "DELETED" else None
                 for r in raws]
+
+    @_translate
+    async def session_summaries(self, *, offset: int = 0, limit: int = 1000
+                                ) -> tuple[list[SessionSummary], int | None]:
+        """Summaries of the sessions at ranks ``offset`` .. ``offset + limit - 1`` of the creation-ordered
+        index (missing and DELETED records left out) and the next offset (None at the end): one round
+        trip on a standalone Redis (a script reads the index range and each record's fields), two on a
+        cluster (the range, then the records' fields pipelined by node). For passes over every session
+        (the repair, the quota reconciliation), where ``list_sessions`` parsed and validated whole records."""
+        prefix, _, suffix = self.keys.session("\0").partition("\0")
+        if self.cluster:
+            sids = await self.redis.zrange(self.keys.sessions_index, offset, offset + limit - 1)
+            async with self.redis.pipeline(transaction=False) as p:
+                for sid in sids:
+                    p.hmget(self.keys.session(sid), *_SUMMARY_FIELDS)
+                rows = await p.execute() if sids else []
+        else:
+            await self._ready()
+            flat = await self._read_summaries(keys=[self.keys.sessions_index],
+                                              args=[offset, offset + limit - 1, prefix, suffix])
+            sids = flat[::8]
+            rows = [flat[i + 1:i + 8] for i in range(0, len(flat), 8)]
+        out = [s for s in (_summary(sid, row) for sid, row in zip(sids, rows)) if s is not None]
+        return out, (offset + len(sids) if len(sids) == limit else None)
+
+    @_translate
+    async def summaries_of(self, sids: list[str]) -> list[SessionSummary]:
+        """Summaries of ``sids`` in order, missing and DELETED ones left out (one pipelined round trip)."""
+        if not sids:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for sid in sids:
+                p.hmget(self.keys.session(sid), *_SUMMARY_FIELDS)
+            rows = await p.execute()
+        return [s for s in (_summary(sid, row) for sid, row in zip(sids, rows)) if s is not None]
 
     @_translate
     async def session_activity(self, sids: list[str]) -> list[tuple[str, str, float, str]]:

@@ -39,14 +39,14 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from substrate.errors import Conflict, DirectoryUnavailable, TooManyRequests, script_failure
 from substrate.keys import Keys
-from substrate.models import ActorTemplate, QuotaLimits, SessionRecord, SessionState
+from substrate.models import ActorTemplate, QuotaLimits, SessionState
 from substrate.settings import QuotaSettings
 
 #: states in which a session holds running quota (and its GPUs)
@@ -200,6 +200,22 @@ def translated(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
+class HeldRecord(Protocol):
+    """What :meth:`Quotas.reconcile` reads of a session: a ``SessionRecord`` or the directory's
+    ``SessionSummary`` (the repair pass reads only those)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> SessionState: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def actorTemplate(self) -> str: ...  # noqa: N802 - the record's field name
+    @property
+    def epoch(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Usage:
     running: int
@@ -321,7 +337,7 @@ class Quotas:
         return Usage(int(running), int(total), sum(int(g) for g in gpus))
 
     @translated
-    async def reconcile(self, records: dict[str, SessionRecord],
+    async def reconcile(self, records: Mapping[str, HeldRecord],
                         gpus_of: Callable[[str], int] | None = None) -> tuple[int, int]:
         """Make the bookkeeping agree with ``records`` (every existing session by ID, read just before):
         drop places of sessions that no longer hold one, add places of live sessions missing one.

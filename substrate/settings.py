@@ -551,6 +551,11 @@ class StateSettings(_Section):
     eager_recovery: bool = False
     suspend_retry_base_s: float = Field(0.5, gt=0)
     suspend_retry_max_s: float = Field(30.0, gt=0)
+    #: the repair pass (every session read: recovery backstop, counters, quotas) runs every tenth scan,
+    #: but no more often than keeps it under this share of the time: after a pass of ``t`` seconds the next
+    #: waits at least ``t * (1 / repair_max_share - 1)``, so a directory too big to read every 10 s is
+    #: read less often instead of keeping the state manager busy (O(sessions) work on a slow timer)
+    repair_max_share: float = Field(0.05, gt=0, le=1)
 
 
 class PoolSettings(_Section):

@@ -396,3 +396,33 @@ async def test_pipelines_send_no_script_check_and_come_back_after_the_server_los
             assert {k: v for k, v in counts.items() if v} == {"SUSPENDED": 1}, counts
         finally:
             await directory.close()
+
+
+async def test_session_summaries_page_through_every_record_with_the_fields_of_its_whole_record(directory):
+    """``session_summaries`` (one script per page on a standalone Redis, pipelined on a cluster) gives
+    the same ID, state, tenant, template, epoch, worker, slot and deadline as the whole record, in
+    creation order, page by page; a record gone from under its index entry is left out but still
+    advances the offset (a delete takes the entry too), and the last page says so (next offset None)."""
+    now = time.time()
+    for i in range(7):
+        rec = _rec(f"s{i}", SessionState.RUNNING if i % 2 else SessionState.SUSPENDED)
+        rec.createdAt = now + i  # the index orders by creation time
+        rec.tenant, rec.epoch = f"t{i % 3}", i + 1
+        if i % 2:
+            rec.worker, rec.slot, rec.stateDeadline = "wa", i, now + 30.5
+        await directory.create_session(rec)
+    await directory.delete_session("s3")
+    await directory.redis.delete(directory.keys.session("s5"))  # its index entry outlived its record
+    pages, offset = [], 0
+    while offset is not None:
+        page, offset = await directory.session_summaries(offset=offset, limit=3)
+        pages.append([s.id for s in page])
+    assert pages == [["s0", "s1", "s2"], ["s4", "s6"], []], pages  # the second page read s4, s5, s6
+    got = {s.id: s for s in (await directory.session_summaries(limit=100))[0]}
+    assert (await directory.session_summaries(limit=100))[1] is None
+    for full in await directory.get_sessions([f"s{i}" for i in range(7)]):
+        s = got.pop(full.id)
+        assert (s.state, s.tenant, s.actorTemplate, s.epoch, s.worker, s.slot, s.stateDeadline) == (
+            full.state, full.tenant, full.actorTemplate, full.epoch, full.worker, full.slot, full.stateDeadline)
+    assert not got, "no summary of a record get_sessions does not give"
+    assert [s.id for s in await directory.summaries_of(["s6", "s3", "nope", "s1"])] == ["s6", "s1"]

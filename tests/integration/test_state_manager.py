@@ -162,6 +162,38 @@ async def test_repair_recovers_sessions_of_vanished_workers_and_frees_orphan_slo
     assert (await d.get_session("fine")).state == SessionState.RUNNING
 
 
+async def test_repair_passes_are_spaced_by_their_own_length_so_they_take_a_bounded_share(env, monkeypatch):
+    """A repair pass reads every session: it runs at every tenth scan, but after a pass of ``t`` seconds
+    the next waits ``t * (1 / repair_max_share - 1)`` (a directory too big to read every 10 s is read
+    less often instead of keeping the state manager busy). The clock is a fake: each pass "takes" 2 s."""
+    d, act, fake, sm, _, settings = env
+    settings.state.repair_max_share = 0.2
+    clock = [1000.0]
+    monkeypatch.setattr("snapshot.state_manager.time.monotonic", lambda: clock[0])
+    passes = []
+
+    async def repair() -> None:
+        passes.append(clock[0])
+        clock[0] += 2.0
+
+    monkeypatch.setattr(sm, "repair", repair)
+    assert sm.repair_due_s(2.0) == pytest.approx(8.0)
+    for _ in range(40):  # scans 1..40, one simulated second apart
+        await sm.scan_once()
+        clock[0] += 1.0
+    # scan 1 at t=1000 (ends 1002: next not before 1010); scan 11 at 1012, 21 at 1024, 31 at 1036: each
+    # tenth scan comes after its due time
+    assert passes == [1000.0, 1012.0, 1024.0, 1036.0]
+    settings.state.repair_max_share = 0.05
+    passes.clear()
+    for _ in range(50):  # scans 41..90
+        await sm.scan_once()
+        clock[0] += 1.0
+    # scan 41 at 1048 runs (ends 1050: next not before 1050 + 2 * 19 = 1088): scans 51, 61, 71 (1060,
+    # 1070, 1080) are skipped; scan 81 at 1090 runs
+    assert passes == [1048.0, 1090.0], passes
+
+
 async def test_a_dead_workers_unanswered_starts_and_wakes_are_recovered_without_a_false_loss(env):
     """A worker that died under a start or a wake (STARTING, RESUMING: no turn had been sent there) lost
     nothing since the snapshot the session came from: its recovery marked them ``worker_lost``, and the
