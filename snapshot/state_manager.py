@@ -12,8 +12,11 @@ Every ``scan_interval_s`` (level-triggered; an error in one step is logged and t
 3. **Deadlines**: a session past its transitional state's deadline is rolled forward or back:
    PENDING -> deleted (it never ran); STARTING/RESUMING -> SUSPENDED (the half-made activation is fenced
    by the next epoch bump); SUSPENDING -> RUNNING if its worker is alive, else SUSPENDED.
-4. **Repairs** (every 10th scan): sessions pointing at a worker that is gone are recovered; slot-table
-   entries whose session does not point back at them are freed.
+4. **Repairs** (every 10th scan, at most ``state.repair_max_share`` of the time): sessions pointing at a
+   worker that is gone are recovered; slot-table entries whose session does not point back at them are
+   freed; the per-state counters and the quota bookkeeping are corrected. It reads every session, so it
+   runs in a task beside the scan, one at a time (a pass over 100,000 sessions took 10-11 s when it read
+   whole records, and held up the dead-worker and deadline duties for as long; about 1-2 s now).
 5. **Orphan sweep** (every ``snapshot.sweep_interval_s``): objects in the store that no kept snapshot
    of an existing session names (uploads of failed or rejected commits, corrupt snapshots set aside,
    snapshots of deleted sessions whose clean-up failed) are deleted once they have been found orphaned
@@ -59,6 +62,8 @@ class StateManager:
         self._scans = 0
         #: no repair pass before this (``time.monotonic()``): see ``repair_due_s``
         self._repair_after = 0.0
+        #: the repair pass in flight, if any (it runs beside the scan, see the module docstring)
+        self._repair: asyncio.Task[None] | None = None
         self._idle_scan_at = 0.0
         self._orphans: set[tuple[str, int, str]] = set()
         self._orphan_objects: dict[str, float] = {}  # object key -> first seen orphaned (s)
@@ -77,7 +82,7 @@ class StateManager:
                                                      "state manager scan", first_delay=True))
 
     async def stop(self) -> None:
-        await cancel_and_wait([self._task, *self._suspending.values(), self._sweep])
+        await cancel_and_wait([self._task, *self._suspending.values(), self._sweep, self._repair])
 
     async def scan_once(self) -> None:
         """One pass of every duty (see module docstring)."""
@@ -87,17 +92,22 @@ class StateManager:
                 await step()
             except Exception:  # noqa: BLE001
                 log.warning("state manager step failed", extra={"step": step.__name__}, exc_info=True)
-        if self._scans % 10 == 1 and time.monotonic() >= self._repair_after:
-            t0 = time.monotonic()
-            try:
-                await self.repair()
-            except Exception:  # noqa: BLE001
-                log.warning("repair failed", exc_info=True)
-            self._repair_after = time.monotonic() + self.repair_due_s(time.monotonic() - t0)
+        if (self._scans % 10 == 1 and (self._repair is None or self._repair.done())
+                and time.monotonic() >= self._repair_after):
+            self._repair = asyncio.create_task(self._repair_quietly())
         if (self.store is not None and (self._sweep is None or self._sweep.done())
                 and time.time() - self._swept_at >= self.settings.snapshot.sweep_interval_s):
             self._swept_at = time.time()
             self._sweep = asyncio.create_task(self._sweep_quietly())
+
+    async def _repair_quietly(self) -> None:
+        t0 = time.monotonic()
+        try:
+            await self.repair()
+        except Exception:  # noqa: BLE001 - the next due pass tries again
+            log.warning("repair failed", exc_info=True)
+        finally:
+            self._repair_after = time.monotonic() + self.repair_due_s(time.monotonic() - t0)
 
     def repair_due_s(self, took_s: float) -> float:
         """The least wait (s) after a repair pass that took ``took_s`` seconds before the next may run:

@@ -178,20 +178,51 @@ async def test_repair_passes_are_spaced_by_their_own_length_so_they_take_a_bound
 
     monkeypatch.setattr(sm, "repair", repair)
     assert sm.repair_due_s(2.0) == pytest.approx(8.0)
-    for _ in range(40):  # scans 1..40, one simulated second apart
+    async def scan() -> None:
         await sm.scan_once()
+        if sm._repair is not None:
+            await sm._repair  # it runs beside the scan: wait for it, so the fake clock moves in order
         clock[0] += 1.0
+
+    for _ in range(40):  # scans 1..40, one simulated second apart
+        await scan()
     # scan 1 at t=1000 (ends 1002: next not before 1010); scan 11 at 1012, 21 at 1024, 31 at 1036: each
     # tenth scan comes after its due time
     assert passes == [1000.0, 1012.0, 1024.0, 1036.0]
     settings.state.repair_max_share = 0.05
     passes.clear()
     for _ in range(50):  # scans 41..90
-        await sm.scan_once()
-        clock[0] += 1.0
+        await scan()
     # scan 41 at 1048 runs (ends 1050: next not before 1050 + 2 * 19 = 1088): scans 51, 61, 71 (1060,
     # 1070, 1080) are skipped; scan 81 at 1090 runs
     assert passes == [1048.0, 1090.0], passes
+
+
+async def test_a_long_repair_pass_holds_up_no_deadline(env, monkeypatch):
+    """The repair reads every session (10-11 s at 100,000 sessions before summaries): it runs beside the
+    scan, one pass at a time, so deadlines are enforced while a pass is under way."""
+    d, act, fake, sm, _, _ = env
+    started, release = asyncio.Event(), asyncio.Event()
+    passes = []
+
+    async def repair() -> None:
+        passes.append(1)
+        started.set()
+        await release.wait()
+
+    monkeypatch.setattr(sm, "repair", repair)
+    await _worker(d, "live")
+    await sm.scan_once()  # scan 1 starts a pass, which hangs
+    await asyncio.wait_for(started.wait(), 5)
+    await _session(d, "re", SessionState.RESUMING, worker="live", deadline_in_s=-1)
+    for _ in range(10):  # scans 2..11: the 11th would start a pass, but one is under way
+        await asyncio.wait_for(sm.scan_once(), 5)
+    rec = await d.get_session("re")
+    assert rec.state == SessionState.SUSPENDED and rec.worker is None, "rolled while the pass hung"
+    assert passes == [1], "one pass at a time"
+    release.set()
+    await asyncio.wait_for(sm._repair, 5)  # type: ignore[arg-type]
+    await sm.stop()
 
 
 async def test_a_dead_workers_unanswered_starts_and_wakes_are_recovered_without_a_false_loss(env):
