@@ -654,7 +654,8 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
     zeros as if measured, ``-n -5`` silently dropped rows, ``--out`` naming a file a traceback at the
     end, and ``--replay`` naming no file left the replay out without a word (fresh-user round 10).
     Returns the workspace sizes in bytes."""
-    for name, value in (("-n", args.n), ("--repeats", args.repeats), ("--wake-repeats", args.wake_repeats)):
+    for name, value in (("-n", args.n), ("--repeats", args.repeats), ("--wake-repeats", args.wake_repeats),
+                        ("--repair-sessions", args.repair_sessions)):
         if value < 1:
             ap.error(f"{name} must be at least 1, not {value}")
     if args.wake_repeats < 2:
@@ -697,6 +698,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="window and compression of the short replay")
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--skip-k8s", action="store_true", help="skip the emulated-cluster figures (loadtest/bench_k8s.py)")
+    ap.add_argument("--skip-repair", action="store_true",
+                    help="skip the state manager's repair pass figures (loadtest/bench_repair.py)")
+    ap.add_argument("--repair-sessions", type=int, default=20_000,
+                    help="session records in the directory for the repair pass figures")
     args = ap.parse_args(argv)
     sizes = _check_args(ap, args)
     try:
@@ -747,6 +752,11 @@ def main(argv: list[str] | None = None) -> None:
             from loadtest.bench_k8s import bench_k8s
 
             section("k8s", lambda: bench_k8s(os.environ["SUBSTRATE_REDIS_URL"]))
+        if not args.skip_repair:
+            from loadtest.bench_repair import bench_repair
+
+            section("repair", lambda: asyncio.run(bench_repair(os.environ["SUBSTRATE_REDIS_URL"],
+                                                               args.repair_sessions)))
         if not args.skip_replay and Path(args.replay).exists():  # the default trace may be absent: said below
             section("replay", lambda: bench_replay(Path(args.replay), args.replay_args.split(), out / "replay"))
     finally:

@@ -18,6 +18,7 @@ from loadtest import bench
     (["--repeats", "0"], "--repeats must be at least 1, not 0"),
     (["-n", "-5"], "-n must be at least 1, not -5"),
     (["--wake-repeats", "1"], "--wake-repeats must be at least 2"),
+    (["--repair-sessions", "0"], "--repair-sessions must be at least 1, not 0"),
     (["--replay", "/nonexistent.csv"], "--replay /nonexistent.csv: no such file (or --skip-replay)"),
 ])
 def test_a_value_no_benchmark_can_run_with_is_refused_before_anything_starts(argv, says, capsys, monkeypatch):
