@@ -72,7 +72,7 @@ from substrate.errors import (
     TooManyRequests,
     WorkerUnavailable,
 )
-from substrate.fairness import ParkedShare, TenantBreaker, victim_filter
+from substrate.fairness import ParkedShare, TenantBreaker, victim_order
 from substrate.loops import cancel_and_wait, run_forever
 from substrate.models import (
     ActorTemplate,
@@ -820,12 +820,11 @@ class Activator:
         ttl = min(_LRU_SCAN_TTL_S, min_idle_s)
         if scan is None or time.monotonic() - scan.at >= ttl:
             scan = self._lru_scans[pool] = await self._scan_lru(pool)
-        only = victim_filter(tenant, scan.held, scan.pool_slots)
         now = time.time()
-        order = [sid for last, sid, owner in scan.order
-                 if (only is None or owner == only) and now - last >= min_idle_s]
+        order = victim_order(tenant, scan.held, scan.pool_slots,
+                             [(sid, owner) for last, sid, owner in scan.order if now - last >= min_idle_s])
         return await self._suspend_victims(order, count, min_idle_s, skipped="pressure suspend skipped",
-                                           scan=scan)
+                                           scan=scan, requester=tenant)
 
     async def _scan_lru(self, pool: str) -> _LruScan:
         """One read of ``pool``'s sessions on READY workers: their slot maps and, per session, only its
@@ -844,13 +843,18 @@ class Activator:
         return _LruScan(at=time.monotonic(), order=order, held=held, pool_slots=sum(w.slots for w in workers))
 
     async def _suspend_victims(self, order: list[str], count: int, min_idle_s: float, *, skipped: str,
-                               recs: dict[str, SessionRecord] | None = None, scan: _LruScan | None = None) -> int:
+                               recs: dict[str, SessionRecord] | None = None, scan: _LruScan | None = None,
+                               requester: str = "") -> int:
         """Suspend up to ``count`` of the sessions ``order`` names (least recently used first), reason
         ``pressure``; a session that refuses (busy since it was read, or moved) is logged as
         ``skipped`` and the next one is tried. ``recs``: their records, if read already; else each
         batch's records are read now, and one no longer RUNNING or idle ``min_idle_s`` is passed
         over. ``scan``: the ``_LruScan`` ``order`` came from; every session tried is taken out of it
-        (another call does not try it again before the next scan). Returns how many were suspended."""
+        (another call does not try it again before the next scan), and its holdings move: the victim's
+        tenant holds one slot fewer, ``requester`` (the tenant whose waiter the freed slot serves; "" none)
+        one more, so a later call before the next scan judges fairness on what the pool holds now (a
+        fresh-user run: each own session suspended for a tenant at its share counted as a slot it had
+        given up, and its next waiter then suspended another tenant's). Returns how many were suspended."""
         async def one(rec: SessionRecord) -> bool:
             try:
                 await self.suspend(rec, idle_s=min_idle_s, reason="pressure")
@@ -861,6 +865,8 @@ class Activator:
                 return False
             if scan is not None:
                 scan.held[rec.tenant] = max(0, scan.held.get(rec.tenant, 0) - 1)
+                if requester:
+                    scan.held[requester] = scan.held.get(requester, 0) + 1
             return True
 
         # ``count`` distinct victims at once (a queue of waiters needs as many slots; suspending them one

@@ -4,7 +4,8 @@
   ``max_parked`` places; the rest stay for others (429 ``tenant_parked_share``).
 * **Placements**: when no slot is free, a placement may suspend an idle session of another tenant only
   while the requesting tenant holds less than its fair share of the pool's slots (slots divided by the
-  tenants present); past its share it can only make room among its own sessions (``victim_filter``).
+  tenants present), and then only as many as it is short of its share; at or past its share it can only
+  make room among its own sessions (``victim_order``).
 * **Circuit breaker**: ``breaker_failures`` failed activations (create or wake) of one tenant's sessions
   of one ActorTemplate within ``breaker_window_s`` open that (tenant, template) breaker for
   ``breaker_open_s``: those creates and wakes get 429 ``tenant_circuit_open`` at once, without claiming
@@ -92,12 +93,31 @@ class ParkedShare:
             del self.by_tenant[tenant]
 
 
-def victim_filter(requester: str, held_by_tenant: dict[str, int], pool_slots: int) -> str | None:
-    """Which tenant's idle sessions a placement for ``requester`` may suspend: ``None`` = anyone's (the
-    requester is under its fair share), else only the requester's own.
-
-    ``held_by_tenant``: slots of the pool held per tenant now; the fair share is the pool's slots divided
-    by the number of tenants present (the requester included), rounded up."""
+def fair_share(requester: str, held_by_tenant: dict[str, int], pool_slots: int) -> int:
+    """A tenant's fair share of a pool's ``pool_slots``: the slots divided by the tenants present
+    (``held_by_tenant``'s, the requester included), rounded up."""
     tenants = set(held_by_tenant) | {requester}
-    share = math.ceil(pool_slots / len(tenants)) if tenants else pool_slots
-    return None if held_by_tenant.get(requester, 0) < share else requester
+    return math.ceil(pool_slots / len(tenants))
+
+
+def victim_order(requester: str, held_by_tenant: dict[str, int], pool_slots: int,
+                 candidates: list[tuple[str, str]]) -> list[str]:
+    """The sessions a placement for ``requester`` may suspend, in the order given (``candidates``:
+    ``(session ID, owning tenant)``, least recently used first): all of the requester's own, and of other
+    tenants' at most as many as the requester is short of its :func:`fair_share` (none at or over it).
+    ``requester`` "" (no requesting tenant: the pool's headroom) may take anyone's.
+
+    Capped, not all-or-nothing: a tenant one slot under its share whose burst queued five wakes could
+    suspend five other tenants' sessions (each make-room call asks for as many slots as it has waiters),
+    and took every slot of the pool (a fresh-user run: the other tenant's next turn was 503 no_capacity)."""
+    if not requester:
+        return [sid for sid, _ in candidates]
+    others = max(0, fair_share(requester, held_by_tenant, pool_slots) - held_by_tenant.get(requester, 0))
+    out = []
+    for sid, owner in candidates:
+        if owner == requester:
+            out.append(sid)
+        elif others > 0:
+            out.append(sid)
+            others -= 1
+    return out

@@ -80,11 +80,11 @@ async def _worker(d: Directory, wid: str, slots: int = 2, warm: int | None = Non
                                          leaseExpiresAt=now + 60, startedAt=now, warmSlots=warm))
 
 
-async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float) -> None:
+async def _idle_running(d: Directory, sid: str, wid: str, idle_s: float, tenant: str = "default") -> None:
     now = time.time()
     slot = await d.claim_slot(wid, sid, now=now - idle_s)  # placed when it last ran
     await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate="counter", pool="default",
-                                         epoch=1, worker=wid, slot=slot, createdAt=now - idle_s,
+                                         tenant=tenant, epoch=1, worker=wid, slot=slot, createdAt=now - idle_s,
                                          updatedAt=now - idle_s, lastActiveAt=now - idle_s))
 
 
@@ -633,6 +633,34 @@ async def test_pressure_suspensions_read_the_pools_sessions_once_per_scan_not_pe
     monkeypatch.setattr(activator_mod, "_LRU_SCAN_TTL_S", 0.0)  # the read has expired: the next ask reads again
     assert await act._suspend_lru("default", 10.0, count=1) == 0
     assert reads == 2 and (await d.get_session("fresh")).state == SessionState.RUNNING
+
+
+async def test_a_tenant_at_its_share_displaces_only_its_own_sessions_also_within_one_scan(env, monkeypatch):
+    """Pool of 4 slots, tenants a and b holding 2 each (each at its share), all idle, b's the least
+    recently used. a's waiters make room among a's sessions only, also on the second ask answered from the
+    same read: the slot the first victim freed went to a's waiter, so a still holds its share (a
+    fresh-user run: the read counted a's suspended session as a slot a had given up, and a's next waiter
+    suspended b's session; b's next turn was 503 no_capacity). A newcomer c (share 2 of 4, holding none),
+    asking for 4 slots at once, displaces at most 2 of the others' sessions."""
+    import substrate.activator as activator_mod
+
+    d, act, workers = env
+    await _worker(d, "w", slots=4)
+    for sid, tenant, idle_s in (("b-1", "b", 400), ("b-2", "b", 300), ("a-1", "a", 200), ("a-2", "a", 100)):
+        await _idle_running(d, sid, "w", idle_s=idle_s, tenant=tenant)
+    await act.view.refresh()
+    monkeypatch.setattr(activator_mod, "_LRU_SCAN_TTL_S", 60.0)
+    assert await act._suspend_lru("default", 10.0, tenant="a", count=1) == 1
+    assert await act._suspend_lru("default", 10.0, tenant="a", count=1) == 1
+    assert workers.suspended == ["a-1", "a-2"], "a at its share: its own sessions only, both asks"
+    assert await act._suspend_lru("default", 10.0, tenant="a", count=1) == 0, "nothing of a's left to suspend"
+    for i in range(2):  # a's waiters take the two slots the suspends freed
+        await _idle_running(d, f"a-new-{i}", "w", idle_s=50, tenant="a")
+        assert ((await d.get_session(f"a-new-{i}")).slot or 0) >= 0, "a free slot"
+    monkeypatch.setattr(activator_mod, "_LRU_SCAN_TTL_S", 0.0)  # read the pool again
+    workers.suspended.clear()
+    assert await act._suspend_lru("default", 10.0, tenant="c", count=4) == 2
+    assert workers.suspended == ["b-1", "b-2"], "c is 2 short of its share: the 2 least recently used, not 4"
 
 
 async def test_a_session_that_became_running_after_a_scan_is_found_by_the_next_scan(env, monkeypatch):

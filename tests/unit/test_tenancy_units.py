@@ -11,7 +11,7 @@ import pytest
 
 from api.errors_doc import ERROR_CODES, openapi_error_schema
 from substrate.errors import TooManyRequests
-from substrate.fairness import ParkedShare, TenantBreaker, victim_filter
+from substrate.fairness import ParkedShare, TenantBreaker, fair_share, victim_order
 from substrate.models import EnvVar
 from substrate.secrets import SecretUnavailable, resolve_env
 from substrate.settings import QuotaSettings
@@ -64,12 +64,18 @@ def test_parked_share_caps_one_tenant():
     p.enter("a", 1)
 
 
-def test_victim_filter_fair_share():
-    # 16 slots, tenants a and b: fair share 8
-    assert victim_filter("a", {"a": 3, "b": 13}, 16) is None, "under its share: may displace anyone idle"
-    assert victim_filter("b", {"a": 3, "b": 13}, 16) == "b", "over its share: only its own sessions"
-    assert victim_filter("c", {"a": 8, "b": 8}, 16) is None, "a newcomer gets a share"
-    assert victim_filter("a", {}, 4) is None
+def test_victim_order_fair_share():
+    """A tenant under its fair share may displace other tenants' idle sessions, but only as many as it is
+    short of its share; at or over it, only its own; no requester (headroom): anyone's."""
+    cands = [("b1", "b"), ("a1", "a"), ("b2", "b"), ("c1", "c"), ("a2", "a")]
+    assert fair_share("a", {"a": 3, "b": 13}, 16) == 8
+    assert fair_share("c", {"a": 8, "b": 8}, 16) == 6, "a newcomer gets a share"
+    assert victim_order("a", {"a": 6, "b": 10}, 16, cands) == ["b1", "a1", "b2", "a2"], "2 short: 2 others"
+    assert victim_order("a", {"a": 7, "b": 9}, 16, cands) == ["b1", "a1", "a2"], "1 short: 1 other"
+    assert victim_order("b", {"a": 3, "b": 13}, 16, cands) == ["b1", "b2"], "over its share: only its own"
+    assert victim_order("a", {"a": 1, "b": 1}, 2, cands) == ["a1", "a2"], "at its share: only its own"
+    assert victim_order("a", {}, 4, cands) == ["b1", "a1", "b2", "c1", "a2"], "alone: its share is the pool"
+    assert victim_order("", {"a": 2, "b": 2}, 4, cands) == [s for s, _ in cands], "headroom: anyone's"
 
 
 def test_resolve_env_tenant_first_then_shared(tmp_path):
