@@ -1727,9 +1727,11 @@ class Activator:
             delay = min(delay * 2, 0.05)
 
     async def committed_view(self, before: SessionRecord, ref: SnapshotRef) -> SessionRecord:
-        """The record as a suspend of ``before`` (RUNNING) left it by committing ``ref``. Read back if
-        it still shows that commit; when a concurrent resume (or delete) has moved it on since, made
-        from ``before`` with what the commit changed (state, snapshot, worker and slot cleared), and the
+        """The record as an explicit suspend of ``before`` (RUNNING) left it by committing ``ref``. Read
+        back if it still shows that commit; when a concurrent resume (or delete) has moved it on since,
+        made from ``before`` with what the commit changed (state, snapshot, ``suspendReason`` explicit,
+        worker and slot cleared: the 202 said ``suspendReason: null``, which the README keeps for
+        recoveries, in a fresh-user run of suspends racing resumes), and the
         turns and loss fields of the current record if it still holds ``ref`` (a resume leaves them),
         so the answer never names a later state or a snapshot other than the one committed."""
         try:
@@ -1741,7 +1743,7 @@ class Activator:
             return cur
         update: dict[str, object] = {
             "state": SessionState.SUSPENDED, "snapshot": ref, "worker": None, "slot": None,
-            "stateDeadline": None, "updatedAt": time.time(),
+            "suspendReason": "explicit", "stateDeadline": None, "updatedAt": time.time(),
             "previousSnapshot": (before.snapshot or before.previousSnapshot)
             if self.settings.snapshot.retention > 1 else None}
         if cur is not None and cur.snapshot is not None and cur.snapshot.key == ref.key:

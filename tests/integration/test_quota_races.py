@@ -361,6 +361,8 @@ async def test_a_suspend_answers_the_record_its_commit_left_though_a_resume_move
     assert now.state == SessionState.RUNNING
     assert (got.state, got.epoch, got.worker, got.slot) == (SessionState.SUSPENDED, before.epoch, None, None)
     assert got.snapshot == now.snapshot and got.snapshot is not None and got.snapshot.epoch == before.epoch
+    # an explicit suspend's answer says so (null is a recovery's: a fresh-user run got null here)
+    assert before.suspendReason is None and got.suspendReason == "explicit"
 
 
 async def test_a_lost_suspend_meeting_a_suspend_under_way_answers_suspended_not_suspending(directory):
