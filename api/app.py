@@ -780,7 +780,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                                availableSlots=sum(w.freeSlots for w in ready),
                                observedGeneration=pool.metadata.generation)
             if rt.pools is not None:
-                d["status"]["conditions"] = [c.model_dump() for c in rt.pools.conditions(pool.name)]
+                d["status"]["conditions"] = [c.model_dump() for c in rt.pools.conditions(pool.name, ready=len(ready))]
             items.append(d)
         return {"items": items}
 

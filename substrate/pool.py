@@ -340,8 +340,19 @@ class PoolController:
         """The spec ``reconcile`` sizes against (a backend-specific controller may add surge capacity)."""
         return pool.spec
 
-    def conditions(self, pool: str) -> list[Condition]:
-        return list(self._state.get(pool, _PoolState()).conditions)
+    def conditions(self, pool: str, *, ready: int | None = None) -> list[Condition]:
+        """The pool's status conditions as of the controller's last round; with ``ready`` (READY workers
+        counted by the caller just now) the ``Ready`` condition says that count, so it agrees with the
+        ``readyReplicas`` shown beside it (it said "0 ready of 2 desired" next to ``readyReplicas: 2``
+        when the two were read a round apart: a fresh-user run)."""
+        st = self._state.get(pool, _PoolState())
+        if ready is None:
+            return list(st.conditions)
+        out = [c for c in st.conditions if c.type != "Ready"]
+        # before the controller's first round nothing was desired yet
+        message = f"{ready} ready of {st.desired} desired" if st.conditions else f"{ready} ready"
+        return [Condition(type="Ready", status="True" if ready else "False",
+                          reason="WorkersReady" if ready else "NoReadyWorker", message=message), *out]
 
     async def _loop(self) -> None:
         wanted: asyncio.Event | None = getattr(self.activator, "capacity_wanted", None)

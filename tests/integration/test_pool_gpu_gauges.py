@@ -62,3 +62,17 @@ async def test_gauges_from_worker_reported_gpu_memory(d) -> None:
     assert metrics.GPU_MEMORY_TOTAL.labels(pool="gpus")._value.get() == 120 * GIB
     assert metrics.GPU_MEMORY_FRAGMENTED.labels(pool="gpus")._value.get() == 40 * GIB
     assert (await d.get_worker("w1")).gpuMemoryBytes == 80 * GIB  # the record round-trips through Redis
+
+
+async def test_the_ready_condition_says_the_ready_count_it_is_shown_beside(d) -> None:
+    """``/v1/workerpools`` reads the workers live and the conditions from the controller's last round: a
+    fresh-user run saw ``readyReplicas: 2`` beside Ready False "0 ready of 2 desired". With the live count
+    given, the Ready condition says it, with the last round's desired count."""
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "gpus"}, "spec": {"replicas": 2, "slots": 1}}]
+    pc = PoolController(Settings(), d, load_documents(docs), Backend([]), None, scale_down_delay_s=600)
+    assert [c.message for c in pc.conditions("gpus", ready=0)] == ["0 ready"], "before the first round"
+    await pc.tick()  # no worker registered yet: the round sees none ready, and wants 2
+    assert next(c for c in pc.conditions("gpus") if c.type == "Ready").message == "0 ready of 2 desired"
+    ready = next(c for c in pc.conditions("gpus", ready=2) if c.type == "Ready")
+    assert (ready.status, ready.reason, ready.message) == ("True", "WorkersReady", "2 ready of 2 desired")
+    assert [c.type for c in pc.conditions("gpus", ready=2)] == ["Ready", "Scaling"]
