@@ -134,6 +134,10 @@ class RedisSettings(_Section):
         return v
 
 
+#: the shortest ``api.auth_token`` accepted (an admin credential; as the internal token's bound)
+MIN_AUTH_TOKEN_CHARS = 16
+
+
 class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
@@ -238,6 +242,12 @@ class ApiSettings(_Section):
             raise ValueError("SUBSTRATE_API__AUTH_TOKEN holds an API key (sk_...): that would make a tenant's "
                              "key an admin token. The client commands read SUBSTRATE_TOKEN; unset this one "
                              "or give it a secret of its own")
+        if v and len(v) < MIN_AUTH_TOKEN_CHARS:
+            # it is an admin credential (any tenant's sessions): a fresh-user run started with the token
+            # ``a`` and no word, while API keys shorter than 19 characters are refused
+            raise ValueError(f"SUBSTRATE_API__AUTH_TOKEN is shorter than {MIN_AUTH_TOKEN_CHARS} characters: it is "
+                             "an admin credential, and anyone could guess it; set a secret of its own, e.g. "
+                             "the output of `openssl rand -hex 24`")
         return v
 
 

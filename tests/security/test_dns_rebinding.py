@@ -58,6 +58,6 @@ def test_allowed_hosts_add_names(runtime_factory) -> None:
 
 
 def test_with_credentials_the_host_is_not_checked(runtime_factory) -> None:
-    rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_API__AUTH_TOKEN": "t0ken-for-tests"})
-    r = rt.client.http.get("/v1/sessions", headers={"Host": "router.example", "Authorization": "Bearer t0ken-for-tests"})
+    rt = runtime_factory(replicas=1, slots=2, env={"SUBSTRATE_API__AUTH_TOKEN": "t0ken-for-tests-0123456789"})
+    r = rt.client.http.get("/v1/sessions", headers={"Host": "router.example", "Authorization": "Bearer t0ken-for-tests-0123456789"})
     assert r.status_code == 200, r.text

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import RuntimeProc
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 
 
 @pytest.fixture(scope="module")

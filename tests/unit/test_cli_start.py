@@ -32,6 +32,20 @@ def _mock_client(monkeypatch: pytest.MonkeyPatch, handler) -> None:  # noqa: ANN
         server, token=token, transport=httpx.MockTransport(handler)))
 
 
+@pytest.mark.parametrize("token", ["a", "x" * 15])
+def test_a_short_admin_token_is_refused_before_anything_starts(token: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The admin token reaches every tenant's sessions: ``a`` was taken without a word (fresh-user run),
+    while API keys shorter than 19 characters are refused. 16 characters at least."""
+    monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", token)
+    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["up", "--port", "1"])
+    assert r.exit_code == 2, r.output
+    assert "shorter than 16 characters" in r.output and "openssl rand" in r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "redis").exists()  # nothing was started
+
+
 def test_an_api_key_as_the_admin_token_is_refused_before_anything_starts(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", "sk_abc123_secretsecret")
@@ -88,7 +102,7 @@ def test_the_admin_token_variable_is_not_the_client_token(monkeypatch: pytest.Mo
 
     _mock_client(monkeypatch, handler)
     monkeypatch.delenv("SUBSTRATE_TOKEN", raising=False)
-    monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", "admin-secret")
+    monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", "admin-secret-0123456789")
     r = CliRunner().invoke(app, ["stats"])
     assert r.exit_code == 0, r.output
     assert seen == [None]
