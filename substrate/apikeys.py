@@ -62,6 +62,22 @@ class ApiKey:
     sha256: str
 
 
+#: the ``<id>`` of a key ``sk_<id>_<secret>`` (``keys create`` makes 8 hex digits)
+_KEY_ID = re.compile(r"sk_([A-Za-z0-9]{1,64})_")
+
+
+def file_key_id(name: str | None, key: str | None, digest: str) -> str:
+    """The ID of a key given by file or env: its ``name``; without one, the ``<id>`` of its
+    ``sk_<id>_<secret>`` key, the ID ``keys create`` printed with it (a fresh-user run revoked a file key
+    by that ID and got ``api_key_not_found``: it had been ``file-`` and the start of its hash); for a
+    ``sha256`` entry, ``file-`` and the first 8 hex digits of the hash."""
+    if name:
+        return name
+    if key and (m := _KEY_ID.match(key)):
+        return m.group(1)
+    return f"file-{digest[:8]}"
+
+
 class ApiKeyStore:
     """Create, revoke, list and look up API keys (one Redis round trip each)."""
 
@@ -137,7 +153,7 @@ class ApiKeyStore:
                 log.warning("API key #%d of tenant %r (file or env) was revoked with `substrate keys revoke`: it "
                             "stays revoked; remove it from the file or env, or give a new key", i, s.tenant)
                 continue
-            rec = ApiKey(s.name or f"file-{digest[:8]}", s.tenant, s.admin, s.name, time.time(), digest)
+            rec = ApiKey(file_key_id(s.name, s.key, digest), s.tenant, s.admin, s.name, time.time(), digest)
             added += await self._put(rec, only_new=True)
         before = set(await self.redis.smembers(self.imported_key))
         gone = before - given

@@ -1395,6 +1395,21 @@ def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant
     print(key)
 
 
+def _entry_digest(e: dict[str, Any]) -> str:
+    """The SHA-256 (hex) of a key file entry's key: its ``sha256``, or the hash of its ``key``."""
+    from substrate.apikeys import hash_key
+
+    return str(e.get("sha256") or (hash_key(str(e["key"])) if e.get("key") else "")).lower().removeprefix("sha256:")
+
+
+def _entry_id(e: dict[str, Any]) -> str:
+    """A key file entry's ID, as the runtime gives it at import (``apikeys.file_key_id``)."""
+    from substrate.apikeys import file_key_id
+
+    name, key = e.get("name"), e.get("key")
+    return file_key_id(str(name) if name else None, str(key) if key else None, _entry_digest(e))
+
+
 @keys_app.command("revoke")
 def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID (from `keys list`) or the key itself."),
                 file: Optional[Path] = typer.Option(None, "--file", help="Remove it from this key file instead "
@@ -1405,7 +1420,7 @@ def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID
 
     if file is not None:
         entries = _file_keys(file)
-        keep = [e for e in entries if key_id not in (e.get("name"), e.get("sha256"), e.get("key"))
+        keep = [e for e in entries if key_id not in (_entry_id(e), e.get("sha256"), e.get("key"))
                 and e.get("sha256") != hash_key(key_id)]
         if len(keep) == len(entries):
             err.print(f"[red]error api_key_not_found[/red]: no key {escape(key_id)} in {file}")
@@ -1430,8 +1445,8 @@ def keys_list(file: Optional[Path] = typer.Option(None, "--file", help="List the
     if file is not None:  # as create and revoke take it (fresh-user run: "No such option: --file")
         t = Table("ID", "TENANT", "ADMIN", "SHA256")
         for e in _file_keys(file):
-            digest = str(e.get("sha256") or (hash_key(str(e["key"])) if e.get("key") else "")).removeprefix("sha256:")
-            t.add_row(str(e.get("name") or f"file-{digest[:8]}"), str(e.get("tenant", "")),
+            digest = _entry_digest(e)
+            t.add_row(_entry_id(e), str(e.get("tenant", "")),
                       "yes" if e.get("admin") else "", digest[:16] + "...")
         console.print(t)
         return

@@ -196,6 +196,21 @@ async def test_a_key_removed_from_the_key_file_stops_working_at_the_next_start(r
     assert await store.import_specs([]) == 0 and await store.count() == 0 and await store.ever_configured()
 
 
+async def test_a_file_key_is_known_by_its_name_or_the_id_inside_its_key(redis_prefix):
+    """A key given by file or env is listed and revoked by its ``name``; without one, by the ``<id>`` of
+    its ``sk_<id>_<secret>`` (a fresh-user run: ``keys revoke aaaa1111`` said api_key_not_found for
+    ``sk_aaaa1111_...``, whose ID had been ``file-`` and the start of its hash); a ``sha256`` entry by
+    ``file-`` and the start of the hash."""
+    r, keys, prefix = redis_prefix
+    store = ApiKeyStore(r, keys)
+    plain, named, digest = "sk_aaaa1111_" + "a" * 30, "sk_bbbb2222_" + "b" * 30, "cd" * 32
+    assert await store.import_specs([ApiKeySpec(tenant="t1", key=plain), ApiKeySpec(tenant="t2", key=named, name="ci"),
+                                     ApiKeySpec(tenant="t3", sha256=digest)]) == 3
+    assert sorted(k.id for k in await store.list()) == ["aaaa1111", "ci", "file-cdcdcdcd"]
+    assert (await store.revoke("aaaa1111")).tenant == "t1"
+    assert await store.lookup(hash_key(plain)) is None and await store.lookup(hash_key(named)) is not None
+
+
 async def test_a_key_revoked_with_the_cli_stays_revoked_though_the_file_lists_it(redis_prefix, caplog):
     r, keys, prefix = redis_prefix
     store = ApiKeyStore(r, keys)

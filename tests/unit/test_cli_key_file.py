@@ -111,3 +111,10 @@ def test_keys_list_reads_a_key_file_and_never_shows_a_key(tmp_path: Path) -> Non
     assert r.exit_code == 0, r.output
     assert "ci" in r.output and "team-c" in r.output and "file-abababab" in r.output and "yes" in r.output
     assert "secret1" not in r.output
+    # without a name, a key's ID is the <id> inside it, as at import; revoke --file takes that ID
+    f.write_text("- {tenant: team-e, key: sk_cafe1234_secret3secret3secret3}\n")
+    r = CliRunner().invoke(app, ["keys", "list", "--file", str(f)])
+    assert r.exit_code == 0 and "cafe1234" in r.output and "file-" not in r.output, r.output
+    r = CliRunner().invoke(app, ["keys", "revoke", "cafe1234", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "cafe1234" not in f.read_text()
