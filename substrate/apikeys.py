@@ -240,6 +240,13 @@ def load_key_file(path: Path) -> list[ApiKeySpec]:
                            code="invalid_api_key_spec") from e
     if isinstance(data, dict) and "keys" in data:
         data = data["keys"]
+    if data is None:
+        # refused rather than read as "no keys": with no other key the API would then be open, and the file
+        # was surely meant to close it (a fresh-user run took the refusal for a parse bug, as `keys create
+        # --file` appends to an empty file): say what to do
+        raise InvalidInput(f"API key file {path} is empty: with no key the API would be open to anyone; add one "
+                           f"with `substrate keys create TENANT --file {path}`, or unset "
+                           "SUBSTRATE_AUTH__API_KEYS_FILE for open mode", code="invalid_api_key_spec")
     if not isinstance(data, list):
         raise InvalidInput(f"API key file {path} must hold a list of keys", code="invalid_api_key_spec")
     out: list[ApiKeySpec] = []

@@ -174,6 +174,9 @@ def test_a_folder_that_is_a_file_is_one_line_and_exit_2(var: str, monkeypatch: p
     ("- tenant: team-x\n  key: sk_abc_secret1234567890\n  key: sk_abc_secret1234567899\n", None,
      "key 'key' at line 3, column 3 appears twice in one mapping (first at line 2, column 3)"),
     ("- tenant: team-x\n  key: sk_\n", None, "is 3 characters: an API key needs at least 19"),
+    # a fresh-user run: an empty file said "must hold a list of keys" while `keys create --file` took it
+    ("", None, "is empty: with no key the API would be open to anyone; add one with `substrate keys create"),
+    ("# keys\n", None, "is empty"),
     ("- {tenant: team-x, key: sk_abc_secret1234567890}\n", '[{"tenant":"team-b","key":"sk_abc_secret1234567890"}]',
      "(tenant 'team-x') gives the same key as SUBSTRATE_AUTH__API_KEYS entry 0 (tenant 'team-b')"),
 ])
