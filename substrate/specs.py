@@ -801,4 +801,24 @@ def load_catalog(path: Path | str, *, check_modules: bool = False, log_warnings:
             raise SpecError(f"{where.get(('ActorTemplate', name), path)}: {e.message}", code=e.code) from None
     if check_modules:
         check_entrypoint_modules(cat.templates, {n: f for (what, n), f in where.items() if what == "ActorTemplate"})
+        for msg in local_gpu_warnings(cat.templates):
+            cat.warnings.append(msg)
+            if log_warnings:
+                log.warning(msg)
     return cat
+
+
+def local_gpu_warnings(templates: dict[str, ActorTemplate]) -> list[str]:
+    """For the local runtime (workers on this machine): a warning per template that asks for GPUs
+    (``spec.resources.gpus``) when this machine shows none (no ``nvidia-smi``): such sessions run, without a
+    GPU (a fresh-user run: a template with ``gpus: 1`` was created RUNNING with no word). GPUs are allocated
+    only on Kubernetes (ResourceClaims); locally ``gpus`` counts toward ``maxGpus`` quotas and nothing
+    else."""
+    import shutil
+
+    asking = sorted(n for n, t in templates.items() if t.spec.resources.gpus)
+    if not asking or shutil.which("nvidia-smi") is not None:
+        return []
+    return [f"ActorTemplate {n!r} asks for {templates[n].spec.resources.gpus} GPU(s) (spec.resources.gpus), but this "
+            "machine shows none (no nvidia-smi): the local runtime runs its sessions without a GPU (GPUs are "
+            "allocated on Kubernetes only; here `gpus` counts toward maxGpus quotas)" for n in asking]

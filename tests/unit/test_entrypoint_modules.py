@@ -149,3 +149,25 @@ def test_module_names_reads_top_level_bindings_without_running_the_module(tmp_pa
     cfg = _config(tmp_path, ("c", "workers.agents.counter:Counter"), ("s", "workers.agents.shell:Shell"),
                   ("n", "workers.agents.notebook:Notebook"))
     assert set(load_catalog(cfg, check_modules=True).templates) == {"c", "s", "n"}
+
+
+def test_a_template_asking_for_gpus_on_a_machine_without_any_is_warned_about_locally(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user run: ``resources: {gpus: 1}`` ran on the local pool with no GPU and no word. The local
+    load (``check_modules``) warns per such template when no ``nvidia-smi`` is on the PATH; a machine that
+    has one, and the Kubernetes load (GPUs come from ResourceClaims there), say nothing."""
+    cfg = _config(tmp_path, ("counter", "workers.agents.counter:Counter"))
+    (cfg / "gpu.yaml").write_text(TEMPLATE.replace("spec: {", "spec: {resources: {gpus: 2}, ")
+                                  % ("trainer", "workers.agents.counter:Counter"))
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    got = [w for w in load_catalog(cfg, check_modules=True).warnings if "GPU" in w]
+    assert got == ["ActorTemplate 'trainer' asks for 2 GPU(s) (spec.resources.gpus), but this machine shows none "
+                   "(no nvidia-smi): the local runtime runs its sessions without a GPU (GPUs are allocated on "
+                   "Kubernetes only; here `gpus` counts toward maxGpus quotas)"]
+    assert not [w for w in load_catalog(cfg).warnings if "GPU" in w], "not checked where workers run elsewhere"
+    smi = empty / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n")
+    smi.chmod(0o755)
+    assert not [w for w in load_catalog(cfg, check_modules=True).warnings if "GPU" in w]
