@@ -385,9 +385,10 @@ async def _read_body(receive: Receive) -> bytes:
 async def invoke(request: Request) -> Response:
     """Proxy one turn to the session's worker, waking the session first if it is suspended.
 
-    Reads the scope's headers, query string and body directly (Starlette's ``Request.headers``,
-    ``query_params`` and ``body()`` cost about 7 % of a saturated router's CPU: profile in
-    ``docs/bench/router-profile-2026-12-06b.md``), with the same answers."""
+    Reads the scope's headers, query string and body directly, with the same answers: Starlette's
+    ``Request.headers`` (a walk of the header list per lookup), ``query_params`` and ``body()`` took a
+    measurable part of a saturated router's CPU (the router's CPU per turn went down about 14 %, paired
+    A/B in ``docs/bench/2026-12-06-invoke-scope-ab.md``)."""
     runtime: Runtime = request.app.state.runtime
     scope = request.scope
     sid = scope["path_params"]["sid"]

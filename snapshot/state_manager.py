@@ -259,9 +259,9 @@ class StateManager:
 
         Reads every session once, as a :class:`~substrate.directory.SessionSummary` (the fields these
         checks need: no JSON fields, no model validation), and the records of the sessions that hold
-        slots again, fresh, for the orphan check. Measured on this machine (2 vCPUs, a 20,000-session
-        directory, ``/tmp`` scratch script in the note of 2026-12-06): a pass took 2.3-2.6 s of CPU when
-        it read every whole record twice; see ``repair_due_s`` for how often it runs."""
+        slots again, fresh, for the orphan check. Measured here (2 vCPUs; ``loadtest/bench_repair.py``,
+        ``docs/bench/2026-12-06-repair-scale-ab.md``): a pass over 20,000 sessions took 2.2-2.6 s of CPU
+        when it read every whole record twice, 0.14-0.23 s now; see ``repair_due_s`` for how often it runs."""
         d = self.directory
         counted_before = await d.state_counts()
         counts: dict[str, int] = {}
