@@ -276,7 +276,8 @@ async def _body_limit(request: Request) -> None:
 def _check_body(request: Request, body: bytes) -> None:
     """The body checks in order (the label, then the JSON): also run when FastAPI's own parse of a body
     failed first, so a compressed body is told 415 about its encoding, not 400 "not UTF-8"."""
-    proxy.check_json_content_type(request.headers.get("content-type"), body, request.headers.get("content-encoding"))
+    proxy.check_json_content_type(request.headers.get("content-type"), body,
+                                  proxy.header_list(request.scope["headers"], b"content-encoding"))
     if body:
         proxy.check_json_keys(body)
 

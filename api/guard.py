@@ -408,6 +408,31 @@ def encoded_slash(raw_path: bytes) -> tuple[int, str] | None:
     return None
 
 
+def upgrade_losing_body(raw_headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """Why a request that asks for a protocol upgrade (``Connection: upgrade`` and ``Upgrade: ...``: an h2c
+    upgrade, as ``curl --http2`` sends over ``http://``, or a WebSocket handshake) and carries a body must
+    be refused, or None. This server takes no upgrade, and may ignore one (RFC 9110 7.8), which a request
+    without a body gets: it is answered as plain HTTP/1.1. But the HTTP parser stops at the head of an
+    upgrade request, so its body never arrives: a create or invoke sent by ``curl --http2`` was answered
+    400 "the body is empty", and one with WebSocket headers was held open with no answer at all
+    (fresh-user run). Refused at once instead (400, connection closed)."""
+    connection = upgrade = None
+    has_body = False
+    for name, value in raw_headers:
+        if name == b"connection":
+            connection = value.lower()
+        elif name == b"upgrade":
+            upgrade = value
+        elif name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"0", b"")):
+            has_body = True
+    if upgrade is None or connection is None or not has_body or \
+            b"upgrade" not in (t.strip() for t in connection.split(b",")):
+        return None
+    return (f"this server takes no protocol upgrade (Upgrade: {clip(upgrade.decode('latin-1'), quote=False)}), and the body of a "
+            "request asking for one is lost: send it as plain HTTP/1.1 without Upgrade (curl: --http1.1 instead "
+            "of --http2)")
+
+
 #: the index of the session ID's segment in ``/v1/sessions/{sid}...`` split at ``/``
 _SID_SEGMENT = 3
 
@@ -421,7 +446,14 @@ class Guard:
         self.query_names = QueryNames()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if not (path.startswith("/v1/") or path == "/v1"):  # ``/v1`` too: its 404 had no request ID
+            if (why := upgrade_losing_body(scope["headers"])) is not None:
+                await _answer(send, 400, "bad_request", why)
+                return
             await self.app(scope, receive, send)
             return
         settings, auth = self.get_settings(scope)
@@ -433,6 +465,9 @@ class Guard:
         headers = dict(scope["headers"])  # a repeated Host, Authorization or ID is refused just below
         sent_id = headers.get(b"x-request-id")
         state["request_id"], bad_id = id_of(sent_id.decode("latin-1") if sent_id is not None else None)
+        if b"upgrade" in headers and (why := upgrade_losing_body(scope["headers"])) is not None:
+            await _answer(send, 400, "bad_request", why, scope=scope)
+            return
         if (twice := repeated_header(scope["headers"])) is not None:
             name = _ONCE_NAMES[twice]
             if twice == b"x-request-id":

@@ -177,7 +177,7 @@ def check_json_content_type(content_type: str | None, body: bytes, content_encod
     shell session under an ID it chose and run commands in it), while ``application/json`` is not."""
     if not body:
         return
-    if content_encoding and content_encoding.strip().lower() != "identity":
+    if content_encoding and any(c.strip().lower() not in ("identity", "") for c in content_encoding.split(",")):
         # a gzip body was "not UTF-8 text" (400 bad_json): say what is wrong
         raise UnsupportedMediaType(f"Content-Encoding {clip(content_encoding)} is not supported: send the body "
                                    "uncompressed", code="unsupported_media_type")
@@ -195,6 +195,15 @@ def check_json_content_type(content_type: str | None, body: bytes, content_encod
     got = f"Content-Type {clip(content_type)} is not JSON" if content_type else "the body has no Content-Type"
     raise UnsupportedMediaType(f"{got}: send the body as JSON with the header 'Content-Type: application/json' "
                                "(curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+
+
+def header_list(raw: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """Every value of header ``name`` (lower-case) in an ASGI scope's ``raw`` headers, joined with ", " as
+    one list (RFC 9110 5.3: repeated field lines of a list header are one comma-separated value), or None.
+    A ``Content-Encoding: identity`` then ``Content-Encoding: gzip`` was checked by its first line only:
+    the gzip body reached the JSON parser (fresh-user run)."""
+    values = [v.decode("latin-1") for k, v in raw if k == name]
+    return ", ".join(values) if values else None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -405,9 +414,9 @@ async def invoke(request: Request) -> Response:
         body = await _read_body(request.receive)
         if len(body) > limit:
             raise PayloadTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
-        ctype, cenc = headers.get(b"content-type"), headers.get(b"content-encoding")
+        ctype = headers.get(b"content-type")
         check_json_content_type(None if ctype is None else ctype.decode("latin-1"), body,
-                                None if cenc is None else cenc.decode("latin-1"))
+                                header_list(raw, b"content-encoding") if b"content-encoding" in headers else None)
         check_invoke_body(body)
         # no query string (nearly every turn): nothing to parse
         stream = stream_param(request.query_params.getlist("stream")) if scope.get("query_string") else False
@@ -432,8 +441,7 @@ async def invoke(request: Request) -> Response:
         # a key a client library made up for its own retries (the SDK and the CLI key every turn) makes
         # room first, like the router's own: with 64 such turns an explicit key was pushed out of the
         # window and its retry ran the turn again (fresh-user round 25)
-        raw_origin = headers.get(b"x-substrate-key-origin")
-        origin = None if raw_origin is None else raw_origin.decode("latin-1")
+        origin = header_list(raw, b"x-substrate-key-origin") if b"x-substrate-key-origin" in headers else None
         if origin is not None and origin != "auto":
             raise InvalidInput(f"X-Substrate-Key-Origin takes only 'auto' (a key a client library made for its "
                                f"own retries), not {clip(origin)}", code="invalid_idempotency_key")

@@ -335,7 +335,10 @@ def server_config(api: Any, host: str, port: int) -> uvicorn.Config:
     """The uvicorn config ``substrate up`` and ``substrate router`` serve the API with: ``api`` is
     ``Settings().api`` (``header_read_timeout_s``, ``keep_alive_timeout_s``); uvloop, no access log,
     10 s of graceful shutdown."""
-    return uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop",
+    # ws="none": the API serves no WebSocket, so a handshake is plain HTTP (an upgrade with a body is
+    # refused by the front door, api.guard.upgrade_losing_body); with a WebSocket library installed it
+    # was handed to one and answered 403 with no body and no request ID (fresh-user run)
+    return uvicorn.Config("api.main:app", host=host, port=port, loop="uvloop", ws="none",
                           http=header_timeout_protocol(api.header_read_timeout_s),
                           timeout_keep_alive=api.keep_alive_timeout_s,
                           log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10)

@@ -572,6 +572,89 @@ def test_a_compressed_or_non_utf8_body_is_415_and_changes_nothing(rt: RuntimePro
             a.delete(f"/v1/sessions/{sid}")
 
 
+@pytest.mark.parametrize("route", ["create", "invoke"])
+def test_every_line_of_a_repeated_content_encoding_is_checked(rt: RuntimeProc, route: str) -> None:
+    """``Content-Encoding: identity`` then ``Content-Encoding: gzip`` was checked by its first line only: the
+    gzip body reached the JSON parser (400 "UTF-16 or UTF-32 text"), and a plain body passed (fresh-user
+    run). Repeated lines are one list (RFC 9110 5.3): any coding but identity is 415."""
+    import gzip
+
+    with _http(rt, KEY_A) as a:
+        sid = _create(a)["id"]
+        try:
+            before = _count(a)
+            raw = b'{"input":"increment"}' if route == "invoke" else b'{"actorTemplate":"counter"}'
+            path = f"/v1/sessions/{sid}/invoke" if route == "invoke" else "/v1/sessions"
+            for body in (gzip.compress(raw), raw):
+                r = a.post(path, content=body, headers=[("Content-Type", "application/json"),
+                                                        ("Content-Encoding", "identity"), ("Content-Encoding", "gzip")])
+                err = _refused(r, 415, "unsupported_media_type")
+                assert "identity, gzip" in err["message"], err
+            assert _count(a) == before
+            assert a.post(f"/v1/sessions/{sid}/invoke", json={"input": "get"}).json()["output"] == {"count": 0}
+            if route == "invoke":  # the key-origin header, given twice, is refused whichever comes first
+                for pair in (("auto", "bogus"), ("bogus", "auto")):
+                    r = a.post(path, content=raw, headers=[("Content-Type", "application/json"),
+                                                           *(("X-Substrate-Key-Origin", v) for v in pair)])
+                    _refused(r, 422, "invalid_idempotency_key")
+                assert a.post(path, json={"input": "get"}).json()["output"] == {"count": 0}, "nothing ran"
+        finally:
+            a.delete(f"/v1/sessions/{sid}")
+
+
+def _exchange(rt: RuntimeProc, request: bytes) -> bytes:
+    """Send ``request`` as is on a new connection; everything the server sends until it closes (or 10 s)."""
+    import socket
+
+    host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pytest.fail(f"no close within 10 s; got {out[:300]!r}")
+    return out
+
+
+@pytest.mark.parametrize("upgrade", [b"h2c", b"websocket"])
+def test_an_upgrade_request_with_a_body_is_refused_at_once_and_one_without_is_plain_http(
+        rt: RuntimeProc, upgrade: bytes) -> None:
+    """The HTTP parser stops at the head of a request asking for a protocol upgrade, so its body never
+    arrives: ``curl --http2`` (an h2c upgrade over http://) got 400 "the body is empty" for a good create,
+    and a POST with WebSocket headers was held open with no answer, before any credentials were checked
+    (fresh-user run). Such a request is refused at once: 400 ``bad_request`` naming the upgrade, with a
+    request ID, connection closed, nothing created. Without a body the upgrade is ignored (RFC 9110 7.8):
+    the request is served as plain HTTP/1.1."""
+    key = KEY_A.encode()
+    body = b'{"actorTemplate":"counter"}'
+    with _http(rt, KEY_A) as a:
+        before = _count(a)
+    for auth in (b"Authorization: Bearer " + key + b"\r\n", b""):  # refused before authentication too
+        out = _exchange(rt, b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth +
+                   b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: " + upgrade + b"\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head, _, payload = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), out[:300]
+        assert b"\r\nx-request-id: " in head.lower() and b"connection: close" in head.lower(), head
+        assert b'"code":"bad_request"' in payload and b"no protocol upgrade (Upgrade: " + upgrade in payload, payload
+    with _http(rt, KEY_A) as a:
+        assert _count(a) == before, "nothing was created"
+    out = _exchange(rt, b"GET /v1/sessions?limit=1 HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + key +
+               b"\r\nConnection: Upgrade, close\r\nUpgrade: " + upgrade + b"\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               b"Sec-WebSocket-Version: 13\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 ") and b'"items"' in out, out[:300]
+
+
+def test_the_v1_root_answers_with_a_request_id(rt: RuntimeProc) -> None:
+    """``GET /v1`` (no trailing slash) was the one /v1 answer without ``X-Request-ID`` (fresh-user run)."""
+    with _http(rt, KEY_A) as a:
+        r = a.get("/v1", headers={"X-Request-ID": "root-1"})
+    assert r.status_code == 404 and r.headers.get_list("X-Request-ID") == ["root-1"], (r.status_code, r.headers)
+    assert r.json()["code"] == "not_found"
+
+
 def test_answers_given_before_authentication_echo_a_valid_request_id(rt: RuntimeProc) -> None:
     """413, 400 bad_json on create and the front door's 401 dropped the client's X-Request-ID (fresh-user
     run 2): they are given before the call is authenticated, so it had no ID yet. An invalid ID is never
