@@ -534,7 +534,7 @@ class Activator:
                     return await queue.wait(sid, worker, api.slot_wait_s, tenant=tenant,
                                             hold=lambda: not self.may_make_room(pool, sid), max_s=max_s)
                 except asyncio.TimeoutError:
-                    raise self._no_room(pool, t_wait_m) or NoCapacity(
+                    raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or NoCapacity(
                         f"no free slot in pool {pool!r}; retry later", retry_after_s=api.retry_after_s,
                         details={"pool": pool}) from None
             # a pool controller in another process (substrate.demand): one place in the FIFO for the whole
@@ -570,8 +570,8 @@ class Activator:
                 raise asyncio.CancelledError
             msg = f"no free slot in pool {pool!r}" + (f": {blocked}" if blocked else "") + "; retry later"
             details = {"pool": pool, **({"reason": blocked} if blocked else {})}
-            raise self._no_room(pool, t_wait_m) or NoCapacity(msg, retry_after_s=api.retry_after_s,
-                                                              details=details) from None
+            raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or NoCapacity(
+                msg, retry_after_s=api.retry_after_s, details=details) from None
         finally:
             if waiter is not None and not waiter.done():
                 waiter.cancel()
@@ -579,6 +579,20 @@ class Activator:
             self._placing.discard(sid)
             self._wanted_at.get(pool, {}).pop(sid, None)
             self._waited(sid)
+
+    def _pinned_full(self, pool: str, worker: str | None) -> NoCapacity | None:
+        """The answer to a wait for a slot on ``worker`` (a resume pinned to it) that ran out: that worker is
+        full, whatever the rest of the pool has (this process's view). It said "no free slot in pool" with
+        16 slots free on the pool's other worker (fresh-user run): room is made pool-wide, not on one
+        worker, so say how to get a slot. None for a placement not pinned to a worker."""
+        if worker is None:
+            return None
+        elsewhere = sum(w.freeSlots for w in self.view.workers.values()
+                        if w.pool == pool and w.id != worker and w.state == WorkerState.READY)
+        return NoCapacity(f"no free slot on worker {worker!r}, which this resume is pinned to ({elsewhere} free "
+                          f"elsewhere in pool {pool!r}): resume without `worker` to be placed anywhere, or suspend "
+                          "one of that worker's sessions; retry later", retry_after_s=self.settings.api.retry_after_s,
+                          details={"pool": pool, "worker": worker, "freeElsewhere": elsewhere})
 
     def _no_room(self, pool: str, since_m: float) -> StoreUnavailable | None:
         """The answer to a wait for a slot of ``pool`` that ran out (begun at monotonic ``since_m``) when

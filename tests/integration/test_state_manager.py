@@ -326,6 +326,24 @@ async def test_placement_waits_for_a_worker_being_started_instead_of_refusing(en
     assert w.id == "late" and slot == 0
 
 
+async def test_a_placement_pinned_to_a_full_worker_says_so_not_that_the_pool_is_full(env):
+    """A resume pinned to a full worker (``{"worker": ...}``) waited and answered "no free slot in pool"
+    while the pool's other worker had every slot free (fresh-user run): room is made pool-wide, not on
+    one worker. The answer names the worker, what is free elsewhere, and how to get a slot."""
+    d, act, *_ = env
+    await _worker(d, "full")
+    await _worker(d, "roomy")
+    for i in range(4):
+        assert await d.claim_slot("full", f"held-{i}") >= 0
+    await act.view.refresh()
+    with pytest.raises(NoCapacity) as e:
+        await act.place("s1", CATALOG.template("counter"), worker="full")
+    assert "no free slot on worker 'full', which this resume is pinned to (4 free elsewhere" in e.value.message
+    assert e.value.details == {"pool": "default", "worker": "full", "freeElsewhere": 4}
+    w, _ = await act.place("s1", CATALOG.template("counter"))  # unpinned: placed at once
+    assert w.id == "roomy"
+
+
 async def test_parked_requests_and_slot_waits_are_demand(env):
     """Regression (issue 8): sessions being resumed did not count as demand; two runtimes on one Redis
     picked the same worker IDs."""
