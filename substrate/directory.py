@@ -771,6 +771,11 @@ class Directory:
                 if template is not None and state is not None and state != SessionState.DELETED.value]
 
     @_translate
+    async def tenant_session_count(self, tenant: str) -> int:
+        """Sessions in ``tenant``'s index (O(1))."""
+        return int(await self.redis.zcard(self.keys.tenant_sessions(tenant)))
+
+    @_translate
     async def count_sessions(self) -> int:
         return int(await self.redis.zcard(self.keys.sessions_index))
 
