@@ -545,6 +545,7 @@ class Guard:
         limit = int(api.max_body_bytes)
         cl = headers.get(b"content-length")
         if cl is not None:
+            cl = cl.strip(b" \t")  # optional whitespace around a field value (RFC 9110 5.5): "  21 " is 21
             if not (cl.isdigit() and len(cl) <= 19):  # bytes.isdigit: ASCII digits only
                 await _answer(send, 400, "bad_request", "malformed Content-Length", scope=scope)
                 return

@@ -301,8 +301,9 @@ async def _holding(lock: asyncio.Lock, wait_s: float | None, sid: str) -> AsyncI
         try:
             await asyncio.wait_for(lock.acquire(), wait_s)
         except asyncio.TimeoutError:
+            # named as every other 409 of a suspend names it (a fresh-user run: this one alone had no state)
             raise Conflict(f"session {sid!r} has been in the middle of a turn for over {wait_s:g} s; suspend "
-                           "it again once the turn has ended", code="busy") from None
+                           "it again once the turn has ended", code="busy", details={"state": "RUNNING"}) from None
     try:
         yield
     finally:

@@ -647,6 +647,19 @@ def test_an_upgrade_request_with_a_body_is_refused_at_once_and_one_without_is_pl
     assert out.startswith(b"HTTP/1.1 200 ") and b'"items"' in out, out[:300]
 
 
+def test_a_content_length_with_whitespace_around_it_is_read(rt: RuntimeProc) -> None:
+    """``Content-Length:  27 `` (optional whitespace around a field value, RFC 9110 5.5) was 400 "malformed
+    Content-Length" (fresh-user run)."""
+    body = b'{"actorTemplate":"counter"}'
+    out = _exchange(rt, b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY_A.encode() +
+                    b"\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length:  " +
+                    str(len(body)).encode() + b" \t\r\n\r\n" + body)
+    assert out.startswith(b"HTTP/1.1 201 "), out[:300]
+    sid = json.loads(out.partition(b"\r\n\r\n")[2])["id"]
+    with _http(rt, KEY_A) as a:
+        assert a.delete(f"/v1/sessions/{sid}").status_code in (200, 202, 204)
+
+
 def test_the_v1_root_answers_with_a_request_id(rt: RuntimeProc) -> None:
     """``GET /v1`` (no trailing slash) was the one /v1 answer without ``X-Request-ID`` (fresh-user run)."""
     with _http(rt, KEY_A) as a:

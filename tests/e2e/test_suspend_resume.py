@@ -445,7 +445,9 @@ def test_an_explicit_suspend_waits_for_a_running_turn_only_so_long(runtime_facto
     sid = c.create_session("shell")["id"]
     with cf.ThreadPoolExecutor(1) as ex:
         turn = _running_turn(ex, rt, sid, 4)
-        assert _post(f"{rt.url}/v1/sessions/{sid}/suspend") == (409, "conflict")
+        r = c.http.post(f"/v1/sessions/{sid}/suspend")
+        assert (r.status_code, r.json()["code"]) == (409, "conflict"), r.text
+        assert r.json()["details"]["state"] == "RUNNING", "named as every other suspend's 409 is"
         assert c.get_session(sid)["state"] == "RUNNING"
         assert turn.result() == (200, ""), "the turn was not disturbed"
     assert _post(f"{rt.url}/v1/sessions/{sid}/suspend") == (202, "")
