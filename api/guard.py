@@ -408,6 +408,21 @@ def encoded_slash(raw_path: bytes) -> tuple[int, str] | None:
     return None
 
 
+def _closing(send: Send) -> Send:
+    """``send`` that marks the answer ``Connection: close`` (the server then closes the connection after
+    it). For a request that asked for a protocol upgrade, served as plain HTTP/1.1: the HTTP parser reads
+    nothing after its head, so a request pipelined behind it on the same connection was never answered
+    and never ran, and the client waited for ever (fresh-user run). Closing tells the client to send it
+    again on a new connection."""
+
+    async def closing(msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
+        await send(msg)
+
+    return closing
+
+
 def upgrade_losing_body(raw_headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """Why a request that asks for a protocol upgrade (``Connection: upgrade`` and ``Upgrade: ...``: an h2c
     upgrade, as ``curl --http2`` sends over ``http://``, or a WebSocket handshake) and carries a body must
@@ -451,9 +466,11 @@ class Guard:
             return
         path = scope["path"]
         if not (path.startswith("/v1/") or path == "/v1"):  # ``/v1`` too: its 404 had no request ID
-            if (why := upgrade_losing_body(scope["headers"])) is not None:
-                await _answer(send, 400, "bad_request", why)
-                return
+            if any(k == b"upgrade" for k, _ in scope["headers"]):
+                if (why := upgrade_losing_body(scope["headers"])) is not None:
+                    await _answer(send, 400, "bad_request", why)
+                    return
+                send = _closing(send)
             await self.app(scope, receive, send)
             return
         settings, auth = self.get_settings(scope)
@@ -465,9 +482,11 @@ class Guard:
         headers = dict(scope["headers"])  # a repeated Host, Authorization or ID is refused just below
         sent_id = headers.get(b"x-request-id")
         state["request_id"], bad_id = id_of(sent_id.decode("latin-1") if sent_id is not None else None)
-        if b"upgrade" in headers and (why := upgrade_losing_body(scope["headers"])) is not None:
-            await _answer(send, 400, "bad_request", why, scope=scope)
-            return
+        if b"upgrade" in headers:
+            if (why := upgrade_losing_body(scope["headers"])) is not None:
+                await _answer(send, 400, "bad_request", why, scope=scope)
+                return
+            send = _closing(send)
         if (twice := repeated_header(scope["headers"])) is not None:
             name = _ONCE_NAMES[twice]
             if twice == b"x-request-id":

@@ -442,6 +442,9 @@ async def invoke(request: Request) -> Response:
         # room first, like the router's own: with 64 such turns an explicit key was pushed out of the
         # window and its retry ran the turn again (fresh-user round 25)
         origin = header_list(raw, b"x-substrate-key-origin") if b"x-substrate-key-origin" in headers else None
+        # each listed value without the whitespace around it (RFC 9110 5.5): "  auto  ", "auto, auto"
+        if origin is not None and {v.strip() for v in origin.split(",")} == {"auto"}:
+            origin = "auto"
         if origin is not None and origin != "auto":
             raise InvalidInput(f"X-Substrate-Key-Origin takes only 'auto' (a key a client library made for its "
                                f"own retries), not {clip(origin)}", code="invalid_idempotency_key")
