@@ -480,6 +480,7 @@ class Guard:
         # the request's ID first, so that every answer carries one, refusals included (0.)
         state = scope.setdefault("state", {})
         headers = dict(scope["headers"])  # a repeated Host, Authorization or ID is refused just below
+        state["headers"] = headers  # read again by the invoke route (api.proxy.invoke), not rebuilt
         sent_id = headers.get(b"x-request-id")
         state["request_id"], bad_id = id_of(sent_id.decode("latin-1") if sent_id is not None else None)
         if b"upgrade" in headers:

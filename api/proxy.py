@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import aiohttp
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 from api.errors_doc import ERROR_CODES
 from api.guard import retry_after, www_authenticate
@@ -369,11 +369,14 @@ def stream_param(values: list[str]) -> bool:
                        details={"errors": [{"loc": ["query", "stream"], "msg": msg.split(": ", 1)[1]}]})
 
 
-def _first_headers(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
-    """An ASGI scope's headers (lower-case names) as a dict holding each name's first value, as
-    Starlette's ``Headers.get`` answers; one C-level pass where each ``request.headers`` lookup walks
-    the whole list again (six lookups per turn on the hot path)."""
-    return dict(reversed(raw)) if len(raw) > 1 else dict(raw)
+def _headers_of(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers (lower-case names) as a dict: the one the front door (``api.guard.Guard``)
+    made, else one made here; one C-level pass where each ``request.headers`` lookup walked the whole list
+    again (six lookups per turn on the hot path). A name given twice keeps one of its values: every header
+    invoke reads is refused when repeated (by the parser, the front door or invoke itself) or read with
+    all its lines (``header_list``), so which one does not matter."""
+    headers = scope.get("state", {}).get("headers")
+    return headers if headers is not None else dict(scope["headers"])
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -406,7 +409,7 @@ async def invoke(request: Request) -> Response:
         if not SESSION_ID_RE.fullmatch(sid):
             raise InvalidInput(f"malformed session id {clip(sid)}: {SESSION_ID_HINT}", code="invalid_session_id")
         raw = scope["headers"]
-        headers = _first_headers(raw)
+        headers = _headers_of(scope)
         limit = runtime.settings.api.max_body_bytes
         cl = headers.get(b"content-length")
         if cl is not None and cl.isdigit() and int(cl) > limit:  # bytes.isdigit: ASCII digits only

@@ -135,16 +135,13 @@ class ApiKeyStore:
         revoked = set(await self.redis.smembers(self.revoked_key))
         existing = await self.list()
         for i, s in enumerate(specs):
-            digest_of = (s.sha256 or "").lower().removeprefix("sha256:") or (hash_key(s.key) if s.key else "")
-            if s.name and (clash := next((r for r in existing if r.id == s.name and r.sha256 != digest_of), None)):
+            digest = (s.sha256 or "").lower().removeprefix("sha256:") or (hash_key(s.key) if s.key else "")
+            if s.name and (clash := next((r for r in existing if r.id == s.name and r.sha256 != digest), None)):
                 # its name is its ID: ``keys revoke NAME`` would then name two keys (it refuses both)
                 log.warning("API key #%d of tenant %r (file or env) is named %r, the ID of another key (tenant "
                             "%r): `substrate keys revoke %s` names both and revokes neither; give it another name",
                             i, s.tenant, s.name, clash.tenant, s.name)
             check_tenant(s.tenant)
-            digest = (s.sha256 or "").lower().removeprefix("sha256:")
-            if not digest and s.key:
-                digest = hash_key(s.key)
             if not _HEX64.match(digest):
                 raise InvalidInput(f"API key #{i} of tenant {s.tenant!r} needs `sha256` (64 hex) or `key`",
                                    code="invalid_api_key_spec")

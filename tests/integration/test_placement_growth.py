@@ -4,7 +4,9 @@ a real Redis with in-memory fakes for the workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from typing import Iterator
 import uuid
 
 import pytest
@@ -120,6 +122,16 @@ def _controller_rounds(act: Activator) -> "asyncio.Task[None]":
     return asyncio.create_task(rounds())
 
 
+@contextlib.contextmanager
+def _controller_running(act: Activator) -> Iterator[None]:
+    """:func:`_controller_rounds` for the block's length."""
+    ticking = _controller_rounds(act)
+    try:
+        yield
+    finally:
+        ticking.cancel()
+
+
 def _new(sid: str) -> SessionRecord:
     now = time.time()
     return SessionRecord(id=sid, state=SessionState.PENDING, actorTemplate="counter", pool="default",
@@ -210,11 +222,8 @@ async def test_lazy_suspension_still_makes_room_once_the_pool_cannot_grow(env):
     d, act, workers = env
     await _full_of_idle_sessions_at_its_size(d, act)
 
-    ticking = _controller_rounds(act)
-    try:
+    with _controller_running(act):
         w, _ = await act.place("new", CATALOG.template("counter"))
-    finally:
-        ticking.cancel()
     assert w.id == "full" and workers.suspended[:1] == ["idle-1"]
     assert workers.reasons[:1] == ["pressure"], "the record says why it was suspended"
 
@@ -694,12 +703,8 @@ async def test_a_full_pool_whose_idle_sessions_cannot_be_suspended_for_want_of_t
                                details={"reason": "store_not_verified"})
 
     workers.suspend = store_gone  # type: ignore[method-assign]
-    ticking = _controller_rounds(act)
-    try:
-        with pytest.raises(StoreUnavailable) as e:
-            await act.place("new", CATALOG.template("counter"))
-    finally:
-        ticking.cancel()
+    with _controller_running(act), pytest.raises(StoreUnavailable) as e:
+        await act.place("new", CATALOG.template("counter"))
     assert e.value.code == "snapshot_store_unavailable" and e.value.status == 503
     assert "making room" in e.value.message and "folder is missing" in e.value.message, e.value.message
     assert e.value.details["pool"] == "default" and e.value.retry_after_s
@@ -707,10 +712,6 @@ async def test_a_full_pool_whose_idle_sessions_cannot_be_suspended_for_want_of_t
     # a later wait that fails with no such failure during it is no_capacity again
     act._room_failed = (float("-inf"), None)
     act.settings.api.pressure_min_idle_s = 1e9  # nobody idle enough: no suspension is tried
-    ticking = _controller_rounds(act)
-    try:
-        with pytest.raises(SubstrateError) as e2:
-            await act.place("new2", CATALOG.template("counter"))
-    finally:
-        ticking.cancel()
+    with _controller_running(act), pytest.raises(SubstrateError) as e2:
+        await act.place("new2", CATALOG.template("counter"))
     assert e2.value.code == "no_capacity"

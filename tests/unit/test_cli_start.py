@@ -32,27 +32,21 @@ def _mock_client(monkeypatch: pytest.MonkeyPatch, handler) -> None:  # noqa: ANN
         server, token=token, transport=httpx.MockTransport(handler)))
 
 
-@pytest.mark.parametrize("token", ["a", "x" * 15])
-def test_a_short_admin_token_is_refused_before_anything_starts(token: str, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The admin token reaches every tenant's sessions: ``a`` was taken without a word (fresh-user run),
-    while API keys shorter than 19 characters are refused. 16 characters at least."""
+@pytest.mark.parametrize("token, says", [
+    # an API key would make a tenant's key an admin token (the CLI once read this variable)
+    ("sk_abc123_secretsecret", ["SUBSTRATE_API__AUTH_TOKEN", "SUBSTRATE_TOKEN"]),
+    # the admin token reaches every tenant's sessions: ``a`` was taken without a word (fresh-user run),
+    # while API keys shorter than 19 characters are refused. 16 characters at least
+    ("a", ["shorter than 16 characters", "openssl rand"]),
+    ("x" * 15, ["shorter than 16 characters", "openssl rand"]),
+])
+def test_an_admin_token_that_is_an_api_key_or_short_is_refused_before_anything_starts(
+        token: str, says: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", token)
     monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
     r = CliRunner().invoke(app, ["up", "--port", "1"])
     assert r.exit_code == 2, r.output
-    assert "shorter than 16 characters" in r.output and "openssl rand" in r.output
-    assert "Traceback" not in r.output
-    assert not (tmp_path / "redis").exists()  # nothing was started
-
-
-def test_an_api_key_as_the_admin_token_is_refused_before_anything_starts(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SUBSTRATE_API__AUTH_TOKEN", "sk_abc123_secretsecret")
-    monkeypatch.setenv("SUBSTRATE_DATA_DIR", str(tmp_path))
-    r = CliRunner().invoke(app, ["up", "--port", "1"])
-    assert r.exit_code == 2, r.output
-    assert "SUBSTRATE_API__AUTH_TOKEN" in r.output and "SUBSTRATE_TOKEN" in r.output
+    assert all(x in r.output for x in says), r.output
     assert "Traceback" not in r.output
     assert not (tmp_path / "redis").exists()  # nothing was started
 
