@@ -458,9 +458,12 @@ INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
     "X-Substrate-Wake-Ms": _header("With `X-Substrate-Woke`: how long the wake took, in milliseconds."),
     "Server-Timing": _header(
         "With `X-Substrate-Woke`: the wake's phases in W3C Server Timing form, e.g. "
-        "`place;dur=1.2, activate;dur=21.7, wake;dur=24.0` (ms): `place` waited for and claimed a slot (a worker "
-        "starting or a session suspended for room included), `activate` restored and started the agent, "
-        "`wake` is the whole wake (`X-Substrate-Wake-Ms`)."),
+        "`place;dur=1.2, activate;dur=21.7, sandbox;dur=0.1, restore;dur=15.2, recheck;dur=0.8, agent;dur=4.1, "
+        "running;dur=0.9, wake;dur=24.0` (ms): `place` waited for and claimed a slot (a worker starting or a "
+        "session suspended for room included), `activate` restored and started the agent, followed by its "
+        "parts: the worker's `sandbox` (taking the slot's sandbox), `restore` (download and unpack), `recheck` "
+        "(the claim still holds), `agent` (the agent's start), then `running` (the RUNNING write); `wake` is "
+        "the whole wake (`X-Substrate-Wake-Ms`)."),
     "X-Substrate-Restored": _header(
         "The answer's state came back from a snapshot after a loss: `worker_lost` (an older snapshot after a "
         "crash; the session's `restoredFrom` says which), `worker_lost;snapshot=none` (the worker died before "

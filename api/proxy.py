@@ -109,9 +109,12 @@ def server_timing(woke_ms: float, route: Route) -> str:
     and start the agent, and the RUNNING write) and ``wake`` (how long this call waited for the wake, the
     same figure as ``X-Substrate-Wake-Ms``). The phases are the shared wake's: a call that joined a
     wake already under way waited less than they add up to. They are left out when another router's
-    wake was followed (then only ``wake``)."""
+    wake was followed (then only ``wake``). After ``activate`` come its parts, in order (``Route.phases_ms``):
+    the worker's ``sandbox``, ``restore``, ``recheck`` and ``agent``, then ``running``, the RUNNING write."""
     parts = [f"{name};dur={ms:.1f}" for name, ms in (("place", route.place_ms), ("activate", route.activate_ms))
              if ms is not None]
+    if route.activate_ms is not None:
+        parts += [f"{name};dur={ms:.1f}" for name, ms in route.phases_ms]
     return ", ".join([*parts, f"wake;dur={woke_ms:.1f}"])
 
 

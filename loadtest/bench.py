@@ -57,6 +57,7 @@ import aiohttp
 from loadtest import floor, wrk
 from loadtest.bench_report import markdown_table
 from loadtest.proctree import descendants, machine_busy_cpu_s, process_cpu_s, tree_cpu_s
+from loadtest.replay import server_timing_ms
 from loadtest.report import DEFINITIONS
 from substrate.quantiles import percentile
 from substrate.netports import free_port as _free_port  # outside the ephemeral range
@@ -468,6 +469,12 @@ async def bench_creation(n: int) -> list[dict[str, Any]]:
 PACE_S = 1.0
 
 
+def phase_medians(phases: dict[str, list[float]]) -> str:
+    """``"place 0.4 · activate 21 · restore 14 · ..."``: the median (ms) of each ``Server-Timing`` phase of
+    the wakes measured, in the header's order, ``wake`` (the row's own figure) left out."""
+    return " · ".join(f"{name} {percentile(ms, 50):.3g}" for name, ms in phases.items() if name != "wake" and ms)
+
+
 async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     """Wake from S3 (moto) end to end through the runtime, one distinct session per wake (module doc)."""
     from moto.server import ThreadedMotoServer
@@ -511,6 +518,7 @@ async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[st
                 for how, part in (("back to back", sids[: len(sids) // 2]), (f"paced {PACE_S} s apart",
                                                                            sids[len(sids) // 2:])):
                     client, server = [], []
+                    phases: dict[str, list[float]] = {}
                     for sid in part:  # a distinct session each time: no cache helps
                         if how != "back to back":
                             await asyncio.sleep(PACE_S)
@@ -520,12 +528,15 @@ async def bench_wake_sizes(sizes: tuple[int, ...], repeats: int) -> list[dict[st
                             assert r.status == 200 and r.headers.get("X-Substrate-Woke") == "1", (r.status, text[:300])
                             client.append(time.perf_counter() - t0)
                             server.append(float(r.headers["X-Substrate-Wake-Ms"]) / 1000)
+                            for name, ms in server_timing_ms(r.headers).items():
+                                phases.setdefault(name, []).append(ms)
                         async with http.delete(f"{srv.url}/v1/sessions/{sid}"):
                             pass
                     rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), {how}, through the runtime, "
                                      "client (incl. a shell turn)", client))
                     rows.append(_row(f"wake {mib:.0f} MiB workspace from S3 (moto), {how}, router "
-                                     "X-Substrate-Wake-Ms", server, **({"target": "p95 <= 30"} if size == 1 << 20 else {})))
+                                     "X-Substrate-Wake-Ms", server, **({"target": "p95 <= 30"} if size == 1 << 20 else {}),
+                                     phases_p50_ms=phase_medians(phases)))
         finally:
             srv.stop()
             moto.stop()

@@ -234,9 +234,10 @@ def classify(payload: Any, headers: dict[str, str] | Any) -> tuple[str, bool | N
     return ("wake" if is_wake else "warm"), woke, wake_ms, state_before
 
 
-def wake_phases(headers: dict[str, str] | Any) -> tuple[float | None, float | None]:
-    """-> (place_ms, activate_ms) from a woken answer's ``Server-Timing`` header (``api.proxy.server_timing``:
-    ``place;dur=1.2, activate;dur=21.7, wake;dur=24.0``); None for a phase the header does not carry."""
+def server_timing_ms(headers: dict[str, str] | Any) -> dict[str, float]:
+    """``{name: dur}`` (ms) of every metric with a numeric ``dur`` in an answer's ``Server-Timing`` header
+    (W3C Server Timing; ``api.proxy.server_timing``: ``place;dur=1.2, activate;dur=21.7, restore;dur=12.0,
+    ..., wake;dur=24.0``), in the header's order; {} without the header."""
     value = headers.get("Server-Timing") if headers is not None else None
     found: dict[str, float] = {}
     for part in (value or "").split(","):
@@ -246,6 +247,13 @@ def wake_phases(headers: dict[str, str] | Any) -> tuple[float | None, float | No
             if key == "dur":
                 with contextlib.suppress(ValueError):
                     found[name.strip()] = float(dur)
+    return found
+
+
+def wake_phases(headers: dict[str, str] | Any) -> tuple[float | None, float | None]:
+    """-> (place_ms, activate_ms) from a woken answer's ``Server-Timing`` header (:func:`server_timing_ms`);
+    None for a phase the header does not carry."""
+    found = server_timing_ms(headers)
     return found.get("place"), found.get("activate")
 
 

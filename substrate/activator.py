@@ -186,6 +186,16 @@ def loss_base(rec: SessionRecord) -> float | None:
     return rec.lostAfter if at is None else min(rec.lostAfter, at)
 
 
+def worker_phases(answer: object) -> tuple[tuple[str, float], ...]:
+    """The ``phasesMs`` of a worker's activation answer as ``((name, ms), ...)`` in the worker's order;
+    () when absent or malformed (an older worker, a fake): timing is never worth failing a wake for."""
+    got = answer.get("phasesMs") if isinstance(answer, dict) else None
+    if not isinstance(got, dict):
+        return ()
+    return tuple((str(k), float(v)) for k, v in got.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and str(k).isidentifier())
+
+
 @dataclass(frozen=True)
 class Route:
     """Where a RUNNING session lives: the hot path's cache entry."""
@@ -203,6 +213,9 @@ class Route:
     #: (not part of the route's identity: two routers' routes to one activation are equal)
     place_ms: float | None = field(default=None, compare=False)
     activate_ms: float | None = field(default=None, compare=False)
+    #: within ``activate_ms``: the worker's own phases in order, ``(name, ms)`` (``sandbox``, ``restore``,
+    #: ``recheck``, ``agent``: ``workers.server._phases_ms``), then ``running`` (the RUNNING write)
+    phases_ms: tuple[tuple[str, float], ...] = field(default=(), compare=False)
 
 
 class WorkerView:
@@ -1419,13 +1432,15 @@ class Activator:
         if rec.reason in _LOSSY:
             # say whether older state came back, or none did (no snapshot had been taken yet)
             restored_what = rec.reason if lost_after else f"{rec.reason};snapshot=none"
+        phases: tuple[tuple[str, float], ...] = ()
         try:
-            await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
+            answer = await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
                                        slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what,
                                        tenant=rec.tenant, answers=rec.carriedAnswers or None,
                                        restored_at=lost_after if rec.lostAfter is not None else None)
             if adm is not None:
                 adm.latency_s = time.perf_counter() - activating
+            phases = worker_phases(answer)
         except SnapshotCorrupt as e:
             if await self._deleted_meanwhile(rec.id):
                 # the delete removed the snapshot under the restore: not a corrupt snapshot, and no
@@ -1465,8 +1480,10 @@ class Activator:
         # activation is lost before any of its answers is acknowledged, the next wake still restores
         # from the same snapshot and must still say so (chaos run: a loss reported only on answers the
         # client never received)
+        settling = time.perf_counter()
         done = await self._settle_running(rec.id, epoch, worker, slot, {"restoredFrom": restored,
                                                                        "lastActiveAt": time.time()})
+        phases += (("running", round((time.perf_counter() - settling) * 1000, 1)),)
         if not done.ok:
             # a deadline roll (or a delete) got there first: the activation just made is not the
             # session's any more; drop it and give the slot back, or the worker holds it for good
@@ -1479,7 +1496,8 @@ class Activator:
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
         metrics.RESUME_DURATION_SECONDS.labels(template=template.name).observe(elapsed)
         return Route(worker.id, worker.address, epoch, restored=restored_what, tenant=rec.tenant,
-                     place_ms=(placed - t0) * 1000, activate_ms=(time.perf_counter() - activating) * 1000), True
+                     place_ms=(placed - t0) * 1000, activate_ms=(time.perf_counter() - activating) * 1000,
+                     phases_ms=phases), True
 
     async def _settle_running(self, sid: str, epoch: int, worker: WorkerRecord, slot: int,
                               fields: dict[str, object]) -> CasResult:

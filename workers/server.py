@@ -157,6 +157,18 @@ class StoredAnswer:
 _SNAPSHOT_RETRY_MAX_S = 300.0
 
 
+def _phases_ms(t0: float, marks: list[tuple[str, float]]) -> dict[str, float]:
+    """``{phase: ms}`` from ``t0`` and the ``(phase, perf_counter)`` marks that end each phase, in order
+    (``sandbox``: a slot's sandbox taken; ``restore``: the snapshot downloaded and unpacked; ``recheck``: the
+    directory asked whether the claim still holds; ``agent``: the agent started). Each is that phase's own
+    time, rounded to 0.1 ms, so they add up to the activation's time on this worker."""
+    out: dict[str, float] = {}
+    for name, at in marks:
+        out[name] = round((at - t0) * 1000, 1)
+        t0 = at
+    return out
+
+
 def snapshot_due(last_s: float, failures: int, interval_s: float, now: float) -> bool:
     """Whether an activation's next periodic snapshot is due: ``interval_s`` after the last one (``last_s``,
     Unix s, taken or failed), the wait doubling after each of ``failures`` failures in a row, up to
@@ -710,12 +722,15 @@ class Worker:
             raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
         box_lease = box.lease
         workspace = box.workspace
+        # the worker's phases of this activation (ms), sent back to the router for its Server-Timing
+        marks = [("sandbox", time.perf_counter())]
         try:
             state: dict[str, Any] | None = None
             answers = AnswerLog()
             if ref is not None:
                 # restored files belong to the slot's uid as they are made (no chown walk afterwards)
                 state = await self.snapshots.restore(sid, ref, workspace, template, owner=box.uid)
+                marks.append(("restore", time.perf_counter()))
                 if isinstance(state, dict) and isinstance(state.get(_STATE_KEY), dict):
                     state = dict(state)
                     own = state.pop(_STATE_KEY)
@@ -734,11 +749,13 @@ class Worker:
             if cur is not None and (cur.epoch != epoch or cur.worker != self.id):
                 raise StaleEpoch(f"activation {epoch} of {sid!r} is no longer current (now {cur.epoch} on "
                                  f"{cur.worker})", details={"epoch": cur.epoch})
+            marks.append(("recheck", time.perf_counter()))
             # credentials the template asks for, for this activation only (never in a record or a snapshot)
             env.update(resolve_env(spec.env, tenant=claims.tenant if claims else "default",
                                    secrets_dir=self.settings.auth.secrets_dir))
             ctx = SessionContext(session_id=sid, epoch=epoch, template=template, workspace=workspace, env=env)
             agent = await self._start_agent(ctx, spec, box, state, ref)
+            marks.append(("agent", time.perf_counter()))
         except BaseException:
             await self.sandboxes.release(box, None, lease=box_lease)
             raise
@@ -750,7 +767,7 @@ class Worker:
         if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
             metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
-                "sandboxed": spec.isolation.sandbox}
+                "sandboxed": spec.isolation.sandbox, "phasesMs": _phases_ms(t0, marks)}
 
     async def _capture(self, act: Activation, epoch: int, *, deadline: float | None = None) -> SnapshotRef:
         """The agent's state, then its workspace packed and uploaded (not committed). ``deadline`` (event

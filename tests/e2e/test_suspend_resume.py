@@ -58,11 +58,16 @@ def test_wake_on_request_after_suspend(runtime_factory, store_env):
         assert r.status_code == 200 and r.json() == {"output": {"count": n}}
         assert r.headers["x-substrate-woke"] == "1"
         # the wake's phases (W3C Server Timing): each a finite number of ms, the parts within the whole
-        timing = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
-        assert set(timing) == {"place", "activate", "wake"}
-        ms = {k: float(v) for k, v in timing.items()}
+        timing = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
+        # the activation's parts follow it in order: the worker's, then the RUNNING write
+        assert [k for k, _ in timing] == ["place", "activate", "sandbox", "restore", "recheck", "agent", "running",
+                                          "wake"]
+        ms = {k: float(v) for k, v in timing}
         assert all(0 <= v < 1e6 for v in ms.values())
         assert ms["place"] + ms["activate"] <= ms["wake"] + 0.2  # printed to 0.1 ms each
+        parts = ("sandbox", "restore", "recheck", "agent", "running")
+        assert sum(ms[k] for k in parts) <= ms["activate"] + 0.6
+        assert ms["restore"] > 0  # a wake downloads and unpacks its snapshot
         assert ms["wake"] == float(r.headers["x-substrate-wake-ms"])
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
     assert "x-substrate-woke" not in r.headers and "server-timing" not in r.headers

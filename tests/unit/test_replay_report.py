@@ -19,6 +19,7 @@ from loadtest.replay import (
     label_value,
     main,
     retry_after_s,
+    server_timing_ms,
     wake_phases,
     write_outputs,
 )
@@ -174,6 +175,13 @@ def test_classify_wake_vs_warm():
     assert classify({"output": {}}, {}) == ("warm", None, None, None)
     # a request that found the session still starting counts as a wake (cold path), not warm
     assert classify({"output": {}, "session": {"woke": False, "state_before": "STARTING"}}, {})[0] == "wake"
+
+
+def test_server_timing_gives_every_phase_in_order():
+    h = {"Server-Timing": "place;dur=0.4, activate;dur=20, sandbox;dur=0.1, restore;dur=14.5, wake;dur=24"}
+    assert list(server_timing_ms(h).items()) == [("place", 0.4), ("activate", 20.0), ("sandbox", 0.1),
+                                                 ("restore", 14.5), ("wake", 24.0)]
+    assert server_timing_ms({}) == {} and server_timing_ms({"Server-Timing": "cdn;desc=x"}) == {}
 
 
 def test_wake_phases_come_from_server_timing():
