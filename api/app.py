@@ -802,9 +802,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         since the directory was created (``workerSeconds``, ``slotSeconds`` = provisioned slots x time,
         ``processSeconds`` = workers plus the zygote), and this router's parked requests and route cache.
         An ordinary tenant's answer has only ``sessions``, ``tenant`` and ``quota``: the fleet's capacity
-        and load say what other tenants run. All tenants' sessions by state come from counters the
-        transitions maintain (O(states)), and so do one tenant's when it holds every session (open mode);
-        else from its own index (O(its sessions))."""
+        and load say what other tenants run. Sessions by state come from counters the transitions
+        maintain, runtime-wide and per tenant (O(states)); a tenant's from its own index (O(its sessions))
+        only while its counters do not add up to its index (a drift the repair pass corrects)."""
         rt = _rt(request)
         p = _principal(request)
         scope = _tenant_scope(request, tenant)
@@ -813,14 +813,17 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         if scope is None:
             by_state = await rt.directory.state_counts()
         else:
-            # a tenant that holds every session (open mode's ``default``: the embedded default, and the
-            # trace replay that polls this every second) is counted by the runtime-wide counters, O(states),
-            # when its index holds as many sessions as they count; reading its index took 200 ms at 2,109
-            # sessions, linear (a fresh-user run). A create or delete between the two reads makes them
-            # differ: then the index is read, as for a tenant that shares the runtime with others
-            counts = await rt.directory.state_counts()
-            if sum(counts.values()) == await rt.directory.tenant_session_count(scope):
-                by_state = counts
+            # the tenant's own counters, moved by the transitions like the runtime-wide ones: O(states),
+            # trusted when they add up to its index's size (read in the same round trip). Reading its index
+            # took 200 ms at 2,109 sessions, linear (a fresh-user run)
+            by_state = await rt.directory.tenant_counts_checked(scope)
+            if by_state is None:
+                # drifted, or counters that a runtime before them never kept (the repair pass fills them
+                # in): a tenant that holds every session (open mode's ``default``) is counted by the
+                # runtime-wide counters when its index holds as many sessions as they count
+                counts = await rt.directory.state_counts()
+                if sum(counts.values()) == await rt.directory.tenant_session_count(scope):
+                    by_state = counts
         if by_state is None:
             by_state = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
             cursor: str | None = None

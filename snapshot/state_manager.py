@@ -66,6 +66,8 @@ class StateManager:
         self._repair: asyncio.Task[None] | None = None
         self._idle_scan_at = 0.0
         self._orphans: set[tuple[str, int, str]] = set()
+        #: tenants whose state counters the next repair pass checks (those the last pass saw)
+        self._tenants: set[str] = set()
         self._orphan_objects: dict[str, float] = {}  # object key -> first seen orphaned (s)
         self._swept_at = 0.0
         self.sweep_max_deletes = 1000
@@ -264,7 +266,11 @@ class StateManager:
         when it read every whole record twice, 0.14-0.23 s now; see ``repair_due_s`` for how often it runs."""
         d = self.directory
         counted_before = await d.state_counts()
+        # each tenant's counters too: those of the tenants the previous pass saw (a tenant new since is
+        # corrected from the next pass on)
+        tenants_before = await d.tenant_state_counts(sorted(self._tenants))
         counts: dict[str, int] = {}
+        by_tenant: dict[str, dict[str, int]] = {}
         workers = {w.id: w for w in await d.list_workers()}
         summaries: dict[str, SessionSummary] = {}
         offset: int | None = 0
@@ -275,6 +281,8 @@ class StateManager:
             for rec in page:
                 summaries[rec.id] = rec
                 counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
+                mine = by_tenant.setdefault(rec.tenant, {})
+                mine[rec.state.value] = mine.get(rec.state.value, 0) + 1
                 if rec.worker and rec.worker not in workers and rec.state in (
                         SessionState.RUNNING, SessionState.SUSPENDING):
                     await self.activator.recover_session(rec.id, rec.worker, reason="worker_lost")
@@ -299,6 +307,11 @@ class StateManager:
         # between a transition and its counter update) when nothing moved while it ran
         if await d.reconcile_state_counts(counts, counted_before):
             log.info("session state counters corrected", extra={"counts": counts})
+        fixed = await d.reconcile_tenant_state_counts(by_tenant, tenants_before)
+        if fixed:
+            log.info("tenants' session state counters corrected", extra={"tenants": fixed[:20]})
+        # a tenant with no session left is looked at once more (its counters emptied), then forgotten
+        self._tenants = set(by_tenant) | {t for t in tenants_before if t not in fixed and any(tenants_before[t].values())}
         metrics.set_session_counts(await d.state_counts())
         if self.activator.quotas is not None:  # quota bookkeeping is derived data: rebuild it from the records
             def gpus_of(name: str) -> int:

@@ -1019,7 +1019,7 @@ class Activator:
             now = time.time()
             done = await self.directory.transition(
                 rec.id, from_states=[SessionState.STARTING], epoch=epoch, to=SessionState.RUNNING,
-                set={"lastActiveAt": now})
+                set={"lastActiveAt": now}, tenant=rec.tenant)
             if not done.ok:
                 if not done.found or done.state == SessionState.DELETED:
                     # a DELETE won the race: this create's session is gone, as a turn's is when a delete
@@ -1383,7 +1383,7 @@ class Activator:
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
             set={"worker": worker.id, "slot": slot}, unset=("suspendReason",),
-            deadline_s=self.settings.state.transition_deadline_s)
+            deadline_s=self.settings.state.transition_deadline_s, tenant=rec.tenant)
         if not cas.ok:  # another router won the activation: give the slot back and follow it
             await self.directory.release_slot(worker.id, slot, rec.id)
             settled = await self._wait_settled(rec.id, self.settings.api.park_timeout_s)
@@ -1404,7 +1404,8 @@ class Activator:
                 # undo the claim, guarded by its epoch; a deadline roll does it if this cannot
                 try:
                     await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
-                                                    to=SessionState.SUSPENDED, unset=("worker", "slot"))
+                                                    to=SessionState.SUSPENDED, unset=("worker", "slot"),
+                                                    tenant=rec.tenant)
                     await self.directory.release_slot(worker.id, slot, rec.id)
                 except DirectoryUnavailable:  # retried as soon as Redis answers (see _activate_claimed)
                     self._background(self._roll_back_when_reachable(rec.id, epoch, worker, slot))
@@ -1460,7 +1461,8 @@ class Activator:
             # a minute after Redis was back (fresh-user round 17)
             try:
                 await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
-                                                to=SessionState.SUSPENDED, unset=("worker", "slot"))
+                                                to=SessionState.SUSPENDED, unset=("worker", "slot"),
+                                                tenant=rec.tenant)
             except DirectoryUnavailable:
                 self._background(self._roll_back_when_reachable(rec.id, epoch, worker, slot))
                 raise e from None
@@ -1482,7 +1484,8 @@ class Activator:
         # client never received)
         settling = time.perf_counter()
         done = await self._settle_running(rec.id, epoch, worker, slot, {"restoredFrom": restored,
-                                                                       "lastActiveAt": time.time()})
+                                                                       "lastActiveAt": time.time()},
+                                          tenant=rec.tenant)
         phases += (("running", round((time.perf_counter() - settling) * 1000, 1)),)
         if not done.ok:
             # a deadline roll (or a delete) got there first: the activation just made is not the
@@ -1500,7 +1503,7 @@ class Activator:
                      phases_ms=phases), True
 
     async def _settle_running(self, sid: str, epoch: int, worker: WorkerRecord, slot: int,
-                              fields: dict[str, object]) -> CasResult:
+                              fields: dict[str, object], *, tenant: str | None = None) -> CasResult:
         """RESUMING -> RUNNING for activation ``epoch`` (made on ``worker``), riding out a short Redis
         outage: the step is retried with exponential back-off (50 ms doubling to 1 s) for up to half the
         park timeout; a retry that finds the record already RUNNING at ``epoch`` on ``worker`` (the first
@@ -1514,7 +1517,7 @@ class Activator:
         while True:
             try:
                 done = await self.directory.transition(sid, from_states=[SessionState.RESUMING], epoch=epoch,
-                                                       to=SessionState.RUNNING, set=fields)
+                                                       to=SessionState.RUNNING, set=fields, tenant=tenant)
                 if not done.ok and tried:
                     try:
                         cur = await self.directory.get_session(sid)
@@ -1595,7 +1598,7 @@ class Activator:
             unset.append("snapshot")
         fields["badSnapshot"] = rec.snapshot.key if rec.snapshot else ""
         await self.directory.transition(rec.id, from_states=[SessionState.RESUMING], epoch=epoch,
-                                        to=SessionState.FAILED, set=fields, unset=unset)
+                                        to=SessionState.FAILED, set=fields, unset=unset, tenant=rec.tenant)
         if rec.snapshot is not None:  # no longer a kept snapshot: the orphan sweep removes the object
             await self.directory.forget_snapshot(rec.id, rec.snapshot.key)
         await self.directory.release_slot(worker.id, slot, rec.id)
@@ -1611,7 +1614,7 @@ class Activator:
         back. Guarded by ``epoch`` (a deadline roll that got there first wins)."""
         await self.directory.transition(
             rec.id, from_states=[SessionState.RESUMING], epoch=epoch, to=SessionState.FAILED,
-            set={"reason": "state_load_failed", "message": e.message}, unset=("worker", "slot"))
+            set={"reason": "state_load_failed", "message": e.message}, unset=("worker", "slot"), tenant=rec.tenant)
         await self._abandon(rec.id, worker, slot, epoch)
 
     # -------------------------------------------------------------------------------- suspend/delete
@@ -1888,7 +1891,7 @@ class Activator:
                 f"({'at %.3f' % rec.snapshot.createdAt if rec.snapshot else 'none: fresh start'}) is gone")
         cas = await self.directory.transition(
             sid, from_states=[SessionState.RUNNING], epoch=epoch, worker=wid, to=SessionState.SUSPENDED,
-            set={"reason": "activation_lost", "message": what}, unset=("worker", "slot"))
+            set={"reason": "activation_lost", "message": what}, unset=("worker", "slot"), tenant=rec.tenant)
         if cas.ok:
             log.warning("lost activation repaired", extra={"session": sid, "worker": wid, "epoch": epoch})
             metrics.RECOVERIES_TOTAL.labels(reason="activation_lost").inc()

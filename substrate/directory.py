@@ -48,12 +48,13 @@ _INT_FIELDS = {"epoch", "slot", "turns"}
 _FLOAT_FIELDS = {"createdAt", "updatedAt", "lastActiveAt", "stateDeadline", "lostAfter"}
 
 # KEYS[1] session hash. ARGV[1] JSON {from?, epoch?, worker?, to?, bump?, set?, del?, now}
-# -> {1, state, epoch, previous state} on success, {0, state, epoch} on a failed check, {-1} if absent.
+# -> {1, state, epoch, previous state, tenant} on success, {0, state, epoch} on a failed check, {-1} if
+# absent.
 _CAS = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
 local a = cjson.decode(ARGV[1])
-local cur = redis.call('HMGET', h, 'state', 'epoch', 'worker')
+local cur = redis.call('HMGET', h, 'state', 'epoch', 'worker', 'tenant')
 local state, epoch, worker = cur[1], tonumber(cur[2]) or 0, cur[3] or ''
 local prev = state
 if a['from'] then
@@ -68,19 +69,19 @@ if a['to'] then state = a['to']; redis.call('HSET', h, 'state', state) end
 if a['set'] then for k, v in pairs(a['set']) do redis.call('HSET', h, k, v) end end
 if a['del'] then for _, k in ipairs(a['del']) do redis.call('HDEL', h, k) end end
 redis.call('HSET', h, 'updatedAt', a['now'])
-return {1, state, epoch, prev}
+return {1, state, epoch, prev, cur[4] or ''}
 """
 
 # KEYS[1] session hash, KEYS[2] its committed-snapshot set. ARGV[1] JSON {epoch, states, ref, key,
 # createdAt, retention, to?, set?, del?, now}. Moves snapshot -> previousSnapshot and sets snapshot =
 # ref, only if epoch and state match; keeps the newest ``retention`` committed snapshots in the set and
 # returns the keys that fell out (``previousSnapshot`` is cleared if it fell out: retention 1).
-# -> {1, previous state, dropped key ...} | {0, state, epoch} | {-1}
+# -> {1, previous state, tenant, dropped key ...} | {0, state, epoch} | {-1}
 _COMMIT = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1} end
 local a = cjson.decode(ARGV[1])
-local cur = redis.call('HMGET', h, 'state', 'epoch', 'snapshot', 'previousSnapshot')
+local cur = redis.call('HMGET', h, 'state', 'epoch', 'snapshot', 'previousSnapshot', 'tenant')
 local state, epoch = cur[1], tonumber(cur[2]) or 0
 if tonumber(a['epoch']) ~= epoch then return {0, state, epoch} end
 local ok = false
@@ -94,7 +95,7 @@ end
 if cur[3] then redis.call('HSET', h, 'previousSnapshot', cur[3]) end
 redis.call('HSET', h, 'snapshot', a['ref'])
 redis.call('ZADD', KEYS[2], tonumber(a['createdAt']), a['key'])
-local out = {1, state}
+local out = {1, state, cur[5] or ''}
 local n = redis.call('ZCARD', KEYS[2])
 local keep = math.max(1, tonumber(a['retention']) or 2)
 if n > keep then
@@ -129,15 +130,16 @@ return {1, epoch}
 
 # KEYS[1] session hash, KEYS[2] epoch floor, KEYS[3] snapshot set. ARGV[1] floor TTL (s).
 # Deletes the record and its snapshot set, leaving the epoch it reached as the floor of the next one.
-# -> {floor, state the record had ('' if none)}
+# -> {floor, state the record had ('' if none), its tenant ('' if none)}
 _DELETE = """
 local e = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') or 0
 local st = redis.call('HGET', KEYS[1], 'state') or ''
+local tenant = redis.call('HGET', KEYS[1], 'tenant') or ''
 local f = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 if e > f then f = e end
 if f > 0 then redis.call('SET', KEYS[2], f, 'EX', tonumber(ARGV[1])) end
 redis.call('DEL', KEYS[1], KEYS[3])
-return {f, st}
+return {f, st, tenant}
 """
 
 # KEYS[1] worker hash, KEYS[2] its slot table. ARGV[1] lease expiry (s), ARGV[2] active slots, ARGV[3] warm
@@ -510,11 +512,11 @@ class Directory:
             if rec.state in TRANSITIONAL and rec.stateDeadline:
                 p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline}, nx=True)
             if counted:
-                p.hincrby(self.keys.state_counts, rec.state.value, 1)
+                self._queue_count(p, None, rec.state.value, tenant=rec.tenant)
 
         async def uncount() -> None:
             if counted:
-                await self._count_states(rec.state.value, None)
+                await self._count_states(rec.state.value, None, tenant=rec.tenant)
 
         created = (await self._scripted(queue, uncount))[0]
         if int(created[0]) != 1:
@@ -545,9 +547,14 @@ class Directory:
                          epoch: int | None = None, worker: str | None = None,
                          to: SessionState | None = None, bump: bool = False,
                          set: dict[str, Any] | None = None, unset: Iterable[str] = (),
-                         deadline_s: float | None = None) -> CasResult:
+                         deadline_s: float | None = None, tenant: str | None = None) -> CasResult:
         """Compare-and-set on one session (see module doc). ``deadline_s`` sets ``stateDeadline`` to
-        now + deadline_s for a transitional ``to`` state; leaving a transitional state clears it."""
+        now + deadline_s for a transitional ``to`` state; leaving a transitional state clears it.
+
+        ``tenant``: the session's tenant as the caller knows it. With one ``from_states``, its state
+        counters move in the same round trip as the step (optimistically, like the runtime-wide ones);
+        without it (or if it was wrong: the step reports the record's tenant), they move in a round trip
+        after the step."""
         now = time.time()
         fields = dict(set or {})
         dels = list(unset)
@@ -586,19 +593,29 @@ class Directory:
             elif to is not None and to not in TRANSITIONAL:
                 p.zrem(self.keys.deadlines, sid)
             if moved is not None:
-                self._queue_count(p, *moved)
+                self._queue_count(p, *moved, tenant=tenant)
 
         async def unmove() -> None:
             if moved is not None:
-                await self._count_states(moved[1], moved[0])
+                await self._count_states(moved[1], moved[0], tenant=tenant)
 
         res = (await self._scripted(queue, unmove))[0]
         if res[0] != 1:
             await unmove()
         if res[0] == -1:
             return CasResult(False, None, 0, found=False)
-        if moved is None and res[0] == 1 and len(res) > 3 and res[3] != res[1]:
-            await self._count_states(res[3], res[1])
+        if res[0] == 1:
+            actual = str(res[4]) if len(res) > 4 and res[4] else None
+            if moved is None:
+                if len(res) > 3 and res[3] != res[1]:
+                    await self._count_states(res[3], res[1], tenant=actual)
+            elif actual != tenant:  # the tenant's counters moved on a wrong guess, or on none
+                async with self.pipeline() as p:
+                    if tenant:
+                        self._queue_count(p, moved[1], moved[0], tenant=tenant, runtime=False)
+                    if actual:
+                        self._queue_count(p, *moved, tenant=actual, runtime=False)
+                    await p.execute()
         return CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
 
     @_translate
@@ -638,8 +655,8 @@ class Directory:
         if to is not None and to not in TRANSITIONAL:
             await self.redis.zrem(self.keys.deadlines, sid)
         if to is not None and res[1] != to.value:
-            await self._count_states(res[1], to.value)
-        return True, [str(k) for k in res[2:]]
+            await self._count_states(res[1], to.value, tenant=res[2])
+        return True, [str(k) for k in res[3:]]
 
     @_translate
     async def forget_snapshot(self, sid: str, key: str) -> None:
@@ -661,9 +678,9 @@ class Directory:
             p.zrem(self.keys.sessions_index, sid)
             p.zrem(self.keys.deadlines, sid)
 
-        prev = (await self._scripted(queue))[0][1]
-        if prev:
-            await self._count_states(prev, None)
+        res = (await self._scripted(queue))[0]
+        if res[1]:
+            await self._count_states(res[1], None, tenant=res[2])
 
     @_translate
     async def get_sessions(self, sids: list[str]) -> list[SessionRecord]:
@@ -968,19 +985,26 @@ class Directory:
         return {k: float(v) for k, v in (await self.redis.hgetall(self.keys.stats)).items()}
 
     # session counts by state: counters moved by the transitions, corrected by a slow scan -------------
-    async def _count_states(self, from_state: str | None, to_state: str | None) -> None:
+    async def _count_states(self, from_state: str | None, to_state: str | None, *, tenant: str | None = None,
+                            runtime: bool = True) -> None:
         """Move one session between state counters (a second round trip beside the atomic step, like
-        the indexes: derived data that :meth:`reconcile_state_counts` repairs; DELETED is not counted)."""
+        the indexes: derived data that :meth:`reconcile_state_counts` repairs; DELETED is not counted):
+        the runtime-wide ones unless ``runtime`` is False, and ``tenant``'s when given."""
         async with self.pipeline() as p:
-            self._queue_count(p, from_state, to_state)
+            self._queue_count(p, from_state, to_state, tenant=tenant, runtime=runtime)
             await p.execute()
 
-    def _queue_count(self, p: Any, from_state: str | None, to_state: str | None) -> None:
-        """Queue on pipeline ``p`` the counter moves of one session from ``from_state`` to ``to_state``."""
-        if from_state and from_state != SessionState.DELETED.value:
-            p.hincrby(self.keys.state_counts, from_state, -1)
-        if to_state and to_state != SessionState.DELETED.value:
-            p.hincrby(self.keys.state_counts, to_state, 1)
+    def _queue_count(self, p: Any, from_state: str | None, to_state: str | None, *, tenant: str | None = None,
+                     runtime: bool = True) -> None:
+        """Queue on pipeline ``p`` the counter moves of one session from ``from_state`` to ``to_state``:
+        the runtime-wide counters unless ``runtime`` is False, and ``tenant``'s (its own hash slot) when
+        given."""
+        keys = ([self.keys.state_counts] if runtime else []) + ([self.keys.tenant_state_counts(tenant)] if tenant else [])
+        for key in keys:
+            if from_state and from_state != SessionState.DELETED.value:
+                p.hincrby(key, from_state, -1)
+            if to_state and to_state != SessionState.DELETED.value:
+                p.hincrby(key, to_state, 1)
 
     @_translate
     async def state_counts(self) -> dict[str, int]:
@@ -991,6 +1015,64 @@ class Directory:
             if k in out:
                 out[k] = max(0, int(v))
         return out
+
+    @_translate
+    async def tenant_state_counts(self, tenants: list[str]) -> dict[str, dict[str, int]]:
+        """Each tenant's sessions per lifecycle state (except DELETED) from its counters, moved by the
+        transitions like the runtime-wide ones (:meth:`state_counts`): one pipelined round trip,
+        O(tenants x states). Derived data: :meth:`tenant_counts_checked` says whether to trust them."""
+        async with self.pipeline() as p:
+            for t in tenants:
+                p.hgetall(self.keys.tenant_state_counts(t))
+            raws = await p.execute() if tenants else []
+        return {t: self._counts_of(raw) for t, raw in zip(tenants, raws)}
+
+    @_translate
+    async def tenant_counts_checked(self, tenant: str) -> dict[str, int] | None:
+        """``tenant``'s counters (:meth:`tenant_state_counts`) if they add up to the sessions its index
+        holds (read in the same round trip), else None: then they have drifted (a crash between a step
+        and its counter move, until the repair pass corrects them) or a create or delete moved one and
+        not yet the other, and the caller counts the index instead."""
+        async with self.pipeline() as p:
+            p.hgetall(self.keys.tenant_state_counts(tenant))
+            p.zcard(self.keys.tenant_sessions(tenant))
+            raw, size = await p.execute()
+        counts = self._counts_of(raw)
+        return counts if sum(counts.values()) == int(size) and all(v >= 0 for v in counts.values()) else None
+
+    @staticmethod
+    def _counts_of(raw: dict[str, Any]) -> dict[str, int]:
+        """A counter hash as ``{state: n}`` with every state but DELETED (missing: 0). A negative count
+        (a drift) is kept as it is, for the caller to see."""
+        out = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
+        for k, v in (raw or {}).items():
+            if k in out:
+                out[k] = int(v)
+        return out
+
+    @_translate
+    async def reconcile_tenant_state_counts(self, scanned: dict[str, dict[str, int]],
+                                            before: dict[str, dict[str, int]]) -> list[str]:
+        """For each tenant of ``before`` (its counters read just before a full scan), overwrite its
+        counters with ``scanned[tenant]`` (the scan's counts; none: all 0) if they still equal ``before``
+        (nothing of that tenant moved while the scan ran, so the scan is exact for it). Tenants not in
+        ``before`` are left for the next pass. Returns the tenants corrected."""
+        tenants = sorted(before)
+        now = await self.tenant_state_counts(tenants)
+        fixed: list[str] = []
+        async with self.pipeline() as p:
+            for t in tenants:
+                want = {**{s.value: 0 for s in SessionState if s != SessionState.DELETED}, **scanned.get(t, {})}
+                if now[t] != before[t] or now[t] == want:
+                    continue
+                if any(want.values()):
+                    p.hset(self.keys.tenant_state_counts(t), mapping={k: str(v) for k, v in want.items()})
+                else:  # a tenant with no session left: no hash left behind either
+                    p.delete(self.keys.tenant_state_counts(t))
+                fixed.append(t)
+            if fixed:
+                await p.execute()
+        return fixed
 
     @_translate
     async def reconcile_state_counts(self, scanned: dict[str, int], before: dict[str, int]) -> bool:

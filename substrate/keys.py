@@ -112,6 +112,11 @@ class Keys:
         """Hash: lifecycle state -> number of sessions in it (moved by transitions, repaired by a scan)."""
         return f"{self.prefix}:state-counts"
     # tenancy, auth, quotas, audit (issue 10) ---------------------------------------------------------
+    def tenant_state_counts(self, tenant: str) -> str:
+        """Hash: lifecycle state -> number of ``tenant``'s sessions in it (as :meth:`state_counts`, per tenant;
+        its own hash slot beside the tenant's other keys)."""
+        return f"{self.prefix}:{{t:{tenant}}}:state-counts"
+
     def tenant_sessions(self, tenant: str) -> str:
         """Sorted set: session id -> createdAt (s) of one tenant's sessions (keyset listing per tenant)."""
         return f"{self.prefix}:{{t:{tenant}}}:sessions"

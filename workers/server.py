@@ -828,7 +828,8 @@ class Worker:
                                code="busy")
             cas = await self.directory.transition(
                 sid, from_states=[SessionState.RUNNING], epoch=epoch, worker=self.id,
-                to=SessionState.SUSPENDING, deadline_s=self.settings.state.transition_deadline_s)
+                to=SessionState.SUSPENDING, deadline_s=self.settings.state.transition_deadline_s,
+                tenant=act.tenant or None)
             if not cas.ok:
                 if cas.epoch != epoch or not cas.found:
                     await self.reconcile(sid)
@@ -862,7 +863,7 @@ class Worker:
                             e.code, details={"state": SessionState.SUSPENDED.value}) from e
                     raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
-                                                to=SessionState.RUNNING)
+                                                to=SessionState.RUNNING, tenant=act.tenant or None)
                 raise
             # the turns no heartbeat reported yet go into the same atomic step (none is in flight while the
             # lock is held): the suspend's answer counts every turn, and none is lost with the activation

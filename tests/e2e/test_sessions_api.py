@@ -205,18 +205,24 @@ def test_list_filters_and_pagination(shared_runtime):
 
 def test_open_mode_stats_come_from_the_counters_not_a_walk_of_every_session(runtime_factory):
     """``/v1/stats`` of open mode's one tenant, which holds every session, read its whole index per call
-    (200 ms at 2,109 sessions: a fresh-user run; the trace replay polls it every second). While the
-    tenant's index holds as many sessions as the runtime-wide counters count, the counters answer. Shown by
-    moving one count between states in the counters only (the total stays): the answer follows the
-    counters. Once another tenant's session exists, the tenant's own index answers (a walk of it)."""
+    (200 ms at 2,109 sessions: a fresh-user run; the trace replay polls it every second). The tenant's own
+    counters answer while they add up to its index; drifted, the runtime-wide counters answer while the
+    tenant holds every session they count; else its index is walked. Shown by moving counts in the
+    counters only: the answer follows whichever is trusted."""
     rt = runtime_factory(replicas=1, slots=4)
     c = rt.client
     sids = [c.create_session("counter")["id"] for _ in range(3)]
     assert c.http.get("/v1/stats").json()["sessions"]["RUNNING"] == 3
-    rt.r.hincrby(rt.keys.state_counts, "RUNNING", -1)
-    rt.r.hincrby(rt.keys.state_counts, "FAILED", 1)
+    mine = rt.keys.tenant_state_counts("default")
+    rt.r.hincrby(mine, "RUNNING", -1)
+    rt.r.hincrby(mine, "FAILED", 1)
     got = c.http.get("/v1/stats").json()["sessions"]
-    assert (got["RUNNING"], got["FAILED"]) == (2, 1), "answered by the counters"
+    assert (got["RUNNING"], got["FAILED"]) == (2, 1), "answered by the tenant's counters"
+    rt.r.hincrby(mine, "SUSPENDED", 1)  # they no longer add up to the tenant's index: not trusted
+    rt.r.hincrby(rt.keys.state_counts, "RUNNING", -1)
+    rt.r.hincrby(rt.keys.state_counts, "STARTING", 1)
+    got = c.http.get("/v1/stats").json()["sessions"]
+    assert (got["RUNNING"], got["STARTING"], got["SUSPENDED"]) == (2, 1, 0), "the runtime-wide counters"
     rt.r.zadd(rt.keys.tenant_sessions("team-x"), {"s-other": 1.0})  # the index of another tenant ...
     rt.r.hincrby(rt.keys.state_counts, "SUSPENDED", 1)  # ... whose session the counters count
     got = c.http.get("/v1/stats").json()["sessions"]

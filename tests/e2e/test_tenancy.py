@@ -87,6 +87,47 @@ def _status(fn: Any) -> tuple[int, str]:
     return 200, ""
 
 
+def test_a_tenants_stats_in_a_shared_runtime_come_from_its_own_counters(keyed):
+    """Issue 11, item 4: ``/v1/stats`` from counters the transitions maintain, for a tenant that shares the
+    runtime with others too (it walked the tenant's index: O(its sessions) per call). Shown by moving one
+    count in the tenant's counters only: the answer follows them; drifted (they no longer add up to the
+    tenant's index), the index answers, and the repair pass puts them right."""
+    rt, _ = keyed
+    a, b, admin = _client(rt.url, KEY_A), _client(rt.url, KEY_B), _client(rt.url, KEY_ADMIN)
+    sa = a.create_session("counter")["id"]
+    made = [b.create_session("counter")["id"] for _ in range(2)]
+    b.suspend(made[0])
+
+    def truth() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in b.iter_sessions():
+            out[s["state"]] = out.get(s["state"], 0) + 1
+        return out
+
+    def shown(client: SubstrateClient = b, **kw: Any) -> dict[str, int]:
+        return {k: v for k, v in client.http.get("/v1/stats", params=kw).json()["sessions"].items() if v}
+
+    try:
+        assert shown() == truth() and shown(admin, tenant="team-b") == truth()
+        assert truth()["SUSPENDED"] >= 1
+        key = rt.keys.tenant_state_counts("team-b")
+        rt.r.hincrby(key, "SUSPENDED", -1)
+        rt.r.hincrby(key, "FAILED", 1)
+        moved = {**truth(), "FAILED": 1}
+        moved["SUSPENDED"] -= 1
+        assert shown() == {k: v for k, v in moved.items() if v}, "answered by team-b's counters"
+        rt.r.hincrby(key, "FAILED", 1)  # drifted: they count one session more than team-b's index holds
+        assert shown() == truth(), "team-b's own index walked"
+        deadline = time.time() + 60  # the state manager's repair pass corrects them (two passes at most)
+        while rt.r.hget(key, "FAILED") not in (None, "0") and time.time() < deadline:
+            time.sleep(0.5)
+        assert rt.r.hget(key, "FAILED") in (None, "0") and shown() == truth()
+    finally:
+        for sid in made:
+            b.delete_session(sid)
+        a.delete_session(sa)
+
+
 def test_tenant_a_cannot_read_list_invoke_stream_suspend_resume_or_delete_b(keyed):
     rt, router = keyed
     a, b, admin = _client(rt.url, KEY_A), _client(rt.url, KEY_B), _client(rt.url, KEY_ADMIN)
