@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from substrate.errors import InvalidInput, NotFound, clip
 from substrate.keys import Keys
-from substrate.settings import TENANT_RE, ApiKeySpec, closest, duplicate_api_key
+from substrate.settings import TENANT_RE, ApiKeySpec, closest, duplicate_api_key, key_name_problem
 from substrate.specs import parse_yaml_documents
 
 log = logging.getLogger("substrate.apikeys")
@@ -95,8 +95,12 @@ class ApiKeyStore:
         return version
 
     async def create(self, tenant: str, *, admin: bool = False, name: str = "") -> tuple[ApiKey, str]:
-        """Make a new key for ``tenant``; returns the record and the key (shown once, never stored)."""
+        """Make a new key for ``tenant``; returns the record and the key (shown once, never stored). Raises
+        ``InvalidInput`` (``invalid_tenant``, ``invalid_key_name``: ``settings.key_name_problem``) before
+        anything is written."""
         check_tenant(tenant)
+        if (why := key_name_problem(name)) is not None:
+            raise InvalidInput(why, code="invalid_key_name")
         kid = secrets.token_hex(4)
         key = f"sk_{kid}_{secrets.token_urlsafe(32)}"
         rec = ApiKey(kid, tenant, admin, name, time.time(), hash_key(key))

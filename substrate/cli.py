@@ -1357,7 +1357,8 @@ def _write_file_keys(path: Path, entries: list[dict[str, Any]]) -> None:
 @keys_app.command("create")
 def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant the key acts for (lower-case name)."),
                 admin: bool = typer.Option(False, help="The key may see and touch every tenant's sessions."),
-                name: str = typer.Option("", help="A label for the key (shown by `keys list`)."),
+                name: str = typer.Option("", help="A label for the key (shown by `keys list`; with --file, its "
+                                         "ID): at most 128 characters, no tab or newline, not starting with sk_."),
                 file: Optional[Path] = typer.Option(None, "--file", help="Append the key's hash to this key file "
                                                     "instead of writing to Redis (the file is rewritten: YAML "
                                                     "comments are not kept).")) -> None:
@@ -1366,11 +1367,16 @@ def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant
     from substrate.errors import SubstrateError
     from substrate.keys import Keys
 
+    from substrate.settings import key_name_problem
+
     try:  # bad input exits 2 (as every input error does) before anything is read or written
         check_tenant(tenant)
     except SubstrateError as e:
         err.print(f"[red]error {e.code}[/red]: {escape(e.message)}")
         raise typer.Exit(2) from None
+    if (why := key_name_problem(name)) is not None:
+        err.print(f"[red]error invalid_key_name[/red]: {escape(why)}")
+        raise typer.Exit(2)
     if file is not None:
         import secrets as _secrets
 

@@ -31,6 +31,28 @@ EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
 
 #: tenant names: DNS-label-like, so they fit in keys, labels and log fields unchanged
 TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9\-]{0,61}[a-z0-9])?$")
+
+#: the longest API key name (a label shown by ``keys list``, and a file key's ID)
+KEY_NAME_MAX_CHARS = 128
+
+
+def key_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an API key, or None (``""``: no name). A name is a label in ``keys list``
+    and a file key's ID (``keys revoke NAME``): at most :data:`KEY_NAME_MAX_CHARS` characters, no control
+    character (a tab or newline broke the listing's columns), no space at either end, and not starting with
+    ``sk_`` (it would read as a key). A fresh-user run created keys named with tabs, 300 characters and
+    ``sk_...`` without a word."""
+    if not name:
+        return None
+    if len(name) > KEY_NAME_MAX_CHARS:
+        return f"a key name is at most {KEY_NAME_MAX_CHARS} characters, not {len(name)}"
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in name):
+        return f"a key name has no control characters (tab, newline...): {name[:60]!r}"
+    if name != name.strip():
+        return f"a key name does not begin or end with a space: {name[:60]!r}"
+    if name.startswith("sk_"):
+        return f"a key name does not start with 'sk_' (it would read as a key): {name[:60]!r}"
+    return None
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 #: URL schemes the runtime connects to (redis-py's three, and ``redis+cluster://`` of substrate.directory)
@@ -342,6 +364,13 @@ class ApiKeySpec(_Section):
         if self.key is not None:
             return hashlib.sha256(self.key.encode()).hexdigest()
         return (self.sha256 or "").lower().removeprefix("sha256:")
+
+    @field_validator("name")
+    @classmethod
+    def _a_key_name(cls, v: str) -> str:
+        if (why := key_name_problem(v)) is not None:
+            raise ValueError(why)
+        return v
 
     @field_validator("tenant")
     @classmethod

@@ -523,3 +523,14 @@ async def test_a_file_key_named_as_another_keys_id_is_warned_about(redis_prefix,
     with caplog.at_level("WARNING", logger="substrate.apikeys"):
         assert await store.import_specs([ApiKeySpec(tenant="team-b", key="sk_filex_" + "x" * 30, name=made.id)]) == 1
     assert f"is named {made.id!r}, the ID of another key (tenant 'team-a')" in caplog.text
+
+
+async def test_a_key_with_a_bad_name_is_not_created(redis_prefix):
+    from substrate.errors import InvalidInput
+
+    r, keys, _ = redis_prefix
+    store = ApiKeyStore(r, keys)
+    with pytest.raises(InvalidInput) as e:
+        await store.create("team-a", name="line\nbreak")
+    assert e.value.code == "invalid_key_name"
+    assert await store.list() == []

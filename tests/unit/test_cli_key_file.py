@@ -118,3 +118,38 @@ def test_keys_list_reads_a_key_file_and_never_shows_a_key(tmp_path: Path) -> Non
     r = CliRunner().invoke(app, ["keys", "revoke", "cafe1234", "--file", str(f)])
     assert r.exit_code == 0, r.output
     assert "cafe1234" not in f.read_text()
+
+
+@pytest.mark.parametrize("name, says", [
+    ("ci\tbot", "control characters"),
+    ("x" * 129, "at most 128 characters"),
+    (" ci", "begin or end with a space"),
+    ("sk_abc_def", "start with 'sk_'"),
+])
+@pytest.mark.parametrize("to_file", [True, False])
+def test_a_bad_key_name_is_refused_before_anything_is_written(tmp_path: Path, name: str, says: str,
+                                                              to_file: bool) -> None:
+    """A key's name is a label in ``keys list`` and a file key's ID (fresh-user run: a tab, 300 characters
+    and an ``sk_...`` name were all taken). Refused with exit 2 before any file or Redis is touched (without
+    --file no runtime is looked for: the refusal comes first)."""
+    f = tmp_path / "keys.yaml"
+    argv = ["keys", "create", "team-a", "--name", name] + (["--file", str(f)] if to_file else [])
+    r = CliRunner().invoke(app, argv, env={"SUBSTRATE_DATA_DIR": str(tmp_path / "none")})
+    assert r.exit_code == 2, r.output
+    assert "invalid_key_name" in r.output and says in r.output, r.output
+    assert not f.exists()
+    # the longest name, and one with spaces inside, are fine
+    ok = ["keys", "create", "team-a", "--name", "ci bot " + "x" * 121, "--file", str(f)]
+    assert CliRunner().invoke(app, ok).exit_code == 0
+    assert yaml.safe_load(f.read_text())[0]["name"] == "ci bot " + "x" * 121
+
+
+def test_a_key_file_entry_with_a_bad_name_is_refused_at_load(tmp_path: Path) -> None:
+    from substrate.apikeys import load_key_file
+    from substrate.errors import InvalidInput
+
+    f = tmp_path / "keys.yaml"
+    f.write_text('- {tenant: team-a, sha256: "' + "a" * 64 + '", name: "a\\tb"}\n')
+    with pytest.raises(InvalidInput) as e:
+        load_key_file(f)
+    assert "entry 0 name" in e.value.message and "control characters" in e.value.message
