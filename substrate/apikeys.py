@@ -142,17 +142,19 @@ class ApiKeyStore:
             digest = (s.sha256 or "").lower().removeprefix("sha256:") or (hash_key(s.key) if s.key else "")
             if s.name and (clash := next((r for r in existing if r.id == s.name and r.sha256 != digest), None)):
                 # its name is its ID: ``keys revoke NAME`` would then name two keys (it refuses both)
-                log.warning("API key #%d of tenant %r (file or env) is named %r, the ID of another key (tenant "
+                log.warning("API key entry %d of tenant %r (file or env; entries count from 0) is named %r, the ID "
+                            "of another key (tenant "
                             "%r): `substrate keys revoke %s` names both and revokes neither; give it another name",
                             i, s.tenant, s.name, clash.tenant, s.name)
             check_tenant(s.tenant)
             if not _HEX64.match(digest):
-                raise InvalidInput(f"API key #{i} of tenant {s.tenant!r} needs `sha256` (64 hex) or `key`",
+                raise InvalidInput(f"API key entry {i} of tenant {s.tenant!r} needs `sha256` (64 hex) or `key`",
                                    code="invalid_api_key_spec")
             given.add(digest)
             if digest in revoked:
-                log.warning("API key #%d of tenant %r (file or env) was revoked with `substrate keys revoke`: it "
-                            "stays revoked; remove it from the file or env, or give a new key", i, s.tenant)
+                log.warning("API key entry %d (ID %r) of tenant %r (file or env; entries count from 0) was revoked "
+                            "with `substrate keys revoke`: it stays revoked; remove it from the file or env, or give "
+                            "a new key", i, file_key_id(s.name, s.key, digest), s.tenant)
                 continue
             rec = ApiKey(file_key_id(s.name, s.key, digest), s.tenant, s.admin, s.name, time.time(), digest)
             added += await self._put(rec, only_new=True)

@@ -220,7 +220,8 @@ async def test_a_key_revoked_with_the_cli_stays_revoked_though_the_file_lists_it
     with caplog.at_level("WARNING", logger="substrate.apikeys"):
         assert await store.import_specs([ApiKeySpec(tenant="t1", key=a)]) == 0
     assert await store.lookup(hash_key(a)) is None
-    assert "API key #0 of tenant 't1' (file or env) was revoked with `substrate keys revoke`" in caplog.text
+    assert "API key entry 0 (ID " in caplog.text
+    assert "of tenant 't1' (file or env; entries count from 0) was revoked with `substrate keys revoke`" in caplog.text
     assert a not in caplog.text
 
 
