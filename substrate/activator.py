@@ -168,9 +168,13 @@ def blames_tenant(e: SubstrateError) -> bool:
     after store and Redis pauses, recovery up to 31.6 s); nor a worker that died or stopped answering
     (``worker_unavailable``: agents run outside the worker process, so its loss is the platform's; e2e
     chaos on 5828cab: four worker SIGKILLs under load failed 11 wakes of the one tenant and opened its
-    breaker); nor a create whose session a DELETE removed while it started (``session_deleted``)."""
+    breaker); nor a create whose session a DELETE removed while it started (``session_deleted``); nor a
+    race between the tenant's own calls on one ID (``conflict``, ``stale_epoch``, ``session_not_found``:
+    a create, delete and create of one ID at once) or a full worker (``no_capacity``): none says the
+    template's activations fail (fresh-user run: 10 creates racing deletes of the same IDs, 5 ``conflict``
+    and 5 ``stale_epoch``, opened the breaker, and 4,825 creates got 429 ``tenant_circuit_open``)."""
     return (not isinstance(e, (TooManyRequests, DirectoryUnavailable, StoreUnavailable, WorkerUnavailable,
-                               SessionDeleted))
+                               SessionDeleted, Conflict, NotFound, NoCapacity))
             and e.code != "worker_fenced")
 
 

@@ -232,3 +232,21 @@ def test_quota_tenant_names_are_checked_and_underscore_stands_for_dash(monkeypat
         monkeypatch.setenv("SUBSTRATE_QUOTA__TENANTS", bad)
         with pytest.raises(pydantic.ValidationError):
             Settings()
+
+
+def test_only_a_templates_own_failures_count_toward_its_tenants_breaker():
+    """A race between a tenant's own calls on one ID, a full worker, or an outage of the platform's stores
+    says nothing about the template's activations (fresh-user run: creates racing deletes of the same IDs,
+    5 ``conflict`` and 5 ``stale_epoch``, opened the breaker for every create of the template)."""
+    from substrate.activator import blames_tenant
+    from substrate.errors import (Conflict, DirectoryUnavailable, NoCapacity, NotFound, SessionDeleted, StaleEpoch,
+                                  StoreUnavailable, SubstrateError, TooManyRequests, WorkerUnavailable)
+
+    races = [Conflict("x", code="conflict"), StaleEpoch("x"), NotFound("x", code="session_not_found"),
+             SessionDeleted("x"), NoCapacity("x")]
+    platform = [DirectoryUnavailable("x"), StoreUnavailable("x"), WorkerUnavailable("x"),
+                TooManyRequests("x", code="quota_max_running"), SubstrateError("x", code="worker_fenced")]
+    assert not any(blames_tenant(e) for e in races + platform)
+    # what the template's own agent does: a crash at start, a start that fails
+    assert blames_tenant(SubstrateError("x", code="agent_crashed"))
+    assert blames_tenant(SubstrateError("x", code="agent_start_failed"))
