@@ -1458,6 +1458,12 @@ class Activator:
             await self._fail_state_load(rec, epoch, worker, slot, e)
             raise
         except SubstrateError as e:
+            if not isinstance(e, DirectoryUnavailable) and await self._deleted_meanwhile(rec.id):
+                # a DELETE took the session (and its snapshot objects) while it was being woken: 404, as any
+                # call after a delete gets, not the failure the delete caused (a fresh-user run: 503
+                # snapshot_store_unavailable "object missing" after the delete's 204, 14 of 200 races)
+                await self._abandon(rec.id, worker, slot, epoch)
+                raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
             # back to SUSPENDED (guarded by the epoch: a deadline roll may have done it already), then
             # fence the half-made activation on the worker; its reconciliation frees what this misses.
             # Redis refusing that write too (down, its disk full) is retried in the background as soon as

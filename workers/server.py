@@ -759,11 +759,25 @@ class Worker:
         except BaseException:
             await self.sandboxes.release(box, None, lease=box_lease)
             raise
-        self.activations[sid] = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
-                                           agent=agent, workspace=workspace, answers=answers,
-                                           restored=restored, tenant=claims.tenant if claims else "",
-                                           restored_at=restored_at,
-                                           sandbox_slot=box, sandbox_lease=box_lease)
+        made = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
+                          agent=agent, workspace=workspace, answers=answers,
+                          restored=restored, tenant=claims.tenant if claims else "",
+                          restored_at=restored_at,
+                          sandbox_slot=box, sandbox_lease=box_lease)
+        # another activation of this session may have been registered while this one started (two creates
+        # of one ID around a DELETE, each with its own epoch, both past the claim re-check): the newer one
+        # stays, the other is dropped with its sandbox. Overwriting it leaked its sandbox slot for good (a
+        # fresh-user run: 3 of 4 slots held by agents no session owned, creates 503 no_capacity)
+        now_there = self.activations.get(sid)
+        if now_there is not None and now_there.epoch >= epoch:
+            await self._drop(made)
+            if now_there.epoch == epoch:  # the same activation asked for twice at once: it exists
+                return {"session": sid, "epoch": epoch, "restored": False, "worker": self.id}
+            raise StaleEpoch(f"activation epoch {epoch} is older than {now_there.epoch}",
+                             details={"epoch": now_there.epoch})
+        self.activations[sid] = made  # before the older one's drop awaits: no third one slips in between
+        if now_there is not None:
+            await self._drop(now_there)
         if ref is None:  # a new session (a restore is timed by the resume histogram in the router)
             metrics.ACTIVATION_DURATION_SECONDS.labels(template=template).observe(time.perf_counter() - t0)
         return {"session": sid, "epoch": epoch, "restored": ref is not None, "worker": self.id,
