@@ -206,14 +206,11 @@ class Runtime:
         await self.client.close()
         await self.directory.close()
 
-    async def snapshot_gc(self, sid: str) -> None:
-        """Delete every snapshot object of a deleted session (object deletes only: no bytes pass)."""
+    async def snapshot_gc(self, sid: str, up_to_epoch: int | None = None) -> None:
+        """Delete the snapshot objects of a deleted session up to its last epoch (object deletes only: no
+        bytes pass; ``snapshot.commit.delete_session_objects`` says what is left alone and why)."""
         if self.store is None:
             return
-        from snapshot.store import session_prefix
+        from snapshot.commit import delete_session_objects
 
-        try:
-            for key in await self.store.list_keys(session_prefix(self.settings.snapshot.prefix, sid)):
-                await self.store.delete(key)
-        except Exception:  # noqa: BLE001 - best effort; objects of deleted sessions are garbage only
-            log.warning("snapshot GC of a deleted session failed", extra={"session": sid}, exc_info=True)
+        await delete_session_objects(self.store, self.settings.snapshot.prefix, sid, up_to_epoch=up_to_epoch)

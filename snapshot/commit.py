@@ -32,7 +32,7 @@ from typing import Any
 
 from snapshot.archive import WorkspaceNotArchivable, pack, unpack_stream
 from snapshot.guard import MARKER_NAME
-from snapshot.store import ObjectStore, session_prefix, snapshot_key
+from snapshot.store import ObjectStore, parse_snapshot_key, session_prefix, snapshot_key
 from substrate import metrics
 from substrate.directory import Directory
 from substrate.errors import InvalidInput, NotFound, SnapshotCorrupt, StoreUnavailable
@@ -184,22 +184,43 @@ class SnapshotManager:
         metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="restore").observe(time.perf_counter() - t0)
         return state
 
-    async def delete_all(self, sid: str) -> None:
-        """Remove every snapshot object of a deleted session (best effort)."""
-        try:
-            under = session_prefix(self.settings.prefix, sid)
-            for key in await self.store.list_keys(under):
-                # only this session's objects, ``<prefix>/<session>/<file>``: a deeper key is another
-                # directory's whose prefix is nested here (a session ``b`` of a runtime on ``snapshots``
-                # deleted the whole store of one on ``snapshots/b``, marker included: round 22)
-                name = key[len(under):]
-                if "/" not in name and name != MARKER_NAME:
-                    await self._delete_quietly(key)
-        except Exception:  # noqa: BLE001 - GC never fails a request
-            log.warning("snapshot GC failed", extra={"session": sid}, exc_info=True)
-
     async def _delete_quietly(self, key: str) -> None:
         try:
             await self.store.delete(key)
         except Exception:  # noqa: BLE001 - GC never fails a request; a later sweep retries
             log.warning("snapshot delete failed", extra={"key": key}, exc_info=True)
+
+
+async def delete_session_objects(store: ObjectStore, prefix: str, sid: str, *, up_to_epoch: int | None) -> int:
+    """Delete the snapshot objects of deleted session ``sid`` (``snapshot.prefix`` ``prefix``): the keys
+    :func:`~snapshot.store.snapshot_key` made directly under its prefix whose epoch is at most
+    ``up_to_epoch`` (None: any). Returns how many were deleted; never raises (best effort: the orphan
+    sweep takes what is left).
+
+    Left alone:
+
+    * a deeper key: another directory's whose prefix is nested here (a session ``b`` of a runtime on
+      ``snapshots`` deleted the whole store of one on ``snapshots/b``, marker included: round 22);
+    * any other name (the marker, foreign objects);
+    * a newer epoch: a session created again under the same ID right after the delete (epochs never
+      repeat for an ID) may have uploaded its first snapshots before this runs; deleting every key under
+      the prefix took them too, and its wakes met "object missing" (a fresh-user run, 11 of them in
+      a minute of create/delete/suspend/invoke on six IDs)."""
+    deleted = 0
+    try:
+        under = session_prefix(prefix, sid)
+        for key in await store.list_keys(under):
+            name = key[len(under):]
+            parsed = parse_snapshot_key(key)
+            if "/" in name or name == MARKER_NAME or parsed is None:
+                continue
+            if up_to_epoch is not None and parsed[0] > up_to_epoch:
+                continue
+            try:
+                await store.delete(key)
+                deleted += 1
+            except Exception:  # noqa: BLE001 - a later sweep retries
+                log.warning("snapshot delete failed", extra={"key": key}, exc_info=True)
+    except Exception:  # noqa: BLE001 - GC never fails a request
+        log.warning("snapshot GC failed", extra={"session": sid}, exc_info=True)
+    return deleted

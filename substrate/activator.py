@@ -1447,7 +1447,7 @@ class Activator:
                 adm.latency_s = time.perf_counter() - activating
             phases = worker_phases(answer)
         except SnapshotCorrupt as e:
-            if await self._deleted_meanwhile(rec.id):
+            if await self._deleted_meanwhile(rec.id, rec.createdAt):
                 # the delete removed the snapshot under the restore: not a corrupt snapshot, and no
                 # record to fail (a fresh-user race: 500 snapshot_corrupt "object is missing" after a 204)
                 await self._abandon(rec.id, worker, slot, epoch)
@@ -1458,7 +1458,7 @@ class Activator:
             await self._fail_state_load(rec, epoch, worker, slot, e)
             raise
         except SubstrateError as e:
-            if not isinstance(e, DirectoryUnavailable) and await self._deleted_meanwhile(rec.id):
+            if not isinstance(e, DirectoryUnavailable) and await self._deleted_meanwhile(rec.id, rec.createdAt):
                 # a DELETE took the session (and its snapshot objects) while it was being woken: 404, as any
                 # call after a delete gets, not the failure the delete caused (a fresh-user run: 503
                 # snapshot_store_unavailable "object missing" after the delete's 204, 14 of 200 races)
@@ -1570,15 +1570,19 @@ class Activator:
         self._repairs.add(task)
         task.add_done_callback(self._repairs.discard)
 
-    async def _deleted_meanwhile(self, sid: str) -> bool:
-        """Whether ``sid`` was deleted (record gone or DELETED) since this call read it; False if the
-        directory cannot say (the caller then treats the failure as it is)."""
+    async def _deleted_meanwhile(self, sid: str, created_at: float | None = None) -> bool:
+        """Whether ``sid`` was deleted (record gone or DELETED) since this call read it, or, with
+        ``created_at`` (the ``createdAt`` of the record read), deleted and made again under the same ID (a
+        fresh-user run: a wake restoring a snapshot that the delete's GC removed answered 503 "object
+        missing" because the ID already named a new session); False if the directory cannot say (the
+        caller then treats the failure as it is)."""
         try:
-            return (await self.directory.get_session(sid)).state == SessionState.DELETED
+            cur = await self.directory.get_session(sid)
         except NotFound:
             return True
         except SubstrateError:
             return False
+        return cur.state == SessionState.DELETED or (created_at is not None and cur.createdAt != created_at)
 
     async def _abandon(self, sid: str, worker: WorkerRecord, slot: int, epoch: int) -> None:
         """Drop activation ``epoch`` of ``sid`` on ``worker`` (only that epoch or older) and free its
@@ -1831,9 +1835,10 @@ class Activator:
             self._suspend_failing.popitem(last=False)
         await self.record("suspend", rec, reason=reason, result=code, who=SYSTEM)
 
-    async def delete(self, sid: str, snapshot_gc: Callable[[str], Awaitable[None]] | None = None, *,
+    async def delete(self, sid: str, snapshot_gc: Callable[[str, int], Awaitable[None]] | None = None, *,
                      before_removal: Callable[[], Awaitable[None]] | None = None) -> None:
-        """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc``).
+        """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc(sid,
+        last_epoch)``, in the background).
         Of concurrent deletes one does it and the others get ``NotFound``, as a delete after it does (the
         move to DELETED is a compare-and-set from any other state: both of two deletes that read the
         record before either marked it answered 204, and each released its slot and quota).
@@ -1870,7 +1875,9 @@ class Activator:
         await self.release_quota(rec, epoch=None, total=True)
         await self._index(rec.tenant, sid, None)
         if snapshot_gc is not None:
-            asyncio.create_task(snapshot_gc(sid))
+            # up to the deleted session's last epoch: a session made again under this ID starts above it,
+            # and its snapshots may be under the same prefix before this task lists it
+            asyncio.create_task(snapshot_gc(sid, cas.epoch))
 
     # ------------------------------------------------------------------------------------- recovery
     async def check_worker(self, wid: str, *, sid: str | None = None) -> bool:

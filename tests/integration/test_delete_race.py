@@ -99,7 +99,7 @@ async def test_of_two_concurrent_deletes_one_deletes_and_the_other_is_404(direct
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
 
 
-@pytest.mark.parametrize("failure", ["corrupt", "missing_in_grace"])
+@pytest.mark.parametrize("failure", ["corrupt", "missing_in_grace", "missing_made_again"])
 async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_snapshot(directory: Directory,
                                                                                      failure: str) -> None:
     """A fresh-user race: resume (or invoke) a suspended session and DELETE it 0-30 ms later; the delete
@@ -107,7 +107,8 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     ``snapshot_corrupt`` "object ... is missing", recorded a corrupt snapshot after the delete and counted
     a failure against the tenant. It is the 404 ``session_not_found`` any call after a delete gets. The
     same once the store keeps a missing object in its grace (a later fresh-user run: 503
-    ``snapshot_store_unavailable`` "object missing", 14 of 200 races, counted as a store outage)."""
+    ``snapshot_store_unavailable`` "object missing", 14 of 200 races, counted as a store outage), and when
+    the ID already names a new session made since (same run: create/delete/suspend/invoke on six IDs)."""
     from substrate.errors import SnapshotCorrupt, StoreUnavailable
 
     d = directory
@@ -120,6 +121,12 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     class Restoring(Workers):
         async def activate(self, address: str, *, session: str, epoch: int, **_: Any) -> dict[str, Any]:
             await router.delete(session)  # the DELETE lands mid-restore; its GC removes the object
+            if failure == "missing_made_again":  # and a create of the same ID lands before the restore fails
+                await asyncio.sleep(0.01)
+                now = time.time()
+                await d.create_session(SessionRecord(id="s1", state=SessionState.RUNNING, actorTemplate="counter",
+                                                     pool="default", tenant="team-a", epoch=1, createdAt=now,
+                                                     updatedAt=now, lastActiveAt=now))
             if failure == "corrupt":
                 raise SnapshotCorrupt(f"snapshot object {ref.key!r} is missing", details={"reason": "missing"})
             raise StoreUnavailable(f"snapshot object {ref.key!r} is missing", retry_after_s=10,
@@ -280,3 +287,25 @@ async def test_a_create_whose_session_a_delete_removed_while_it_started_is_410_s
     with pytest.raises(NotFound):
         await d.get_session("c1")
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
+
+
+async def test_a_delete_hands_its_snapshot_gc_the_last_epoch_of_the_session(directory: Directory) -> None:
+    """The background GC of a deleted session takes only objects up to its last epoch (a session made
+    again under the ID at once starts above it: ``snapshot.commit.delete_session_objects``)."""
+    d = directory
+    await _suspended_session(d)
+    settings = Settings()
+    router = (await _routers(d, Workers(), settings, AuditLog(d.redis, d.keys, settings.audit), n=1))[0]
+    asked: list[tuple[str, int]] = []
+
+    async def gc(sid: str, up_to_epoch: int) -> None:
+        asked.append((sid, up_to_epoch))
+
+    await router.delete("s1", snapshot_gc=gc)
+    await asyncio.sleep(0)  # the GC runs in a task of its own
+    await asyncio.sleep(0)
+    assert asked == [("s1", 2)]  # epoch 1, bumped once by the move to DELETED
+    await d.create_session(SessionRecord(id="s1", state=SessionState.RUNNING, actorTemplate="counter",
+                                         pool="default", epoch=1, createdAt=time.time(), updatedAt=time.time(),
+                                         lastActiveAt=time.time()))
+    assert (await d.get_session("s1")).epoch > asked[0][1], "the ID made again starts above what the GC takes"

@@ -445,13 +445,30 @@ async def test_retention_one_keeps_one_object(env, tmp_path: Path):
 async def test_deleting_a_session_removes_only_its_own_objects_not_a_nested_prefixs(env, tmp_path: Path) -> None:
     """Fresh-user round 22: a session ``b`` of a runtime on prefix ``snapshots`` deleted, with its own
     objects, the whole store of another runtime on ``snapshots/b``, marker included."""
+    from snapshot.commit import delete_session_objects
+
     d, act, fake, sm, store, settings = env
-    mgr = SnapshotManager(store, d, settings.snapshot, tmp_path / "tmp")
     prefix = settings.snapshot.prefix.strip("/")
     ours = snapshot_key(settings.snapshot.prefix, "b", 1, 1)
     theirs = [f"{prefix}/b/.substrate-store", f"{prefix}/b/t3b-1/000000000001-000001-0123abcd.tar.zst"]
     for key in (ours, *theirs):
         store.objects[key] = b"x"
-    await mgr.delete_all("b")
+    assert await delete_session_objects(store, settings.snapshot.prefix, "b", up_to_epoch=None) == 1
     assert ours not in store.objects
     assert all(key in store.objects for key in theirs)
+
+
+async def test_deleting_a_session_leaves_the_snapshots_of_its_id_made_again(env, tmp_path: Path) -> None:
+    """A fresh-user run: a session deleted and made again under the same ID at once took its first
+    snapshot before the delete's background GC listed the prefix, and the GC deleted it: the new
+    session's wakes met "object missing". The GC takes only epochs up to the deleted session's last
+    (epochs never repeat for an ID)."""
+    from snapshot.commit import delete_session_objects
+
+    d, act, fake, sm, store, settings = env
+    old = [snapshot_key(settings.snapshot.prefix, "x", epoch, 1) for epoch in (3, 7)]
+    new = snapshot_key(settings.snapshot.prefix, "x", 8, 1)
+    for key in (*old, new):
+        store.objects[key] = b"x"
+    assert await delete_session_objects(store, settings.snapshot.prefix, "x", up_to_epoch=7) == 2
+    assert list(store.objects) == [new]
