@@ -340,6 +340,10 @@ class Worker:
         self.slots = slots
         self.root = root
         self.activations: dict[str, Activation] = {}
+        #: sandbox slots taken by activations still starting (not yet registered nor given back), and the
+        #: busy slots no activation held at the last reconciliation (``_free_stray_sandboxes``)
+        self._starting: set[int] = set()
+        self._stray: set[int] = set()
         self.address = ""
         self.started_at = time.time()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -455,9 +459,27 @@ class Worker:
             await asyncio.sleep(self.settings.worker.reconcile_s)
             try:
                 await self.reconcile()
+                await self._free_stray_sandboxes()
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("activation reconciliation failed", exc_info=True)
             reraise_lost_cancel()
+
+    async def _free_stray_sandboxes(self) -> list[int]:
+        """Give back the sandbox slots that are busy while no activation holds them and none is starting
+        in them, found so at two reconciliations in a row (a release under way in between is not taken
+        for a stray; a second release of the same lease is ignored by the pool). A backstop: such a slot
+        is never freed otherwise, and each one took a slot from the pool for good (a fresh-user run: 3 of
+        4 slots held by agents no session owned; its cause is fixed in ``activate``). Returns the slot
+        indexes freed."""
+        slots = getattr(self.sandboxes, "slots", None) or []
+        held = {a.sandbox_slot.index for a in self.activations.values() if a.sandbox_slot is not None}
+        stray = {s.index for s in slots if s.busy and s.index not in held and s.index not in self._starting}
+        due, self._stray = stray & self._stray, stray - self._stray
+        for s in slots:
+            if s.index in due:
+                log.warning("freeing a sandbox slot no activation holds", extra={"worker": self.id, "slot": s.index})
+                await self.sandboxes.release(s, None, lease=s.lease)
+        return sorted(due)
 
     async def reconcile(self, only: str | None = None) -> list[str]:
         """Free every activation (of ``only``, or all) the directory does not name: its record is gone,
@@ -720,6 +742,7 @@ class Worker:
             box = await self.sandboxes.acquire(prefer=slot if slot >= 0 else None)
         except LookupError:
             raise NoCapacity(f"worker {self.id} has no free sandbox slot") from None
+        self._starting.add(box.index)
         box_lease = box.lease
         workspace = box.workspace
         # the worker's phases of this activation (ms), sent back to the router for its Server-Timing
@@ -757,8 +780,10 @@ class Worker:
             agent = await self._start_agent(ctx, spec, box, state, ref)
             marks.append(("agent", time.perf_counter()))
         except BaseException:
+            self._starting.discard(box.index)
             await self.sandboxes.release(box, None, lease=box_lease)
             raise
+        self._starting.discard(box.index)  # registered or dropped below, without an await in between
         made = Activation(sid=sid, epoch=epoch, template=template, spec=spec, slot=slot,
                           agent=agent, workspace=workspace, answers=answers,
                           restored=restored, tenant=claims.tenant if claims else "",

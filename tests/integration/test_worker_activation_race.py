@@ -100,3 +100,21 @@ async def test_the_newer_of_two_activations_of_one_session_stays_and_the_other_g
     assert sorted(boxes.released + [held]) == sorted(boxes.taken) == [0, 1]
     assert agents[5].stopped and not agents[6].stopped
 
+
+
+async def test_a_busy_sandbox_slot_no_activation_holds_is_freed_at_the_second_reconciliation(
+        directory: Directory, tmp_path: Path) -> None:
+    """The backstop for any other way a slot could be left behind: busy, held by no activation, none
+    starting in it, at two reconciliations in a row. A slot an activation holds, or one still starting,
+    is never freed."""
+    boxes = _Sandboxes(tmp_path)
+    boxes.slots = [SimpleNamespace(index=i, busy=True, lease=1) for i in range(4)]  # type: ignore[attr-defined]
+    boxes.slots[3].busy = False
+    worker = Worker(Settings(), directory, SnapshotManager(MemoryStore(), directory, Settings().snapshot, tmp_path),
+                    worker_id="w1", pool="default", slots=4, root=tmp_path, sandboxes=boxes)  # type: ignore[arg-type]
+    worker.activations["s"] = SimpleNamespace(sandbox_slot=boxes.slots[0])  # type: ignore[assignment]
+    worker._starting.add(1)  # an activation starting in slot 1
+    assert await worker._free_stray_sandboxes() == []  # slot 2 seen once: a release may be under way
+    assert boxes.released == []
+    assert await worker._free_stray_sandboxes() == [2]
+    assert boxes.released == [2]
