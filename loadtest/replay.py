@@ -250,13 +250,6 @@ def server_timing_ms(headers: dict[str, str] | Any) -> dict[str, float]:
     return found
 
 
-def wake_phases(headers: dict[str, str] | Any) -> tuple[float | None, float | None]:
-    """-> (place_ms, activate_ms) from a woken answer's ``Server-Timing`` header (:func:`server_timing_ms`);
-    None for a phase the header does not carry."""
-    found = server_timing_ms(headers)
-    return found.get("place"), found.get("activate")
-
-
 def check_count(count: int | None, prev: int, uncertain: int) -> tuple[str, tuple[int, int]]:
     """Is ``count`` a legal answer after ``prev`` with ``uncertain`` unanswered increments before it?
 
@@ -341,7 +334,7 @@ class TargetRunner:
                     {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "done_s": None, "queue_s": None,
                      "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
                      "latency_ms": None, "service_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
-                     "place_ms": None, "activate_ms": None, "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
+                     "place_ms": None, "activate_ms": None, "restore_ms": None, "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
                      "retries": 0, "error": None}
                 )
 
@@ -467,7 +460,9 @@ class TargetRunner:
             return
         rec["added_ms"] = latency_ms - pt.work_s * 1000.0
         rec["kind"], rec["woke"], rec["wake_ms"], rec["state_before"] = classify(payload, headers)
-        rec["place_ms"], rec["activate_ms"] = wake_phases(headers)
+        phases = server_timing_ms(headers)
+        rec["place_ms"], rec["activate_ms"], rec["restore_ms"] = (phases.get("place"), phases.get("activate"),
+                                                                  phases.get("restore"))
         rec["worker"] = headers.get("X-Substrate-Worker")
         # the runtime's own word that this answer's state came back older (a crash, a killed agent)
         rec["restored"] = headers.get("X-Substrate-Restored")

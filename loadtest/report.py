@@ -278,6 +278,7 @@ def summarize_target(
         # the runtime's own split of a wake (``Server-Timing``): waiting for a slot vs the worker's restore
         "wake_place_ms": latency_stats(t.get("place_ms") for t in served if t.get("place_ms") is not None),
         "wake_activate_ms": latency_stats(t.get("activate_ms") for t in served if t.get("activate_ms") is not None),
+        "wake_restore_ms": latency_stats(t.get("restore_ms") for t in served if t.get("restore_ms") is not None),
         "queue_s": latency_stats(t["queue_s"] for t in turns if t.get("queue_s") is not None),
         "sessions": {
             "planned": len(sessions),
@@ -398,8 +399,10 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("service_added_ms") or {}).get("wake", {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("  wake phases (Server-Timing) ms: slot wait p50 / p95 / p99", " / ".join(
             _ms((summary.get("wake_place_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
-        ("  wake phases (Server-Timing) ms: restore p50 / p95 / p99", " / ".join(
+        ("  wake phases (Server-Timing) ms: activate (restore, agent start) p50 / p95 / p99", " / ".join(
             _ms((summary.get("wake_activate_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("    of which the worker's restore (download and unpack) p50 / p95 / p99", " / ".join(
+            _ms((summary.get("wake_restore_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
          f"{_ms(summary['sessions']['create_ms']['p99'])}"),

@@ -20,7 +20,6 @@ from loadtest.replay import (
     main,
     retry_after_s,
     server_timing_ms,
-    wake_phases,
     write_outputs,
 )
 from loadtest.traces import TraceError, Turn
@@ -181,16 +180,11 @@ def test_server_timing_gives_every_phase_in_order():
     h = {"Server-Timing": "place;dur=0.4, activate;dur=20, sandbox;dur=0.1, restore;dur=14.5, wake;dur=24"}
     assert list(server_timing_ms(h).items()) == [("place", 0.4), ("activate", 20.0), ("sandbox", 0.1),
                                                  ("restore", 14.5), ("wake", 24.0)]
-    assert server_timing_ms({}) == {} and server_timing_ms({"Server-Timing": "cdn;desc=x"}) == {}
-
-
-def test_wake_phases_come_from_server_timing():
-    h = {"Server-Timing": "place;dur=1.5, activate;dur=21.25, wake;dur=24.0"}
-    assert wake_phases(h) == (1.5, 21.25)
-    assert wake_phases({"Server-Timing": "wake;dur=9"}) == (None, None)  # another router's wake followed
-    assert wake_phases({}) == (None, None) and wake_phases(None) == (None, None)
+    assert server_timing_ms({}) == {} and server_timing_ms(None) == {}
+    assert server_timing_ms({"Server-Timing": "wake;dur=9"}) == {"wake": 9.0}  # another router's wake followed
     # other servers' entries, descriptions and a broken figure are skipped, not fatal
-    assert wake_phases({"Server-Timing": 'cdn;desc="edge", place;desc="x";dur=2, activate;dur=abc'}) == (2.0, None)
+    assert server_timing_ms({"Server-Timing": 'cdn;desc="edge", place;desc="x";dur=2, activate;dur=abc'}) == {
+        "place": 2.0}
 
 
 def test_small_helpers():
@@ -214,6 +208,7 @@ def _turn(session, i, *, kind="warm", added=5.0, status="ok", http=200, sent=1.0
             "wake_ms": (added - 2) if served and kind == "wake" else None, "state_before": None,
             "place_ms": (added / 4) if served and kind == "wake" else None,
             "activate_ms": (added / 2) if served and kind == "wake" else None,
+            "restore_ms": (added / 3) if served and kind == "wake" else None,
             "worker": "w1", "epoch": 1, "count": i + 1 if served else None, "expected": [i + 1, i + 1],
             "retries": 0, "error": None if status in ("ok", "lost_state") else "boom"}
 
@@ -283,6 +278,7 @@ def test_summarize_target_counts_and_latencies():
     assert s["server_wake_ms"]["p50"] == pytest.approx((78.0 + 118.0) / 2)
     assert s["wake_place_ms"]["p50"] == pytest.approx((80.0 + 120.0) / 8)
     assert s["wake_activate_ms"]["n"] == 2 and s["wake_activate_ms"]["p50"] == pytest.approx(50.0)
+    assert s["wake_restore_ms"]["n"] == 2 and s["wake_restore_ms"]["p50"] == pytest.approx(100.0 / 3)
     assert s["sessions"] == {"planned": 3, "created": 2, "create_failed": 1,
                              "create_ms": rpt.latency_stats([3.0, 3.0])}
     cap = s["capacity"]
