@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import unicodedata
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -44,6 +43,7 @@ from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, Payl
 from substrate.listing import list_page
 from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_HINT, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
+from substrate.text import text_ok, unprintable
 
 
 #: a session's labels: at most ``MAX_LABELS``, each key ``_LABEL_KEY_RE`` (1-63 characters, as a Kubernetes
@@ -57,33 +57,6 @@ LABELS_SCHEMA: dict[str, Any] = {
     "maxProperties": MAX_LABELS,
     "propertyNames": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": f"^{_LABEL_KEY_RE}$"},
     "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE_CHARS}}
-
-
-#: every character of Unicode's Bidi_Control property (PropList.txt): the embedding, override and isolate
-#: controls ("Trojan Source", CVE-2021-42574) and the directional marks (LRM, RLM, ALM), which reorder or
-#: shift how the text around them is displayed, in a table or a log line (a fresh-user run: U+200F was
-#: accepted while U+202E was refused)
-_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def _unprintable(s: str) -> str | None:
-    """The first character of ``s`` that a label value may not hold, as ``U+XXXX``, or None: control
-    characters (Unicode category Cc: tab, newline, escape ...), line and paragraph separators (Zl, Zp)
-    and the bidi controls above (a fresh-user run set U+202E and U+2028 as label values, which the CLI's
-    table then printed as such)."""
-    for ch in s:
-        if ch in _BIDI_CONTROLS or unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
-            return f"U+{ord(ch):04X}"
-    return None
-
-
-def _text_ok(s: str) -> bool:
-    """Valid Unicode text (no lone surrogate such as ``"\ud800"``, which JSON allows but UTF-8 cannot hold)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 #: a list's page size (``?limit=``): 1 to ``MAX_PAGE_LIMIT``, default ``DEFAULT_PAGE_LIMIT``
@@ -157,9 +130,9 @@ class CreateSession(BaseModel):
                                  "and ending with a letter or digit")
             if len(val) > MAX_LABEL_VALUE_CHARS:
                 raise ValueError(f"label {clip(k)} value is over {MAX_LABEL_VALUE_CHARS} characters")
-            if not _text_ok(val) or "\0" in val:
+            if not text_ok(val) or "\0" in val:
                 raise ValueError(f"label {clip(k)} value is not valid Unicode text (lone surrogate or NUL)")
-            if bad := _unprintable(val):
+            if bad := unprintable(val):
                 raise ValueError(f"label {clip(k)} value holds {bad}, which changes how text around it is shown "
                                  "(control characters, line or paragraph separators, bidi controls)")
         return v
@@ -167,7 +140,7 @@ class CreateSession(BaseModel):
     @field_validator("actorTemplate", "id")
     @classmethod
     def _text(cls, v: str | None) -> str | None:
-        if v is not None and not _text_ok(v):
+        if v is not None and not text_ok(v):
             raise ValueError("not valid Unicode text (lone surrogate)")
         return v
 
@@ -181,7 +154,7 @@ class ResumeSession(BaseModel):
     @field_validator("worker")
     @classmethod
     def _text(cls, v: str | None) -> str | None:
-        if v is not None and not _text_ok(v):
+        if v is not None and not text_ok(v):
             raise ValueError("not valid Unicode text (lone surrogate)")
         return v
 

@@ -1009,10 +1009,13 @@ class Activator:
         rec.stateDeadline = now + self.settings.state.transition_deadline_s
         try:
             epoch = await self.directory.create_session(rec)  # above any epoch a deleted namesake reached
-        except BaseException as e:
+        except BaseException:
             await self.directory.release_slot(worker.id, slot, rec.id)
-            if not (isinstance(e, Conflict) and e.code == "session_exists"):  # that one is someone else's
-                await self.release_quota(rec, epoch=None, total=True)
+            # the places are this create's also when the ID turned out taken: the quota refuses a second
+            # create of an ID its own tenant holds or is creating, so a record found here is another
+            # tenant's session (IDs are one namespace), and keeping the places leaked them for good (a
+            # fresh-user run: 18 places held under another tenant's sessions, then 429 quota_max_total)
+            await self.release_quota(rec, epoch=None, total=True)
             raise
         try:
             await self._index(rec.tenant, rec.id, rec.createdAt)

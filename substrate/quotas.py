@@ -340,7 +340,8 @@ class Quotas:
     async def reconcile(self, records: Mapping[str, HeldRecord],
                         gpus_of: Callable[[str], int] | None = None) -> tuple[int, int]:
         """Make the bookkeeping agree with ``records`` (every existing session by ID, read just before):
-        drop places of sessions that no longer hold one, add places of live sessions missing one.
+        drop places of sessions that no longer hold one (also a tenant's place under an ID that is another
+        tenant's session), add places of live sessions missing one.
         ``gpus_of``: template name -> GPUs its activations hold (for an added place; default 0).
 
         Two-phase, like the slot repair: something is changed only if it was found the same way (same
@@ -367,7 +368,7 @@ class Quotas:
                 members.setdefault(tenant, set()).update(ids)
             for sid in ids:
                 rec = records.get(sid)
-                if rec is None:
+                if rec is None or rec.tenant != tenant:  # gone, or the ID is another tenant's session now
                     found.add(("drop", tenant, sid, None))
                     if template or (tenant, sid) not in template_of:  # a template's key names it
                         template_of[(tenant, sid)] = template
@@ -379,7 +380,8 @@ class Quotas:
         dropped = added = 0
         for op, tenant, sid, epoch in found & self._suspects:
             rec = records.get(sid)
-            template = rec.actorTemplate if rec is not None else template_of.get((tenant, sid), "")
+            template = rec.actorTemplate if rec is not None and rec.tenant == tenant else \
+                template_of.get((tenant, sid), "")
             gpus = gpus_of(template) if (gpus_of is not None and op == "add") else 0
             changed = await self._reconcile(keys=self._release_keys(tenant, template), args=[json.dumps(
                 {"sid": sid, "op": op, "epoch": epoch, "gpus": gpus})])

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from substrate.models import QuotaLimits
+from substrate.text import unprintable
 
 
 #: the example WorkerPool and ActorTemplates shipped inside the package
@@ -38,21 +39,24 @@ KEY_NAME_MAX_CHARS = 128
 
 def key_name_problem(name: str) -> str | None:
     """Why ``name`` cannot name an API key, or None (``""``: no name). A name is a label in ``keys list``
-    and a file key's ID (``keys revoke NAME``): at most :data:`KEY_NAME_MAX_CHARS` characters, no control
-    character (a tab or newline broke the listing's columns), no space at either end, and not starting with
-    ``sk_`` (it would read as a key). A fresh-user run created keys named with tabs, 300 characters and
-    ``sk_...`` without a word."""
+    and a file key's ID (``keys revoke NAME``): at most :data:`KEY_NAME_MAX_CHARS` characters, none that
+    ``substrate.text.unprintable`` names (a tab or newline broke the listing's columns, U+202E reversed the
+    rest of its row), no space at either end, and not starting with ``sk_`` (it would read as a key).
+    Fresh-user runs created keys named with tabs, 300 characters, ``sk_...`` and U+202E without a word."""
     if not name:
         return None
     if len(name) > KEY_NAME_MAX_CHARS:
         return f"a key name is at most {KEY_NAME_MAX_CHARS} characters, not {len(name)}"
-    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in name):
-        return f"a key name has no control characters (tab, newline...): {name[:60]!r}"
+    if (bad := unprintable(name)) is not None:
+        return (f"a key name has no control character, line or paragraph separator, bidi control or byte that "
+                f"is not UTF-8 ({bad}): {name[:60]!r}")
     if name != name.strip():
         return f"a key name does not begin or end with a space: {name[:60]!r}"
     if name.startswith("sk_"):
         return f"a key name does not start with 'sk_' (it would read as a key): {name[:60]!r}"
     return None
+
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 #: URL schemes the runtime connects to (redis-py's three, and ``redis+cluster://`` of substrate.directory)

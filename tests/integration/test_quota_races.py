@@ -428,3 +428,39 @@ async def test_a_suspend_whose_worker_is_unknown_is_not_a_202_naming_running(dir
     with pytest.raises(WorkerUnavailable):
         await act.suspend_explicit(rec)
     assert workers.calls == 0 and (await d.get_session("s1")).state == SessionState.RUNNING
+
+
+async def test_a_create_of_an_id_that_turns_out_another_tenants_gives_its_places_back(directory):
+    """IDs are one namespace across tenants, quota sets are per tenant: a create whose ID another tenant's
+    create took between its existence check and its record write used to keep its places (the code took
+    them for the other create's), and the repair kept them too (the ID had a live record). A fresh-user
+    run: 18 such places under another tenant's sessions, then 429 ``quota_max_total`` for good."""
+    d = directory
+    act, workers, quotas = await _activator(d, max_running=4)
+    theirs = _new("shared")
+    theirs.tenant = "b"
+    await act.create(theirs, TEMPLATE)
+
+    async def not_yet(sid: str) -> bool:  # the other create's record lands right after this check
+        return False
+
+    act._exists = not_yet  # type: ignore[method-assign]
+    with pytest.raises(Conflict) as e:
+        await act.create(_new("shared"), TEMPLATE)  # tenant a
+    assert e.value.code == "session_exists"
+    assert await _running_set(d) == set() and await d.redis.smembers(d.keys.quota("a", "total")) == set()
+    assert (await quotas.usage("b")).total == 1, "the other tenant's session keeps its place"
+
+
+async def test_reconcile_drops_a_tenants_place_under_an_id_another_tenants_session_holds(directory):
+    d = directory
+    q = Quotas(d.redis, d.keys, QuotaSettings(default=QuotaLimits(maxRunning=4)))
+    now = time.time()
+    await q.acquire("a", TEMPLATE, "x", create=True)  # a leaked place of tenant a ...
+    await q.acquire("b", TEMPLATE, "x", create=True)  # ... under b's session x
+    records = {"x": SessionRecord(id="x", state=SessionState.RUNNING, actorTemplate="counter", pool="default",
+                                  tenant="b", epoch=0, createdAt=now, updatedAt=now, lastActiveAt=now)}
+    assert await q.reconcile(records) == (0, 0), "first sight: only suspected"
+    assert await q.reconcile(records) == (1, 0)
+    assert (await q.usage("a")).total == 0 and (await q.usage("a")).running == 0
+    assert (await q.usage("b")).total == 1 and (await q.usage("b")).running == 1

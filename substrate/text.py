@@ -1,0 +1,34 @@
+"""What a short piece of user text shown in a table or a log line may hold (label values, API key names).
+
+One rule for every such field: valid Unicode (no lone surrogate, which JSON and a command line's undecodable
+bytes allow but UTF-8 cannot hold), no control character (Unicode category Cc: tab, newline, escape ...), no
+line or paragraph separator (Zl, Zp) and no bidi control (Unicode's Bidi_Control property, PropList.txt: the
+embedding, override and isolate controls of "Trojan Source", CVE-2021-42574, and the directional marks),
+which reorder or break how the text around them is displayed.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+#: every character of Unicode's Bidi_Control property (a fresh-user run: U+200F was accepted while U+202E
+#: was refused)
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def unprintable(s: str) -> str | None:
+    """The first character of ``s`` that such text may not hold, as ``U+XXXX``, or None (a lone surrogate
+    counts as one)."""
+    for ch in s:
+        if ch in BIDI_CONTROLS or unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs"):
+            return f"U+{ord(ch):04X}"
+    return None
+
+
+def text_ok(s: str) -> bool:
+    """Valid Unicode text (no lone surrogate such as ``"\\ud800"``, which JSON allows but UTF-8 cannot hold)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
