@@ -1019,6 +1019,8 @@ class Activator:
             raise
         try:
             await self._index(rec.tenant, rec.id, rec.createdAt)
+            if self.quotas is not None:
+                self._background(self._own_created_place(rec, template, epoch))
             t_act = time.perf_counter()
             await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
                                        slot=slot, env=rec.env, snapshot=None, tenant=rec.tenant)
@@ -1052,6 +1054,22 @@ class Activator:
             time.perf_counter() - t0)
         rec.state, rec.lastActiveAt, rec.stateDeadline = SessionState.RUNNING, now, None
         return rec
+
+    async def _own_created_place(self, rec: SessionRecord, template: ActorTemplate, epoch: int) -> None:
+        """Make the running place a create took (owner 0: its record had no epoch yet) this activation's,
+        ``epoch``: a release naming an older epoch, such as a suspend of a deleted session of the same ID
+        that answers late, then leaves it alone. Owner 0 gave way to any such release, and the new session
+        ran uncounted until the repair pass (a fresh-user run: 5 RUNNING against a running quota of 2 after
+        create/delete/suspend churn on four IDs). Off the create's path; never raises (the repair pass
+        reconciles what this misses)."""
+        quotas = self.quotas
+        if quotas is None:
+            return
+        try:
+            await quotas.acquire(rec.tenant, template, rec.id, create=False, epoch=epoch)
+        except Exception:  # noqa: BLE001 - the repair pass reconciles quota from the records
+            log.info("could not mark a created session's running place as its own", extra={"session": rec.id},
+                     exc_info=True)
 
     async def _undo_create(self, rec: SessionRecord, worker: WorkerRecord | None, slot: int,
                            cause: BaseException, epoch: int) -> bool:

@@ -464,3 +464,24 @@ async def test_reconcile_drops_a_tenants_place_under_an_id_another_tenants_sessi
     assert await q.reconcile(records) == (1, 0)
     assert (await q.usage("a")).total == 0 and (await q.usage("a")).running == 0
     assert (await q.usage("b")).total == 1 and (await q.usage("b")).running == 1
+
+
+async def test_a_late_release_for_a_deleted_namesake_leaves_the_new_sessions_place(directory):
+    """A create takes its running place before its record has an epoch (owner 0); a release naming an
+    older epoch, e.g. the late suspend of a deleted session of the same ID, took it, and the new session
+    ran uncounted until the repair pass (a fresh-user run: 5 RUNNING against a running quota of 2 after
+    churn on four IDs). The created session's place is its own epoch's as soon as its record exists."""
+    d = directory
+    act, workers, quotas = await _activator(d, max_running=4)
+    old = await act.create(_new("s"), TEMPLATE)
+    old_epoch = old.epoch
+    await act.delete("s")
+    new = await act.create(_new("s"), TEMPLATE)
+    assert new.epoch > old_epoch
+    for _ in range(20):  # the owner is set off the create's path
+        await asyncio.sleep(0.01)
+        if await d.redis.hget(d.keys.quota("a", "owner"), "s") == str(new.epoch):
+            break
+    stale = _new("s")
+    await act.release_quota(stale, epoch=old_epoch)  # the deleted namesake's suspend answering late
+    assert await _running_set(d) == {"s"}, "the new session keeps its place"
