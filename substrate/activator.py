@@ -1892,8 +1892,10 @@ class Activator:
                 self.slot_freed(rec.pool or None)
         if before_removal is not None:
             await before_removal()
-        await self.directory.delete_session(sid)
+        # the places go while the DELETED record still keeps the ID taken, as in ``_undo_create``: given
+        # back after the record, they could be a create's of the same ID that came in between
         await self.release_quota(rec, epoch=None, total=True)
+        await self.directory.delete_session(sid)
         await self._index(rec.tenant, sid, None)
         if snapshot_gc is not None:
             # up to the deleted session's last epoch: a session made again under this ID starts above it,

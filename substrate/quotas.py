@@ -157,7 +157,8 @@ return 1
 #   it was read: a wake that took the place since has a newer one); with ``epoch`` null also the total
 #   place, unconditionally (no record);
 # op 'add': take the running place (and GPUs) of a live session missing it, owner max(owner, epoch); no
-#   limit check: the session runs, and counting it is what keeps later creates within the limit.
+#   limit check: the session runs, and counting it is what keeps later creates within the limit;
+# op 'add_total': the total place of an existing session missing it (the same reasoning for maxTotal).
 # -> 1 changed | 0 not
 _RECONCILE = """
 local a = cjson.decode(ARGV[1])
@@ -172,6 +173,10 @@ if a['op'] == 'drop' then
   local n = redis.call('SREM', KEYS[1], sid) + redis.call('SREM', KEYS[4], sid)
     + redis.call('HDEL', KEYS[2], sid) + redis.call('HDEL', KEYS[5], sid) + redis.call('HDEL', KEYS[7], sid)
   if n > 0 then return 1 end
+  return 0
+end
+if a['op'] == 'add_total' then
+  if redis.call('SADD', KEYS[3], sid) + redis.call('SADD', KEYS[6], sid) > 0 then return 1 end
   return 0
 end
 local n = redis.call('SADD', KEYS[1], sid) + redis.call('SADD', KEYS[4], sid)
@@ -341,7 +346,8 @@ class Quotas:
                         gpus_of: Callable[[str], int] | None = None) -> tuple[int, int]:
         """Make the bookkeeping agree with ``records`` (every existing session by ID, read just before):
         drop places of sessions that no longer hold one (also a tenant's place under an ID that is another
-        tenant's session), add places of live sessions missing one.
+        tenant's session), add running places of live sessions missing one and total places of existing
+        sessions missing one.
         ``gpus_of``: template name -> GPUs its activations hold (for an added place; default 0).
 
         Two-phase, like the slot repair: something is changed only if it was found the same way (same
@@ -353,6 +359,7 @@ class Quotas:
         found: set[tuple[str, str, str, int | None]] = set()
         template_of: dict[tuple[str, str], str] = {}
         members: dict[str, set[str]] = {}  # tenant -> session IDs in its running set
+        totals: dict[str, set[str]] = {}  # tenant -> session IDs in its total set
         pattern = f"{self.keys.prefix}:{{t:*}}:quota:*"
         # SCAN walks the whole keyspace whatever the pattern (sessions, snapshots, other deployments'
         # keys): 10,000 keys a call (a few ms of Redis each) keeps that to a round trip per 10,000 keys
@@ -366,6 +373,8 @@ class Quotas:
             ids = await (self.redis.hkeys(key) if kind in ("gpus", "owner") else self.redis.smembers(key))
             if kind == "running" and not template:
                 members.setdefault(tenant, set()).update(ids)
+            if kind == "total" and not template:
+                totals.setdefault(tenant, set()).update(ids)
             for sid in ids:
                 rec = records.get(sid)
                 if rec is None or rec.tenant != tenant:  # gone, or the ID is another tenant's session now
@@ -377,6 +386,8 @@ class Quotas:
         for rec in records.values():
             if rec.state in COUNTED and rec.id not in members.get(rec.tenant, ()):
                 found.add(("add", rec.tenant, rec.id, rec.epoch))
+            if rec.id not in totals.get(rec.tenant, ()):
+                found.add(("add_total", rec.tenant, rec.id, rec.epoch))
         dropped = added = 0
         for op, tenant, sid, epoch in found & self._suspects:
             rec = records.get(sid)
@@ -387,6 +398,6 @@ class Quotas:
                 {"sid": sid, "op": op, "epoch": epoch, "gpus": gpus})])
             if int(changed):
                 dropped += op == "drop"
-                added += op == "add"
+                added += op in ("add", "add_total")
         self._suspects = found
         return dropped, added

@@ -165,8 +165,10 @@ async def test_reconcile_adds_live_sessions_missing_their_place_and_keeps_a_newe
                                  rec("woken", SessionState.SUSPENDED, 4),  # ... after this was read
                                  rec("stale", SessionState.SUSPENDED, 2))}
     assert await q.reconcile(records) == (0, 0), "first sight: only suspected"
-    assert await q.reconcile(records) == (1, 1)
+    # added: lost's running place, and the total places of lost and claiming (existing sessions missing one)
+    assert await q.reconcile(records) == (1, 3)
     assert await _running_set(d) == {"lost", "woken"}
+    assert set(await d.redis.smembers(d.keys.quota("a", "total"))) == {"lost", "claiming", "woken", "stale"}
     assert (await q.usage("a")).running == 2
     with pytest.raises(TooManyRequests):
         await q.acquire("a", TEMPLATE, "new", create=True)
