@@ -223,8 +223,10 @@ class StateManager:
         log.warning("session past its deadline", extra={"session": rec.id, "state": rec.state.value})
         metrics.RECOVERIES_TOTAL.labels(reason="deadline").inc()
         if rec.state == SessionState.PENDING:
-            await d.delete_session(rec.id)
+            # the places first, while the record still keeps the ID taken (as a DELETE does): given back
+            # after it, they could be a create's of the same ID that came in between
             await self.activator.release_quota(rec, epoch=None, total=True)
+            await d.delete_session(rec.id)
             await self.activator.record("deadline", rec, reason="PENDING->deleted", who=SYSTEM)
             return
         if rec.state == SessionState.SUSPENDING:

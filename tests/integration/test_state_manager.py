@@ -472,3 +472,28 @@ async def test_deleting_a_session_leaves_the_snapshots_of_its_id_made_again(env,
         store.objects[key] = b"x"
     assert await delete_session_objects(store, settings.snapshot.prefix, "x", up_to_epoch=7) == 2
     assert list(store.objects) == [new]
+
+
+async def test_a_pending_session_rolled_past_its_deadline_gives_its_places_back_before_its_record(env):
+    """Its places go while its record still keeps the ID taken: a create of the same ID right after the
+    record is gone takes places that a release coming after the record would have taken from it (the
+    same order bug a DELETE had: live sessions ran without their places)."""
+    from substrate.models import QuotaLimits
+    from substrate.quotas import Quotas
+    from substrate.settings import QuotaSettings
+
+    d, act, fake, sm, _, _ = env
+    act.quotas = quotas = Quotas(d.redis, d.keys, QuotaSettings(default=QuotaLimits(maxTotal=5)))
+    template = CATALOG.template("counter")
+    await _session(d, "p", SessionState.PENDING, deadline_in_s=-1)
+    await quotas.acquire("default", template, "p", create=True)
+    delete = d.delete_session
+
+    async def then_a_create_of_the_same_id(sid: str) -> None:
+        await delete(sid)
+        await quotas.acquire("default", template, sid, create=True)  # the next create of "p" takes its places
+
+    d.delete_session = then_a_create_of_the_same_id  # type: ignore[method-assign]
+    await sm.enforce_deadlines()
+    usage = await quotas.usage("default")
+    assert (usage.total, usage.running) == (1, 1), "the new create's places stay"
