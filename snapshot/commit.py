@@ -185,10 +185,17 @@ class SnapshotManager:
         return state
 
     async def _delete_quietly(self, key: str) -> None:
-        try:
-            await self.store.delete(key)
-        except Exception:  # noqa: BLE001 - GC never fails a request; a later sweep retries
-            log.warning("snapshot delete failed", extra={"key": key}, exc_info=True)
+        await delete_quietly(self.store, key)
+
+
+async def delete_quietly(store: ObjectStore, key: str) -> bool:
+    """Delete ``key``; False (logged) if the store failed: GC never fails a request, a later sweep retries."""
+    try:
+        await store.delete(key)
+        return True
+    except Exception:  # noqa: BLE001 - see above
+        log.warning("snapshot delete failed", extra={"key": key}, exc_info=True)
+        return False
 
 
 async def delete_session_objects(store: ObjectStore, prefix: str, sid: str, *, up_to_epoch: int | None) -> int:
@@ -216,11 +223,7 @@ async def delete_session_objects(store: ObjectStore, prefix: str, sid: str, *, u
                 continue
             if up_to_epoch is not None and parsed[0] > up_to_epoch:
                 continue
-            try:
-                await store.delete(key)
-                deleted += 1
-            except Exception:  # noqa: BLE001 - a later sweep retries
-                log.warning("snapshot delete failed", extra={"key": key}, exc_info=True)
+            deleted += await delete_quietly(store, key)
     except Exception:  # noqa: BLE001 - GC never fails a request
         log.warning("snapshot GC failed", extra={"session": sid}, exc_info=True)
     return deleted

@@ -1467,24 +1467,21 @@ class Activator:
             if adm is not None:
                 adm.latency_s = time.perf_counter() - activating
             phases = worker_phases(answer)
-        except SnapshotCorrupt as e:
-            if await self._deleted_meanwhile(rec.id, rec.createdAt):
-                # the delete removed the snapshot under the restore: not a corrupt snapshot, and no
-                # record to fail (a fresh-user race: 500 snapshot_corrupt "object is missing" after a 204)
-                await self._abandon(rec.id, worker, slot, epoch)
-                raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
-            await self._fail_corrupt(rec, epoch, worker, slot, e)
-            raise
-        except StateLoadFailed as e:
-            await self._fail_state_load(rec, epoch, worker, slot, e)
-            raise
         except SubstrateError as e:
-            if not isinstance(e, DirectoryUnavailable) and await self._deleted_meanwhile(rec.id, rec.createdAt):
+            if not isinstance(e, (DirectoryUnavailable, StateLoadFailed)) and \
+                    await self._deleted_meanwhile(rec.id, rec.createdAt):
                 # a DELETE took the session (and its snapshot objects) while it was being woken: 404, as any
-                # call after a delete gets, not the failure the delete caused (a fresh-user run: 503
-                # snapshot_store_unavailable "object missing" after the delete's 204, 14 of 200 races)
+                # call after a delete gets, not the failure the delete caused (fresh-user races: 500
+                # snapshot_corrupt "object is missing" after the delete's 204; then, in the store's grace,
+                # 503 snapshot_store_unavailable "object missing", 14 of 200)
                 await self._abandon(rec.id, worker, slot, epoch)
                 raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
+            if isinstance(e, SnapshotCorrupt):
+                await self._fail_corrupt(rec, epoch, worker, slot, e)
+                raise
+            if isinstance(e, StateLoadFailed):
+                await self._fail_state_load(rec, epoch, worker, slot, e)
+                raise
             # back to SUSPENDED (guarded by the epoch: a deadline roll may have done it already), then
             # fence the half-made activation on the worker; its reconciliation frees what this misses.
             # Redis refusing that write too (down, its disk full) is retried in the background as soon as

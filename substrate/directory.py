@@ -1009,12 +1009,7 @@ class Directory:
     @_translate
     async def state_counts(self) -> dict[str, int]:
         """Sessions per lifecycle state (except DELETED) from the counters: O(states), not O(sessions)."""
-        raw = await self.redis.hgetall(self.keys.state_counts)
-        out = {s.value: 0 for s in SessionState if s != SessionState.DELETED}
-        for k, v in raw.items():
-            if k in out:
-                out[k] = max(0, int(v))
-        return out
+        return {k: max(0, v) for k, v in self._counts_of(await self.redis.hgetall(self.keys.state_counts)).items()}
 
     @_translate
     async def tenant_state_counts(self, tenants: list[str]) -> dict[str, dict[str, int]]:
