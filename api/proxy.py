@@ -178,7 +178,7 @@ def check_json_content_type(content_type: str | None, body: bytes, content_encod
     web page drive the API from the user's browser, since a form, ``text/plain`` or unlabelled post is
     sent cross-site without a CORS preflight (in open mode, with no credentials, a page could create a
     shell session under an ID it chose and run commands in it), while ``application/json`` is not."""
-    if not body:
+    if not body or (content_type == "application/json" and not content_encoding):  # nearly every call
         return
     if content_encoding and any(c.strip().lower() not in ("identity", "") for c in content_encoding.split(",")):
         # a gzip body was "not UTF-8 text" (400 bad_json): say what is wrong
@@ -461,6 +461,11 @@ async def invoke(request: Request) -> Response:
         return error_response(e)
 
 
+#: the worker's answer headers relayed to the client: (lower-case name, the name as sent)
+_RELAYED_HEADERS = tuple((h.lower(), h) for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At",
+                                                   "X-Substrate-Replayed"))
+
+
 class _LeaseLost(Exception):
     """The worker of a call in flight is past its lease (plus grace): it stopped serving."""
 
@@ -619,9 +624,9 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             _count_error(err)
             return Response(error_json(err), status_code=status, headers={**_JSON, "X-Request-ID": rid})
         extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
-        for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At", "X-Substrate-Replayed"):
-            if h in resp.headers:
-                extra[h] = resp.headers[h]
+        for h, name in _RELAYED_HEADERS:
+            if h in resp.headers:  # lower-case: found without lowering it
+                extra[name] = resp.headers[h]
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
@@ -634,7 +639,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 extra["X-Substrate-Restored"] = restored
         # the worker's content type: a replayed answer comes in the form its turn first ran (a streamed
         # turn's NDJSON lines, a plain turn's JSON), whichever this call asked for
-        ndjson = resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
+        ndjson = resp.headers.get("content-type", "").startswith("application/x-ndjson")
         if _streamed(resp, stream):
             failed = _failed_at_once(first)
             if failed is None:
@@ -727,7 +732,7 @@ async def _exists(runtime: "Runtime", sid: str) -> bool:
 def _streamed(resp: aiohttp.ClientResponse | Answer, stream: bool) -> bool:
     """Whether the worker's answer is relayed as a stream: asked for, 200, and NDJSON (a replayed plain
     turn comes back as JSON whatever was asked)."""
-    return stream and resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson")
+    return stream and resp.status == 200 and resp.headers.get("content-type", "").startswith("application/x-ndjson")
 
 
 def _count_error(err: Any) -> None:

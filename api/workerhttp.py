@@ -51,16 +51,17 @@ class Disconnected(WorkerHTTPError):
 
 class Headers(dict):
     """Answer headers, looked up case-insensitively (stored lower-case; a repeated header keeps its last
-    value, which is all the router reads)."""
+    value, which is all the router reads). A lower-case name is found without lowering it."""
 
     def __getitem__(self, key: str) -> str:
         return dict.__getitem__(self, key.lower())
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and dict.__contains__(self, key.lower())
+        return dict.__contains__(self, key) or (isinstance(key, str) and dict.__contains__(self, key.lower()))
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return dict.get(self, key.lower(), default)
+        v = dict.get(self, key)
+        return v if v is not None else dict.get(self, key.lower(), default)
 
 
 class Answer:

@@ -202,6 +202,14 @@ class CoalescingTransport:
     def get_write_buffer_size(self) -> int:  # noqa: D102
         return int(self._transport.get_write_buffer_size()) + sum(len(c) for c in self._kept)
 
+    # asked several times per request (uvicorn's send and receive, the protocol's parse step): named here,
+    # since reaching them through ``__getattr__`` first fails the normal lookup, which costs an exception
+    def is_closing(self) -> bool:  # noqa: D102
+        return bool(self._transport.is_closing())
+
+    def get_protocol(self) -> Any:  # noqa: D102
+        return self._transport.get_protocol()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
@@ -285,6 +293,9 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         # gives no position, so bytes of a chunk that completes a head cannot be told from the body bytes
         # after them, and counting only chunks that end inside a head let one write of up to twice the
         # limit through. Requests under the limit arrive in one piece, as before.
+        if len(data) <= (self.max_header_bytes - self._head_bytes if self._in_head else self.max_header_bytes):
+            self._feed(data)  # one piece (nearly every read): no views to cut
+            return
         view = memoryview(data)
         while view:
             room = self.max_header_bytes - self._head_bytes if self._in_head else self.max_header_bytes
@@ -297,7 +308,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             if not self._feed(piece):
                 return
 
-    def _feed(self, piece: memoryview) -> bool:
+    def _feed(self, piece: bytes | memoryview) -> bool:
         """Parse ``piece``; True if this protocol still reads the connection (no answer that ends it,
         no upgrade that handed the transport to another protocol)."""
         super().data_received(piece)  # type: ignore[arg-type]  # httptools takes any buffer

@@ -74,6 +74,8 @@ async def test_a_post_is_answered_whole_and_the_connection_kept(server, http):
     assert a.status == 201 and a.body == b'{"input": 1}' and await a.read() == a.body
     assert a.headers["x-substrate-restored"] == "agent_restarted" and "X-Substrate-Restored" in a.headers
     assert a.headers.get("Content-Type", "").startswith("application/json") and a.headers.get("nope") is None
+    assert "x-substrate-restored" in a.headers and a.headers.get("content-type", "").startswith("application/json")
+    assert "X-Nope" not in a.headers and "x-nope" not in a.headers and a.headers.get("x-nope", "d") == "d"
     assert b.body == b"{}"
     assert seen[0]["path"] == "/echo?x=1" and seen[0]["headers"]["X-Request-ID"] == "r1"
     assert seen[0]["headers"]["Content-Length"] == "12"
