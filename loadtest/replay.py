@@ -334,7 +334,7 @@ class TargetRunner:
                     {"session": ps.id, "i": i, "at_s": pt.at_s, "sent_s": None, "done_s": None, "queue_s": None,
                      "work_s": pt.work_s, "trace_ok": pt.trace_ok, "status": "not_run", "http": None,
                      "latency_ms": None, "service_ms": None, "added_ms": None, "kind": None, "woke": None, "wake_ms": None,
-                     "place_ms": None, "activate_ms": None, "restore_ms": None, "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
+                     **{f"{ph}_ms": None for ph in rpt.WAKE_PHASES}, "state_before": None, "worker": None, "epoch": None, "count": None, "expected": None,
                      "retries": 0, "error": None}
                 )
 
@@ -461,8 +461,8 @@ class TargetRunner:
         rec["added_ms"] = latency_ms - pt.work_s * 1000.0
         rec["kind"], rec["woke"], rec["wake_ms"], rec["state_before"] = classify(payload, headers)
         phases = server_timing_ms(headers)
-        rec["place_ms"], rec["activate_ms"], rec["restore_ms"] = (phases.get("place"), phases.get("activate"),
-                                                                  phases.get("restore"))
+        for ph in rpt.WAKE_PHASES:
+            rec[f"{ph}_ms"] = phases.get(ph)
         rec["worker"] = headers.get("X-Substrate-Worker")
         # the runtime's own word that this answer's state came back older (a crash, a killed agent)
         rec["restored"] = headers.get("X-Substrate-Restored")

@@ -73,6 +73,11 @@ from loadtest.bench_report import markdown_table
 from loadtest.bounds import bound_worker_sizes, ideal_runs, plan_bounds, render_bounds
 from substrate.quantiles import percentile
 
+#: the phases of a wake kept per turn from its ``Server-Timing`` (``api.proxy.server_timing``): the
+#: router's slot wait (``place``) and activation call (``activate``), and the worker's parts of the
+#: latter (``sandbox``: taking the slot's sandbox; ``restore``: download and unpack; ``agent``: its start)
+WAKE_PHASES = ("place", "activate", "sandbox", "restore", "agent")
+
 __all__ = ["DEFINITIONS", "percentile", "latency_stats", "summarize_target", "compare", "render_markdown",
            "plot_report", "baseline_holds"]
 
@@ -276,9 +281,8 @@ def summarize_target(
         "service_ms": latency_stats(t.get("service_ms") for t in served),
         "server_wake_ms": latency_stats(t["wake_ms"] for t in served if t.get("wake_ms") is not None),
         # the runtime's own split of a wake (``Server-Timing``): waiting for a slot vs the worker's restore
-        "wake_place_ms": latency_stats(t.get("place_ms") for t in served if t.get("place_ms") is not None),
-        "wake_activate_ms": latency_stats(t.get("activate_ms") for t in served if t.get("activate_ms") is not None),
-        "wake_restore_ms": latency_stats(t.get("restore_ms") for t in served if t.get("restore_ms") is not None),
+        **{f"wake_{ph}_ms": latency_stats(t.get(f"{ph}_ms") for t in served if t.get(f"{ph}_ms") is not None)
+           for ph in WAKE_PHASES},
         "queue_s": latency_stats(t["queue_s"] for t in turns if t.get("queue_s") is not None),
         "sessions": {
             "planned": len(sessions),
@@ -401,8 +405,12 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("wake_place_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("  wake phases (Server-Timing) ms: activate (restore, agent start) p50 / p95 / p99", " / ".join(
             _ms((summary.get("wake_activate_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("    of which the worker's sandbox (taking the slot's) p50 / p95 / p99", " / ".join(
+            _ms((summary.get("wake_sandbox_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("    of which the worker's restore (download and unpack) p50 / p95 / p99", " / ".join(
             _ms((summary.get("wake_restore_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("    of which the agent's start p50 / p95 / p99", " / ".join(
+            _ms((summary.get("wake_agent_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
          f"{_ms(summary['sessions']['create_ms']['p99'])}"),

@@ -209,6 +209,8 @@ def _turn(session, i, *, kind="warm", added=5.0, status="ok", http=200, sent=1.0
             "place_ms": (added / 4) if served and kind == "wake" else None,
             "activate_ms": (added / 2) if served and kind == "wake" else None,
             "restore_ms": (added / 3) if served and kind == "wake" else None,
+            "sandbox_ms": (added / 10) if served and kind == "wake" else None,
+            "agent_ms": (added / 20) if served and kind == "wake" else None,
             "worker": "w1", "epoch": 1, "count": i + 1 if served else None, "expected": [i + 1, i + 1],
             "retries": 0, "error": None if status in ("ok", "lost_state") else "boom"}
 
@@ -279,6 +281,8 @@ def test_summarize_target_counts_and_latencies():
     assert s["wake_place_ms"]["p50"] == pytest.approx((80.0 + 120.0) / 8)
     assert s["wake_activate_ms"]["n"] == 2 and s["wake_activate_ms"]["p50"] == pytest.approx(50.0)
     assert s["wake_restore_ms"]["n"] == 2 and s["wake_restore_ms"]["p50"] == pytest.approx(100.0 / 3)
+    assert s["wake_sandbox_ms"]["n"] == 2 and s["wake_sandbox_ms"]["p50"] == pytest.approx(10.0)
+    assert s["wake_agent_ms"]["n"] == 2 and s["wake_agent_ms"]["p50"] == pytest.approx(5.0)
     assert s["sessions"] == {"planned": 3, "created": 2, "create_failed": 1,
                              "create_ms": rpt.latency_stats([3.0, 3.0])}
     cap = s["capacity"]
@@ -325,6 +329,8 @@ def test_render_markdown_reports_the_figures():
     assert "| added ms all (failures = inf) p50 / p99 | 80.0 / inf (failures) |" in md
     assert "turn wait ms p50 / p95 / p99" in md and "turn wait s " not in md  # in ms like its neighbours
     assert "| L = 0 | 30.0 | 30.0 |" in md
+    assert "of which the worker's sandbox (taking the slot's) p50 / p95 / p99 |" in md
+    assert "of which the agent's start p50 / p95 / p99 |" in md
     assert "Definitions:" in md and "paired differences" in md
     assert "Partial run" not in md
     md2 = rpt.render_markdown(canned_result(with_baseline=True))
