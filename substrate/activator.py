@@ -973,6 +973,22 @@ class Activator:
                     log.info("create retried on another worker (fenced)", extra={"session": rec.id})
             raise AssertionError("unreachable")
 
+    @property
+    def create_hold_s(self) -> float:
+        """The longest (s) a create can take from taking its quota places to writing its record: the
+        repair pass keeps record-less places that long (``substrate.quotas``, "Creates in flight").
+
+        In between, ``_create`` waits for an activation permit (``_admitted``: up to ``api.start_wait_s``)
+        and for a slot (``_place``: the slot queue's ``max(api.start_wait_s, api.slot_wait_s)``; with a
+        pool controller in another process, the same deadline), and makes a few Redis round trips
+        outside those waits (slot claims, a registry read, a capacity note, the record write), each up to
+        ``redis.socket_timeout_s`` and retried once on a closed connection: ten socket timeouts cover
+        them and a loaded machine's event-loop lag. Too long only delays the drop of a crashed create's
+        places; too short lets the repair drop a live create's places (and admit creates over the
+        limits). The repair adds slack: it drops at the second pass that finds the hold over."""
+        api, redis_timeout_s = self.settings.api, self.settings.redis.socket_timeout_s
+        return api.start_wait_s + max(api.start_wait_s, api.slot_wait_s) + 10 * redis_timeout_s
+
     async def _create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
         t0 = time.perf_counter()
         self.breaker.check(rec.tenant, rec.actorTemplate)
@@ -984,8 +1000,9 @@ class Activator:
         # of an ID whose create is under way is refused here (409), so it holds no place to give back
         if self.quotas is not None:
             quotas = self.quotas
+            hold_s = self.create_hold_s
             await self._with_running_room(rec, template, lambda: quotas.acquire(rec.tenant, template, rec.id,
-                                                                                create=True))
+                                                                                create=True, hold_s=hold_s))
         placing = False
         try:
             async with self._admitted(self.catalog.pool_for(template).name, rec.id) as adm:

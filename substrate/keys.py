@@ -124,7 +124,8 @@ class Keys:
     def quota(self, tenant: str, what: str) -> str:
         """Quota bookkeeping of one tenant (one hash tag, so the Lua check touches one slot):
         ``running``/``total`` sets of session ids, ``gpus`` hash session -> GPUs, ``creates`` sorted set
-        of create times; ``<what>:<template>`` for the same per ActorTemplate."""
+        of create times; ``<what>:<template>`` for the same per ActorTemplate; ``owner`` and ``inflight``
+        (tenant only: ``substrate.quotas``)."""
         return f"{self.prefix}:{{t:{tenant}}}:quota:{what}"
 
     def session_audit(self, sid: str) -> str:

@@ -11,11 +11,14 @@ Lua script touches one Redis Cluster slot)
 * ``creates`` sorted set of create times (a sliding one-minute window),
 * ``owner`` hash session ID -> the activation epoch its running place belongs to (0: a create's, before
   its record has an epoch),
+* ``inflight`` sorted set session ID -> the time (s since the epoch) until which a create of it may still
+  be on its way from taking its places to writing its record (see "Creates in flight" below),
 
-and the same four (not ``owner``) per (tenant, template) for the template's ``spec.quota``. ``acquire`` is one Lua
-script: it checks every configured limit and takes what the call needs only if all pass, so 100
-concurrent creates through any number of routers never exceed a limit (no read-then-write). Taking is
-idempotent (a session already counted is not counted twice), so a retried wake cannot leak quota.
+and the same four (not ``owner`` nor ``inflight``) per (tenant, template) for the template's
+``spec.quota``. ``acquire`` is one Lua script: it checks every configured limit and takes what the call
+needs only if all pass, so 100 concurrent creates through any number of routers never exceed a limit (no
+read-then-write). Taking is idempotent (a session already counted is not counted twice), so a retried
+wake cannot leak quota.
 
 **Ownership by epoch.** A running place is taken for one activation: a wake takes it right after its
 compare-and-set won the activation (the epoch it got is unique to it) and records that epoch as the
@@ -30,6 +33,19 @@ create or resume, delete. ``reconcile`` (run by the state manager's repair pass)
 agree with the records both ways: it drops members whose session no longer holds and adds live sessions
 that are missing, each only when seen so at two passes in a row, so a crash between a transition and its
 quota step is repaired within two repair periods.
+
+**Creates in flight.** A create takes its places before it waits for an activation permit and a slot
+and writes its record only after (``substrate.activator``), so its places have no record for as long as
+those waits last (a minute with the default ``api.start_wait_s``). Two repair passes in that time dropped
+them: the created session ran with no total or running place, and creates over the limits got in (a
+chaos run: 6 sessions against a tenant's ``maxTotal`` of 4). So a create's take also enters its ID in
+``inflight``, in the same script (no round trip more), until the latest time its record can come (the
+caller's ``hold_s``: ``Activator.create_hold_s``), and ``reconcile`` suspects no record-less place of an
+ID entered there until then. The places of a create that died (its process crashed) are dropped at the
+second pass after that time: within ``hold_s`` plus two repair periods. The entry's time is the
+creating process's clock and is compared with the repairing one's: hosts' clocks differ by far less
+than the slack in ``hold_s``. Each create's take prunes the expired entries; the key expires with its
+latest entry.
 """
 
 from __future__ import annotations
@@ -71,9 +87,10 @@ _CLEARS_BY_ITSELF = {
 }
 
 # KEYS: tenant running, total, gpus, creates, then template running, total, gpus, creates, then the
-# tenant's owner hash (one hash tag).
-# ARGV[1] JSON {sid, now, gpus, create, run, epoch, dry, limits: [tenant limits, template limits]}
-# ``dry``: check only, take nothing. The owner of the running place becomes max(owner, epoch).
+# tenant's owner hash and inflight sorted set (one hash tag).
+# ARGV[1] JSON {sid, now, gpus, create, run, epoch, dry, hold, limits: [tenant limits, template limits]}
+# ``dry``: check only, take nothing. The owner of the running place becomes max(owner, epoch). A create
+# with ``hold`` > 0 enters sid in inflight until now + hold (s) and prunes the entries expired by now.
 # -> {0} taken (or would be) | {1, limit name, scope index (1 tenant, 2 template), retry-after seconds}
 #    | {2} a create of an ID that already holds a total place (another create of it is under way, or
 #    the session exists): nothing taken
@@ -128,6 +145,13 @@ if a['run'] then
   local owner = tonumber(redis.call('HGET', KEYS[9], sid) or '-1') or -1
   if tonumber(a['epoch']) > owner then redis.call('HSET', KEYS[9], sid, a['epoch']) end
 end
+local hold = tonumber(a['hold'])
+if a['create'] and hold > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now)
+  redis.call('ZADD', KEYS[10], now + hold, sid)
+  -- the key lives as long as its latest entry (never shortened by a caller with a shorter hold)
+  if redis.call('TTL', KEYS[10]) < hold then redis.call('EXPIRE', KEYS[10], math.ceil(hold) + 1) end
+end
 return {0}
 """
 
@@ -152,10 +176,11 @@ return 1
 """
 
 # Reconcile steps, per session. KEYS as for _RELEASE (running, gpus, total, template running, gpus, total,
-# owner). ARGV[1] JSON {sid, op, epoch, gpus}:
+# owner), then the tenant's inflight sorted set. ARGV[1] JSON {sid, op, epoch, gpus, now}:
 # op 'drop': give back the running place only if its owner is ``epoch`` or older (the record's epoch when
-#   it was read: a wake that took the place since has a newer one); with ``epoch`` null also the total
-#   place, unconditionally (no record);
+#   it was read: a wake that took the place since has a newer one); with ``epoch`` null (no record) also
+#   the total place, unless a create of sid is in flight after ``now`` (one that took the places since
+#   the pass read them);
 # op 'add': take the running place (and GPUs) of a live session missing it, owner max(owner, epoch); no
 #   limit check: the session runs, and counting it is what keeps later creates within the limit;
 # op 'add_total': the total place of an existing session missing it (the same reasoning for maxTotal).
@@ -166,6 +191,8 @@ local sid = a['sid']
 local owner = tonumber(redis.call('HGET', KEYS[7], sid) or '-1') or -1
 if a['op'] == 'drop' then
   if a['epoch'] == cjson.null or a['epoch'] == nil then
+    local until_s = tonumber(redis.call('ZSCORE', KEYS[8], sid) or '-1')
+    if until_s > tonumber(a['now']) then return 0 end
     redis.call('SREM', KEYS[3], sid); redis.call('SREM', KEYS[6], sid)
   elseif owner > tonumber(a['epoch']) then
     return 0
@@ -252,7 +279,7 @@ class Quotas:
         k = self.keys.quota
         return [k(tenant, "running"), k(tenant, "total"), k(tenant, "gpus"), k(tenant, "creates"),
                 k(tenant, f"running:{template}"), k(tenant, f"total:{template}"), k(tenant, f"gpus:{template}"),
-                k(tenant, f"creates:{template}"), k(tenant, "owner")]
+                k(tenant, f"creates:{template}"), k(tenant, "owner"), k(tenant, "inflight")]
 
     def _release_keys(self, tenant: str, template: str) -> list[str]:
         k = self.keys.quota
@@ -262,10 +289,14 @@ class Quotas:
 
     @translated
     async def acquire(self, tenant: str, template: ActorTemplate, sid: str, *, create: bool,
-                      epoch: int = 0, dry: bool = False) -> None:
+                      epoch: int = 0, dry: bool = False, hold_s: float = 0.0) -> None:
         """Take a running place (and GPUs) for activation ``epoch`` of ``sid`` (0: a create, before its
         record has an epoch), and with ``create`` a total place and a create in the rate window, if every
         limit allows; else raise ``TooManyRequests`` (429, code ``quota_*``) and take nothing.
+
+        ``hold_s`` (with ``create``): the longest the create can take from this call to writing its
+        record; until then :meth:`reconcile` keeps its places though they have no record (module
+        docstring, "Creates in flight"). 0: not kept (places taken by hand, as the tests and benches do).
 
         A place already held by ``sid`` is not counted again; its owner becomes ``epoch`` if that is newer
         (see the module docstring). A ``create`` of an ``sid`` that already holds a total place (a
@@ -278,7 +309,7 @@ class Quotas:
         # with no limit configured the membership is still kept: usage stays visible and a limit added
         # later starts from the truth
         args = {"sid": sid, "now": repr(time.time()), "gpus": template.spec.resources.gpus,
-                "create": create, "run": True, "epoch": int(epoch), "dry": dry,
+                "create": create, "run": True, "epoch": int(epoch), "dry": dry, "hold": float(hold_s),
                 "limits": [t_lim or {"none": 0}, c_lim or {"none": 0}]}
         res = await self._acquire(keys=self._keys(tenant, template.name), args=[json.dumps(args)])
         if int(res[0]) == 0:
@@ -343,20 +374,25 @@ class Quotas:
 
     @translated
     async def reconcile(self, records: Mapping[str, HeldRecord],
-                        gpus_of: Callable[[str], int] | None = None) -> tuple[int, int]:
+                        gpus_of: Callable[[str], int] | None = None, *, now: float | None = None
+                        ) -> tuple[int, int]:
         """Make the bookkeeping agree with ``records`` (every existing session by ID, read just before):
         drop places of sessions that no longer hold one (also a tenant's place under an ID that is another
         tenant's session), add running places of live sessions missing one and total places of existing
-        sessions missing one.
+        sessions missing one. Places of an ID with no record (of this tenant) whose create is still in
+        flight (entered in ``inflight`` until after ``now``, s since the epoch, default the clock's) stay.
         ``gpus_of``: template name -> GPUs its activations hold (for an added place; default 0).
 
         Two-phase, like the slot repair: something is changed only if it was found the same way (same
-        session, same record epoch) at the previous pass, as a create takes its place one step before
-        its record is written and a wake one step after its claim. A drop is also guarded by the epoch
+        session, same record epoch) at the previous pass, as a wake takes its place one step after its
+        claim (a create takes its places long before its record is written: they are kept by
+        ``inflight`` instead, see the module docstring). A drop is also guarded by the epoch
         the record had (a wake that took the place since owns a newer epoch and keeps it). An add checks
         no limit: the session runs, and counting it is what keeps later creates within the limits.
         Returns ``(dropped, added)``."""
+        now = time.time() if now is None else now
         found: set[tuple[str, str, str, int | None]] = set()
+        in_flight: dict[str, set[str]] = {}  # tenant -> IDs of its creates in flight (read once a pass)
         template_of: dict[tuple[str, str], str] = {}
         members: dict[str, set[str]] = {}  # tenant -> session IDs in its running set
         totals: dict[str, set[str]] = {}  # tenant -> session IDs in its total set
@@ -368,7 +404,7 @@ class Quotas:
             tag, _, what = key[len(self.keys.prefix) + 1:].partition("}:quota:")
             tenant = tag[len("{t:"):]
             kind, _, template = what.partition(":")
-            if kind == "creates":
+            if kind in ("creates", "inflight"):
                 continue
             ids = await (self.redis.hkeys(key) if kind in ("gpus", "owner") else self.redis.smembers(key))
             if kind == "running" and not template:
@@ -378,6 +414,11 @@ class Quotas:
             for sid in ids:
                 rec = records.get(sid)
                 if rec is None or rec.tenant != tenant:  # gone, or the ID is another tenant's session now
+                    if tenant not in in_flight:
+                        in_flight[tenant] = set(await self.redis.zrangebyscore(
+                            self.keys.quota(tenant, "inflight"), f"({now!r}", "+inf"))
+                    if sid in in_flight[tenant]:  # its create has yet to write its record
+                        continue
                     found.add(("drop", tenant, sid, None))
                     if template or (tenant, sid) not in template_of:  # a template's key names it
                         template_of[(tenant, sid)] = template
@@ -394,8 +435,9 @@ class Quotas:
             template = rec.actorTemplate if rec is not None and rec.tenant == tenant else \
                 template_of.get((tenant, sid), "")
             gpus = gpus_of(template) if (gpus_of is not None and op == "add") else 0
-            changed = await self._reconcile(keys=self._release_keys(tenant, template), args=[json.dumps(
-                {"sid": sid, "op": op, "epoch": epoch, "gpus": gpus})])
+            changed = await self._reconcile(
+                keys=[*self._release_keys(tenant, template), self.keys.quota(tenant, "inflight")],
+                args=[json.dumps({"sid": sid, "op": op, "epoch": epoch, "gpus": gpus, "now": now})])
             if int(changed):
                 dropped += op == "drop"
                 added += op in ("add", "add_total")

@@ -55,14 +55,16 @@ class Workers:
             await self.go.wait()
 
 
-async def _activator(d: Directory, max_running: int) -> tuple[Activator, Workers, Quotas]:
+async def _activator(d: Directory, max_running: int, max_total: int | None = None
+                     ) -> tuple[Activator, Workers, Quotas]:
     now = time.time()
     await d.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=4,
                                          leaseExpiresAt=now + 600, startedAt=now))
     view = WorkerView(d, 60)
     await view.refresh()
     settings = Settings()
-    quotas = Quotas(d.redis, d.keys, QuotaSettings(default=QuotaLimits(maxRunning=max_running)))
+    limits = QuotaLimits(maxRunning=max_running, maxTotal=max_total)
+    quotas = Quotas(d.redis, d.keys, QuotaSettings(default=limits))
     workers = Workers(d)
     return Activator(settings, d, CATALOG, workers, view, quotas=quotas), workers, quotas  # type: ignore[arg-type]
 
@@ -487,3 +489,82 @@ async def test_a_late_release_for_a_deleted_namesake_leaves_the_new_sessions_pla
     stale = _new("s")
     await act.release_quota(stale, epoch=old_epoch)  # the deleted namesake's suspend answering late
     assert await _running_set(d) == {"s"}, "the new session keeps its place"
+
+
+async def _repair_records(d: Directory) -> dict[str, Any]:
+    """Every session as the state manager's repair pass reads them before it reconciles the quotas."""
+    out: dict[str, Any] = {}
+    offset: int | None = 0
+    while offset is not None:
+        page, offset = await d.session_summaries(offset=offset, limit=250)
+        out.update((r.id, r) for r in page)
+    return out
+
+
+async def test_repair_passes_during_a_long_create_leave_its_places(directory):
+    """A create takes its places before it waits for an activation permit and a slot, and writes its record
+    after: repair passes during a long wait found places with no record and, at the second, dropped them.
+    The create then ran without a total or running place until two passes later, and creates over the
+    limit got in meanwhile (a chaos run: 6 sessions against a tenant's ``maxTotal`` of 4)."""
+    d = directory
+    act, workers, quotas = await _activator(d, max_running=4, max_total=1)
+    place = act.place
+    placing, go = asyncio.Event(), asyncio.Event()
+
+    async def place_after_a_long_wait(*a: Any, **kw: Any) -> Any:
+        placing.set()
+        await go.wait()  # the slot wait (slot_wait_s, longer while the pool grows)
+        return await place(*a, **kw)
+
+    act.place = place_after_a_long_wait  # type: ignore[method-assign]
+    create = asyncio.create_task(act.create(_new("slow"), TEMPLATE))
+    await placing.wait()
+    for _ in range(3):  # repair passes while the create waits: its places have no record yet
+        assert await quotas.reconcile(await _repair_records(d)) == (0, 0)
+    assert (await quotas.usage("a")).total == 1
+    go.set()
+    assert (await create).state == SessionState.RUNNING
+    assert (await quotas.usage("a")).total == 1 and await _running_set(d) == {"slow"}
+    act.place = place  # type: ignore[method-assign]
+    with pytest.raises(TooManyRequests) as e:
+        await act.create(_new("over"), TEMPLATE)
+    assert e.value.code == "quota_max_total"
+
+
+async def test_the_places_of_a_create_that_died_are_dropped_once_its_hold_is_over(directory):
+    """A create whose process died between its quota take and its record write leaves places nobody
+    gives back: the repair keeps them while the create could still be under way (its ``hold_s``), and
+    drops them at the second pass after that. Entries of creates past their hold are pruned by the next
+    create's take."""
+    d = directory
+    q = Quotas(d.redis, d.keys, QuotaSettings(default=QuotaLimits(maxTotal=2)))
+    inflight = d.keys.quota("a", "inflight")
+    await d.redis.zadd(inflight, {"long-gone": 1.0})  # a create's entry whose hold ended long ago
+    t0 = time.time()
+    await q.acquire("a", TEMPLATE, "died", create=True, hold_s=60)
+    assert await d.redis.zrange(inflight, 0, -1) == ["died"], "the expired entry is pruned"
+    assert 0 < await d.redis.ttl(inflight) <= 61
+    for now in (t0, t0 + 59):
+        assert await q.reconcile({}, now=now) == (0, 0), "kept while the create may be under way"
+    assert await q.reconcile({}, now=t0 + 61) == (0, 0), "over: first sight, only suspected"
+    assert await q.reconcile({}, now=t0 + 62) == (1, 0)
+    assert (await q.usage("a")).total == 0 and await _running_set(d) == set()
+
+
+async def test_a_create_taking_its_places_while_the_repair_drops_them_keeps_them(directory):
+    """A record-less running place (a late take for a deleted session) is dropped at the second pass; a
+    create of that ID which takes its places after the pass read the creates in flight, but before its
+    drop, keeps them: the drop itself checks the create's entry."""
+    d = directory
+    q = Quotas(d.redis, d.keys, QuotaSettings(default=QuotaLimits(maxRunning=4)))
+    await q.acquire("a", TEMPLATE, "x", create=False, epoch=3)
+    assert await q.reconcile({}) == (0, 0), "first sight: only suspected"
+    drop = q._reconcile
+
+    async def a_create_first(**kw: Any) -> Any:
+        await q.acquire("a", TEMPLATE, "x", create=True, hold_s=60)
+        return await drop(**kw)
+
+    q._reconcile = a_create_first  # type: ignore[method-assign]
+    assert await q.reconcile({}) == (0, 0)
+    assert (await q.usage("a")).total == 1 and await _running_set(d) == {"x"}
