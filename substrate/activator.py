@@ -3,9 +3,10 @@
 ``Activator`` runs the protocols of DESIGN.md on top of the directory (Redis), placement and the
 workers' internal API:
 
-* **create**: record PENDING (atomic, 409 on a taken ID) -> claim a slot -> CAS PENDING->STARTING
-  (epoch bump) -> worker activates -> CAS STARTING->RUNNING. Any failure undoes every step (the record
-  is deleted, the slot freed): nothing half-written.
+* **create**: quota places (409 on an ID whose create is under way) -> an activation permit -> claim a
+  slot -> write the record already STARTING on it (create-if-absent: 409 on a taken ID) -> worker
+  activates -> CAS STARTING->RUNNING. Any failure undoes every step (the record is deleted, the slot
+  and the places given back): nothing half-written.
 * **wake** (resume): claim a slot -> CAS SUSPENDED|FAILED->RESUMING (epoch bump: of any number of
   routers exactly one wins; losers give their slot back and wait) -> worker restores the snapshot ->
   CAS RESUMING->RUNNING with ``restoredFrom``. Concurrent wakes of one session in one router share one
