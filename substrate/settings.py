@@ -337,6 +337,19 @@ class WorkerSettings(_Section):
     #: keep a sandboxed agent host started for up to this many free slots (0: none), so a create does
     #: not pay the spawn (each idle host is a Python process of ~10-15 MiB)
     prestart_hosts: int = Field(16, ge=0)
+    #: sandboxes a worker keeps beyond its slots (with pre-started hosts only): a slot taken right after
+    #: its release (a pressure suspend makes room for a waiting wake or create) would otherwise wait for
+    #: its next host's boot (~70 ms of CPU; the wake's ``agent`` phase, p50 76 ms in a day's replay),
+    #: while a spare sandbox's host has booted already. Each holds an idle host (~10-15 MiB) and, as
+    #: root, a sandbox uid; the worker still runs at most ``slots`` activations
+    spare_sandboxes: int = Field(1, ge=0)
+
+    def sandbox_spares(self) -> int:
+        """Sandboxes a worker keeps beyond its slots: ``spare_sandboxes``, none without pre-started hosts
+        (what a spare is for). The worker runs at most ``slots`` activations, so that many sandboxes are
+        free at any time, and an activation takes the warmest free one (``workers.sandbox.SandboxPool
+        .acquire``): a booted spare rather than the slot just released, whose host is booting."""
+        return self.spare_sandboxes if self.prestart_hosts else 0
     #: the worker reads its GPUs' count and memory from this binary at registration when it exists on
     #: PATH (``workers.devices``); empty: never run it
     nvidia_smi: str = "nvidia-smi"

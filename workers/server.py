@@ -1406,7 +1406,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     store = GuardedStore(make_store(settings.snapshot), directory.redis, directory.keys, settings.snapshot)
     snapshots = SnapshotManager(store, directory, settings.snapshot, root / "tmp")
     try:
-        sandboxes = SandboxPool(root, slots, name=worker_id, bwrap=find_bwrap(),
+        sandboxes = SandboxPool(root, slots + settings.worker.sandbox_spares(), name=worker_id, bwrap=find_bwrap(),
                                 uid_base=settings.worker.sandbox_uid_base, uid_span=settings.worker.sandbox_uid_span,
                                 uid_lock_dir=settings.worker.sandbox_uid_lock_dir,
                                 prestart=settings.worker.prestart_hosts,

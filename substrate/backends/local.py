@@ -63,12 +63,14 @@ def check_capacity(catalog: Catalog, settings: Settings, *, source: str = "", as
     scheduler and the nodes say what fits."""
     pools = sorted(catalog.pools.values(), key=lambda p: p.name)
     workers = sum(max_workers(p.spec) for p in pools)
-    slots = sum(max_workers(p.spec) * p.spec.slots for p in pools)
+    # a worker's sandboxes: its slots and its spares (``worker.spare_sandboxes``), each holding a uid as root
+    slots = sum(max_workers(p.spec) * (p.spec.slots + settings.worker.sandbox_spares()) for p in pools)
 
-    def each() -> str:
+    def each(spares: int = 0) -> str:
         return (f"{source}: " if source else "") + "; ".join(f"WorkerPool {p.name}: {max_workers(p.spec)} workers ("
                          + ("spec.autoscaling.maxReplicas" if p.spec.autoscaling is not None else "spec.replicas")
-                         + f") x {p.spec.slots} slots" for p in pools if max_workers(p.spec))
+                         + f") x {p.spec.slots} slots" + (f" (+{spares} spare sandbox)" if spares else "")
+                         for p in pools if max_workers(p.spec))
 
     if workers > settings.pool.local_max_workers:
         raise SpecError(f"{each()}: {workers} worker processes in all, over the {settings.pool.local_max_workers} "
@@ -76,9 +78,9 @@ def check_capacity(catalog: Catalog, settings: Settings, *, source: str = "", as
                         "process): lower them, put more slots on each worker, or run on Kubernetes")
     root = os.geteuid() == 0 if as_root is None else as_root
     if root and slots > settings.worker.sandbox_uid_span:
-        raise SpecError(f"{each()}: {slots} slots in all, over the {settings.worker.sandbox_uid_span} sandbox uids "
-                        "(SUBSTRATE_WORKER__SANDBOX_UID_SPAN; running as root, each slot holds one): lower them "
-                        "or widen the span")
+        raise SpecError(f"{each(settings.worker.sandbox_spares())}: {slots} sandboxes in all, over the {settings.worker.sandbox_uid_span} sandbox uids "
+                        "(SUBSTRATE_WORKER__SANDBOX_UID_SPAN; running as root, each slot and each spare sandbox "
+                        "holds one): lower them or widen the span (or SUBSTRATE_WORKER__SPARE_SANDBOXES=0)")
 
 
 @dataclass

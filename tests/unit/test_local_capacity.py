@@ -53,14 +53,18 @@ def test_too_many_workers_in_all_pools_are_refused_naming_each_pool() -> None:
                             _pool("b", "{slots: 2, autoscaling: {minReplicas: 0, maxReplicas: 21}}")), s, as_root=False)
 
 
-def test_more_slots_than_sandbox_uids_are_refused_only_as_root() -> None:
+def test_more_sandboxes_than_sandbox_uids_are_refused_only_as_root() -> None:
     s = Settings(worker={"sandbox_uid_span": 100})
-    cat = _catalog(_pool("a", "{replicas: 6, slots: 17}"))  # 102 slots, 6 workers
+    cat = _catalog(_pool("a", "{replicas: 6, slots: 16}"))  # 96 slots and 6 spare sandboxes, 6 workers
     check_capacity(cat, s, as_root=False)  # not root: slots hold no uid of their own
     with pytest.raises(SpecError) as e:
         check_capacity(cat, s, as_root=True)
-    assert "102 slots in all, over the 100 sandbox uids (SUBSTRATE_WORKER__SANDBOX_UID_SPAN" in e.value.message
-    check_capacity(_catalog(_pool("a", "{replicas: 5, slots: 20}")), s, as_root=True)  # exactly 100
+    assert e.value.message.startswith("WorkerPool a: 6 workers (spec.replicas) x 16 slots (+1 spare sandbox): "
+                                      "102 sandboxes in all, over the 100 sandbox uids (SUBSTRATE_WORKER__SANDBOX_UID_SPAN")
+    check_capacity(_catalog(_pool("a", "{replicas: 5, slots: 19}")), s, as_root=True)  # exactly 100
+    # without spares each worker holds its slots' uids only
+    check_capacity(cat, Settings(worker={"sandbox_uid_span": 100, "spare_sandboxes": 0}), as_root=True)
+    check_capacity(cat, Settings(worker={"sandbox_uid_span": 100, "prestart_hosts": 0}), as_root=True)
 
 
 def test_the_shipped_and_replay_configs_fit_the_defaults() -> None:
