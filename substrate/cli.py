@@ -1470,14 +1470,17 @@ def keys_list(file: Optional[Path] = typer.Option(None, "--file", help="List the
 @keys_app.command("rotate-signing")
 def keys_rotate_signing() -> None:
     """Rotate the key that signs per-activation tokens: routers sign with the new key after their next
-    refresh, workers accept the new and the previous one, so no call fails."""
+    refresh, workers accept the new one, the previous one and any key current within the last minute, so
+    no call fails."""
     from substrate.keys import Keys
     from substrate.tokens import SigningKeyRing
 
     async def go(settings: Any, r: Any) -> Any:
-        return await SigningKeyRing(r, Keys(settings.redis.key_prefix)).rotate()
-    new, prev = _async(go)
-    console.print(f"signing key {new} is current; {prev or '(none)'} still accepted until the next rotation")
+        ring = SigningKeyRing(r, Keys(settings.redis.key_prefix), refresh_s=settings.auth.signing_refresh_s)
+        return (*await ring.rotate(), ring.rotation_keep_s)
+    new, prev, keep_s = _async(go)
+    console.print(f"signing key {new} is current; {prev or '(none)'} stays accepted, and so does any key that was "
+                  f"current within the last {keep_s:g} s, until a later rotation")
 
 
 if __name__ == "__main__":

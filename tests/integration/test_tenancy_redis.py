@@ -312,10 +312,39 @@ async def test_activation_tokens_bind_session_epoch_worker_and_survive_rotation(
     assert (await verifier.verify(tok2, session="s1", epoch=3)).session == "s1"
     fresh = TokenVerifier(await _ring(r, keys), "http://w1")
     assert (await fresh.verify(tok, session="s1", epoch=3)).epoch == 3, "previous key still accepted"
-    await ring.rotate()
+    await ring.rotate(keep_s=0)
     fresh = TokenVerifier(await _ring(r, keys), "http://w1")
     with pytest.raises(Unauthorized):
-        await fresh.verify(tok, session="s1", epoch=3)  # two rotations ago: refused
+        await fresh.verify(tok, session="s1", epoch=3)  # two rotations ago, kept no longer: refused
+
+
+async def test_rotations_faster_than_a_refresh_keep_the_key_routers_still_sign_with(redis_prefix):
+    """A router signs with the key current at its last refresh: three rotations back to back used to drop
+    it (a fresh-user run: 401 invalid_token for good calls). Keys current within ``keep_s`` stay; older ones
+    go, the previous one never."""
+    r, keys, _ = redis_prefix
+    router_ring = await _ring(r, keys)
+    minter = TokenMinter(router_ring)
+    tok = minter.mint(session="s1", epoch=1, worker_address="http://w1")  # signed with the key of its load
+    rotating = SigningKeyRing(r, keys)
+    for _ in range(3):
+        await rotating.rotate()
+    assert rotating.rotation_keep_s == 60.0
+    worker = TokenVerifier(await _ring(r, keys), "http://w1")
+    assert (await worker.verify(tok, session="s1", epoch=1)).session == "s1"
+    assert len(worker.ring.secrets) == 4
+    # a key that stopped being current an hour ago goes at the next rotation; the previous one stays
+    now = int(time.time())
+    await r.hset(keys.signing_keys, mapping={f"k{now - 7200}-aaaaaa": "old", f"k{now - 3600}-bbbbbb": "older-successor"})
+    await r.hset(keys.signing_keys, mapping={"legacy-id": "x"})  # not of the k<time>- form: not kept
+    await rotating.rotate()
+    left = set(await r.hkeys(keys.signing_keys)) - {"current"}
+    assert f"k{now - 7200}-aaaaaa" not in left and "legacy-id" not in left
+    # the hour-old key was followed by keys made now: it was current until then, and stays
+    assert f"k{now - 3600}-bbbbbb" in left
+    assert len(left) == 6  # the four kept above, the hour-old one and the new current
+    await rotating.rotate(keep_s=0)
+    assert len(set(await r.hkeys(keys.signing_keys)) - {"current"}) == 2  # the new current and the previous
 
 
 async def _ring(r: Any, keys: Keys) -> SigningKeyRing:
