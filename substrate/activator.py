@@ -1270,6 +1270,8 @@ class Activator:
                 else:
                     raise
         except asyncio.TimeoutError:
+            if await self._deleted_meanwhile(sid, rec.createdAt):  # by another router: no retry brings it back
+                raise NotFound(f"session {sid!r} not found", code="session_not_found") from None
             msg = f"session {sid!r} did not resume within {budget_s:g}s (its wake goes on: retry)"
             details: dict[str, object] = {}
             last = self._wake_failed.get(sid)
@@ -1893,6 +1895,13 @@ class Activator:
         if not cas.ok:  # gone, or marked DELETED by a concurrent delete (or an undone create)
             await self._wait_removed(sid)
             raise NotFound(f"session {sid!r} not found", code="session_not_found")
+        parked = self._wakes.get(sid)
+        if parked is not None and not parked.done():
+            # the turns parked on this router's wake of the session learn of the delete now, not when the
+            # wake's own next step meets the DELETED record (after its restore and agent start: a
+            # fresh-user run had 404s 1-5 s after the 204, and 503 resume_timeout "retry" after it); they
+            # answer once the record is gone (``wake_retrying``), after this delete's own audit record
+            parked.set_exception(NotFound(f"session {sid!r} not found", code="session_not_found"))
         if rec.worker:
             address = await self._worker_address(rec.worker)
             if address:

@@ -309,3 +309,65 @@ async def test_a_delete_hands_its_snapshot_gc_the_last_epoch_of_the_session(dire
                                          pool="default", epoch=1, createdAt=time.time(), updatedAt=time.time(),
                                          lastActiveAt=time.time()))
     assert (await d.get_session("s1")).epoch > asked[0][1], "the ID made again starts above what the GC takes"
+
+
+class _HeldActivation(Workers):
+    """A worker whose activation of a wake is held (a slow restore and agent start) until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def activate(self, address: str, *, session: str, epoch: int, **_: Any) -> dict[str, Any]:
+        self.entered.set()
+        await self.go.wait()
+        return {"session": session, "epoch": epoch, "restored": True, "worker": "w1"}
+
+
+async def test_turns_parked_on_a_wake_hear_of_this_routers_delete_at_once(directory: Directory) -> None:
+    """A fresh-user race: turns parked on a slow wake, then a DELETE (204 in 80 ms); the turns answered
+    404 only when the wake's own next step met the DELETED record, 1-5 s later (its restore and agent
+    start), some 503 ``resume_timeout`` "retry" instead. The delete now fails the parked wake at once."""
+    d = directory
+    await _suspended_session(d)
+    settings = Settings()
+    workers = _HeldActivation()
+    [router] = await _routers(d, workers, settings, AuditLog(d.redis, d.keys, settings.audit), n=1)
+    turns = [asyncio.create_task(router.wake_retrying("s1")) for _ in range(3)]
+    await asyncio.wait_for(workers.entered.wait(), 10)
+    await router.delete("s1")
+    done, _ = await asyncio.wait(turns, timeout=10)
+    assert len(done) == 3 and not workers.go.is_set(), "answered while the activation was still held"
+    for t in turns:
+        with pytest.raises(NotFound) as e:
+            t.result()
+        assert e.value.code == "session_not_found"
+    workers.go.set()  # the wake itself ends at its next step (the record is gone) and gives its slot back
+    for _ in range(200):
+        if not router._wakes and await d.redis.hgetall(d.keys.worker_slots("w1")) == {}:
+            break
+        await asyncio.sleep(0.02)
+    assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
+
+
+async def test_a_parked_turn_whose_session_another_router_deleted_is_404_not_resume_timeout(
+        directory: Directory) -> None:
+    """The same race with the DELETE through another router: the parked turn ran out of its park time
+    and answered 503 ``resume_timeout`` ("its wake goes on: retry") for a session already gone."""
+    d = directory
+    await _suspended_session(d)
+    settings = Settings(api={"park_timeout_s": 0.3})
+    workers = _HeldActivation()
+    waking, deleting = await _routers(d, workers, settings, AuditLog(d.redis, d.keys, settings.audit))
+    turn = asyncio.create_task(waking.wake("s1"))
+    await asyncio.wait_for(workers.entered.wait(), 10)
+    await deleting.delete("s1")
+    with pytest.raises(NotFound) as e:
+        await asyncio.wait_for(turn, 10)
+    assert e.value.code == "session_not_found"
+    workers.go.set()
+    for _ in range(200):
+        if not waking._wakes:
+            break
+        await asyncio.sleep(0.02)
