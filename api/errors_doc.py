@@ -106,6 +106,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "turn_timeout": (504, "the turn ran over `isolation.turnTimeout`; the session's processes were killed"),
     "no_capacity": (503, "no free slot; retry after `Retry-After`"),
     "directory_unavailable": (503, "Redis is unreachable"),
+    "no_signing_key": (503, "the activation-token signing keys are not loaded yet (a runtime starting, or its Redis "
+                            "lost its data); retry after `Retry-After`"),
     "snapshot_store_unavailable": (503, "object storage is unreachable"),
     "resume_timeout": (503, "the session's restore did not end within `api.park_timeout_s` (plus `api.restore_s_per_file` for each file of its snapshot) of its placement (a wait for a slot or a permit before it is bounded by `api.start_wait_s`)"),
     "worker_fenced": (503, "the worker chosen was past its own lease; the router placed the call on other workers and they were fenced too; retry"),

@@ -166,7 +166,10 @@ class GuardedStore:
             why = (f"the snapshot store {where} holds another directory's snapshots (its marker {self.marker!r} "
                    "is not this directory's: another runtime, or another SUBSTRATE_REDIS__KEY_PREFIX, uses it); "
                    f"give each directory its own {'bucket' if s3 else 'folder'} or SUBSTRATE_SNAPSHOT__PREFIX: wakes "
-                   "and suspends answer 503 until then")
+                   "and suspends answer 503 until then. If instead this directory's Redis lost its data (flushed, "
+                   "or restarted without persistence: its sessions went with it) and no other runtime uses the "
+                   "store, start once with SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true to take the store as this "
+                   "directory's")
         self._fence(why)
 
     def _fence(self, why: str) -> None:

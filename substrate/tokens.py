@@ -125,22 +125,30 @@ class SigningKeyRing:
         self.refresh_s = refresh_s
         self.current = ""
         self.secrets: dict[str, bytes] = {}
+        #: the ring as stored (key id -> stored secret), to write it back if Redis loses it (``load``)
+        self._stored: dict[str, str] = {}
         self.loaded_at = 0.0
         self._rotate = redis.register_script(_ROTATE)
         self._init = redis.register_script(_INIT)
         self._lock = asyncio.Lock()
 
     async def load(self, *, create: bool = True) -> None:
-        """Read the ring; with ``create`` make the first key if there is none."""
+        """Read the ring; with ``create`` make the first key if there is none. A ring gone from Redis
+        (its data lost: a flush, a restart without persistence) is written back from this one's memory,
+        first come first kept (create-if-absent), so every process goes on with the same keys: reading
+        it as empty made routers refuse every call 500 ``no_signing_key`` and workers refuse the tokens
+        of a key made anew 401 ``invalid_token`` for seconds (a fresh-user run: FLUSHDB under a runtime)."""
         try:
             raw = await self.redis.hgetall(self.keys.signing_keys)
-            if not raw.get("current") and create:
-                kid, secret = _new_key()
+            if not raw.get("current") and (create or self.current in self._stored):
+                kid, secret = ((self.current, self._stored[self.current]) if self.current in self._stored
+                               else _new_key())
                 await self._init(keys=[self.keys.signing_keys], args=[kid, secret])
                 raw = await self.redis.hgetall(self.keys.signing_keys)
         except (RedisError, OSError) as e:
             raise DirectoryUnavailable(f"cannot read the token signing keys: {e}") from e
         self.current = raw.pop("current", "")
+        self._stored = dict(raw)
         self.secrets = {k: derive_secret(v, self.pepper) for k, v in raw.items()}
         self.loaded_at = time.monotonic()
 
@@ -207,7 +215,7 @@ class TokenMinter:
     def mint(self, *, session: str, epoch: int | None, worker_address: str, tenant: str = "") -> str:
         """A token for one call (or many, for a while) to ``worker_address`` on ``session`` at ``epoch``.
 
-        Raises ``SubstrateError(code="no_signing_key")`` before the ring was loaded."""
+        Raises ``DirectoryUnavailable`` (503, code ``no_signing_key``) before the ring was loaded."""
         kid = self.ring.current
         key = (session, epoch, worker_address, tenant, kid)
         now = time.time()
@@ -215,8 +223,9 @@ class TokenMinter:
         if hit is not None and hit[1] > now:
             return hit[0]
         secret = self.ring.secrets.get(kid)
-        if secret is None:
-            raise SubstrateError("activation-token signing keys are not loaded", code="no_signing_key")
+        if secret is None:  # transient: the ring is read at start-up, written back if Redis lost it
+            raise DirectoryUnavailable("activation-token signing keys are not loaded (yet); retry",
+                                       code="no_signing_key", retry_after_s=1)
         token = mint_token(secret, kid, session=session, epoch=epoch, audience=worker_address, tenant=tenant,
                            ttl_s=self.ttl_s, now=now)
         if len(self._cache) >= self.max_cached:

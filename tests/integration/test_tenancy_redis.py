@@ -564,3 +564,22 @@ async def test_a_key_with_a_bad_name_is_not_created(redis_prefix):
         await store.create("team-a", name="line\nbreak")
     assert e.value.code == "invalid_key_name"
     assert await store.list() == []
+
+
+async def test_a_ring_lost_from_redis_is_written_back_from_memory(redis_prefix):
+    """A fresh-user run flushed the runtime's Redis: routers refused calls 500 ``no_signing_key`` and
+    workers refused tokens of a key made anew 401 ``invalid_token``. The first process to reload writes
+    its ring back, so tokens signed before the loss stay good and new ones are signed with the same key."""
+    r, keys, _ = redis_prefix
+    router_ring = await _ring(r, keys)
+    kid = router_ring.current
+    tok = TokenMinter(router_ring).mint(session="s1", epoch=1, worker_address="http://w1")
+    await r.delete(keys.signing_keys)  # the data is lost
+    await router_ring.load(create=False)  # a refresh
+    assert router_ring.current == kid and (await r.hget(keys.signing_keys, "current")) == kid
+    worker = TokenVerifier(await _ring(r, keys), "http://w1")
+    assert (await worker.verify(tok, session="s1", epoch=1)).session == "s1"
+    fresh = SigningKeyRing(r, keys)  # a process with nothing in memory makes nothing without ``create``
+    await r.delete(keys.signing_keys)
+    await fresh.load(create=False)
+    assert fresh.current == "" and not await r.exists(keys.signing_keys)

@@ -97,7 +97,7 @@ def test_resolve_env_tenant_first_then_shared(tmp_path):
 #: codes only the workers' internal API or the CLI answer with (never a public API answer: the router turns
 #: a worker's refusal into a retry through the directory or into worker_unavailable)
 INTERNAL = {"not_active", "busy", "stale_epoch", "missing_token", "token_not_for_this_call", "epoch_mismatch",
-            "no_signing_key", "api_key_not_found", "invalid_api_key_spec", "invalid_key_name",
+            "api_key_not_found", "invalid_api_key_spec", "invalid_key_name",
             "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
             "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch", "invalid_reason",
             "agent_module_not_found", "agent_class_not_found"}  # a config's start-up error (substrate.specs), never an API answer
