@@ -538,7 +538,13 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             return _error(405, "method_not_allowed", f"{request.method} is not allowed here: use {allow}",
                           headers={"Allow": allow})
         code = {404: "not_found"}.get(e.status_code, "http_error")
-        return _error(e.status_code, code, str(e.detail), headers=e.headers)
+        detail = str(e.detail)
+        path = request.url.path
+        if e.status_code == 404 and detail == "Not Found":
+            detail = f"no route for {clip(path)}"
+            if path.endswith("/") and len(path) > 1:  # routes take no trailing slash (nothing redirects)
+                detail += f"; without the trailing slash: {clip(path.rstrip('/'))}"
+        return _error(e.status_code, code, detail, headers=e.headers)
 
     v1 = [Depends(_auth)]
 

@@ -283,6 +283,10 @@ def test_bad_input_gets_a_clear_error(shared_runtime, method, path, body, status
     assert r.json()["code"] == code and r.json()["message"]
     if code == "invalid_session_id":  # every route says what an ID may be (invoke did not)
         assert r.json()["message"].endswith(SESSION_ID_HINT), r.json()
+    if code == "not_found":  # names the path, and the way out of a trailing slash (it said "Not Found")
+        assert r.json()["message"].startswith(f"no route for '{path}'"), r.json()
+        if path.endswith("/"):
+            assert r.json()["message"].endswith(f"without the trailing slash: '{path.rstrip('/')}'"), r.json()
     assert shared_runtime.r.zcard(shared_runtime.keys.sessions_index) == before, "nothing was written"
 
 
