@@ -54,7 +54,7 @@ from substrate.errors import (
     error_json,
 )
 from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS, SESSION_ID_HINT, SESSION_ID_RE
-from substrate.workerclient import IDEMPOTENCY_HEADER, KEY_ORIGIN_HEADER
+from substrate.workerclient import IDEMPOTENCY_HEADER, KEY_ORIGIN_HEADER, token_refused_error
 
 if TYPE_CHECKING:
     from api.auth import Principal
@@ -532,6 +532,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
     attempt = 0
     lost_workers: set[str] = set()  # workers that dropped this turn after it was sent
     sent = False  # a worker may have started this turn: a session gone since was deleted under it
+    token_retried = False  # sent again once with reloaded signing keys after the worker refused the token
     while True:
         attempt += 1
         if attempt > 1 and (time.monotonic() > deadline or attempt > 12):
@@ -592,7 +593,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                                     f"({s.api.invoke_timeout_s:g} s): the turn may still be running there; retry "
                                     "with the same Idempotency-Key to get its answer instead of running it again",
                                     code="invoke_timeout") from e
-        if resp.status in (404, 409, 503):
+        if resp.status in (401, 404, 409, 503):
             try:
                 err = json.loads(await resp.read() or b"{}")
             except (ValueError, aiohttp.ClientError):
@@ -600,6 +601,11 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             finally:
                 resp.release()
             code = err.get("code") if isinstance(err, dict) else None
+            if resp.status == 401:  # the worker refused this router's token (not the client's credentials)
+                if not token_retried and await runtime.client.token_refused():
+                    token_retried = True  # signed with the reloaded key: once
+                    continue
+                raise token_refused_error(route.address, err)
             if resp.status == 404 and code == "not_active":
                 cache.drop(sid)
                 await act.repair_lost_activation(sid, route.worker, route.epoch)

@@ -168,8 +168,8 @@ class GuardedStore:
                    f"give each directory its own {'bucket' if s3 else 'folder'} or SUBSTRATE_SNAPSHOT__PREFIX: wakes "
                    "and suspends answer 503 until then. If instead this directory's Redis lost its data (flushed, "
                    "or restarted without persistence: its sessions went with it) and no other runtime uses the "
-                   "store, start once with SUBSTRATE_SNAPSHOT__ACCEPT_NEW_LOCATION=true to take the store as this "
-                   "directory's")
+                   f"store: stop the runtime, delete the marker object {self.marker!r} from the store (the old "
+                   "snapshots stay, unreferenced), and start it again: the store is then taken as new")
         self._fence(why)
 
     def _fence(self, why: str) -> None:

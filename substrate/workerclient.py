@@ -49,6 +49,16 @@ def error_from(status: int, body: Any) -> E.SubstrateError:
     return err
 
 
+def token_refused_error(address: str, body: Any) -> E.WorkerUnavailable:
+    """What a caller is told when a worker refuses the control plane's activation token (401): the
+    refusal is between the router and the worker, never about the client's own credentials (it reached
+    clients as 401 ``invalid_token`` with ``WWW-Authenticate``, as if their key were bad: a fresh-user run
+    after a Redis flush). 502 ``worker_unavailable``, retryable."""
+    why = body.get("message", "") if isinstance(body, dict) else str(body)
+    return E.WorkerUnavailable(f"the worker at {address} refused this router's activation token "
+                               f"({str(why)[:200]}); retry", code="worker_unavailable", retry_after_s=1)
+
+
 class WorkerClient:
     """Calls one of many workers by address. One instance per process (it owns the connection pool)."""
 
@@ -80,23 +90,40 @@ class WorkerClient:
     async def _call(self, method: str, url: str, *, address: str, session: str, epoch: int | None = None,
                     tenant: str = "", json_body: Any = None, params: dict[str, str] | None = None,
                     timeout_s: float | None = None) -> Any:
-        headers = self.auth_headers(address, session, epoch, tenant)
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        for attempt in (1, 2):
+            headers = self.auth_headers(address, session, epoch, tenant)
+            try:
+                async with self.session.request(method, url, json=json_body, headers=headers, params=params,
+                                                timeout=timeout or self._timeout) as resp:
+                    if resp.status == 204:
+                        return None
+                    try:
+                        body = await resp.json(content_type=None)
+                    except (ValueError, aiohttp.ContentTypeError):
+                        body = {"code": "worker_error", "message": (await resp.text())[:500]}
+                    if resp.status == 401:  # the worker refused this process's token: nothing ran there
+                        if attempt == 1 and await self.token_refused():
+                            continue
+                        raise token_refused_error(address, body)
+                    if resp.status >= 400:
+                        raise error_from(resp.status, body)
+                    return body
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+                raise E.WorkerUnavailable(f"worker at {url.split('/v1')[0]} did not answer: "
+                                          f"{e.__class__.__name__}: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def token_refused(self) -> bool:
+        """A worker answered 401 to this process's activation token (its ring lacks the key: keys written
+        back after a Redis data loss, a worker started meanwhile with a key of its own): reload the
+        signing keys; True if the current key changed, so that a call made again is signed otherwise."""
+        before = self.minter.ring.current
         try:
-            async with self.session.request(method, url, json=json_body, headers=headers, params=params,
-                                            timeout=timeout or self._timeout) as resp:
-                if resp.status == 204:
-                    return None
-                try:
-                    body = await resp.json(content_type=None)
-                except (ValueError, aiohttp.ContentTypeError):
-                    body = {"code": "worker_error", "message": (await resp.text())[:500]}
-                if resp.status >= 400:
-                    raise error_from(resp.status, body)
-                return body
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
-            raise E.WorkerUnavailable(f"worker at {url.split('/v1')[0]} did not answer: "
-                                      f"{e.__class__.__name__}: {e}") from e
+            await self.minter.ring.refresh_if_stale(0.0)
+        except E.SubstrateError:
+            return False
+        return self.minter.ring.current != before
 
     async def activate(self, address: str, *, session: str, epoch: int, template: ActorTemplate, slot: int,
                        env: dict[str, str], snapshot: SnapshotRef | None,
