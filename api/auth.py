@@ -33,6 +33,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import aiohttp
@@ -160,12 +161,21 @@ class JwksVerifier:
         return p
 
 
+#: the file, in the embedded default's data folder, that says API keys exist (``Authenticator.closed_marker``):
+#: ``auth-closed-<key prefix>``, one per deployment that shares the folder
+AUTH_CLOSED_MARKER = "auth-closed"
+
+
 class Authenticator:
     """See the module docstring. One per router process: ``start`` before serving, ``stop`` after."""
 
     def __init__(self, settings: Settings, redis: aioredis.Redis, keys: Keys,
-                 http: aiohttp.ClientSession | None = None) -> None:
+                 http: aiohttp.ClientSession | None = None, *, closed_marker: Path | None = None) -> None:
         self.settings = settings
+        #: a file that says keys existed here (the embedded default's data folder; None: none kept): a
+        #: Redis that lost its data (a flush, a restart without persistence) lost the keys and the record
+        #: that there were any, and the next start ran open without a word (fresh-user run)
+        self.closed_marker = closed_marker
         self.store = ApiKeyStore(redis, keys)
         self.keys = keys
         self.redis = redis
@@ -192,6 +202,13 @@ class Authenticator:
         try:
             await self.store.import_specs(specs)  # also revokes file/env keys no longer given
             self.have_keys = bool(specs) or await self.store.ever_configured()
+            if not self.have_keys and self.closed_marker is not None and self.closed_marker.exists():
+                self.have_keys = True  # fail closed: the keys were lost, not never made
+                log.error("this runtime had API keys (%s says so) but its Redis has none: its data was lost (a "
+                          "flush, or a restart without persistence). The API stays closed: make a key with "
+                          "`substrate keys create TENANT --admin`, or delete that file to run open",
+                          self.closed_marker)
+            self._mark_closed()
         except (RedisError, OSError) as e:
             # fail closed: if keys may exist we cannot tell, so demand them until Redis answers (the
             # follower re-reads until it does)
@@ -244,6 +261,18 @@ class Authenticator:
             raise
         self.have_keys = self.have_keys or configured
         self.keys_unknown = False
+        self._mark_closed()
+
+    def _mark_closed(self) -> None:
+        """Write ``closed_marker`` once keys exist (best effort: a folder that cannot take it is logged)."""
+        if not self.have_keys or self.closed_marker is None or self.closed_marker.exists():
+            return
+        try:
+            self.closed_marker.parent.mkdir(parents=True, exist_ok=True)
+            self.closed_marker.write_text("API keys exist for this runtime: a start that finds none in Redis "
+                                          "stays closed (delete this file to run open)\n")
+        except OSError as e:
+            log.warning("could not record that API keys exist in %s: %s", self.closed_marker, e)
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         """The caller of a request with ``headers``. Raises ``Unauthorized`` (401, ``WWW-Authenticate``

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from api.auth import Authenticator
+from api.auth import AUTH_CLOSED_MARKER, Authenticator
 from api.proxy import RouteCache
 from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
@@ -101,7 +101,9 @@ class Runtime:
             timeout=aiohttp.ClientTimeout(total=settings.api.invoke_timeout_s, sock_connect=2),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
         store = GuardedStore(make_store(settings.snapshot), directory.redis, directory.keys, settings.snapshot)
-        auth = Authenticator(settings, directory.redis, directory.keys, http)
+        auth = Authenticator(settings, directory.redis, directory.keys, http,
+                             closed_marker=(settings.data_dir / f"{AUTH_CLOSED_MARKER}-{settings.redis.key_prefix}"
+                                            if embedded else None))
         rt = cls(settings, directory, catalog, view, client, activator, http, store, auth, signing, quotas, audit)
         rt.kube_catalog = kube_catalog
         if embedded:

@@ -583,3 +583,41 @@ async def test_a_ring_lost_from_redis_is_written_back_from_memory(redis_prefix):
     await r.delete(keys.signing_keys)
     await fresh.load(create=False)
     assert fresh.current == "" and not await r.exists(keys.signing_keys)
+
+
+async def test_keys_lost_with_redis_data_leave_the_api_closed_not_open(redis_prefix, tmp_path):
+    """A fresh-user run: keys made with the CLI live only in Redis; a flush (or a restart without
+    persistence) lost them, and the next start of the runtime ran open without a word. The embedded
+    default's data folder now remembers that keys existed."""
+    r, keys, prefix = redis_prefix
+    marker = tmp_path / "var" / f"auth-closed-{prefix}"
+    settings = Settings(redis={"key_prefix": prefix})
+    first = Authenticator(settings, r, keys, closed_marker=marker)
+    await first.start()
+    try:
+        assert not first.enabled and not marker.exists()  # open mode, nothing recorded
+        await ApiKeyStore(r, keys).create("team-a")
+        for _ in range(100):  # the follower hears of the key
+            if first.enabled:
+                break
+            await asyncio.sleep(0.02)
+        assert first.enabled and marker.exists()
+    finally:
+        await first.stop()
+    async for k in r.scan_iter(f"{prefix}:*"):  # the data is lost
+        await r.delete(k)
+    again = Authenticator(settings, r, keys, closed_marker=marker)
+    await again.start()
+    try:
+        assert again.enabled, "closed: the keys were lost, not never made"
+        with pytest.raises(Unauthorized):
+            await again.authenticate({})
+    finally:
+        await again.stop()
+    marker.unlink()  # the operator's way back to open mode
+    opened = Authenticator(settings, r, keys, closed_marker=marker)
+    await opened.start()
+    try:
+        assert not opened.enabled
+    finally:
+        await opened.stop()
