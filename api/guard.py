@@ -395,6 +395,13 @@ class QueryNames:
                 out.append((method.upper(), rx, names))
         return out
 
+    def routed(self, app: Any, path: str) -> bool:
+        """Whether some route of ``app`` takes ``path`` (any method); True when that cannot be told (an app
+        without an OpenAPI document). An unknown route is the app's 404 whatever its query says."""
+        if self._routes is None:
+            self._routes = self._load(app)
+        return not self._routes or any(rx.match(path) for _, rx, _ in self._routes)
+
     def unknown(self, app: Any, method: str, path: str, query_string: bytes) -> tuple[str, frozenset[str]] | None:
         """(the first parameter ``method path`` does not take, the ones it takes), or None (all known,
         or no such route: the app answers that)."""
@@ -551,7 +558,8 @@ class Guard:
             await _answer(send, 422, "invalid_request_id", bad_id, scope=scope)
             return
         qs = scope.get("query_string") or b""
-        if b"&" in qs and (name := repeated_param(qs)) is not None:  # one parameter cannot repeat: no parse
+        if b"&" in qs and (name := repeated_param(qs)) is not None and \
+                ("app" not in scope or self.query_names.routed(scope["app"], path)):  # one parameter cannot repeat
             msg = "given more than once: this parameter takes one value"
             await _answer(send, 422, "invalid_input", f"query.{clip(name, 64, quote=False)}: {msg}", scope=scope,
                           details={"errors": [{"loc": ["query", clip(name, 64, quote=False)], "msg": msg}]})
