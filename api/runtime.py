@@ -30,7 +30,8 @@ from substrate.backends.local import LocalBackend
 from substrate.directory import Directory
 from substrate.errors import SubstrateError
 from substrate.gctune import tune_after_startup
-from substrate.loops import cancel_and_wait, run_forever
+from substrate.loops import cancel_and_wait, run_forever, watch_lag
+from substrate.metrics import EVENT_LOOP_LAG_SECONDS
 from substrate.pool import PoolController
 from substrate.quotas import Quotas
 from substrate.settings import Settings
@@ -112,6 +113,7 @@ class Runtime:
         return rt
 
     async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(watch_lag(EVENT_LOOP_LAG_SECONDS.observe)))
         # the signing keys and the API keys come first: nothing can call a worker or be served before
         await self.signing.load()
         self._tasks.append(asyncio.create_task(run_forever(

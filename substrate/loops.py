@@ -59,3 +59,32 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[object] | None], timeou
         log.warning("a task did not stop within %.1f s of its cancel", timeout_s,
                     extra={"task": t.get_name() if isinstance(t, asyncio.Task) else repr(t)})
     return len(still)
+
+
+#: a lag past this is logged (at most once per ``LAG_LOG_EVERY_S``): the process served nothing meanwhile
+LAG_WARN_S = 0.5
+LAG_LOG_EVERY_S = 60.0
+
+
+async def watch_lag(observe: Callable[[float], None], interval_s: float = 0.1) -> None:
+    """Measure this event loop's lag until cancelled: sleep ``interval_s`` seconds, and pass ``observe``
+    how much later than asked the loop woke (seconds, >= 0), as Node's ``monitorEventLoopDelay`` and
+    uvloop users' lag probes do. Lag is time every task of the loop waited, whether the loop ran
+    CPU-bound callbacks or the process had no CPU. A lag over ``LAG_WARN_S`` is logged as a warning, at
+    most once per ``LAG_LOG_EVERY_S``. Costs one timer per ``interval_s``; never raises but
+    ``CancelledError``."""
+    loop = asyncio.get_running_loop()
+    logged_at = -LAG_LOG_EVERY_S
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(interval_s)
+        lag_s = max(0.0, loop.time() - t0 - interval_s)
+        try:
+            observe(lag_s)
+        except Exception:  # noqa: BLE001 - a probe never dies
+            log.debug("event loop lag observer failed", exc_info=True)
+        if lag_s > LAG_WARN_S and loop.time() - logged_at >= LAG_LOG_EVERY_S:
+            logged_at = loop.time()
+            log.warning("event loop held for %.0f ms: every request of this process waited as long (CPU-bound "
+                        "work on the loop, or no CPU for the process)", lag_s * 1000)
+        reraise_lost_cancel()

@@ -226,6 +226,18 @@ ERRORS_TOTAL = Counter(
 )
 """Errors by stable ``code`` (``SubstrateError.code``)."""
 
+#: event-loop lag: from timer precision (~1 ms, epoll's millisecond timeout) to a loop held for seconds
+LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+EVENT_LOOP_LAG_SECONDS = Histogram(
+    "agent_substrate_event_loop_lag_seconds",
+    "How late this process's event loop ran a timer (substrate.loops.watch_lag): time no request was served.",
+    buckets=LOOP_LAG_BUCKETS,
+)
+"""Per process (the router/control plane and each worker): how much later than asked a periodic timer of
+``substrate.loops.watch_lag`` fired, in seconds. Every request the process holds waits at least that long
+too, so its upper buckets bound what CPU-bound work on the loop (or a starved CPU) adds to a turn."""
+
 # --- short aliases (same objects) used by the core -----------------------------------------------------
 
 COLD_START = COLD_START_DURATION_SECONDS
@@ -250,7 +262,7 @@ ALL_METRICS: dict[str, Counter | Gauge | Histogram] = {
         GPU_MEMORY_FRAGMENTED, GPU_MEMORY_TOTAL, SESSIONS, PARKED_REQUESTS, ACTIVATION_LIMIT, ACTIVATIONS_QUEUED,
         SUSPENSIONS_TOTAL,
         RECOVERIES_TOTAL, SNAPSHOT_BYTES, SNAPSHOT_DURATION_SECONDS, REQUESTS_TOTAL,
-        PROXY_DURATION_SECONDS, ERRORS_TOTAL,
+        PROXY_DURATION_SECONDS, ERRORS_TOTAL, EVENT_LOOP_LAG_SECONDS,
     )
 }
 

@@ -86,7 +86,7 @@ from substrate.errors import (
 )
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
-from substrate.loops import cancel_and_wait, reraise_lost_cancel, run_forever
+from substrate.loops import cancel_and_wait, reraise_lost_cancel, run_forever, watch_lag
 from substrate.models import (
     SUSPEND_REASONS,
     UNANSWERED,
@@ -392,7 +392,8 @@ class Worker:
                        asyncio.create_task(self._periodic_snapshot_loop()),
                        asyncio.create_task(self._reconcile_loop()),
                        asyncio.create_task(run_forever(self._reload_signing, self.signing.refresh_s,
-                                                       "signing key refresh", first_delay=True))]
+                                                       "signing key refresh", first_delay=True)),
+                       asyncio.create_task(watch_lag(metrics.EVENT_LOOP_LAG_SECONDS.observe))]
 
     async def _reload_signing(self) -> None:
         await self.signing.load(create=False)

@@ -127,3 +127,48 @@ async def test_cancel_and_wait_waits_for_the_tasks_and_names_one_that_will_not_s
     await asyncio.wait([b], timeout=5)
     assert b.done()
     assert await cancel_and_wait([]) == 0
+
+
+async def test_watch_lag_measures_a_loop_held_by_cpu_bound_work(caplog: pytest.LogCaptureFixture) -> None:
+    """A callback that holds the loop (``time.sleep``, as CPU-bound work does) shows as lag at least as
+    long, and a hold past ``LAG_WARN_S`` is logged once; an idle loop's lag stays near timer precision."""
+    import time
+
+    from substrate import loops
+
+    seen: list[float] = []
+    task = asyncio.create_task(loops.watch_lag(seen.append, interval_s=0.02))
+    while len(seen) < 3:
+        await asyncio.sleep(0.01)
+    idle = list(seen)
+    with caplog.at_level(logging.WARNING, logger="substrate.loops"):
+        old = loops.LAG_WARN_S
+        loops.LAG_WARN_S = 0.1
+        try:
+            n = len(seen)
+            time.sleep(0.15)  # holds the loop: the probe's timer is due meanwhile
+            while len(seen) < n + 2:
+                await asyncio.sleep(0.01)
+        finally:
+            loops.LAG_WARN_S = old
+    assert await cancel_and_wait([task]) == 0
+    assert max(seen[n:]) >= 0.12, seen
+    assert min(idle) < 0.1, idle  # not a constant: an idle loop reads small
+    warnings = [r for r in caplog.records if "event loop held" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_watch_lag_survives_a_failing_observer() -> None:
+    from substrate import loops
+
+    calls: list[float] = []
+
+    def observe(lag_s: float) -> None:
+        calls.append(lag_s)
+        raise RuntimeError("a broken metric")
+
+    task = asyncio.create_task(loops.watch_lag(observe, interval_s=0.01))
+    while len(calls) < 3:
+        await asyncio.sleep(0.01)
+    assert not task.done()
+    assert await cancel_and_wait([task]) == 0

@@ -32,6 +32,7 @@ REQUIRED: dict[str, set[str]] = {
     "agent_substrate_errors_total": {"code"},
     "agent_substrate_suspensions_total": {"template", "reason"},
     "agent_substrate_recoveries_total": {"reason"},
+    "agent_substrate_event_loop_lag_seconds_bucket": {"le"},
 }
 
 
@@ -57,6 +58,7 @@ def _observe_everything() -> None:
     m.ERRORS_TOTAL.labels(code="no_capacity").inc()
     m.SUSPENSIONS_TOTAL.labels(template="t", reason="idle").inc()
     m.RECOVERIES_TOTAL.labels(reason="worker_lost").inc()
+    m.EVENT_LOOP_LAG_SECONDS.observe(0.003)
 
 
 def _exported() -> dict[str, set[str]]:
