@@ -68,6 +68,7 @@ from loadtest.traces import (
     select_window,
     split_sessions,
 )
+from substrate.loops import cancel_and_wait, watch_lag
 
 SCHEMA = "substrate-replay/v1"
 WAKE_STATES = frozenset({"SUSPENDED", "SUSPENDING", "RESUMING", "PENDING", "STARTING"})
@@ -362,6 +363,19 @@ class TargetRunner:
                 payload = None
             return resp.status, resp.headers, payload
 
+    async def _scrape_lag(self, http) -> dict[float, float] | None:
+        """The target's event-loop lag histogram (``/metrics``, no credentials needed); None if it has none
+        or does not answer (another kind of target)."""
+        import aiohttp
+
+        try:
+            async with http.get(self.host + "/metrics", timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                if resp.status != 200:
+                    return None
+                return rpt.lag_buckets(await resp.text()) or None
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
+
     async def preflight(self, http) -> None:
         import aiohttp
 
@@ -579,6 +593,10 @@ class TargetRunner:
         async with aiohttp.ClientSession(connector=connector) as http, \
                 aiohttp.ClientSession(connector=stats_connector) as stats_http:
             await self.preflight(http)
+            lag_before = await self._scrape_lag(stats_http)
+            # this process's own lag: it sends and times every turn, on the same cores as the target
+            client_lag: list[float] = []
+            prober = asyncio.create_task(watch_lag(client_lag.append))
             sem = asyncio.Semaphore(self.cfg.concurrency)
             self._t0 = time.monotonic() + self.cfg.lead_in_s
             done = asyncio.Event()
@@ -625,6 +643,8 @@ class TargetRunner:
                 )
             done.set()
             await sampler
+            await cancel_and_wait([prober])
+            server_lag = rpt.lag_share_over(lag_before, await self._scrape_lag(stats_http))
         result = {
             "name": self.name,
             "host": self.host,
@@ -637,7 +657,8 @@ class TargetRunner:
             "sessions": self.sessions,
             "stats": self.samples,
         }
-        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples, ended_s)
+        result["summary"] = rpt.summarize_target(self.turns, self.sessions, self.samples, ended_s,
+                                                 client_lag_s=client_lag, server_lag=server_lag)
         return result
 
 

@@ -100,7 +100,10 @@ session's later turns included, the trace's own wait behind the previous turn le
 - router overhead: percentiles of per-request paired differences (routed - direct, interleaved)
 - percentiles: one function (linear interpolation between closest ranks, numpy's default)
 - bounds: the plan on an ideal runtime (zero overhead, a session's turns one at a time): the inherent \
-wait behind a session's previous turn, and the utilization of fixed and reactive capacity (loadtest/bounds.py)"""
+wait behind a session's previous turn, and the utilization of fixed and reactive capacity (loadtest/bounds.py)
+- event-loop lag: how late a 100 ms timer fired (substrate.loops.watch_lag), in the replay client (its \
+own probes) and in the target's router (agent_substrate_event_loop_lag_seconds, this run's probes): a \
+request the process held waited at least as long"""
 
 
 def latency_stats(values: Iterable[float | None]) -> dict[str, float | int | None]:
@@ -121,6 +124,42 @@ def counter_delta(samples: Sequence[Mapping[str, Any]], key: str) -> float | Non
     first and the last sample that carry it; None with fewer than two."""
     vs = [float(s[key]) for s in samples if isinstance(s.get(key), (int, float))]
     return max(0.0, vs[-1] - vs[0]) if len(vs) >= 2 else None
+
+
+#: the event-loop lag thresholds (ms) the report gives the share of late probes for
+LAG_THRESHOLDS_MS = (5, 10, 25)
+
+
+def lag_buckets(exposition: str) -> dict[float, float]:
+    """The cumulative buckets (upper bound in seconds -> count) of ``agent_substrate_event_loop_lag_seconds``
+    in a Prometheus text exposition (``/metrics``); empty if it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(exposition):
+        if fam.name != "agent_substrate_event_loop_lag_seconds":
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_bucket"):
+                out[float(sample.labels["le"])] = out.get(float(sample.labels["le"]), 0.0) + float(sample.value)
+    return out
+
+
+def lag_share_over(before: Mapping[float, float] | None, after: Mapping[float, float] | None
+                   ) -> dict[str, Any] | None:
+    """The run's own probes (``after - before`` of :func:`lag_buckets`): ``{"n": probes, "over_ms": {"5":
+    share late by more than 5 ms, "10": ..., "25": ...}}`` for ``LAG_THRESHOLDS_MS`` (each a bucket bound of
+    the histogram); None without both scrapes or without probes."""
+    if not before and not after or after is None:
+        return None
+    before = before or {}
+    delta = {le: max(0.0, after.get(le, 0.0) - before.get(le, 0.0)) for le in after}
+    n = delta.get(math.inf, 0.0)
+    if n <= 0:
+        return None
+    # string keys: the summary goes through JSON (result.json) and is rendered again from it
+    over = {str(ms): (n - delta[ms / 1000.0]) / n for ms in LAG_THRESHOLDS_MS if ms / 1000.0 in delta}
+    return {"n": int(n), "over_ms": over}
 
 
 def integrate(samples: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -220,8 +259,13 @@ def summarize_target(
     sessions: Sequence[Mapping[str, Any]],
     samples: Sequence[Mapping[str, Any]],
     ended_s: float | None = None,
+    *,
+    client_lag_s: Sequence[float] = (),
+    server_lag: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One target's figures (see the module docstring for the definitions and record shapes)."""
+    """One target's figures (see the module docstring for the definitions and record shapes).
+    ``client_lag_s``: the replay client's own event-loop lag probes (seconds); ``server_lag``: the target
+    process's, from :func:`lag_share_over`."""
     by_status: dict[str, int] = {}
     for t in turns:
         by_status[t["status"]] = by_status.get(t["status"], 0) + 1
@@ -308,6 +352,10 @@ def summarize_target(
         "worker_seconds_source": cost.get("worker_seconds_source"),
         "stats_samples": len(samples),
         "stats_ok_samples": sum(1 for s in samples if s.get("ok")),
+        # what the shared cores did to the timing: the client's own loop (it sends and times every turn)
+        # and the router's, both late by as much as every request they held
+        "client_lag_ms": latency_stats(x * 1000.0 for x in client_lag_s),
+        "server_lag": server_lag,
     }
 
 
@@ -411,6 +459,10 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("wake_restore_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("    of which the agent's start p50 / p95 / p99", " / ".join(
             _ms((summary.get("wake_agent_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
+        ("  event-loop lag of the replay client (it sends and times each turn) ms p50 / p99 / max", " / ".join(
+            _ms((summary.get("client_lag_ms") or {}).get(k)) for k in ("p50", "p99", "max"))),
+        ("  event-loop lag of the target's router: share of its 100 ms probes late by > "
+         + " / ".join(f"{ms}" for ms in LAG_THRESHOLDS_MS) + " ms", _lag_row(summary.get("server_lag"))),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
          f"{_ms(summary['sessions']['create_ms']['p99'])}"),
@@ -422,6 +474,13 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("utilization (busy / provisioned)", _pct(cost.get("utilization"))),
         ("density (alive sessions per slot, time-avg)", _num(cost.get("density"))),
     ]
+
+
+def _lag_row(lag: Mapping[str, Any] | None) -> str:
+    if not lag:
+        return "n/a"
+    over = lag.get("over_ms") or {}
+    return " / ".join(_pct(over.get(str(ms))) for ms in LAG_THRESHOLDS_MS) + f" of {lag['n']:,}"
 
 
 def render_markdown(result: Mapping[str, Any]) -> str:

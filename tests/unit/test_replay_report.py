@@ -473,3 +473,41 @@ def test_added_over_the_ideal_runtime_keeps_passed_on_delay_and_leaves_out_the_t
     rows = dict(rpt.target_rows(s))
     assert rows["added over the ideal runtime ms wake p50 / p95 / p99"] == "350 / 350 / 350"
     assert "added over the ideal runtime" in rpt.DEFINITIONS
+
+
+LAG_EXPOSITION = """# HELP agent_substrate_event_loop_lag_seconds lag
+# TYPE agent_substrate_event_loop_lag_seconds histogram
+agent_substrate_event_loop_lag_seconds_bucket{le="0.001"} %d
+agent_substrate_event_loop_lag_seconds_bucket{le="0.005"} %d
+agent_substrate_event_loop_lag_seconds_bucket{le="0.01"} %d
+agent_substrate_event_loop_lag_seconds_bucket{le="0.025"} %d
+agent_substrate_event_loop_lag_seconds_bucket{le="+Inf"} %d
+agent_substrate_event_loop_lag_seconds_count %d
+agent_substrate_event_loop_lag_seconds_sum 1.0
+# HELP agent_substrate_requests_total r
+# TYPE agent_substrate_requests_total counter
+agent_substrate_requests_total{route="x",code="200"} 5.0
+"""
+
+
+def test_event_loop_lag_share_counts_only_the_runs_own_probes() -> None:
+    before = rpt.lag_buckets(LAG_EXPOSITION % (90, 95, 98, 99, 100, 100))
+    after = rpt.lag_buckets(LAG_EXPOSITION % (150, 180, 190, 196, 200, 200))
+    assert before[math.inf] == 100 and after[0.005] == 180
+    lag = rpt.lag_share_over(before, after)
+    # the run's 100 probes: 85 within 5 ms, 92 within 10, 97 within 25
+    assert lag == {"n": 100, "over_ms": {"5": pytest.approx(0.15), "10": pytest.approx(0.08),
+                                  "25": pytest.approx(0.03)}}
+    assert rpt._lag_row(lag) == "15.0 % / 8.0 % / 3.0 % of 100"
+    assert rpt.lag_share_over(None, None) is None
+    assert rpt.lag_share_over(after, after) is None  # no probe in the run
+    assert rpt.lag_buckets("# nothing here\n") == {}
+
+
+def test_summary_carries_the_client_lag_probes() -> None:
+    s = rpt.summarize_target([], [], [], client_lag_s=[0.001, 0.002, 0.050])
+    assert s["client_lag_ms"]["n"] == 3 and s["client_lag_ms"]["max"] == pytest.approx(50.0)
+    assert s["server_lag"] is None
+    rows = dict(rpt.target_rows(s))
+    assert rows["  event-loop lag of the replay client (it sends and times each turn) ms p50 / p99 / max"] \
+        .endswith("/ 50.0")
