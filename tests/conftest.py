@@ -168,7 +168,8 @@ class RuntimeProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.var = share_with.var if share_with else tmp / f"var-{self.prefix}"
         self.env = {**os.environ, "SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_REDIS__KEY_PREFIX": self.prefix,
-                    "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_WORKER__ROOT_DIR": str(self.var / "workers"),
+                    "SUBSTRATE_CONFIG_DIR": str(cfg), "SUBSTRATE_DATA_DIR": str(self.var),
+                    "SUBSTRATE_WORKER__ROOT_DIR": str(self.var / "workers"),
                     "SUBSTRATE_SNAPSHOT__LOCAL_DIR": str(self.var / "snapshots"),
                     "SUBSTRATE_LOG_LEVEL": "WARNING", "SUBSTRATE_STATE__SCAN_INTERVAL_S": "0.2",
                     "SUBSTRATE_WORKER__HEARTBEAT_S": "0.2", "SUBSTRATE_WORKER__LEASE_S": "2",
