@@ -440,8 +440,10 @@ INVOKE_RESPONSE_HEADERS: dict[str, Any] = {
     "X-Substrate-Restored": _header(
         "The answer's state came back from a snapshot after a loss: `worker_lost` (an older snapshot after a "
         "crash; the session's `restoredFrom` says which), `worker_lost;snapshot=none` (the worker died before "
-        "the session's first snapshot: its state restarted empty) or `agent_restarted` (the agent process "
-        "died: back from its last snapshot under a new epoch)."),
+        "the session's first snapshot: its state restarted empty), `agent_restarted` (the agent process "
+        "died: back from its last snapshot under a new epoch), `deadline`, `activation_lost`, "
+        "`snapshot_corrupt` or `evicted` (slot pressure ended an activation whose own content refused its "
+        "suspend), each with `;snapshot=none` when no snapshot came back."),
     "X-Substrate-Restored-Snapshot-At": _header(
         "With `X-Substrate-Restored`: the time (Unix s) the answer's state dates from; turns acknowledged "
         "after it are gone."),

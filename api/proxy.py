@@ -98,6 +98,10 @@ _INTERNAL_CODES: dict[str, tuple[int, str, str]] = {
                                     "suspended, resumed or moved concurrently); retry"),
     "stale_epoch": (409, "conflict", "the session moved to a new activation while this call reached it; retry"),
     "busy": (409, "conflict", "the session is in the middle of a turn; retry"),
+    # only a pressure suspend evicts (the router's own call, never a client's): the net for a path that
+    # would pass it on
+    "session_evicted": (409, "conflict", "the session was evicted under slot pressure while this call reached "
+                                         "it; retry"),
     "worker_error": (502, "worker_unavailable", "the worker failed the call without saying why"),
 }
 

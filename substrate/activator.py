@@ -95,12 +95,11 @@ from substrate.workerclient import WorkerClient
 log = logging.getLogger(__name__)
 
 _WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
-#: reasons a session was moved to SUSPENDED that lose the state since its last snapshot
-#: reasons whose wake restores older state (the answers say so): ``agent_restarted`` is set by a worker
-#: that ended an activation whose agent died (crash, memory limit, turn timeout; ``workers.server``)
-#: reasons whose next activation comes back from older state than was acknowledged (answers say so);
+#: reasons whose next activation comes back from older state than was acknowledged (the answers say so):
+#: ``agent_restarted`` and ``evicted`` are set by a worker that ended an activation itself (its agent died:
+#: crash, memory limit, turn timeout; or a pressure suspend its own content refused: ``workers.server``);
 #: snapshot_corrupt: the newest snapshot was set aside and the previous good one is used
-_LOSSY = ("worker_lost", "deadline", "activation_lost", "agent_restarted", "snapshot_corrupt")
+_LOSSY = ("worker_lost", "deadline", "activation_lost", "agent_restarted", "snapshot_corrupt", "evicted")
 _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, SessionState.RESUMING)
 #: the live states whose activation may have answered turns: losing it loses them (see ``UNANSWERED``)
 _ANSWERED = (SessionState.RUNNING, SessionState.SUSPENDING)
@@ -891,10 +890,13 @@ class Activator:
             try:
                 await self.suspend(rec, idle_s=min_idle_s, reason="pressure")
             except SubstrateError as e:
-                log.info(skipped, extra={"session": rec.id, "code": e.code})
-                if isinstance(e, StoreUnavailable):  # the waiters' answer names it (see ``_no_room``)
-                    self._room_failed = (time.monotonic(), e)
-                return False
+                if e.code != "session_evicted":  # evicted: its slot is free all the same (``Worker._evict``)
+                    log.info(skipped, extra={"session": rec.id, "code": e.code})
+                    if isinstance(e, StoreUnavailable):  # the waiters' answer names it (see ``_no_room``)
+                        self._room_failed = (time.monotonic(), e)
+                    return False
+                log.warning("session evicted under slot pressure: its suspend was refused",
+                            extra={"session": rec.id, "code": (e.details or {}).get("refused")})
             if scan is not None:
                 scan.held[rec.tenant] = max(0, scan.held.get(rec.tenant, 0) - 1)
                 if requester:
@@ -1541,7 +1543,7 @@ class Activator:
             await self._abandon(rec.id, worker, slot, epoch)
             raise Conflict(f"session {rec.id!r} changed while resuming", code="conflict")
         if reason:
-            metrics.RECOVERIES_TOTAL.labels(reason="agent_restarted" if rec.reason == "agent_restarted"
+            metrics.RECOVERIES_TOTAL.labels(reason=rec.reason if rec.reason in ("agent_restarted", "evicted")
                                             else "worker_lost").inc()
         elapsed = time.perf_counter() - t0
         metrics.COLD_START_DURATION_SECONDS.labels(template=template.name, pool=worker.pool, kind="resume").observe(elapsed)
@@ -1693,7 +1695,10 @@ class Activator:
         except SubstrateError as e:
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(rec.worker)
-            if auto and e.code not in _SKIPPED:  # an attempt that failed (the session stays RUNNING)
+            if e.code == "session_evicted":  # the worker ended it and freed its slot (and recorded it)
+                self._suspend_failing.pop(rec.id, None)
+                self.slot_freed(rec.pool or None)
+            elif auto and e.code not in _SKIPPED:  # an attempt that failed (the session stays RUNNING)
                 await self._record_suspend_failure(rec, reason, e.code)
             raise
         # only the place of the activation this suspend ended: a resume racing it may have claimed the

@@ -2,8 +2,8 @@
 
 A record says who (``who``: ``apikey:<id>``, a JWT subject, ``anonymous`` or ``system:<component>``),
 for which tenant, session and template, what (``action``: ``create``, ``delete``, ``suspend``,
-``resume``, ``wake``, ``recover``, ``deadline``; ``reason`` for automatic ones: ``idle``, ``pressure``,
-``worker_lost``, ``agent_restarted`` ...), on which worker, with how many GPUs claimed, the result (``ok`` or the error code),
+``resume``, ``wake``, ``recover``, ``evict``, ``deadline``; ``reason`` for automatic ones: ``idle``,
+``pressure``, ``worker_lost``, ``agent_restarted``, an eviction's refusal code ...), on which worker, with how many GPUs claimed, the result (``ok`` or the error code),
 the request ID and the time. It is written with one pipelined round trip to two capped Redis streams
 (``XADD ... MAXLEN ~``): the session's (``GET /v1/sessions/{id}/events``) and the tenant's
 (``GET /v1/events``), and mirrored to the JSON log (logger ``substrate.audit``). A deleted session's

@@ -54,9 +54,12 @@ SNAPSHOT_OPS: tuple[str, ...] = ("upload", "pack", "restore")
 SUSPEND_REASONS: tuple[str, ...] = ("idle", "pressure", "explicit", "drain")
 #: ``reason`` values of ``agent_substrate_recoveries_total``: ``worker_lost`` (its worker died or its lease
 #: expired; restored from the last snapshot), ``deadline`` (found past its transitional-state deadline),
-#: ``snapshot_corrupt`` (restore failed its checksum), ``failed`` (a FAILED session brought back).
+#: ``snapshot_corrupt`` (restore failed its checksum), ``failed`` (a FAILED session brought back),
+#: ``activation_lost`` (its worker no longer had the activation), ``agent_restarted`` (woken after its agent
+#: died), ``evicted`` (woken after a pressure suspend its own content refused ended it).
 #: The alert rules use ``worker_lost`` and ``deadline``.
-RECOVERY_REASONS: tuple[str, ...] = ("worker_lost", "deadline", "snapshot_corrupt", "failed")
+RECOVERY_REASONS: tuple[str, ...] = ("worker_lost", "deadline", "snapshot_corrupt", "failed", "activation_lost",
+                                     "agent_restarted", "evicted")
 #: ``status`` of ``agent_substrate_slots``
 SLOT_STATUSES: tuple[str, ...] = ("free", "used")
 

@@ -153,6 +153,11 @@ class StoredAnswer:
                    len(v) > 5 and v[5] is True)
 
 
+#: codes of a snapshot the session's own content refused (its workspace or state over what a snapshot
+#: takes, an agent refusing it): a pressure suspend meeting one evicts the session (``Worker._evict``);
+#: any other failure (the store, a timeout) leaves it RUNNING with all its state
+EVICTED_FOR = ("workspace_too_large", "workspace_name_too_long", "workspace_unreadable", "state_too_large",
+               "agent_error")
 #: the longest wait between periodic snapshots of an activation whose snapshots keep failing (s)
 _SNAPSHOT_RETRY_MAX_S = 300.0
 
@@ -902,6 +907,8 @@ class Worker:
                             "is gone (with no snapshot yet, its next wake starts it empty)",
                             e.code, details={"state": SessionState.SUSPENDED.value}) from e
                     raise NotFound(f"session {sid!r} is not active (its agent died)", code="not_active") from e
+                if reason == "pressure" and isinstance(e, SubstrateError) and e.code in EVICTED_FOR:
+                    raise await self._evict(act, e) from e
                 await self.directory.transition(sid, from_states=[SessionState.SUSPENDING], epoch=epoch,
                                                 to=SessionState.RUNNING, tenant=act.tenant or None)
                 raise
@@ -932,6 +939,23 @@ class Worker:
             await self.directory.release_slot(self.id, act.slot, sid)
             await self._drop(act)
             return ref
+
+    async def _evict(self, act: Activation, refused: SubstrateError) -> SubstrateError:
+        """End ``act``, an idle session whose pressure suspend its own content refused (``refused.code`` in
+        ``EVICTED_FOR``), as a dead agent's activation ends: SUSPENDED from its last committed snapshot under
+        a new epoch, reason ``evicted``, the slot freed; its next answer says ``X-Substrate-Restored:
+        evicted``. Without this such a session never gave its slot back, and one tenant's sessions over
+        their disk limit held a fixed pool against every other tenant (fresh-user run 35). Kubernetes
+        evicts a Pod over its ephemeral-storage limit the same way. Called with the activation's lock
+        held (no turn runs). Returns the error the caller raises: 409 ``session_evicted`` if the record
+        moved, else 404 ``not_active`` (a delete took it, or the router repairs it as ``activation_lost``)."""
+        what = (f"evicted under slot pressure: its suspend was refused ({refused.code}: {str(refused)[:200]}); "
+                "state since the last snapshot is gone")
+        if not await self._end_dead(act, what, reason="evicted", message=what, action="evict",
+                                    record_reason=refused.code):
+            return NotFound(f"session {act.sid!r} is not active", code="not_active")
+        return Conflict(f"session {act.sid!r} was evicted: {what}", code="session_evicted",
+                        details={"refused": refused.code})
 
     def _with_answers(self, state: dict[str, Any], act: Activation) -> dict[str, Any]:
         """The agent's state plus the worker's own part (recent turns' answers by idempotency key)."""
@@ -1156,7 +1180,9 @@ class Worker:
         return {"X-Substrate-Restored": restored,
                 **({"X-Substrate-Restored-Snapshot-At": f"{at:.6f}"} if at is not None else {})}
 
-    async def _end_dead(self, act: Activation, what: str, failed_key: str | None = None) -> bool:
+    async def _end_dead(self, act: Activation, what: str, failed_key: str | None = None, *,
+                        reason: str = "agent_restarted", message: str | None = None, action: str = "recover",
+                        record_reason: str | None = None) -> bool:
         """End an activation whose agent died (crash, memory limit, turn timeout): the record goes (guarded
         by epoch and worker) to SUSPENDED with a new epoch, marked ``agent_restarted``, so the next turn
         restores its last committed snapshot elsewhere or here, and every answer of that activation says
@@ -1168,8 +1194,10 @@ class Worker:
         (``carriedAnswers``, the newest 16) to the next activation: a retry of that turn is answered with
         its error, never run again (an SDK retrying a 504 would otherwise rerun a turn that times out);
         ``failed_key``: the key of a streamed turn that killed the agent, whose kept answer (its NDJSON lines,
-        ending in the error) has the stream's status 200 and goes with them. Returns whether this call
-        moved the record to SUSPENDED."""
+        ending in the error) has the stream's status 200 and goes with them. ``reason``/``message``: the
+        record's (``_evict`` ends a live agent's activation this way: ``evicted``); ``action`` and
+        ``record_reason``: its audit record's (default ``recover`` with ``reason``). Returns whether this
+        call moved the record to SUSPENDED."""
         act.closing = True
         moved = deleted = False
         # ``failed_key``: a streamed turn that failed in-band (its kept answer's status is the stream's 200)
@@ -1179,9 +1207,9 @@ class Worker:
                 cas = await self.directory.transition(
                     act.sid, from_states=[SessionState.RUNNING, SessionState.SUSPENDING], epoch=act.epoch,
                     worker=self.id, to=SessionState.SUSPENDED, bump=True,
-                    set={"reason": "agent_restarted",
-                         "message": f"the agent of activation {act.epoch} on worker {self.id} died ({what[:300]}); "
-                                    "state since the last snapshot is gone",
+                    set={"reason": reason,
+                         "message": message or f"the agent of activation {act.epoch} on worker {self.id} died "
+                                               f"({what[:300]}); state since the last snapshot is gone",
                          **({"carriedAnswers": carried} if carried else {})},
                     unset=("worker", "slot"))
                 moved = cas.ok
@@ -1195,8 +1223,9 @@ class Worker:
             log.info("session deleted during a turn: activation ended", extra={
                 "session": act.sid, "epoch": act.epoch, "worker": self.id})
         else:
-            log.warning("agent died: activation ended", extra={"session": act.sid, "epoch": act.epoch,
-                                                              "worker": self.id, "moved": moved, "why": what[:300]})
+            log.warning("agent died: activation ended" if reason == "agent_restarted" else f"activation ended: {reason}",
+                        extra={"session": act.sid, "epoch": act.epoch, "worker": self.id, "moved": moved,
+                               "why": what[:300]})
         await self._drop(act)
         if moved:
             # the turns it answered that no heartbeat reported yet (the next beat no longer sees it): the
@@ -1217,7 +1246,7 @@ class Worker:
             # that died, as the router's ``recover`` records do) and gives back the running quota. A move
             # that lost its CAS was made by someone else, who records it; one the directory never saw is
             # repaired (and recorded) by the router as ``activation_lost``
-            await self._left_live("recover", act, reason="agent_restarted")
+            await self._left_live(action, act, reason=record_reason or reason)
         return moved
 
     def _store_answer(self, act: Activation, key: str, status: int, text: str, digest: str, *,

@@ -100,6 +100,7 @@ INTERNAL = {"not_active", "busy", "stale_epoch", "missing_token", "token_not_for
             "api_key_not_found", "invalid_api_key_spec", "invalid_key_name",
             "snapshot_missing", "snapshot_exists", "session_failed", "unavailable",
             "worker_error", "http_error", "too_many_requests", "invalid_spec", "tenant_mismatch", "invalid_reason",
+            "session_evicted",  # a worker's answer to the router's own pressure suspend (api.proxy._INTERNAL_CODES)
             "agent_module_not_found", "agent_class_not_found"}  # a config's start-up error (substrate.specs), never an API answer
 
 
