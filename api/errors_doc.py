@@ -36,6 +36,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_state": (409, "the session is not in a state that allows the call"),
     "conflict": (409, "the session changed concurrently (e.g. a suspend met a concurrent resume); retry"),
     "payload_too_large": (413, "the body is over `api.max_body_bytes`"),
+    "unsupported_transfer_encoding": (501, "a `Transfer-Encoding` other than `chunked` (e.g. `gzip, chunked`): "
+                                           "send the body with `Content-Length`, or `chunked` only"),
     "unsupported_media_type": (415, "a body sent without `Content-Type: application/json` (none, or e.g. curl's "
                                     "default `application/x-www-form-urlencoded`): send that header"),
     "invalid_input": (422, "the body or a parameter fails validation (also invoke's `stream=` other than `1`, "

@@ -518,6 +518,15 @@ class Guard:
                 await _answer(send, 400, "bad_request", f"{name} is sent more than once: a request carries one "
                               f"{name} header", scope=scope)
             return
+        if (te := headers.get(b"transfer-encoding")) is not None and \
+                [c.strip() for c in te.lower().split(b",") if c.strip()] != [b"chunked"]:
+            # RFC 9112 6.1: a transfer coding the server does not understand is 501. The parser decodes only
+            # `chunked`: the body of `gzip, chunked` reached the JSON parser still compressed (a fresh-user
+            # run's plain body under that header was taken, 201)
+            await _answer(send, 501, "unsupported_transfer_encoding",
+                          f"Transfer-Encoding {clip(te.decode('latin-1'))} is not supported: send the body as "
+                          "it is, with Content-Length or Transfer-Encoding: chunked only", scope=scope)
+            return
         if b"host" not in headers and scope.get("http_version") not in ("1.0", "0.9"):
             # RFC 9112 3.2: an HTTP/1.1 request without Host is answered 400 (HTTP/1.0 had none: it passes)
             await _answer(send, 400, "bad_request", "an HTTP/1.1 request must carry a Host header", scope=scope)

@@ -237,8 +237,10 @@ def _utf8_text(body: bytes) -> str:
     """The body as text, if it is UTF-8 without a byte order mark (RFC 8259 8.1: JSON exchanged between
     systems is UTF-8, and no BOM is added). ``json.loads`` of bytes would guess UTF-16 or UTF-32 and skip
     a BOM, so such a body used to be taken on some routes; every JSON route now refuses it alike, 400
-    ``bad_json``. Decoded with ``surrogatepass``, as ``json.loads`` does: a lone surrogate in UTF-8-like
-    bytes stays for the caller's 422 ``invalid_input``."""
+    ``bad_json``. Decoded strictly (RFC 3629): a surrogate's code point written as UTF-8-like bytes
+    (``ED A0 80``) is not UTF-8 either, 400 ``bad_json`` like any other invalid byte (``json.loads``
+    would take it with ``surrogatepass``, and it answered 422: fresh-user run 35); a lone surrogate
+    written as a JSON escape (``"\\ud800"``) is valid JSON, left to the caller's 422 ``invalid_input``."""
     why = None
     if body.startswith(codecs.BOM_UTF8):
         why = "it starts with a UTF-8 byte order mark"
@@ -246,7 +248,7 @@ def _utf8_text(body: bytes) -> str:
         why = "it is UTF-16 or UTF-32 text"  # no JSON text holds a NUL byte in UTF-8
     else:
         try:
-            return body.decode("utf-8", "surrogatepass")
+            return body.decode("utf-8")
         except UnicodeDecodeError:
             why = "it is not UTF-8 text"
     raise BadRequest(f"body is not valid JSON: {why}; the body must be UTF-8 JSON without a byte order mark",

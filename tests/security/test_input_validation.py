@@ -149,7 +149,6 @@ def test_a_number_of_over_4300_digits_in_an_invoke_is_told_plainly(rt):
 
 @pytest.mark.parametrize("raw", [
     b'{"input": "echo \\ud800"}', b'{"input": {"\\udfff": "k"}}', b'{"input": ["ok", "\\udc00x"]}',
-    b'{"input": "\xed\xa0\x80"}',  # the raw bytes of a surrogate (json.loads lets them through)
 ])
 def test_lone_surrogate_in_invoke_input_is_refused_before_any_worker(rt, raw):
     s = rt.client.create_session("shell")
@@ -161,6 +160,17 @@ def test_lone_surrogate_in_invoke_input_is_refused_before_any_worker(rt, raw):
     ok = rt.client.http.post(f"/v1/sessions/{s['id']}/invoke", content=b'{"input": "echo \\ud83d\\ude00"}',
                              headers={"Content-Type": "application/json"})
     assert ok.status_code == 200 and ok.json()["output"]["stdout"] == "\U0001f600\n", ok.text
+    rt.client.delete_session(s["id"])
+
+
+def test_the_raw_bytes_of_a_surrogate_are_not_utf8_so_not_json(rt):
+    """Fresh-user run 35: ``ED A0 80`` (a surrogate's code point written as UTF-8) answered 422
+    ``invalid_input``; it is no UTF-8 (RFC 3629), and a body that is not UTF-8 is 400 ``bad_json``."""
+    s = rt.client.create_session("shell")
+    for path in (f"/v1/sessions/{s['id']}/invoke", "/v1/sessions"):
+        r = rt.client.http.post(path, content=b'{"input": "\xed\xa0\x80"}' if "invoke" in path
+                                else b'{"actorTemplate": "\xed\xa0\x80"}', headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["code"] == "bad_json", r.text
     rt.client.delete_session(s["id"])
 
 

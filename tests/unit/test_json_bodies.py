@@ -43,8 +43,13 @@ def test_utf8_bodies_still_pass_and_a_lone_surrogate_is_still_invalid_input() ->
     proxy.check_invoke_body(json.dumps({"input": "caf\u00e9 \u2603"}, ensure_ascii=False).encode())
     proxy.check_json_keys(json.dumps({"actorTemplate": "caf\u00e9"}, ensure_ascii=False).encode())
     with pytest.raises(InvalidInput) as e:
-        proxy.check_invoke_body(b'{"input": "\xed\xa0\x80"}')  # raw UTF-8-like bytes of a lone surrogate
+        proxy.check_invoke_body(b'{"input": "\\ud800"}')  # a lone surrogate as a JSON escape: valid JSON
     assert e.value.code == "invalid_input"
+    # its code point as raw UTF-8-like bytes is no UTF-8 (RFC 3629): not JSON text (fresh-user run 35)
+    for check in (proxy.check_invoke_body, proxy.check_json_keys):
+        with pytest.raises(BadRequest) as e2:
+            check(b'{"input": "\xed\xa0\x80"}')
+        assert e2.value.code == "bad_json" and "not UTF-8" in e2.value.message
 
 
 def test_invoke_refuses_fields_beside_input_as_create_does() -> None:
