@@ -1050,7 +1050,9 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
 
 @sessions.command("invoke")
 def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="INPUT", help="Input; parsed as JSON if it is JSON, else a string "
-                                                        "(--text: always a string)"),
+                                                        "(--text: always a string); `-` reads it from standard "
+                                                        "input (a lone dash as the input: '\"-\"' or --text with "
+                                                        "a dash on standard input)"),
              text: bool = typer.Option(False, "--text", "-t",
                                        help="Send INPUT as a string, as typed: `true`, `42`, `null` or `[1]` "
                                             "are otherwise sent as JSON values (an agent that takes text, "
@@ -1063,6 +1065,8 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
                       "makes room first in the session's window of kept answers)"),
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Invoke a session (wakes it if suspended)."""
+    if input == "-":
+        input = sys.stdin.read()
     value = _input_value(input, text_only=text)
     with _client(server, token) as c:
         if stream:
@@ -1130,8 +1134,10 @@ def _input_value(text: str, *, text_only: bool = False) -> Any:
     if not text_only:
         try:
             value = json.loads(text, parse_constant=_not_json_constant)
-        except (ValueError, RecursionError):
-            pass
+        except (ValueError, RecursionError) as e:
+            if text.lstrip()[:1] in ('{', '[', '"'):  # meant as JSON, perhaps (or a shell's `{ ...; }`, `[ -f x ]`)
+                err.print(f"note: INPUT is not JSON ({escape(str(e))[:120]}): sent as a string (--text says so "
+                          "and hides this note)")
     try:
         json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:

@@ -147,3 +147,30 @@ def test_invoke_text_sends_input_as_a_string(monkeypatch: pytest.MonkeyPatch, ar
     assert r.exit_code == 0, r.output
     assert json.loads(got[-1].content) == {"input": sent}
     assert type(json.loads(got[-1].content)["input"]) is type(sent)
+
+
+@pytest.mark.parametrize(("args", "stdin", "sent", "note"), [
+    (["-"], '{"op": "get"}\n', {"op": "get"}, False),  # a dash reads standard input (fresh-user run 35)
+    (["-", "--text"], "ls -la\n", "ls -la\n", False),
+    (['"-"'], "", "-", False),  # a lone dash as the input: as JSON
+    (['{"unterminated'], "", '{"unterminated', True),  # looks like JSON, is not: sent as text, with a note
+    (["[ -f a ] && echo yes"], "", "[ -f a ] && echo yes", True),
+    (["plain words"], "", "plain words", False),
+])
+def test_invoke_reads_standard_input_and_says_when_json_looking_input_is_sent_as_text(
+        monkeypatch: pytest.MonkeyPatch, args: list[str], stdin: str, sent: object, note: bool) -> None:
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    got: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        got.append(request)
+        return httpx.Response(200, json={"output": "ok"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "invoke", "sh1", *args], input=stdin, env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    assert json.loads(got[-1].content) == {"input": sent}
+    assert ("INPUT is not JSON" in r.output) is note, r.output
