@@ -22,7 +22,8 @@ from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
 from snapshot.guard import GuardedStore
 from snapshot.store import ObjectStore, make_store
-from substrate import storeloc
+from substrate import catalogcheck, storeloc
+from substrate.catalogcheck import CatalogCheck
 from substrate.activator import Activator, WorkerView
 from substrate.audit import AuditLog
 from substrate.demand import DemandBoard
@@ -62,6 +63,9 @@ class Runtime:
     state_manager: StateManager | None = None
     pools: PoolController | None = None
     kube_catalog: Any = None
+    #: this process's part in the deployment's config agreement (``substrate.catalogcheck``); None with
+    #: a catalog from Kubernetes
+    catalog_check: CatalogCheck | None = None
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     #: this process holds its snapshot store in the directory (``substrate.storeloc.hold``): let go at stop
     _holding_store: bool = False
@@ -142,6 +146,10 @@ class Runtime:
         self._holding_store = True
         self._tasks.append(asyncio.create_task(run_forever(
             self._hold_store, storeloc.HOLD_S / 3, "snapshot store hold", first_delay=True)))
+        if self.kube_catalog is None:
+            self.catalog_check = CatalogCheck(self.directory.redis, self.directory.keys, self.catalog)
+            self._tasks.append(asyncio.create_task(run_forever(
+                self.catalog_check.check, catalogcheck.PUBLISH_S, "catalog check")))
         if getattr(self.store, "ready", None) is not None:
             # in the background: a store that accepts connections but never answers held the API's start
             # for 90 s with nothing served (fresh-user round 21); every store call checks it anyway
@@ -203,6 +211,11 @@ class Runtime:
                 await storeloc.release(self.directory.redis, self.directory.keys)
             except Exception:  # noqa: BLE001 - the hold lapses on its own after storeloc.HOLD_S
                 log.warning("could not let go of the snapshot store hold", exc_info=True)
+        if self.catalog_check is not None:
+            try:
+                await self.catalog_check.withdraw()
+            except Exception:  # noqa: BLE001 - the entry goes stale and the next reader removes it
+                log.info("could not withdraw this process's catalog fingerprint", exc_info=True)
         if self.kube_catalog is not None:
             self.kube_catalog.stop()
         await self.http.close()

@@ -147,6 +147,12 @@ class Keys:
         return f"{self.prefix}:auth:version"
 
     @property
+    def catalogs(self) -> str:
+        """Hash: process ID -> JSON {digest, pools, templates, at, pid, host}: the WorkerPools and ActorTemplates
+        each control-plane process of the deployment serves from its config folder (``substrate.catalogcheck``)."""
+        return f"{self.prefix}:catalogs"
+
+    @property
     def signing_keys(self) -> str:
         """Hash: key id -> secret of the activation-token signing keys, plus ``current`` -> key id."""
         return f"{self.prefix}:auth:signing"
