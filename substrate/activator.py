@@ -1386,7 +1386,10 @@ class Activator:
                 # 4 of 8 races)
                 raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
             if audit_action and not isinstance(e, (_LostRace, _DeletedMeanwhile)):
-                await self.record(audit_action, rec, result=e.code, reason=rec.reason or "")
+                # the activation it claimed, if it got that far (the record's was the suspended one's: a
+                # failed wake of epoch 2 was recorded as epoch 1, fresh-user run 35)
+                on, epoch = getattr(e, "claimed", (None, None))
+                await self.record(audit_action, rec, result=e.code, reason=rec.reason or "", worker=on, epoch=epoch)
             # a session whose own saved state cannot be loaded is its fault alone: counting it would let
             # one poisoned session close the breaker on every other session of its tenant
             if not isinstance(e, (NoCapacity, Conflict, StateLoadFailed, _DeletedMeanwhile)) and blames_tenant(e):
@@ -1462,9 +1465,11 @@ class Activator:
                 raise
         try:
             return await self._activate_claimed(rec, template, worker, slot, epoch, t0, placed, adm)
-        except BaseException:
+        except BaseException as e:
             # whatever way this activation failed, its place goes (only this epoch's: a wake that claimed
             # the session since owns a newer one)
+            if isinstance(e, SubstrateError):  # its audit record names the activation that failed
+                e.claimed = (worker.id, epoch)  # type: ignore[attr-defined]
             await self.release_quota(rec, epoch=epoch)
             raise
 

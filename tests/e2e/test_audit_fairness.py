@@ -321,6 +321,10 @@ spec:
             a.invoke(sa, "get")
         assert (e.value.status, e.value.code) == (422, "secret_unavailable")
     assert [x for x in _actions(a, sa) if x[0] == "wake"] == [("wake", "", "secret_unavailable")] * 2
+    # each names the activation it claimed (epochs 2 and 3 after the suspend of epoch 1), and where: a
+    # failed wake was recorded with the suspended epoch (fresh-user run 35)
+    failed = [e for e in _events(a, sa) if e["action"] == "wake"]
+    assert [e["epoch"] for e in failed] == [2, 3] and all(e["worker"] for e in failed), failed
     for call in (lambda: a.invoke(sa, "get"), lambda: a.create_session("keyed-counter")):
         with pytest.raises(ApiError) as e:
             call()
