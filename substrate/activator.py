@@ -1432,7 +1432,9 @@ class Activator:
         placed = time.perf_counter()
         cas = await self.directory.transition(
             rec.id, from_states=_WAKEABLE, epoch=rec.epoch, to=SessionState.RESUMING, bump=True,
-            set={"worker": worker.id, "slot": slot}, unset=("suspendReason",),
+            # the pool it runs in now: its template's pool may have been renamed or moved since (a session
+            # kept naming a pool that no longer existed, fresh-user run 35)
+            set={"worker": worker.id, "slot": slot, "pool": worker.pool}, unset=("suspendReason",),
             deadline_s=self.settings.state.transition_deadline_s, tenant=rec.tenant)
         if not cas.ok:  # another router won the activation: give the slot back and follow it
             await self.directory.release_slot(worker.id, slot, rec.id)

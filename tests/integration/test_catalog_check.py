@@ -86,3 +86,20 @@ def test_a_second_substrate_up_with_another_config_says_so(runtime_factory) -> N
         time.sleep(0.2)
         log = Path(second.log.name).read_text(errors="replace")
     assert "templates only here: only-here" in log, log[-3000:]
+
+
+def test_a_session_woken_in_another_pool_names_that_pool(runtime_factory) -> None:
+    """Fresh-user run 35: a session woken after its template moved to another pool (renamed) kept naming
+    the old one in its record. A wake writes the pool it placed the session in."""
+    first = runtime_factory(replicas=1, slots=2)
+    c = first.client
+    sid = c.create_session("counter")["id"]
+    assert c.get_session(sid)["pool"] == "default"
+    c.invoke(sid, "increment")
+    c.suspend(sid)
+    # the same templates; the only pool, so every template's, is called otherwise now
+    moved = "apiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: renamed}\nspec: {replicas: 1, slots: 2}\n"
+    second = runtime_factory(share_with=first, pool_yaml=moved, replicas=1, slots=2)
+    assert second.client.invoke(sid, "increment") == {"count": 2}
+    rec = second.client.get_session(sid)
+    assert rec["pool"] == "renamed" and rec["worker"].startswith("renamed-"), rec
