@@ -586,8 +586,9 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
     try:
         cfg = server_config(settings.api, host, port)
         # a doubled Ctrl-C (terminal + `uv run`) still stops gracefully; a deliberate second one exits at
-        # once (status 130), and this finally does not run then: the embedded Redis is stopped before
-        server = Server(cfg, before_forced_exit=embedded.stop if embedded is not None else None)
+        # once (status 130), and this finally does not run then: the embedded Redis's keeper stops it once
+        # the workers have suspended their sessions, as after a kill -9 (substrate/redis_keeper.py)
+        server = Server(cfg)
 
         def _announce() -> None:  # only once the port accepts connections
             while not server.started and not server.should_exit:

@@ -286,7 +286,8 @@ class EmbeddedRedis:
         # the password goes in through stdin (a config file read from "-"), not on the command line
         # where any local user could read it with ps; the keeper hands it on to redis-server
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", str(keeper), str(self._hold[0]), repr(KEEP_AFTER_RUNTIME_S), "--",
+            [sys.executable, "-I", "-S", "-B", str(keeper), str(self._hold[0]), repr(KEEP_AFTER_RUNTIME_S),
+             *([str(url_file(self._dir()))] if self.data_dir is not None else []), "--",
              self._binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist,
              "--dir", self._dir(), "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE, pass_fds=(self._hold[0],),

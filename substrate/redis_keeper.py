@@ -1,7 +1,7 @@
 """Runs the embedded Redis and keeps it up after the runtime dies until the runtime's workers are gone.
 
 ``substrate up`` (``substrate.embedded.EmbeddedRedis``) starts this as ``python -I -S redis_keeper.py
-HOLD_FD GRACE_S -- REDIS_ARGV...`` with Redis's configuration (its password) on stdin. It starts
+HOLD_FD GRACE_S [FILE...] -- REDIS_ARGV...`` with Redis's configuration (its password) on stdin. It starts
 ``redis-server`` as its own child (which gets SIGTERM if this process dies by any means: Linux
 ``PR_SET_PDEATHSIG``), writes the server's pid as one line on stdout, then waits for one of:
 
@@ -17,11 +17,14 @@ HOLD_FD GRACE_S -- REDIS_ARGV...`` with Redis's configuration (its password) on 
 * Redis exiting on its own: exit with its status (the runtime's watcher starts a new pair).
 
 Stopping Redis is SIGTERM, so it flushes its append-only file; SIGKILL if it has not exited 10 s later.
+When it stops Redis because the runtime died, it also removes each ``FILE`` (the URL file that CLI
+commands find a running Redis by), which the runtime's own stop does otherwise.
 Standard library only and started with ``-I -S``: it must start fast and hold nothing of the runtime.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -40,7 +43,8 @@ def _die_with_parent(sig: int) -> None:
 
 def main(argv: list[str]) -> int:
     """Run as documented in the module docstring; returns the process's exit status."""
-    hold_fd, grace_s, redis_argv = int(argv[0]), float(argv[1]), argv[3:]
+    split = argv.index("--")
+    hold_fd, grace_s, files, redis_argv = int(argv[0]), float(argv[1]), argv[2:split], argv[split + 1:]
     parent = os.getppid()
     state = {"stop": False, "gone_at": None}
 
@@ -75,6 +79,10 @@ def main(argv: list[str]) -> int:
         if ready and not os.read(hold_fd, 64):
             break  # every holder is gone: nothing can write to Redis any more
     redis.terminate()
+    if not state["stop"]:  # the runtime is gone: nothing else removes what pointed at this Redis
+        for f in files:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
     try:
         redis.wait(10)
     except subprocess.TimeoutExpired:

@@ -36,8 +36,8 @@ LINGER_S = 2.0
 
 #: the exit status of a forced exit: a shell's for a process ended by SIGINT (128 + 2)
 FORCED_EXIT_CODE = 130
-FORCED_EXIT_LINE = ("forced exit (a second Ctrl-C): turns in flight are cut; workers stop on their own, and "
-                    "sessions that were not suspended continue from their last snapshot at the next start\n")
+FORCED_EXIT_LINE = ("forced exit (a second Ctrl-C): turns in flight are cut; workers suspend their sessions "
+                    "and stop on their own\n")
 #: how the process ends on a forced exit (a module attribute so that tests can replace it)
 _exit: Callable[[int], Any] = os._exit
 
@@ -52,17 +52,18 @@ class Server(uvicorn.Server):
 
     uvicorn's force only skips its wait for connections: the lifespan shutdown (``Runtime.stop``,
     suspending every session) still ran, under cancellation, for 15-23 s and ended in a CancelledError
-    traceback. A forced exit here ends the process at once (:meth:`exit_now`): one line on stderr,
-    ``before_forced_exit`` (``substrate up``: stop the embedded Redis), exit status 130. Nothing more of
-    the runtime's shutdown runs; its workers see their lifeline close (``workers/lifeline.py``) and stop
-    themselves, as after a SIGKILL.
+    traceback. A forced exit here ends the process at once (:meth:`exit_now`): one line on stderr, exit
+    status 130, nothing else: its workers see their lifeline close (``workers/lifeline.py``), suspend their
+    sessions and stop, as after a SIGKILL, and the embedded Redis outlives the process until they are done
+    (``substrate/redis_keeper.py``). It used to stop the embedded Redis first: that cost the workers'
+    suspends (a double Ctrl-C lost turns a ``kill -9`` kept), and a third Ctrl-C re-entered the handler
+    inside that stop and deadlocked on its lock, the process hung for good (fresh-user run 36).
     """
 
     _first_signal_at: float | None = None
 
-    def __init__(self, config: uvicorn.Config, *, before_forced_exit: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        self.before_forced_exit = before_forced_exit
 
     #: the signals that start the graceful shutdown: uvicorn's (SIGINT, SIGTERM) and SIGHUP, which a
     #: closed terminal or a dropped SSH session sends: its default action ended ``substrate up`` at once,
@@ -112,17 +113,11 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
     def exit_now(self) -> None:
-        """End the process now. Runs in the signal handler, on the main thread, so the event loop is
-        held meanwhile (no task talks to a Redis being stopped); the line is written with ``os.write``
+        """End the process now: one line, status 130, nothing that takes a lock or waits (it runs in the
+        signal handler, which a further signal may interrupt). The line is written with ``os.write``
         because the handler may have interrupted a write to ``sys.stderr`` (a reentrant write raises)."""
         os.write(2, FORCED_EXIT_LINE.encode())
-        try:
-            if self.before_forced_exit is not None:
-                self.before_forced_exit()
-        except Exception as e:  # noqa: BLE001 - exit anyway: the embedded Redis dies with us (parent-death signal)
-            os.write(2, f"forced exit: cleaning up failed: {e.__class__.__name__}: {e}\n".encode(errors="replace"))
-        finally:
-            _exit(FORCED_EXIT_CODE)
+        _exit(FORCED_EXIT_CODE)
 
 
 #: the ``route`` label of requests refused before they were parsed (a malformed request, a head over the

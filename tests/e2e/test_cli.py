@@ -184,13 +184,6 @@ def test_a_sigkilled_runtime_loses_no_turn_its_workers_could_save(tmp_path: Path
             second.kill()
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _free_port() -> int:
     from substrate.netports import free_port
 
@@ -309,6 +302,10 @@ def test_a_second_ctrl_c_exits_at_once_and_leaves_no_process(tmp_path: Path) -> 
     try:
         _wait(lambda: _ready(url), 90, "the runtime ready")
         sid = client.create_session("shell")["id"]
+        # an acknowledged turn the forced exit must not cost (fresh-user run 36: a double Ctrl-C lost what a
+        # kill -9 kept: it stopped the embedded Redis before the workers' suspends)
+        counter = client.create_session("counter")["id"]
+        assert client.invoke(counter, "increment") == {"count": 1}
         mark = f"started-{uuid.uuid4().hex[:8]}"
         with cf.ThreadPoolExecutor(1) as ex:
             turn = ex.submit(httpx.post, f"{url}/v1/sessions/{sid}/invoke",
@@ -331,10 +328,23 @@ def test_a_second_ctrl_c_exits_at_once_and_leaves_no_process(tmp_path: Path) -> 
         assert rc == 130, err[-3000:]
         assert not with_answer, "the turn was cut, not answered (a graceful stop answers it 503)"
         assert err.count("forced exit") == 1, err[-3000:]
-        assert not url_file(var / "redis").exists(), "the embedded Redis was stopped, not just orphaned"
-        # the workers' own bound: a turn in flight holds their graceful stop up to shutdown_grace_s (20 s)
+        # the workers' own bound: a turn in flight holds their graceful stop up to shutdown_grace_s (20 s);
+        # the embedded Redis serves their suspends meanwhile, then its keeper stops it
         _wait(lambda: not any(_alive(p) for p in started), GONE_BOUND_S,
               "every process `up` started gone: " + repr({p: c[:80] for p, c in started.items() if _alive(p)}))
+        assert not url_file(var / "redis").exists(), "the embedded Redis was stopped, not just orphaned"
+        again = subprocess.Popen([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env,
+                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait(lambda: _ready(url), 90, "the runtime ready again")
+            answer = client.invoke_answer(counter, "increment")
+            assert answer.output == {"count": 2} and answer.restored is None, answer
+        finally:
+            again.send_signal(signal.SIGINT)
+            try:
+                again.wait(60)
+            except subprocess.TimeoutExpired:
+                again.kill()
         # the workers, stopping on their own with the embedded Redis gone, warn (with tracebacks) in a file
         # of their own, not on the terminal `up` gave back (a fresh-user run: ~50 lines after the prompt);
         # nothing is logged at error level, and no traceback is printed outside a record

@@ -1,5 +1,5 @@
 """The server ``substrate up``/``router`` run: a doubled Ctrl-C is one stop request, a later one forces
-the exit: at once, with one line on stderr, the cleanup it was given, and status 130."""
+the exit: at once, with one line on stderr and status 130."""
 
 from __future__ import annotations
 
@@ -40,30 +40,30 @@ def test_a_sigint_repeated_at_once_is_the_same_stop_request(clock, exits):
     assert exits == []
 
 
-def test_a_second_ctrl_c_after_a_moment_exits_at_once_after_the_cleanup(clock, exits, capfd):
+def test_a_second_ctrl_c_after_a_moment_exits_at_once(clock, exits, capfd):
     """Fresh-user run: uvicorn's force_exit did not stop the lifespan shutdown under way (Runtime.stop):
     the process lingered 15-23 s and logged a CancelledError traceback."""
-    cleaned: list[str] = []
-    s = _server(before_forced_exit=lambda: cleaned.append("redis stopped"))
+    s = _server()
     s.handle_exit(signal.SIGINT, None)
-    assert exits == [] and cleaned == []
+    assert exits == []
     clock[0] += serving.REPEAT_SIGNAL_WINDOW_S + 0.5
     s.handle_exit(signal.SIGINT, None)
-    assert s.force_exit and cleaned == ["redis stopped"] and exits == [130]
+    assert s.force_exit and exits == [130]
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and err.startswith("forced exit") and "cut" in err
 
 
-def test_a_forced_exit_exits_even_when_its_cleanup_fails(clock, exits, capfd):
-    def fail() -> None:
-        raise RuntimeError("redis would not stop")
-
-    s = _server(before_forced_exit=fail)
+def test_every_further_signal_exits_at_once_too(clock, exits):
+    """Fresh-user run 36: a third Ctrl-C re-entered the forced exit inside its cleanup (stopping the
+    embedded Redis, under a lock) and the process hung for good. The exit does nothing that waits now,
+    and each further signal exits the same way."""
+    s = _server()
     s.handle_exit(signal.SIGTERM, None)
     clock[0] += serving.REPEAT_SIGNAL_WINDOW_S + 0.5
     s.handle_exit(signal.SIGINT, None)  # Ctrl-C after a SIGTERM forces too, as in uvicorn
-    assert exits == [130]
-    assert "redis would not stop" in capfd.readouterr().err
+    clock[0] += 0.03
+    s.handle_exit(signal.SIGINT, None)
+    assert exits == [130, 130]
 
 
 def test_sigterm_stops_gracefully_as_in_uvicorn(clock, exits):
