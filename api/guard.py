@@ -518,11 +518,13 @@ class Guard:
                 await _answer(send, 400, "bad_request", f"{name} is sent more than once: a request carries one "
                               f"{name} header", scope=scope)
             return
-        if (te := headers.get(b"transfer-encoding")) is not None and \
+        if b"transfer-encoding" in headers and (te := b", ".join(
+                v for k, v in scope["headers"] if k == b"transfer-encoding")) and \
                 [c.strip() for c in te.lower().split(b",") if c.strip()] != [b"chunked"]:
             # RFC 9112 6.1: a transfer coding the server does not understand is 501. The parser decodes only
             # `chunked`: the body of `gzip, chunked` reached the JSON parser still compressed (a fresh-user
-            # run's plain body under that header was taken, 201)
+            # run's plain body under that header was taken, 201). Every line of the header counts (RFC 9110
+            # 5.3: `gzip` and `chunked` on two lines are that list too: fresh-user run 36)
             await _answer(send, 501, "unsupported_transfer_encoding",
                           f"Transfer-Encoding {clip(te.decode('latin-1'))} is not supported: send the body as "
                           "it is, with Content-Length or Transfer-Encoding: chunked only", scope=scope)

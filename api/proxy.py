@@ -245,7 +245,9 @@ def _utf8_text(body: bytes) -> str:
     if body.startswith(codecs.BOM_UTF8):
         why = "it starts with a UTF-8 byte order mark"
     elif body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or b"\x00" in body:
-        why = "it is UTF-16 or UTF-32 text"  # no JSON text holds a NUL byte in UTF-8
+        # no JSON text holds a raw NUL byte in UTF-8 (in a string it is written \u0000)
+        why = ("it holds a NUL byte: UTF-16 or UTF-32 text, or a raw NUL (in a JSON string write it as "
+               "\\u0000)")
     else:
         try:
             return body.decode("utf-8")
