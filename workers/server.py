@@ -851,6 +851,11 @@ class Worker:
                                  "session is not RUNNING")
             act.dirty_turns -= dirty
             act.last_snapshot_at = time.time()
+            if act.restored and act.ran_turn:
+                # the state is saved again: later answers no longer come from older state (README: the
+                # marker holds "until a newer snapshot is committed"; it stayed for the whole activation,
+                # fresh-user run 36). Kept while no answer has told of the loss yet (``_unreported_loss``)
+                act.restored = act.restored_at = None
             return ref
 
     async def suspend(self, sid: str, epoch: int, idle_s: float | None, wait_s: float | None = None,
