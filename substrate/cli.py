@@ -1067,7 +1067,7 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
              server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Invoke a session (wakes it if suspended)."""
     if input == "-":
-        input = sys.stdin.read()
+        input = _stdin_input()
     value = _input_value(input, text_only=text)
     with _client(server, token) as c:
         if stream:
@@ -1123,6 +1123,23 @@ def _answer_notes(sid: str, answer: Any) -> None:
 
 def _not_json_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _stdin_input() -> str:
+    """INPUT ``-``: standard input as UTF-8 text without its one final line break (``echo x |`` sends
+    ``x``, as ``$(cat)`` would: fresh-user run 36 sent ``"increment\\n"``, which the agent refused). Empty,
+    or not UTF-8: one error line, exit 2, nothing sent."""
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        err.print(f"error: standard input is not UTF-8 text (byte {raw[e.start]:#04x} at {e.start}); nothing was sent")
+        raise typer.Exit(2) from None
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text:
+        err.print("error: standard input is empty (INPUT '-' reads the turn's input there); nothing was sent")
+        raise typer.Exit(2)
+    return text
 
 
 def _input_value(text: str, *, text_only: bool = False) -> Any:

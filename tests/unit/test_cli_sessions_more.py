@@ -151,7 +151,9 @@ def test_invoke_text_sends_input_as_a_string(monkeypatch: pytest.MonkeyPatch, ar
 
 @pytest.mark.parametrize(("args", "stdin", "sent", "note"), [
     (["-"], '{"op": "get"}\n', {"op": "get"}, False),  # a dash reads standard input (fresh-user run 35)
-    (["-", "--text"], "ls -la\n", "ls -la\n", False),
+    (["-"], "increment\n", "increment", False),  # without its final line break (run 36)
+    (["-", "--text"], "ls -la\r\n", "ls -la", False),
+    (["-", "--text"], "two\nlines\n\n", "two\nlines\n", False),  # one line break only
     (['"-"'], "", "-", False),  # a lone dash as the input: as JSON
     (['{"unterminated'], "", '{"unterminated', True),  # looks like JSON, is not: sent as text, with a note
     (["[ -f a ] && echo yes"], "", "[ -f a ] && echo yes", True),
@@ -174,3 +176,14 @@ def test_invoke_reads_standard_input_and_says_when_json_looking_input_is_sent_as
     assert r.exit_code == 0, r.output
     assert json.loads(got[-1].content) == {"input": sent}
     assert ("INPUT is not JSON" in r.output) is note, r.output
+
+
+@pytest.mark.parametrize(("stdin", "says"), [(b"", "standard input is empty"), (b"\n", "standard input is empty"),
+                                             (b"caf\xe9", "not UTF-8 text (byte 0xe9 at 3)")])
+def test_invoke_from_empty_or_non_utf8_standard_input_sends_nothing(monkeypatch: pytest.MonkeyPatch, stdin: bytes,
+                                                                    says: str) -> None:
+    import substrate.cli as cli
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda *a, **k: pytest.fail("nothing may be sent"))
+    r = CliRunner().invoke(app, ["sessions", "invoke", "sh1", "-"], input=stdin, env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and says in r.output, r.output
