@@ -132,17 +132,7 @@ def test_a_401_names_the_clis_own_way_to_send_a_token(monkeypatch: pytest.Monkey
     (["-t", "1e999"], "1e999"),  # out of range as JSON, fine as text
 ])
 def test_invoke_text_sends_input_as_a_string(monkeypatch: pytest.MonkeyPatch, args: list[str], sent: object) -> None:
-    import substrate.cli as cli
-    from substrate.client import SubstrateClient
-
-    got: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        got.append(request)
-        return httpx.Response(200, json={"output": "ok"})
-
-    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
-        server, token=token, transport=httpx.MockTransport(handler)))
+    got = _capture_invokes(monkeypatch)
     r = CliRunner().invoke(app, ["sessions", "invoke", "sh1", *args])
     assert r.exit_code == 0, r.output
     assert json.loads(got[-1].content) == {"input": sent}
@@ -161,17 +151,7 @@ def test_invoke_text_sends_input_as_a_string(monkeypatch: pytest.MonkeyPatch, ar
 ])
 def test_invoke_reads_standard_input_and_says_when_json_looking_input_is_sent_as_text(
         monkeypatch: pytest.MonkeyPatch, args: list[str], stdin: str, sent: object, note: bool) -> None:
-    import substrate.cli as cli
-    from substrate.client import SubstrateClient
-
-    got: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        got.append(request)
-        return httpx.Response(200, json={"output": "ok"})
-
-    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
-        server, token=token, transport=httpx.MockTransport(handler)))
+    got = _capture_invokes(monkeypatch)
     r = CliRunner().invoke(app, ["sessions", "invoke", "sh1", *args], input=stdin, env={"COLUMNS": "300"})
     assert r.exit_code == 0, r.output
     assert json.loads(got[-1].content) == {"input": sent}
@@ -187,3 +167,20 @@ def test_invoke_from_empty_or_non_utf8_standard_input_sends_nothing(monkeypatch:
     monkeypatch.setattr(cli, "SubstrateClient", lambda *a, **k: pytest.fail("nothing may be sent"))
     r = CliRunner().invoke(app, ["sessions", "invoke", "sh1", "-"], input=stdin, env={"COLUMNS": "300"})
     assert r.exit_code == 2 and says in r.output, r.output
+
+
+def _capture_invokes(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
+    """Point the CLI's client at a mock transport that answers every call 200 ``{"output": "ok"}``; returns
+    the list the requests it sent are collected in."""
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    got: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        got.append(request)
+        return httpx.Response(200, json={"output": "ok"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    return got
