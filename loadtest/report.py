@@ -101,7 +101,7 @@ session's later turns included, the trace's own wait behind the previous turn le
 - percentiles: one function (linear interpolation between closest ranks, numpy's default)
 - bounds: the plan on an ideal runtime (zero overhead, a session's turns one at a time): the inherent \
 wait behind a session's previous turn, and the utilization of fixed and reactive capacity (loadtest/bounds.py)
-- event-loop lag: how late a 100 ms timer fired (substrate.loops.watch_lag), in the replay client (its \
+- event-loop lag: how late a once-a-second timer fired (substrate.loops.watch_lag), in the replay client (its \
 own probes) and in the target's router (agent_substrate_event_loop_lag_seconds, this run's probes): a \
 request the process held waited at least as long"""
 
@@ -461,7 +461,7 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("wake_agent_ms") or {}).get(f"p{q}")) for q in LATENCY_QUANTILES)),
         ("  event-loop lag of the replay client (it sends and times each turn) ms p50 / p99 / max", " / ".join(
             _ms((summary.get("client_lag_ms") or {}).get(k)) for k in ("p50", "p99", "max"))),
-        ("  event-loop lag of the target's router: share of its 100 ms probes late by > "
+        ("  event-loop lag of the target's router: share of its once-a-second probes late by > "
          + " / ".join(f"{ms}" for ms in LAG_THRESHOLDS_MS) + " ms", _lag_row(summary.get("server_lag"))),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "

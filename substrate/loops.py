@@ -64,9 +64,13 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[object] | None], timeou
 #: a lag past this is logged (at most once per ``LAG_LOG_EVERY_S``): the process served nothing meanwhile
 LAG_WARN_S = 0.5
 LAG_LOG_EVERY_S = 60.0
+#: the probe's period: a 100 ms probe in the router and every worker cost about 5 ms at the replay's warm
+#: send -> answer p99 on 2 shared vCPUs (docs/replays, 2026-12-07); once a second still catches every hold
+#: long enough to matter (a hold shorter than the period is caught in proportion to its share of time)
+LAG_PROBE_INTERVAL_S = 1.0
 
 
-async def watch_lag(observe: Callable[[float], None], interval_s: float = 0.1) -> None:
+async def watch_lag(observe: Callable[[float], None], interval_s: float = LAG_PROBE_INTERVAL_S) -> None:
     """Measure this event loop's lag until cancelled: sleep ``interval_s`` seconds, and pass ``observe``
     how much later than asked the loop woke (seconds, >= 0), as Node's ``monitorEventLoopDelay`` and
     uvloop users' lag probes do. Lag is time every task of the loop waited, whether the loop ran
