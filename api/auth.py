@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from substrate.apikeys import ApiKeyStore, TENANT_RE, hash_key, load_key_file
-from substrate.errors import DirectoryUnavailable, Forbidden, Unauthorized, clip
+from substrate.errors import DirectoryUnavailable, Forbidden, Unauthorized, clip, public_detail
 from substrate.keys import Keys
 from substrate.loops import cancel_and_wait, reraise_lost_cancel
 from substrate.settings import Settings
@@ -304,7 +304,7 @@ class Authenticator:
             try:
                 rec = await self.store.lookup(digest)
             except (RedisError, OSError) as e:
-                raise DirectoryUnavailable(f"cannot check the API key: {e}") from e
+                raise DirectoryUnavailable(f"cannot check the API key: {public_detail(e)}") from e
             p = Principal(rec.tenant, f"apikey:{rec.id}", rec.admin, "api_key") if rec else None
             if len(self._cache) > 100_000:
                 self._cache.clear()

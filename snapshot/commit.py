@@ -35,7 +35,7 @@ from snapshot.guard import MARKER_NAME
 from snapshot.store import ObjectStore, parse_snapshot_key, session_prefix, snapshot_key
 from substrate import metrics
 from substrate.directory import Directory
-from substrate.errors import InvalidInput, NotFound, SnapshotCorrupt, StoreUnavailable
+from substrate.errors import InvalidInput, NotFound, SnapshotCorrupt, StoreUnavailable, public_detail
 from substrate.models import SessionState, SnapshotRef
 from substrate.settings import SnapshotSettings
 
@@ -179,7 +179,7 @@ class SnapshotManager:
                 raise _local_failure(f"snapshot {ref.key!r} not restored", e,
                                      "the session stays SUSPENDED with its snapshot") from e
             # name too long, ...: this snapshot cannot be restored here
-            raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {e.__class__.__name__}: {e}",
+            raise SnapshotCorrupt(f"snapshot {ref.key!r} cannot be restored: {public_detail(e)}",
                                   details={"reason": "os_error", "errno": e.errno}) from e
         metrics.SNAPSHOT_DURATION_SECONDS.labels(template=template, op="restore").observe(time.perf_counter() - t0)
         return state

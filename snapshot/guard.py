@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from substrate.errors import Conflict, NotFound, StoreUnavailable
+from substrate.errors import Conflict, NotFound, StoreUnavailable, hide_internal
 from substrate.keys import Keys
 from substrate.settings import SnapshotSettings
 from substrate import storeloc
@@ -111,7 +111,7 @@ class GuardedStore:
             if self.verified:
                 return
             if self.fenced is not None and time.monotonic() - self._checked_at < self.recheck_s:
-                raise StoreUnavailable(self.fenced, details={"reason": "store_not_verified"})
+                raise StoreUnavailable(hide_internal(self.fenced), details={"reason": "store_not_verified"})
             self._checked_at = time.monotonic()
             await self._check()
 
@@ -178,7 +178,8 @@ class GuardedStore:
             log.error("%s", why)
         self.fenced, self.verified = why, False
         self._checked_at = time.monotonic()
-        raise StoreUnavailable(why, details={"reason": "store_not_verified"})
+        # the log has the store's location; a tenant's 503 has the reason without it
+        raise StoreUnavailable(hide_internal(why), details={"reason": "store_not_verified"})
 
     async def _get(self, key: str) -> str | None:
         raw = await self.redis.get(key)

@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol, TypeVar, runtime_checkable
 
-from substrate.errors import Conflict, NotFound, StoreUnavailable
+from substrate.errors import Conflict, NotFound, StoreUnavailable, public_detail
 from substrate.settings import SnapshotSettings
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ def _missing(key: str) -> NotFound:
 
 
 def _unavailable(op: str, key: str, e: BaseException | str) -> StoreUnavailable:
-    return StoreUnavailable(f"snapshot store unavailable during {op} of {key!r}: {e}",
+    why = e if isinstance(e, str) else public_detail(e)
+    return StoreUnavailable(f"snapshot store unavailable during {op} of {key!r}: {why}",
                             details={"op": op, "key": key})
 
 
@@ -116,7 +117,7 @@ class _Transfer:
         try:
             data = self._raw.read(n)
         except Exception as e:  # noqa: BLE001 - urllib3/botocore/OS errors alike: the transfer failed
-            raise _unavailable(self._op, self._key, f"{type(e).__name__}: {e}") from e
+            raise _unavailable(self._op, self._key, e) from e
         self.bytes += len(data)
         if not data and n != 0 and self.expected_bytes is not None and self.bytes < self.expected_bytes:
             raise _unavailable(self._op, self._key, f"short read: {self.bytes} of {self.expected_bytes} bytes")
@@ -452,7 +453,7 @@ class S3Store:
             err.details.update(s3Code=code, httpStatus=status)
             return err
         if isinstance(e, (BotoCoreError, OSError, TimeoutError)):
-            return _unavailable(op, key, f"{type(e).__name__}: {e}")
+            return _unavailable(op, key, e)
         return e
 
     async def _call(self, op: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from substrate.errors import Conflict, DirectoryUnavailable, NotFound, script_failure
+from substrate.errors import Conflict, DirectoryUnavailable, NotFound, public_detail, script_failure
 from substrate.keys import Keys
 from substrate.models import (
     TRANSITIONAL,
@@ -263,8 +263,7 @@ def _translate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
                 raise bug from e
             if args and isinstance(args[0], Directory):  # see Directory.unavailable_within
                 args[0].unavailable_at_m = time.monotonic()
-            detail = f"{e.__class__.__name__}: {e}" if isinstance(e, RedisError) else str(e)
-            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {detail}") from e
+            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {public_detail(e)}") from e
 
     return wrapper
 

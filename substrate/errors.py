@@ -8,6 +8,7 @@ renders them as ``{"code", "message", "details"}`` JSON with the status, adding 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 #: how much of a client's input an error message echoes back (a 20 KB ID is not sent back whole)
@@ -22,6 +23,38 @@ def clip(value: object, limit: int = ECHO_LIMIT, *, quote: bool = True) -> str:
     head = text[:limit] if cut else text
     out = repr(head) if quote else head.encode("utf-8", "backslashreplace").decode("utf-8")
     return f"{out}... ({len(text)} characters)" if cut else out
+
+
+#: what of an internal failure's text would tell a tenant how the deployment is laid out: URLs (an S3
+#: endpoint, a worker's address), IP addresses, host:port pairs and socket address tuples (Redis), absolute file paths (a
+#: worker's folders, a local store's root). Absolute paths are a "/" not after a word character, "/",
+#: ":" or "." (so "I/O", "1/2" and relative object keys stay)
+_INTERNAL = re.compile(
+    r"\('[^']*', \d+(?:, \d+, \d+)?\)"  # a socket address as Python prints it: ('10.0.0.3', 6379)
+    r"|[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()]+"  # a URL
+    r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"  # [IPv6]:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d{1,5}\b"  # host:port
+    r"|(?<![\w/:.])/[^\s'\",;()<>]+"  # an absolute path
+)
+
+
+def hide_internal(text: str) -> str:
+    """``text`` with every URL, address (``host:port``, IPv4, IPv6, a socket address tuple) and absolute
+    path put as ``<internal>`` (see ``public_detail``)."""
+    return _INTERNAL.sub("<internal>", text)
+
+
+def public_detail(e: BaseException, limit: int = 200) -> str:
+    """``e`` as an error message to a client may name it: its class and text, with every URL, address
+    (``host:port``, IPv4, IPv6) and absolute path put as ``<internal>``, cut at ``limit`` characters.
+    For a foreign failure inside the runtime (Redis, S3, a worker's disk) whose text a tenant gets in a
+    5xx: what failed and how is the client's to know, where the deployment's parts are not (a fresh-user
+    run read the Redis address, a worker's address and its folders in 503s). The whole text stays in the
+    exception chain (``raise ... from e``) and the logs."""
+    text = str(e)
+    detail = f"{e.__class__.__name__}: {hide_internal(text)}" if text else e.__class__.__name__
+    return detail if len(detail) <= limit else detail[:limit] + "..."
 
 
 #: the one encoder of every error body (router, front door, worker, header timeout): compact, as FastAPI

@@ -60,7 +60,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from substrate.errors import Conflict, DirectoryUnavailable, TooManyRequests, script_failure
+from substrate.errors import Conflict, DirectoryUnavailable, TooManyRequests, public_detail, script_failure
 from substrate.keys import Keys
 from substrate.models import ActorTemplate, QuotaLimits, SessionState
 from substrate.settings import QuotaSettings
@@ -228,7 +228,7 @@ def translated(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         except (RedisError, OSError) as e:
             if (bug := script_failure(e)) is not None:
                 raise bug from e
-            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {e}") from e
+            raise DirectoryUnavailable(f"session directory (Redis) unavailable: {public_detail(e)}") from e
     return wrapper
 
 

@@ -44,7 +44,7 @@ import jwt
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from substrate.errors import DirectoryUnavailable, Forbidden, StaleEpoch, SubstrateError, Unauthorized
+from substrate.errors import DirectoryUnavailable, Forbidden, StaleEpoch, public_detail, SubstrateError, Unauthorized
 from substrate.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class SigningKeyRing:
                 await self._init(keys=[self.keys.signing_keys], args=[kid, secret])
                 raw = await self.redis.hgetall(self.keys.signing_keys)
         except (RedisError, OSError) as e:
-            raise DirectoryUnavailable(f"cannot read the token signing keys: {e}") from e
+            raise DirectoryUnavailable(f"cannot read the token signing keys: {public_detail(e)}") from e
         self.current = raw.pop("current", "")
         self._stored = dict(raw)
         self.secrets = {k: derive_secret(v, self.pepper) for k, v in raw.items()}

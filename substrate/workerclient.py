@@ -11,6 +11,7 @@ worker's address and the tenant, minted here from the shared signing-key ring.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,8 @@ import aiohttp
 from substrate import errors as E
 from substrate.models import ActorTemplate, SnapshotRef
 from substrate.tokens import TokenMinter
+
+log = logging.getLogger(__name__)
 
 EPOCH_HEADER = "X-Substrate-Epoch"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -55,7 +58,9 @@ def token_refused_error(address: str, body: Any) -> E.WorkerUnavailable:
     clients as 401 ``invalid_token`` with ``WWW-Authenticate``, as if their key were bad: a fresh-user run
     after a Redis flush). 502 ``worker_unavailable``, retryable."""
     why = body.get("message", "") if isinstance(body, dict) else str(body)
-    return E.WorkerUnavailable(f"the worker at {address} refused this router's activation token "
+    log.warning("a worker refused this router's activation token", extra={"worker_address": address,
+                                                                           "why": str(why)[:200]})
+    return E.WorkerUnavailable(f"the session's worker refused this router's activation token "
                                f"({str(why)[:200]}); retry", code="worker_unavailable", retry_after_s=1)
 
 
@@ -110,8 +115,7 @@ class WorkerClient:
                         raise error_from(resp.status, body)
                     return body
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
-                raise E.WorkerUnavailable(f"worker at {url.split('/v1')[0]} did not answer: "
-                                          f"{e.__class__.__name__}: {e}") from e
+                raise E.WorkerUnavailable(f"the session's worker did not answer: {E.public_detail(e)}") from e
         raise AssertionError("unreachable")
 
     async def token_refused(self) -> bool:

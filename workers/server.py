@@ -83,6 +83,7 @@ from substrate.errors import (
     StateLoadFailed,
     SubstrateError,
     error_json,
+    public_detail,
 )
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
@@ -1067,7 +1068,7 @@ class Worker:
             return _error(BadRequest("body is not JSON"))
         except Exception as e:  # noqa: BLE001 - always a JSON answer, never aiohttp's plain-text 500
             log.exception("activation failed", extra={"worker": self.id})
-            return _error(SubstrateError(f"activation failed: {e.__class__.__name__}: {e}", code="activation_failed"))
+            return _error(SubstrateError(f"activation failed: {public_detail(e)}", code="activation_failed"))
 
     async def _h_invoke(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
