@@ -107,7 +107,8 @@ class CreateSession(BaseModel):
         default_factory=dict, json_schema_extra=LABELS_SCHEMA,
         description=f"at most {MAX_LABELS} labels; a key is 1-63 letters, digits, '-', '_', '.' or '/', starting "
                     f"and ending with a letter or digit; a value is at most {MAX_LABEL_VALUE_CHARS} characters "
-                    "(no control character, line or paragraph separator or bidi control); anything else is "
+                    "(no control character, line or paragraph separator, bidi control or invisible character such "
+                    "as U+200B); anything else is "
                     "422 `invalid_input`; `null` means none")
     env: dict[str, str] = Field(default_factory=dict,
                                 description="extra environment for the agent; `null` means none")
@@ -134,7 +135,8 @@ class CreateSession(BaseModel):
                 raise ValueError(f"label {clip(k)} value is not valid Unicode text (lone surrogate or NUL)")
             if bad := unprintable(val):
                 raise ValueError(f"label {clip(k)} value holds {bad}, which changes how text around it is shown "
-                                 "(control characters, line or paragraph separators, bidi controls)")
+                                 "(control characters, line or paragraph separators, bidi controls), or shows as nothing "
+                                 "(zero width space and its kin)")
         return v
 
     @field_validator("actorTemplate", "id")

@@ -1382,7 +1382,7 @@ def _write_file_keys(path: Path, entries: list[dict[str, Any]]) -> None:
 def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant the key acts for (lower-case name)."),
                 admin: bool = typer.Option(False, help="The key may see and touch every tenant's sessions."),
                 name: str = typer.Option("", help="A label for the key (shown by `keys list`; with --file, its "
-                                         "ID): at most 128 characters, no control character, line separator or bidi control, no "
+                                         "ID): at most 128 characters, no control character, line separator, bidi control or invisible character, no "
                                          "space at either end, not starting with sk_."),
                 file: Optional[Path] = typer.Option(None, "--file", help="Append the key's hash to this key file "
                                                     "instead of writing to Redis (the file is rewritten: YAML "

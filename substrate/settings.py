@@ -48,7 +48,8 @@ def key_name_problem(name: str) -> str | None:
     if len(name) > KEY_NAME_MAX_CHARS:
         return f"a key name is at most {KEY_NAME_MAX_CHARS} characters, not {len(name)}"
     if (bad := unprintable(name)) is not None:
-        return (f"a key name has no control character, line or paragraph separator, bidi control or byte that "
+        return (f"a key name has no control character, line or paragraph separator, bidi control, invisible "
+                f"character (U+200B ...) or byte that "
                 f"is not UTF-8 ({bad}): {name[:60]!r}")
     if name != name.strip():
         return f"a key name does not begin or end with a space: {name[:60]!r}"

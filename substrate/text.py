@@ -4,7 +4,8 @@ One rule for every such field: valid Unicode (no lone surrogate, which JSON and 
 bytes allow but UTF-8 cannot hold), no control character (Unicode category Cc: tab, newline, escape ...), no
 line or paragraph separator (Zl, Zp) and no bidi control (Unicode's Bidi_Control property, PropList.txt: the
 embedding, override and isolate controls of "Trojan Source", CVE-2021-42574, and the directional marks),
-which reorder or break how the text around them is displayed.
+which reorder or break how the text around them is displayed, and no invisible character (``INVISIBLE``:
+zero width space and its kin), which makes two different values look the same.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import unicodedata
 #: every character of Unicode's Bidi_Control property (a fresh-user run: U+200F was accepted while U+202E
 #: was refused)
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+#: format characters that show as nothing and join or shape nothing: a value holding one looks the same
+#: as one without it ("team=prod" and "team=pro\u200bd"; fresh-user tester 35). Soft hyphen, Mongolian
+#: vowel separator, zero width space, word joiner and the invisible operators, zero width no-break space
+#: (BOM). Zero width (non-)joiners U+200C/U+200D stay: Persian, Indic scripts and emoji sequences need them
+INVISIBLE = frozenset("\u00ad\u180e\u200b\u2060\u2061\u2062\u2063\u2064\ufeff")
 
 
 def unprintable(s: str) -> str | None:
     """The first character of ``s`` that such text may not hold, as ``U+XXXX``, or None (a lone surrogate
     counts as one)."""
     for ch in s:
-        if ch in BIDI_CONTROLS or unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs"):
+        if ch in BIDI_CONTROLS or ch in INVISIBLE or unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs"):
             return f"U+{ord(ch):04X}"
     return None
 

@@ -124,6 +124,7 @@ def test_keys_list_reads_a_key_file_and_never_shows_a_key(tmp_path: Path) -> Non
     ("ci\tbot", "U+0009"),
     ("a\u202eevil", "U+202E"),
     ("a\u2028b", "U+2028"),
+    ("ci\u200bbot", "U+200B"),
     ("\udca0nb", "not UTF-8"),  # an undecodable byte of the command line
     ("x" * 129, "at most 128 characters"),
     (" ci", "begin or end with a space"),

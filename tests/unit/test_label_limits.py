@@ -50,6 +50,8 @@ def test_the_stated_limits_are_the_checked_ones(labels_schema: dict) -> None:
     ("evil\u202eexe.txt", False), ("a\u2066b", False), ("line\u2028break", False), ("para\u2029", False),
     ("rlm\u200fmark", False), ("lrm\u200e", False), ("alm\u061c", False),  # the directional marks too
     ("tab\there", False), ("new\nline", False), ("esc\x1b[31m", False), ("del\x7f", False),
+    # invisible: "pro\u200bd" reads as "prod" (fresh-user tester 35)
+    ("pro\u200bd", False), ("\ufeffprod", False), ("pr\u2060od", False), ("soft\u00adhyphen", False),
 ])
 def test_label_values_refuse_what_changes_how_text_is_shown(value: str, ok: bool) -> None:
     """A fresh-user run set U+202E (right-to-left override) and U+2028 as label values; the CLI's table
