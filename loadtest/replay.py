@@ -541,14 +541,14 @@ class TargetRunner:
         sample: dict[str, Any] = {"t_s": round(self.now(), 3), "inflight": self.inflight, "alive": self.alive,
                                   "ok": False, "workers": None, "slots": None, "slotsUsed": None,
                                   "sessions": None, "workerSeconds": None, "slotSeconds": None,
-                                  "processSeconds": None}
+                                  "processSeconds": None, "workerLoopLag": None}
         try:
             if self.stats_source != "/v1/workerpools":
                 status, _, payload = await self._request(http, "GET", "/v1/stats", timeout_s=2.0)
                 if status == 200 and isinstance(payload, dict):
                     self.stats_source = "/v1/stats"
                     for k in ("workers", "slots", "slotsUsed", "sessions", "workerSeconds", "slotSeconds",
-                              "processSeconds"):
+                              "processSeconds", "workerLoopLag"):
                         sample[k] = payload.get(k)
                     sample["ok"] = True
                 elif status in (404, 405) and self.stats_source is None:

@@ -71,6 +71,7 @@ from typing import Any
 
 from loadtest.bench_report import markdown_table
 from loadtest.bounds import bound_worker_sizes, ideal_runs, plan_bounds, render_bounds
+from substrate.loops import LAG_COUNT_OVER_S
 from substrate.quantiles import percentile
 
 #: the phases of a wake kept per turn from its ``Server-Timing`` (``api.proxy.server_timing``): the
@@ -102,8 +103,9 @@ session's later turns included, the trace's own wait behind the previous turn le
 - bounds: the plan on an ideal runtime (zero overhead, a session's turns one at a time): the inherent \
 wait behind a session's previous turn, and the utilization of fixed and reactive capacity (loadtest/bounds.py)
 - event-loop lag: how late a once-a-second timer fired (substrate.loops.watch_lag), in the replay client (its \
-own probes) and in the target's router (agent_substrate_event_loop_lag_seconds, this run's probes): a \
-request the process held waited at least as long"""
+own probes), in the target's router (agent_substrate_event_loop_lag_seconds, this run's probes) and in \
+its workers (/v1/stats workerLoopLag, this run's probes of every worker): a request the process held \
+waited at least as long"""
 
 
 def latency_stats(values: Iterable[float | None]) -> dict[str, float | int | None]:
@@ -126,8 +128,9 @@ def counter_delta(samples: Sequence[Mapping[str, Any]], key: str) -> float | Non
     return max(0.0, vs[-1] - vs[0]) if len(vs) >= 2 else None
 
 
-#: the event-loop lag thresholds (ms) the report gives the share of late probes for
-LAG_THRESHOLDS_MS = (5, 10, 25)
+#: the event-loop lag thresholds (ms) the report gives the share of late probes for: the ones the workers
+#: count theirs by (``substrate.loops.LAG_COUNT_OVER_S``), each a bucket bound of the processes' histogram
+LAG_THRESHOLDS_MS: tuple[int, ...] = tuple(round(b * 1000) for b in LAG_COUNT_OVER_S)
 
 
 def lag_buckets(exposition: str) -> dict[float, float]:
@@ -160,6 +163,22 @@ def lag_share_over(before: Mapping[float, float] | None, after: Mapping[float, f
     # string keys: the summary goes through JSON (result.json) and is rendered again from it
     over = {str(ms): (n - delta[ms / 1000.0]) / n for ms in LAG_THRESHOLDS_MS if ms / 1000.0 in delta}
     return {"n": int(n), "over_ms": over}
+
+
+def worker_lag_share(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The target's workers' event-loop lag probes during the run, as :func:`lag_share_over` gives a
+    process's: from ``workerLoopLag`` of ``/v1/stats`` (``{"probes", "over5ms", "over10ms", "over25ms"}``,
+    counts since the directory was made, added by the workers' heartbeats) in the run's first and last
+    sample that have it. None without two such samples (another kind of target, an older runtime)."""
+    got = [s["workerLoopLag"] for s in samples if isinstance(s.get("workerLoopLag"), Mapping)]
+    if len(got) < 2:
+        return None
+
+    def buckets(w: Mapping[str, Any]) -> dict[float, float]:
+        n = float(w.get("probes") or 0)
+        return {math.inf: n, **{ms / 1000.0: n - float(w.get(f"over{ms}ms") or 0) for ms in LAG_THRESHOLDS_MS}}
+
+    return lag_share_over(buckets(got[0]), buckets(got[-1]))
 
 
 def integrate(samples: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -353,9 +372,10 @@ def summarize_target(
         "stats_samples": len(samples),
         "stats_ok_samples": sum(1 for s in samples if s.get("ok")),
         # what the shared cores did to the timing: the client's own loop (it sends and times every turn)
-        # and the router's, both late by as much as every request they held
+        # and the router's and workers', each late by as much as every request it held
         "client_lag_ms": latency_stats(x * 1000.0 for x in client_lag_s),
         "server_lag": server_lag,
+        "worker_lag": worker_lag_share(samples),
     }
 
 
@@ -463,6 +483,8 @@ def target_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             _ms((summary.get("client_lag_ms") or {}).get(k)) for k in ("p50", "p99", "max"))),
         ("  event-loop lag of the target's router: share of its once-a-second probes late by > "
          + " / ".join(f"{ms}" for ms in LAG_THRESHOLDS_MS) + " ms", _lag_row(summary.get("server_lag"))),
+        ("  event-loop lag of the target's workers: share of their once-a-second probes late by > "
+         + " / ".join(f"{ms}" for ms in LAG_THRESHOLDS_MS) + " ms", _lag_row(summary.get("worker_lag"))),
         ("turns warm / wake", f"{summary['warm']} / {summary['wake']}"),
         ("create ms p50 / p99", f"{_ms(summary['sessions']['create_ms']['p50'])} / "
          f"{_ms(summary['sessions']['create_ms']['p99'])}"),

@@ -821,11 +821,13 @@ class Directory:
     async def heartbeat(self, wid: str, lease_expires_at: float,
                         last_active: dict[str, float] | None = None, turns: dict[str, int] | None = None,
                         active_slots: int | None = None, warm_slots: int | None = None,
-                        counted_at: float | None = None) -> bool:
+                        counted_at: float | None = None, loop_lag: dict[str, int] | None = None) -> bool:
         """Renew a worker's lease (one atomic script that renews only an existing record) and record its
         sessions' last activity (s since epoch) and the turns each ran since the last heartbeat, and, when
         given, its ``activeSlots`` (with ``counted_at``, epoch s when they were counted: ``activeSlotsAt``)
-        and ``warmSlots`` (free slots whose pre-started host has booted).
+        and ``warmSlots`` (free slots whose pre-started host has booted). ``loop_lag``: stats fields
+        (``substrate.loops.LagCounts.fields``) to add to the directory's stats, in the same round trip as
+        the rest (not added when the record is gone).
 
         Returns False if the worker record is gone (it was declared dead: the worker must stop serving).
         """
@@ -837,15 +839,28 @@ class Directory:
         if not alive:
             return False
         turns = turns or {}
+        lag = {k: n for k, n in (loop_lag or {}).items() if n}
 
         async def queue(p: Any) -> None:
             p.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
+            for field, n in lag.items():
+                p.hincrby(self.keys.stats, field, n)
             for sid, ts in (last_active or {}).items():
                 # only touch records that exist: a deleted session must not be resurrected
                 await self._touch(keys=[self.keys.session(sid)], args=[repr(ts), turns.get(sid, 0)], client=p)
 
+        async def uncount() -> None:  # the pipeline runs again after a NOSCRIPT: its counts must not double
+            async with self.pipeline() as p:
+                for field, n in lag.items():
+                    p.hincrby(self.keys.stats, field, -n)
+                await p.execute()
+
         if last_active:
-            await self._scripted(queue)
+            await self._scripted(queue, uncount if lag else None)
+        elif lag:
+            async with self.pipeline() as p:
+                await queue(p)
+                await p.execute()
         else:
             await self.redis.zadd(self.keys.workers_index, {wid: lease_expires_at}, xx=True)
         return True

@@ -68,6 +68,39 @@ LAG_LOG_EVERY_S = 60.0
 #: send -> answer p99 on 2 shared vCPUs (docs/replays, 2026-12-07); once a second still catches every hold
 #: long enough to matter (a hold shorter than the period is caught in proportion to its share of time)
 LAG_PROBE_INTERVAL_S = 1.0
+#: the lags (s) a fleet counts its probes beyond (``LagCounts``; the replay report's shares of late probes)
+LAG_COUNT_OVER_S: tuple[float, ...] = (0.005, 0.01, 0.025)
+
+
+class LagCounts:
+    """A process's event-loop lag probes counted for a fleet-wide total: how many probes, and how many
+    were late by more than each of ``LAG_COUNT_OVER_S``, since the last ``take``. Workers report them
+    with their heartbeat (``Directory.heartbeat``'s ``loop_lag``), as the ``workerLoopLag*`` fields of
+    the directory's stats: a worker lives minutes, so its own ``/metrics`` histogram is gone before a
+    replay can read it."""
+
+    def __init__(self) -> None:
+        self.probes = 0
+        self.over = [0] * len(LAG_COUNT_OVER_S)
+
+    def observe(self, lag_s: float) -> None:
+        """Count one probe that was ``lag_s`` seconds late."""
+        self.probes += 1
+        for i, bound in enumerate(LAG_COUNT_OVER_S):
+            if lag_s > bound:
+                self.over[i] += 1
+
+    def fields(self) -> dict[str, int]:
+        """The counts as the stats fields they add to: ``workerLoopLagProbes``, ``workerLoopLagOver5ms``,
+        ``...Over10ms``, ``...Over25ms``."""
+        return {"workerLoopLagProbes": self.probes,
+                **{f"workerLoopLagOver{round(b * 1000)}ms": n for b, n in zip(LAG_COUNT_OVER_S, self.over)}}
+
+    def take(self, fields: dict[str, int]) -> None:
+        """Subtract ``fields`` (a ``fields()`` reported since) from the counts."""
+        self.probes -= fields.get("workerLoopLagProbes", 0)
+        for i, b in enumerate(LAG_COUNT_OVER_S):
+            self.over[i] -= fields.get(f"workerLoopLagOver{round(b * 1000)}ms", 0)
 
 
 async def watch_lag(observe: Callable[[float], None], interval_s: float = LAG_PROBE_INTERVAL_S) -> None:

@@ -87,7 +87,7 @@ from substrate.errors import (
 )
 from substrate.gctune import tune_after_startup
 from substrate.logs import configure_logging
-from substrate.loops import cancel_and_wait, reraise_lost_cancel, run_forever, watch_lag
+from substrate.loops import LagCounts, cancel_and_wait, reraise_lost_cancel, run_forever, watch_lag
 from substrate.models import (
     SUSPEND_REASONS,
     UNANSWERED,
@@ -371,6 +371,8 @@ class Worker:
         #: those the control plane asks for over HTTP are audited by the caller
         self.audit = AuditLog(directory.redis, directory.keys, settings.audit)
         self.quotas = Quotas(directory.redis, directory.keys, settings.quota)
+        #: this process's event-loop lag probes not yet reported by a heartbeat (the fleet's counts)
+        self.loop_lag = LagCounts()
         #: warm slots as last reported; a host booting while it is 0 makes the next heartbeat come soon
         self._reported_warm = 0
         self._beat_soon = asyncio.Event()
@@ -399,7 +401,13 @@ class Worker:
                        asyncio.create_task(self._reconcile_loop()),
                        asyncio.create_task(run_forever(self._reload_signing, self.signing.refresh_s,
                                                        "signing key refresh", first_delay=True)),
-                       asyncio.create_task(watch_lag(metrics.EVENT_LOOP_LAG_SECONDS.observe))]
+                       asyncio.create_task(watch_lag(self._observe_lag))]
+
+    def _observe_lag(self, lag_s: float) -> None:
+        """One event-loop lag probe: this process's histogram, and the counts the heartbeat adds to the
+        fleet's (``LagCounts``)."""
+        metrics.EVENT_LOOP_LAG_SECONDS.observe(lag_s)
+        self.loop_lag.observe(lag_s)
 
     async def _reload_signing(self) -> None:
         await self.signing.load(create=False)
@@ -437,7 +445,10 @@ class Worker:
                     lease = now + self.settings.worker.lease_s  # the worker's clock starts it before the call
                     self._beat_soon.clear()
                     warm = self.sandboxes.warm_slots()
-                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active, warm, counted_at=now)
+                    lag = self.loop_lag.fields()
+                    alive = await self.directory.heartbeat(self.id, lease, touched, turns, active, warm, counted_at=now,
+                                                           loop_lag=lag)
+                    self.loop_lag.take(lag)
                     self._reported_warm = warm
                     if alive:
                         self.lease_expires_at = lease

@@ -49,4 +49,7 @@ def test_short_trace_replay_loses_no_state(runtime_factory, tmp_path):
     # router's probes counted from its /metrics before and after the run
     assert s["client_lag_ms"]["n"] >= 10 and s["client_lag_ms"]["p50"] >= 0
     assert s["server_lag"]["n"] >= 10 and set(s["server_lag"]["over_ms"]) == {"5", "10", "25"}
+    # the workers' probes, added up by their heartbeats (two workers, a probe a second each)
+    assert s["worker_lag"]["n"] >= 10 and set(s["worker_lag"]["over_ms"]) == {"5", "10", "25"}
+    assert "event-loop lag of the target's workers" in (out / "report.md").read_text()
     assert "event-loop lag of the target's router" in (out / "report.md").read_text()

@@ -398,6 +398,36 @@ async def test_pipelines_send_no_script_check_and_come_back_after_the_server_los
             await directory.close()
 
 
+async def test_heartbeats_add_the_workers_loop_lag_to_the_stats_once_also_after_a_lost_script():
+    """A worker's heartbeat carries its event-loop lag probes (``LagCounts.fields``) into the directory's
+    stats (what /v1/stats shows as ``workerLoopLag``), in the heartbeat's own round trip; a pipeline run
+    again after NOSCRIPT (a Redis restart; SCRIPT FLUSH here, on a Redis of this test's own) does not
+    count them twice, and a heartbeat of a worker declared dead adds nothing."""
+    from substrate.embedded import EmbeddedRedis
+
+    lag = {"workerLoopLagProbes": 3, "workerLoopLagOver5ms": 1, "workerLoopLagOver10ms": 0,
+           "workerLoopLagOver25ms": 0}
+    with EmbeddedRedis() as server:
+        directory = Directory(server.url, "lag")
+        try:
+            now = time.time()
+            await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=2,
+                                                         leaseExpiresAt=now + 10, startedAt=now))
+            await directory.create_session(_rec("live"))
+            assert await directory.heartbeat("w1", now + 20, loop_lag=lag)  # no session touched
+            await directory.redis.script_flush()
+            assert await directory.heartbeat("w1", now + 20, {"live": now + 5}, {"live": 1}, loop_lag=lag)
+            stats = await directory.get_stats()
+            assert stats["workerLoopLagProbes"] == 6 and stats["workerLoopLagOver5ms"] == 2, stats
+            assert "workerLoopLagOver10ms" not in stats  # nothing to add: not written
+            assert (await directory.get_session("live")).turns == 1, "the turns were not counted twice either"
+            await directory.deregister_worker("w1")
+            assert not await directory.heartbeat("w1", now + 30, loop_lag=lag)
+            assert (await directory.get_stats())["workerLoopLagProbes"] == 6
+        finally:
+            await directory.close()
+
+
 async def test_session_summaries_page_through_every_record_with_the_fields_of_its_whole_record(directory):
     """``session_summaries`` (one script per page on a standalone Redis, pipelined on a cluster) gives
     the same ID, state, tenant, template, epoch, worker, slot and deadline as the whole record, in

@@ -172,3 +172,18 @@ async def test_watch_lag_survives_a_failing_observer() -> None:
         await asyncio.sleep(0.01)
     assert not task.done()
     assert await cancel_and_wait([task]) == 0
+
+
+def test_lag_counts_count_probes_over_each_bound_and_give_back_what_was_reported() -> None:
+    from substrate.loops import LagCounts
+
+    c = LagCounts()
+    for lag_s in (0.0, 0.004, 0.006, 0.011, 0.03, 0.01):  # 0.01 is not over 10 ms
+        c.observe(lag_s)
+    sent = c.fields()
+    assert sent == {"workerLoopLagProbes": 6, "workerLoopLagOver5ms": 4, "workerLoopLagOver10ms": 2,
+                    "workerLoopLagOver25ms": 1}
+    c.observe(0.1)  # probed while the heartbeat was on its way: kept for the next one
+    c.take(sent)
+    assert c.fields() == {"workerLoopLagProbes": 1, "workerLoopLagOver5ms": 1, "workerLoopLagOver10ms": 1,
+                          "workerLoopLagOver25ms": 1}

@@ -511,3 +511,21 @@ def test_summary_carries_the_client_lag_probes() -> None:
     rows = dict(rpt.target_rows(s))
     assert rows["  event-loop lag of the replay client (it sends and times each turn) ms p50 / p99 / max"] \
         .endswith("/ 50.0")
+
+
+def test_worker_lag_share_counts_the_runs_probes_from_the_stats_samples() -> None:
+    """Workers come and go within a run: their probes reach the report as /v1/stats' workerLoopLag
+    (counts since the directory was made), taken between the run's first and last sample with it."""
+    samples = [{"t_s": 0, "workerLoopLag": None},  # an older runtime's sample, or a failed read
+               {"t_s": 1, "workerLoopLag": {"probes": 50, "over5ms": 10, "over10ms": 5, "over25ms": 1}},
+               {"t_s": 2},
+               {"t_s": 9, "workerLoopLag": {"probes": 250, "over5ms": 30, "over10ms": 15, "over25ms": 5}}]
+    lag = rpt.worker_lag_share(samples)
+    assert lag == {"n": 200, "over_ms": {"5": pytest.approx(0.10), "10": pytest.approx(0.05),
+                                  "25": pytest.approx(0.02)}}
+    assert rpt.worker_lag_share(samples[:2]) is None  # one sample: no run to speak of
+    s = rpt.summarize_target([], [], samples)
+    assert s["worker_lag"] == lag
+    rows = dict(rpt.target_rows(s))
+    key = next(k for k in rows if "lag of the target's workers" in k)
+    assert rows[key] == "10.0 % / 5.0 % / 2.0 % of 200"
