@@ -19,6 +19,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator, Callable
+from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,10 +38,11 @@ from api.errors_doc import DEFAULT_STATUSES, ROUTE_STATUSES, openapi_error_schem
 from api.runtime import Runtime
 from substrate import metrics
 from substrate.apikeys import check_tenant
-from api.guard import Guard, request_id_of
+from api.guard import Guard, encoded_slash, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
+from substrate.loops import LAG_COUNT_OVER_S
 from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_HINT, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 from substrate.text import text_ok, unprintable
@@ -316,6 +318,15 @@ def allowed_methods(routes: list[Any], scope: dict[str, Any]) -> str:
     return ", ".join([m for m in _METHOD_ORDER if m in methods] + sorted(methods - set(_METHOD_ORDER)))
 
 
+def server_methods(routes: list[Any]) -> str:
+    """The ``Allow`` header of ``OPTIONS *``: every method some route of ``routes`` takes, HEAD with GET,
+    and OPTIONS, in ``_METHOD_ORDER``."""
+    methods = {"OPTIONS"}.union(*(r.methods for r in routes if isinstance(r, Route) and r.methods))
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join([m for m in _METHOD_ORDER if m in methods] + sorted(methods - set(_METHOD_ORDER)))
+
+
 def _schema_routes(routes: list[Any]) -> list[Any]:
     """``routes`` as the OpenAPI document shows them: without the HEAD each GET route also answers
     (``create_app``), which would double every GET operation (under the same operation ID)."""
@@ -380,7 +391,13 @@ class RequestCounter:
 
     def _match(self, scope: dict[str, Any]) -> str:
         """The template of the route ``scope``'s path belongs to: one that takes it, else one whose path
-        matches with another method (a 405 or an OPTIONS is that route's), else ``unmatched``."""
+        matches with another method (a 405 or an OPTIONS is that route's), else ``unmatched``. A segment
+        sent with an encoded slash (``%2F``, refused by the front door: 422 for a session ID) counts as one
+        segment, as it was sent, not as the two the decoded path has (they were all ``unmatched``)."""
+        raw = scope.get("raw_path")
+        if raw and encoded_slash(raw) is not None:
+            sent = [b"_" if b"%2f" in seg.lower() else seg for seg in raw.split(b"/")]
+            scope = {**scope, "path": unquote(b"/".join(sent).decode("latin-1"))}
         partial = None
         for r in self.routes:
             match = r.matches(scope)[0]
@@ -541,6 +558,10 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 return Response(status_code=204, headers={"Allow": allow})
             return _error(405, "method_not_allowed", f"{request.method} is not allowed here: use {allow}",
                           headers={"Allow": allow})
+        if e.status_code == 404 and request.method == "OPTIONS" and request.scope.get("path") == "*":
+            # RFC 9110 9.3.7: ``OPTIONS *`` asks about the server, not one resource: the methods any of
+            # its routes takes (it was 404 "no route for *": fresh-user tester 36)
+            return Response(status_code=204, headers={"Allow": server_methods(app.router.routes)})
         code = {404: "not_found"}.get(e.status_code, "http_error")
         detail = str(e.detail)
         path = request.url.path
@@ -783,7 +804,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         ``tenant``'s), plus, for admins and the open-mode caller only (``Principal.sees_fleet``), the
         fleet's figures for dashboards and the trace replay: workers, slots, the cumulative cost integrals
         since the directory was created (``workerSeconds``, ``slotSeconds`` = provisioned slots x time,
-        ``processSeconds`` = workers plus the zygote), and this router's parked requests and route cache.
+        ``processSeconds`` = workers plus the zygote), the workers' event-loop lag probes (``workerLoopLag``:
+        how many, and how many were late by over 5, 10, 25 ms), and this router's parked requests and route
+        cache.
         An ordinary tenant's answer has only ``sessions``, ``tenant`` and ``quota``: the fleet's capacity
         and load say what other tenants run. Sessions by state come from counters the transitions
         maintain, runtime-wide and per tenant (O(states)); a tenant's from its own index (O(its sessions))
@@ -831,6 +854,10 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 "slotsUsed": sum(w.slots - w.freeSlots for w in workers),
                 "workerSeconds": s.get("workerSeconds", 0.0), "slotSeconds": s.get("slotSeconds", 0.0),
                 "processSeconds": s.get("processSeconds", 0.0), "parked": rt.activator.parked,
+                # the workers' event-loop lag probes since the directory was created (substrate.loops.LagCounts)
+                "workerLoopLag": {"probes": int(s.get("workerLoopLagProbes", 0)),
+                                  **{f"over{round(b * 1000)}ms": int(s.get(f"workerLoopLagOver{round(b * 1000)}ms", 0))
+                                     for b in LAG_COUNT_OVER_S}},
                 "routeCacheEntries": len(rt.routes), **out}
 
     @app.get("/metrics", include_in_schema=False)

@@ -25,7 +25,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "cross_origin_request": (403, "a state-changing call a browser sent from another site or origin "
                                   "(`Sec-Fetch-Site`, `Origin`): a web page may not drive the API"),
     "not_found": (404, "no such route"),
-    "session_not_found": (404, "no such session, or it belongs to another tenant (same answer on purpose)"),
+    "session_not_found": (404, "no such session, or it belongs to another tenant (same answer on purpose); to a "
+                               "turn under way, its session's record vanished without a delete (the directory's "
+                               "Redis lost its data)"),
     "method_not_allowed": (405, "wrong HTTP method; the `Allow` header lists the path's methods"),
     "request_timeout": (408, "the body did not arrive within `api.body_read_timeout_s` of the request's headers, "
                              "or the headers within `api.header_read_timeout_s` of its first byte; "
@@ -38,6 +40,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "payload_too_large": (413, "the body is over `api.max_body_bytes`"),
     "unsupported_transfer_encoding": (501, "a `Transfer-Encoding` other than `chunked` (e.g. `gzip, chunked`): "
                                            "send the body with `Content-Length`, or `chunked` only"),
+    "http_version_not_supported": (505, "a request line of another major HTTP version than 1 (e.g. `HTTP/2.0` "
+                                        "as text): send HTTP/1.1"),
     "unsupported_media_type": (415, "a body sent without `Content-Type: application/json` (none, or e.g. curl's "
                                     "default `application/x-www-form-urlencoded`): send that header"),
     "invalid_input": (422, "the body or a parameter fails validation (also invoke's `stream=` other than `1`, "

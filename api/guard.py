@@ -518,6 +518,14 @@ class Guard:
                 await _answer(send, 400, "bad_request", f"{name} is sent more than once: a request carries one "
                               f"{name} header", scope=scope)
             return
+        if not scope.get("http_version", "1.1").startswith("1."):
+            # RFC 9110 6.2 / 15.6.6: this server speaks HTTP/1.x; an "HTTP/2.0" request line (not HTTP/2's
+            # binary preface, which uvicorn refuses) was served as 1.1 (fresh-user tester 36). A higher 1.x
+            # minor is served as 1.1, as RFC 9110 2.5 says
+            await _answer(send, 505, "http_version_not_supported",
+                          f"HTTP/{clip(scope.get('http_version'), quote=False)} is not supported: send HTTP/1.1",
+                          scope=scope)
+            return
         if b"transfer-encoding" in headers and (te := b", ".join(
                 v for k, v in scope["headers"] if k == b"transfer-encoding")) and \
                 [c.strip() for c in te.lower().split(b",") if c.strip()] != [b"chunked"]:

@@ -555,7 +555,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                                                       deadline=deadline)
             except NotFound as e:
                 if sent and e.code == "session_not_found":
-                    raise _deleted(sid) from e
+                    raise await _gone(runtime, sid) from e
                 raise
             if woke:
                 woke_ms = (time.perf_counter() - t0) * 1000
@@ -665,7 +665,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             resp.release()
             status = ERROR_CODES.get(str(failed.get("code")), (500, ""))[0]
             if status >= 500 and not await _exists(runtime, sid):
-                raise _deleted(sid)
+                raise await _gone(runtime, sid)
             _count_error(failed)
             return Response(error_json(failed), status_code=status, headers={**_JSON, **extra})
         try:
@@ -681,7 +681,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             # a DELETE ends the activation at once, even mid-turn: the agent stopped under the turn is the
             # delete's doing, not a crash to retry (fresh-user run: 500 agent_crashed, "it restarts from
             # its last snapshot", for a session that had been deleted)
-            raise _deleted(sid)
+            raise await _gone(runtime, sid)
         if woke_ms is None:  # the hot path only: a wake is timed by the wake/resume histograms
             metrics.PROXY_DURATION_SECONDS.observe(time.perf_counter() - t_start)
         if resp.status == 422 and key_is_request_id:
@@ -726,9 +726,23 @@ def _request_id_key_reused(data: bytes, rid: str) -> bytes:
     return error_json(err).encode()
 
 
-def _deleted(sid: str) -> SessionDeleted:
-    return SessionDeleted(f"session {sid!r} was deleted while this turn was under way; the turn was stopped "
-                          "and the session is gone")
+async def _gone(runtime: "Runtime", sid: str) -> SessionDeleted | NotFound:
+    """What a turn is told when its session went away under it: 410 ``session_deleted`` if a delete took
+    it (a delete under way leaves the record marked DELETED, a finished one the ID's epoch floor for a
+    week; both keys share the session's hash tag), else 404 ``session_not_found`` saying the
+    record vanished without a delete: the directory lost its data (a Redis flushed, or restarted without
+    persistence), and telling that client its session "was deleted" blamed someone who did not (an
+    earlier review). One directory read, on this failure path only; unreadable counts as deleted."""
+    try:
+        keys = runtime.directory.keys
+        floor = await runtime.directory.redis.exists(keys.session(sid), keys.session_epoch_floor(sid))
+    except Exception:  # noqa: BLE001 - the answer's wording only: the turn failed either way
+        floor = 1
+    if floor:
+        return SessionDeleted(f"session {sid!r} was deleted while this turn was under way; the turn was stopped "
+                              "and the session is gone")
+    return NotFound(f"session {sid!r} is gone from the session directory without a delete (its Redis lost its "
+                    "data: flushed, or restarted without persistence); this turn was stopped", code="session_not_found")
 
 
 async def _exists(runtime: "Runtime", sid: str) -> bool:
@@ -841,6 +855,6 @@ async def _deleted_line(lines: bytes, runtime: "Runtime", sid: str) -> bytes:
             except (ValueError, KeyError, TypeError):
                 code = None
             if code in _STREAM_KILLED and not await _exists(runtime, sid):
-                line = error_json({"error": _deleted(sid).to_dict()}).encode()
+                line = error_json({"error": (await _gone(runtime, sid)).to_dict()}).encode()
         out.append(line)
     return b"\n".join(out)

@@ -1378,12 +1378,13 @@ class Activator:
         try:
             route, woke = await self._resume_held(rec, pin)
         except SubstrateError as e:
-            if isinstance(e, (Conflict, StaleEpoch, NotFound)) and not isinstance(e, (_LostRace, _DeletedMeanwhile)) \
+            if not isinstance(e, (_LostRace, _DeletedMeanwhile, DirectoryUnavailable)) \
                     and await self._being_deleted(rec.id):
                 # lost to a delete (its compare-and-set marked the record DELETED first): like any call
                 # after a delete, a 404 with no record of its own; a "wake conflict" (or "wake
                 # session_not_found") record was left, and the client told 404 (fresh-user round 10,
-                # 4 of 8 races)
+                # 4 of 8 races). Whatever the wake failed with: one that waited for a slot in vain
+                # while the delete went through left "wake no_capacity" after "delete ok" (tester 34)
                 raise _DeletedMeanwhile(f"session {rec.id!r} not found", code="session_not_found") from e
             if audit_action and not isinstance(e, (_LostRace, _DeletedMeanwhile)):
                 # the activation it claimed, if it got that far (the record's was the suspended one's: a

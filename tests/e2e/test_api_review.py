@@ -805,3 +805,29 @@ def test_a_transfer_coding_other_than_chunked_is_501_and_changes_nothing(rt: Run
         assert (status, err["code"]) == (501, "unsupported_transfer_encoding"), err
         assert coding.split("\n")[0] in err["message"] and closed
         assert _count(a) == before
+
+
+@pytest.mark.parametrize("version", ["2.0"])
+def test_a_request_line_of_another_major_http_version_is_505_and_changes_nothing(rt: RuntimeProc,
+                                                                                  version: str) -> None:
+    """Fresh-user run 36: a request line ending ``HTTP/2.0`` (plain text, not HTTP/2's binary preface) was
+    served as HTTP/1.1. RFC 9110 15.6.6: 505 for a major version the server does not speak. (The parser
+    itself refuses ``HTTP/3.0`` and above as malformed: 400 ``bad_request``; the front door's own check
+    is unit-tested for those too.)"""
+    with _http(rt, KEY_A) as a:
+        before = _count(a)
+        body = b'{"actorTemplate":"counter"}'
+        head = (f"POST /v1/sessions HTTP/{version}\r\nHost: t\r\nAuthorization: Bearer {KEY_A}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", rt.port), timeout=30) as s:
+            s.sendall(head.encode() + body)
+            status, err, _ = _read_answer(s, expect_close=False)
+        assert (status, err["code"]) == (505, "http_version_not_supported"), err
+        assert f"HTTP/{version}" in err["message"]
+        assert _count(a) == before
+        # the same request as HTTP/1.1 is served: only the version line was refused
+        with socket.create_connection(("127.0.0.1", rt.port), timeout=30) as s:
+            s.sendall(head.replace(f"HTTP/{version}", "HTTP/1.1").encode() + body)
+            status, created, _ = _read_answer(s, expect_close=False)
+        assert status == 201, created
+        a.delete(f"/v1/sessions/{created['id']}")

@@ -441,6 +441,30 @@ def test_a_turn_in_flight_when_its_session_is_deleted_answers_session_deleted(ru
     assert e.value.status == 404
 
 
+def test_a_turn_in_flight_when_redis_loses_its_session_is_not_told_it_was_deleted(runtime_factory):
+    """Redis lost the runtime's data under a running turn (a flush: here every key of the runtime's
+    prefix): the turn was answered 410 ``session_deleted``, "was deleted", when nobody deleted it. It is
+    404 ``session_not_found`` saying the record went without a delete."""
+    import httpx
+
+    def post(body: dict) -> tuple[int, str, str]:
+        r = httpx.post(f"{rt.url}/v1/sessions/{sid}/invoke", json=body, timeout=60)
+        err = r.json() if r.status_code >= 400 else {}
+        return r.status_code, err.get("code", ""), err.get("message", "")
+
+    rt = runtime_factory(replicas=1, slots=4)
+    sid = rt.client.create_session("shell")["id"]
+    with cf.ThreadPoolExecutor(1) as ex:
+        mark = f"started-{uuid.uuid4().hex[:8]}"
+        turn = ex.submit(post, {"input": f"touch {mark}; sleep 5"})
+        _wait_started(rt, mark, turn)
+        for key in list(rt.r.scan_iter(match=f"{rt.prefix}:*", count=1000)):
+            rt.r.delete(key)
+        status, code, message = turn.result()
+    assert (status, code) == (404, "session_not_found"), message
+    assert "without a delete" in message
+
+
 def test_an_explicit_suspend_waits_for_a_running_turn_only_so_long(runtime_factory):
     """Fresh-user run: ``POST .../suspend`` during a cell that runs for minutes answered only when the
     cell's timeout fired (4 min 57 s). It waits at most ``api.suspend_wait_s``, then 409 ``conflict``; the

@@ -247,6 +247,45 @@ async def test_a_wake_that_loses_its_compare_and_set_to_a_delete_is_404_with_no_
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
 
 
+async def test_a_wake_that_waited_for_a_slot_in_vain_while_a_delete_went_through_leaves_no_record(
+        directory: Directory) -> None:
+    """Tester 34: a wake waiting for a slot while a DELETE went through ended ``no_capacity``, and the trail
+    read "delete ok" then "wake no_capacity". Whatever a wake fails with, if the session is gone or being
+    deleted by then, it lost to the delete: 404 ``session_not_found``, no record of its own. The same
+    failure on a session that lives is recorded and answered as it is."""
+    from substrate.errors import NoCapacity
+
+    d = directory
+    await _suspended_session(d)
+    stale = await d.get_session("s1")
+    settings = Settings()
+    audit = AuditLog(d.redis, d.keys, settings.audit)
+    view = WorkerView(d, 60)
+    await view.refresh()
+    router = Activator(settings, d, CATALOG, Workers(), view, audit=audit)  # type: ignore[arg-type]
+    deleting = False
+
+    async def no_slot(rec: SessionRecord, pin: str | None) -> Any:
+        if deleting:  # the delete goes through while the wake waits
+            assert (await d.transition("s1", to=SessionState.DELETED, bump=True)).ok
+            await d.delete_session("s1")
+        raise NoCapacity("no free slot in pool 'default'")
+
+    router._resume_held = no_slot  # type: ignore[method-assign]
+
+    async def trail() -> list[tuple[str, str]]:
+        return [(ev["action"], ev["result"]) for ev in (await audit.session_events("s1"))[0]]
+
+    with pytest.raises(NoCapacity):
+        await router._resume(stale, None, "wake")
+    assert await trail() == [("wake", "no_capacity")]
+    deleting = True
+    with pytest.raises(NotFound) as e:
+        await router._resume(stale, None, "wake")
+    assert e.value.code == "session_not_found"
+    assert await trail() == [("wake", "no_capacity")], "no record after the delete's"
+
+
 async def test_a_create_whose_session_a_delete_removed_while_it_started_is_410_session_deleted(
         directory: Directory) -> None:
     """Fresh-user round 12: a create racing a DELETE of the same ID answered 409 ``conflict`` ("changed

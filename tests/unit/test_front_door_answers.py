@@ -60,8 +60,8 @@ CASES: list[tuple[str, str, str, dict[str, str], bytes, int, str]] = [
 async def test_every_refusal_carries_a_request_id_and_is_counted_under_its_route(
         client: httpx.AsyncClient, case: str) -> None:
     _, method, path, headers, body, status, code = next(c for c in CASES if c[0] == case)
-    # a decoded %2F makes a path no route serves: counted, as unmatched
-    route = "unmatched" if "%2F" in path else INVOKE_PATH
+    # a %2F segment counts as the one segment it was sent as: the invoke route's 422 (it was "unmatched")
+    route = INVOKE_PATH
     before = _count(route, status)
     async with client as c:
         r = await c.request(method, path, headers=headers, content=body)
@@ -146,6 +146,24 @@ async def test_an_http11_request_without_host_is_400_and_http10_passes() -> None
     assert _ID.fullmatch(headers[b"x-request-id"].decode())
     status, _, _ = await _asgi(app, _scope("/v1/nope", [], http_version="1.0"))
     assert status == 404  # no Host in HTTP/1.0: passed on (no browser sends such a request)
+
+
+async def test_options_star_names_the_servers_methods() -> None:
+    """RFC 9110 9.3.7: ``OPTIONS *`` is about the server; it was 404 "no route for *" (fresh-user run 36)."""
+    app = create_app(Settings())
+    scope = {**_scope("*", [(b"host", b"localhost")]), "method": "OPTIONS"}
+    status, headers, body = await _asgi(app, scope)
+    assert status == 204 and body == b"", body
+    assert headers[b"allow"] == b"GET, HEAD, POST, DELETE, OPTIONS"
+
+
+@pytest.mark.parametrize("version", ["2.0", "2", "3.0", "0.9"])
+async def test_another_major_http_version_is_505(version: str) -> None:
+    """Fresh-user run 36: a text request line ``HTTP/2.0`` was served as HTTP/1.1 (RFC 9110 15.6.6)."""
+    app = create_app(Settings())
+    status, headers, body = await _asgi(app, _scope("/v1/sessions", [(b"host", b"localhost")], http_version=version))
+    assert status == 505 and json.loads(body)["code"] == "http_version_not_supported", body
+    assert f"HTTP/{version} is not supported".encode() in body and _ID.fullmatch(headers[b"x-request-id"].decode())
 
 
 @pytest.mark.parametrize("host,why", [(b"localhost:abc", b"is not host[:port]"),
