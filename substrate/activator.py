@@ -159,6 +159,13 @@ class _DeletedMeanwhile(NotFound):
     lost to it leaves no record and answers 404 ``session_not_found`` like any call after a delete)."""
 
 
+def _elsewhere(e: SubstrateError) -> bool:
+    """Whether a create that failed with ``e`` may be placed again on another worker: the worker was past
+    its lease (``worker_fenced``) or refused the connection (``WorkerUnavailable.reached`` False), so
+    nothing of the session ran there."""
+    return e.code == "worker_fenced" or (isinstance(e, WorkerUnavailable) and not e.reached)
+
+
 def blames_tenant(e: SubstrateError) -> bool:
     """Whether a failed create or wake counts toward its tenant's circuit breaker. Not: a quota or
     fairness refusal (429), a fenced worker (the worker's lease), and an outage of the platform's own
@@ -455,8 +462,8 @@ class Activator:
         return sum(1 for sid in sids if self.may_make_room(pool, sid))
 
     def _skip_worker(self, wid: str) -> None:
-        """``wid`` answered ``worker_fenced`` (past its own lease): place elsewhere until the view's next
-        refresh shows it renewed."""
+        """``wid`` answered ``worker_fenced`` (past its own lease) or refused a connection: place
+        elsewhere until the view's next refresh shows it renewed."""
         w = self.view.workers.get(wid)
         if w is not None:
             w.leaseExpiresAt = 0.0
@@ -969,11 +976,13 @@ class Activator:
                     made.worker = done.worker
                     return done
                 except SubstrateError as e:
-                    # the worker chosen was past its own lease (a loaded machine delayed its heartbeat):
-                    # nothing of the session remains (undone), so place it again on another worker
-                    if e.code != "worker_fenced" or attempt >= self.max_fenced_retries:
+                    # the worker chosen was past its own lease (a loaded machine delayed its heartbeat), or
+                    # refused the connection (it died and its lease has not run out yet: fresh-user tester
+                    # 37 got 502 for a second after a kill -9 while other workers had free slots): nothing
+                    # of the session remains (undone), so place it again on another worker
+                    if not _elsewhere(e) or attempt >= self.max_fenced_retries:
                         raise
-                    log.info("create retried on another worker (fenced)", extra={"session": rec.id})
+                    log.info("create retried on another worker", extra={"session": rec.id, "code": e.code})
             raise AssertionError("unreachable")
 
     @property
@@ -1064,7 +1073,7 @@ class Activator:
             else:  # kept SUSPENDED by its deadline: it holds its total quota, no running one (a wake since
                 # then owns a newer epoch's place: the guard leaves it)
                 await self.release_quota(rec, epoch=epoch)
-            if isinstance(e, SubstrateError) and e.code == "worker_fenced":
+            if isinstance(e, SubstrateError) and _elsewhere(e):
                 self._skip_worker(worker.id)  # the worker's doing, not the tenant's: retried elsewhere
             elif isinstance(e, SubstrateError) and blames_tenant(e):
                 self.breaker.failure(rec.tenant, rec.actorTemplate)

@@ -176,9 +176,12 @@ class ResumeTimeout(TemporaryError):
 
 
 class WorkerUnavailable(SubstrateError):
-    """The worker hosting the session died or stopped answering mid-request."""
+    """The worker hosting the session died or stopped answering mid-request. ``reached`` is False when
+    the call never got to the worker (its connection was refused): nothing ran there, so the caller may
+    place the same work on another worker."""
 
     status, code = 502, "worker_unavailable"
+    reached = True
 
 
 class SnapshotCorrupt(SubstrateError):

@@ -115,7 +115,9 @@ class WorkerClient:
                         raise error_from(resp.status, body)
                     return body
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
-                raise E.WorkerUnavailable(f"the session's worker did not answer: {E.public_detail(e)}") from e
+                err = E.WorkerUnavailable(f"the session's worker did not answer: {E.public_detail(e)}")
+                err.reached = not isinstance(e, aiohttp.ClientConnectorError)  # refused: nothing was sent
+                raise err from e
         raise AssertionError("unreachable")
 
     async def token_refused(self) -> bool:

@@ -14,7 +14,7 @@ import pytest
 from substrate.activator import Activator, WorkerView
 from tests.integration.fakes import RecordingBackend
 from substrate.directory import Directory
-from substrate.errors import SubstrateError
+from substrate.errors import NotFound, SubstrateError, WorkerUnavailable
 from substrate.models import SessionRecord, SessionState, WorkerRecord
 from substrate.settings import Settings
 from substrate.specs import load_documents
@@ -33,6 +33,10 @@ class Workers:
     def __init__(self, d: Directory) -> None:
         self.d = d
         self.fence: set[str] = set()
+        #: addresses whose connection is refused (a worker killed, its lease not yet out), or whose
+        #: connection is lost after the call was sent (``lose``)
+        self.refuse: set[str] = set()
+        self.lose: set[str] = set()
         self.activated: list[tuple[str, str]] = []  # (address, session)
         self.suspended: list[str] = []
         self.reasons: list[str] = []  # what each suspend told the worker (the record's suspendReason)
@@ -44,6 +48,10 @@ class Workers:
         if address in self.fence:
             err = SubstrateError(f"worker at {address} is past its lease", code="worker_fenced", retry_after_s=1)
             err.status = 503
+            raise err
+        if address in self.refuse or address in self.lose:
+            err = WorkerUnavailable("the session's worker did not answer: ClientConnectorError")
+            err.reached = address in self.lose
             raise err
         self.activated.append((address, session))
         return {}
@@ -150,6 +158,28 @@ async def test_a_create_on_a_fenced_worker_is_placed_on_another_and_never_answer
         await act.view.refresh()  # the fenced worker comes back into the view: it must be skipped again
     assert await d.worker_slots("a") == {}, "the fenced worker holds no slot of a retried create"
     assert all(addr == "http://b" for addr, _ in workers.activated)
+
+
+async def test_a_create_on_a_worker_that_refuses_connections_is_placed_on_another(env):
+    """Fresh-user tester 37: for about a second after a worker's kill -9 (its lease not yet out) creates
+    placed on it were answered 502 ``worker_unavailable`` while another worker had free slots. A refused
+    connection ran nothing: the create is placed again elsewhere. A call lost after it was sent is not
+    (the worker may have started the session: the caller is told)."""
+    d, act, workers = env
+    await _worker(d, "a", slots=4)
+    await _worker(d, "b", slots=4)
+    await act.view.refresh()
+    workers.refuse = {"http://a"}
+    for i in range(3):
+        rec = await act.create(_new(f"r{i}"), CATALOG.template("counter"))
+        assert rec.state == SessionState.RUNNING and rec.worker == "b"
+        await act.view.refresh()  # the dead worker's record is still in the view: skipped again
+    assert await d.worker_slots("a") == {}
+    workers.refuse, workers.lose = set(), {"http://a", "http://b"}
+    with pytest.raises(WorkerUnavailable):
+        await act.create(_new("lost"), CATALOG.template("counter"))
+    with pytest.raises(NotFound):
+        await d.get_session("lost")  # undone, not retried
 
 
 async def test_a_create_on_fenced_workers_only_still_answers_after_bounded_retries(env):

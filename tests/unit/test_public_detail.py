@@ -68,6 +68,7 @@ async def test_an_unreachable_worker_is_502_without_its_address() -> None:
         await client.close()
     assert e.value.status == 502 and str(port) not in e.value.message and "127.0.0.1" not in e.value.message
     assert e.value.message.startswith("the session's worker did not answer: ClientConnectorError")
+    assert e.value.reached is False, "refused: nothing was sent, the caller may place the work elsewhere"
 
 
 def test_a_store_failure_names_the_failure_not_the_endpoint() -> None:
