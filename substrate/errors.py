@@ -31,7 +31,7 @@ def clip(value: object, limit: int = ECHO_LIMIT, *, quote: bool = True) -> str:
 #: ":" or "." (so "I/O", "1/2" and relative object keys stay)
 _INTERNAL = re.compile(
     r"\('[^']*', \d+(?:, \d+, \d+)?\)"  # a socket address as Python prints it: ('10.0.0.3', 6379)
-    r"|[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()]+"  # a URL
+    r"|[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>(),;]+"  # a URL (a sentence's "," or ";" after it stays)
     r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"  # [IPv6]:port
     r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # IPv4[:port]
     r"|\b(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d{1,5}\b"  # host:port
@@ -88,7 +88,12 @@ class SubstrateError(Exception):
             self.retry_after_s = retry_after_s
 
     def to_dict(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        """The error's body, ``{"code", "message"[, "details"]}``. A 5xx is a failure of the runtime's own
+        parts: its message goes out with every address, URL and absolute path as ``<internal>``
+        (``hide_internal``), whichever code raised it (fresh-user tester 37: a missing snapshot's 503
+        named ``s3://bucket/prefix`` and a local store's folder); the exception keeps the whole text."""
+        message = hide_internal(self.message) if self.status >= 500 else self.message
+        body: dict[str, Any] = {"code": self.code, "message": message}
         if self.details:
             body["details"] = self.details
         return body

@@ -75,3 +75,18 @@ def test_a_store_failure_names_the_failure_not_the_endpoint() -> None:
     err = _unavailable("get", "sessions/s1/3.tar", OSError("Could not connect to http://127.0.0.1:5000/b"))
     assert err.status == 503 and "127.0.0.1" not in err.message
     assert err.message == "snapshot store unavailable during get of 'sessions/s1/3.tar': OSError: Could not connect to <internal>"
+
+
+def test_every_5xx_body_hides_where_the_deployment_keeps_things_and_a_4xx_keeps_its_message() -> None:
+    """Tester 37: a missing snapshot's 503 named ``s3://bucket/prefix`` (and a local store's folder), a
+    message no ``public_detail`` call covered; every 5xx body is now cleaned where it is written."""
+    from substrate.errors import InvalidInput, StoreUnavailable
+
+    err = StoreUnavailable("snapshot object 'snapshots/s1/1.tar' is missing from s3://b/snapshots; "
+                           "or from file:///var/lib/substrate/snapshots")
+    body = err.to_dict()
+    assert body["message"] == ("snapshot object 'snapshots/s1/1.tar' is missing from <internal>; "
+                               "or from <internal>")
+    assert "s3://b" in err.message, "the exception (and the log) keeps the whole text"
+    assert b"<internal>" in err.to_json()
+    assert InvalidInput("path /v1/x is not a route").to_dict()["message"] == "path /v1/x is not a route"
