@@ -37,8 +37,9 @@ from api.hotpath import INVOKE_PATH, SubstrateAPI, endpoint
 from api.errors_doc import DEFAULT_STATUSES, ROUTE_STATUSES, openapi_error_schema, responses_for
 from api.runtime import Runtime
 from substrate import metrics
+from substrate.serving import ANSWERED_BY_SERVER
 from substrate.apikeys import check_tenant
-from api.guard import Guard, encoded_slash, request_id_of
+from api.guard import CLIENT_GONE, Guard, encoded_slash, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
@@ -364,7 +365,7 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status = 0  # no answer sent (yet)
 
         async def send_status(message: dict[str, Any]) -> None:
             nonlocal status
@@ -380,13 +381,23 @@ class RequestCounter:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = getattr(scope.get("route"), "path", None)
-            if route is None:  # answered before routing (the front door), or a path no route serves
-                route = self._match(scope)
-            counter = self._counters.get((route, status))
-            if counter is None:  # bounded: the routes' templates (and "unmatched") times the statuses sent
-                counter = self._counters[(route, status)] = metrics.REQUESTS_TOTAL.labels(route=route, code=str(status))
-            counter.inc()
+            # the protocol answered (and counted) it itself: what the app sent was dropped
+            if not scope.get(ANSWERED_BY_SERVER):
+                self._count(scope, status)
+
+    def _count(self, scope: dict[str, Any], status: int) -> None:
+        """Count one answer of ``status`` under ``scope``'s route; ``status`` 0 (nothing answered) is 499
+        when the client went away first (as nginx logs it; tester 37: a body cut short counted as a
+        server error), else 500 (the app failed before it could answer)."""
+        if not status:
+            status = 499 if scope.get(CLIENT_GONE) else 500
+        route = getattr(scope.get("route"), "path", None)
+        if route is None:  # answered before routing (the front door), or a path no route serves
+            route = self._match(scope)
+        counter = self._counters.get((route, status))
+        if counter is None:  # bounded: the routes' templates (and "unmatched") times the statuses sent
+            counter = self._counters[(route, status)] = metrics.REQUESTS_TOTAL.labels(route=route, code=str(status))
+        counter.inc()
 
 
     def _match(self, scope: dict[str, Any]) -> str:

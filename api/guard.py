@@ -228,6 +228,13 @@ async def _answer(send: Send, status: int, code: str, message: str,
     await send({"type": "http.response.body", "body": body})
 
 
+#: scope keys (ASGI extensions) ``api.app.RequestCounter`` reads: the client went away before an answer
+#: (``CLIENT_GONE``: counted as code 499, as nginx logs it, not as the 500 of an app that sent nothing),
+#: or the HTTP protocol already answered the request itself (``substrate.serving.ANSWERED_BY_SERVER``:
+#: not counted again)
+CLIENT_GONE = "substrate.client_gone"
+
+
 def body_arrived(receive: Receive) -> bool:
     """Whether ``receive`` (uvicorn's, for this request) will give the request's whole body at once,
     without waiting: the parser has the whole message (uvicorn sets the cycle's ``message_event`` and
@@ -630,6 +637,8 @@ class Guard:
                 while True:
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
+                        # nothing to answer: counted as the client's doing, not as a 500 (tester 37)
+                        scope[CLIENT_GONE] = True
                         return
                     body = msg.get("body", b"")
                     size += len(body)

@@ -831,3 +831,47 @@ def test_a_request_line_of_another_major_http_version_is_505_and_changes_nothing
             status, created, _ = _read_answer(s, expect_close=False)
         assert status == 201, created
         a.delete(f"/v1/sessions/{created['id']}")
+
+
+def _requests_counted(rt: RuntimeProc, route: str, code: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{rt.url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "agent_substrate_requests"
+               for s in fam.samples if s.name == "agent_substrate_requests_total"
+               and s.labels.get("route") == route and s.labels.get("code") == code)
+
+
+def test_a_transfer_coding_the_parser_refuses_is_answered_once_counted_once_and_logs_no_error(
+        rt: RuntimeProc) -> None:
+    """Fresh-user tester 37: ``Transfer-Encoding: gzip`` (not ending in chunked: no body length) got the
+    documented 400 from the HTTP parser, but the front door's 501 for the same request then failed on the
+    half-closed connection ("Cannot call write() after write_eof()", an ERROR traceback per request,
+    from anyone, no credentials needed) and was counted too: 400 ``unparsed`` and 501 ``/v1/sessions``."""
+    unparsed, front = _requests_counted(rt, "unparsed", "400"), _requests_counted(rt, "/v1/sessions", "501")
+    logged = len(rt.logs())
+    for _ in range(3):
+        status, err, closed = _raw(rt, "POST /v1/sessions HTTP/1.1\nHost: t\nContent-Type: application/json\n"
+                                   "Transfer-Encoding: gzip\n", b"")
+        assert (status, err["code"], closed) == (400, "bad_request", True), err
+    assert _requests_counted(rt, "unparsed", "400") == unparsed + 3
+    assert _requests_counted(rt, "/v1/sessions", "501") == front, "the front door's answer was not counted too"
+    time.sleep(0.5)  # what the dropped answer would have logged is logged by now
+    since = rt.logs()[logged:]
+    assert "write_eof" not in since and "Exception in ASGI application" not in since, since[-2000:]
+
+
+def test_a_client_that_goes_away_mid_body_is_counted_499_not_as_a_server_error(rt: RuntimeProc) -> None:
+    """Tester 37: a body cut short by the client's close was counted ``code="500"``, which a 5xx alert
+    reads as the server's failure."""
+    before = (_requests_counted(rt, "/v1/sessions", "499"), _requests_counted(rt, "/v1/sessions", "500"))
+    with socket.create_connection(("127.0.0.1", rt.port), timeout=30) as s:
+        s.sendall((f"POST /v1/sessions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY_A}\r\n"
+                   "Content-Type: application/json\r\nContent-Length: 27\r\n\r\n{\"actorT").encode())
+        time.sleep(0.3)
+    for _ in range(100):  # counted once the front door saw the disconnect
+        if _requests_counted(rt, "/v1/sessions", "499") > before[0]:
+            break
+        time.sleep(0.05)
+    assert (_requests_counted(rt, "/v1/sessions", "499"), _requests_counted(rt, "/v1/sessions", "500")) == \
+        (before[0] + 1, before[1])
