@@ -36,9 +36,11 @@ _BY_CODE: dict[str, type[E.SubstrateError]] = {
 }
 
 
-def error_from(status: int, body: Any) -> E.SubstrateError:
-    """Rebuild a ``SubstrateError`` from a worker's error answer (status, parsed JSON body). A numeric
-    ``details.retry_after_s`` (0 < s <= 3600) becomes the error's ``Retry-After``."""
+def error_from(status: int, body: Any, retry_after: str | None = None) -> E.SubstrateError:
+    """Rebuild a ``SubstrateError`` from a worker's error answer (status, parsed JSON body, its
+    ``Retry-After`` header). A numeric ``details.retry_after_s`` (0 < s <= 3600) becomes the error's
+    ``Retry-After``; else the worker's header does, for an error whose class has none (tester 37: the
+    worker's 503 ``suspend_timeout`` said ``Retry-After: 1``, the router's answer said nothing)."""
     code = body.get("code", "worker_error") if isinstance(body, dict) else "worker_error"
     message = body.get("message", str(body)) if isinstance(body, dict) else str(body)
     cls = _BY_CODE.get(code, E.SubstrateError)
@@ -47,6 +49,9 @@ def error_from(status: int, body: Any) -> E.SubstrateError:
     hint = err.details.get("retry_after_s")  # a wait the worker knows better than the default (a grace)
     if isinstance(hint, (int, float)) and not isinstance(hint, bool) and 0 < hint <= 3600:
         err.retry_after_s = float(hint)
+    elif err.retry_after_s is None and retry_after is not None and retry_after.strip().isdigit() \
+            and 0 < int(retry_after) <= 3600:
+        err.retry_after_s = float(int(retry_after))
     if cls is E.SubstrateError:
         err.status = status if status >= 400 else 502
     return err
@@ -112,7 +117,7 @@ class WorkerClient:
                             continue
                         raise token_refused_error(address, body)
                     if resp.status >= 400:
-                        raise error_from(resp.status, body)
+                        raise error_from(resp.status, body, resp.headers.get("Retry-After"))
                     return body
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 err = E.WorkerUnavailable(f"the session's worker did not answer: {E.public_detail(e)}")
