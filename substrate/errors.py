@@ -39,6 +39,12 @@ _INTERNAL = re.compile(
 )
 
 
+#: codes of failures of the runtime's own parts (Redis, the snapshot store, a worker, a bug): their
+#: messages reach clients through ``hide_internal`` (``SubstrateError.to_dict``)
+INFRA_CODES = frozenset({"directory_unavailable", "snapshot_store_unavailable", "worker_unavailable",
+                         "worker_error", "activation_failed", "internal"})
+
+
 def hide_internal(text: str) -> str:
     """``text`` with every URL, address (``host:port``, IPv4, IPv6, a socket address tuple) and absolute
     path put as ``<internal>`` (see ``public_detail``)."""
@@ -88,11 +94,13 @@ class SubstrateError(Exception):
             self.retry_after_s = retry_after_s
 
     def to_dict(self) -> dict[str, Any]:
-        """The error's body, ``{"code", "message"[, "details"]}``. A 5xx is a failure of the runtime's own
-        parts: its message goes out with every address, URL and absolute path as ``<internal>``
-        (``hide_internal``), whichever code raised it (fresh-user tester 37: a missing snapshot's 503
-        named ``s3://bucket/prefix`` and a local store's folder); the exception keeps the whole text."""
-        message = hide_internal(self.message) if self.status >= 500 else self.message
+        """The error's body, ``{"code", "message"[, "details"]}``. An error of ``INFRA_CODES`` is a failure
+        of the runtime's own parts: its message goes out with every address, URL and absolute path as
+        ``<internal>`` (``hide_internal``), wherever it was raised (fresh-user tester 37: a missing
+        snapshot's 503 named ``s3://bucket/prefix`` and a local store's folder); the exception keeps the
+        whole text. Other errors keep theirs: an agent's failure to start names the template's own
+        command and the sandbox's folders, which are the tenant's to know."""
+        message = hide_internal(self.message) if self.code in INFRA_CODES else self.message
         body: dict[str, Any] = {"code": self.code, "message": message}
         if self.details:
             body["details"] = self.details

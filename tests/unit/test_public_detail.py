@@ -77,10 +77,11 @@ def test_a_store_failure_names_the_failure_not_the_endpoint() -> None:
     assert err.message == "snapshot store unavailable during get of 'sessions/s1/3.tar': OSError: Could not connect to <internal>"
 
 
-def test_every_5xx_body_hides_where_the_deployment_keeps_things_and_a_4xx_keeps_its_message() -> None:
+def test_a_failure_of_the_runtimes_parts_hides_where_they_are_and_other_errors_keep_their_text() -> None:
     """Tester 37: a missing snapshot's 503 named ``s3://bucket/prefix`` (and a local store's folder), a
-    message no ``public_detail`` call covered; every 5xx body is now cleaned where it is written."""
-    from substrate.errors import InvalidInput, StoreUnavailable
+    message no ``public_detail`` call covered; the bodies of ``INFRA_CODES`` errors are cleaned where they
+    are written. An agent that cannot start names the template's own command: that stays."""
+    from substrate.errors import InvalidInput, StoreUnavailable, SubstrateError
 
     err = StoreUnavailable("snapshot object 'snapshots/s1/1.tar' is missing from s3://b/snapshots; "
                            "or from file:///var/lib/substrate/snapshots")
@@ -90,3 +91,5 @@ def test_every_5xx_body_hides_where_the_deployment_keeps_things_and_a_4xx_keeps_
     assert "s3://b" in err.message, "the exception (and the log) keeps the whole text"
     assert b"<internal>" in err.to_json()
     assert InvalidInput("path /v1/x is not a route").to_dict()["message"] == "path /v1/x is not a route"
+    agent = SubstrateError("command '/opt/x' not found inside the sandbox", code="agent_start_failed")
+    assert agent.to_dict()["message"] == "command '/opt/x' not found inside the sandbox"

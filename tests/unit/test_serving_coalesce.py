@@ -109,11 +109,18 @@ async def test_writes_of_one_turn_are_joined_and_ending_the_connection_sends_or_
     c.write(b"last")
     c.write_eof()  # what is kept goes out before the end of the stream
     assert t.writes[-1] == b"last" and t.calls == ["write_eof"]
-    c.write(b"bye")
+    c.write(b"bye")  # after the end of the stream: the transport would raise (tester 37's traceback)
     c.close()
-    assert t.writes[-1] == b"bye" and t.calls == ["write_eof", "close"]
+    assert t.writes[-1] == b"last" and t.calls == ["write_eof", "close"]
     await asyncio.sleep(0)
-    assert t.writes[-1] == b"bye"  # the flush scheduled earlier sends nothing twice
+    assert t.writes[-1] == b"last"  # dropped, not sent by the flush scheduled earlier either
+    t4 = Recording()
+    c4 = CoalescingTransport(t4, loop)
+    c4.write(b"bye")
+    c4.close()  # what is kept goes out before the close
+    assert t4.writes == [b"bye"] and t4.calls == ["close"]
+    await asyncio.sleep(0)
+    assert t4.writes == [b"bye"]  # the flush scheduled earlier sends nothing twice
 
     t2 = Recording()
     c2 = CoalescingTransport(t2, loop)
