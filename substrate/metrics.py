@@ -213,7 +213,9 @@ REQUESTS_TOTAL = Counter(
     ["route", "code"],
 )
 """Answered requests, labelled ``route`` (the route template, e.g. ``/v1/sessions/{id}/invoke``, never
-the raw path) and ``code`` (HTTP status as a string)."""
+the raw path) and ``code`` (HTTP status as a string; ``499`` when the client went away before an answer,
+as nginx logs it: not a server error). A request the HTTP protocol refused before the app could answer it
+is counted once, under ``route="unparsed"``."""
 
 PROXY_DURATION_SECONDS = Histogram(
     "agent_substrate_proxy_duration_seconds",
