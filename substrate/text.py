@@ -18,8 +18,10 @@ BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u206
 #: format characters that show as nothing and join or shape nothing: a value holding one looks the same
 #: as one without it ("team=prod" and "team=pro\u200bd"; fresh-user tester 35). Soft hyphen, Mongolian
 #: vowel separator, zero width space, word joiner and the invisible operators, zero width no-break space
-#: (BOM). Zero width (non-)joiners U+200C/U+200D stay: Persian, Indic scripts and emoji sequences need them
-INVISIBLE = frozenset("\u00ad\u180e\u200b\u2060\u2061\u2062\u2063\u2064\ufeff")
+#: (BOM), the Hangul fillers (tester 38). Zero width (non-)joiners U+200C/U+200D and the tag characters stay:
+#: Persian, Indic scripts and emoji sequences need them, but a text made of format characters alone
+#: (Unicode Cf: a lone joiner) shows as nothing and is refused (``unprintable``)
+INVISIBLE = frozenset("\u00ad\u115f\u1160\u180e\u200b\u2060\u2061\u2062\u2063\u2064\u3164\ufeff\uffa0")
 
 
 def unprintable(s: str) -> str | None:
@@ -28,6 +30,8 @@ def unprintable(s: str) -> str | None:
     for ch in s:
         if ch in BIDI_CONTROLS or ch in INVISIBLE or unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs"):
             return f"U+{ord(ch):04X}"
+    if s and all(unicodedata.category(ch) == "Cf" for ch in s):  # a lone joiner, tag characters only
+        return f"U+{ord(s[0]):04X}"
     return None
 
 

@@ -52,6 +52,9 @@ def test_the_stated_limits_are_the_checked_ones(labels_schema: dict) -> None:
     ("tab\there", False), ("new\nline", False), ("esc\x1b[31m", False), ("del\x7f", False),
     # invisible: "pro\u200bd" reads as "prod" (fresh-user tester 35)
     ("pro\u200bd", False), ("\ufeffprod", False), ("pr\u2060od", False), ("soft\u00adhyphen", False),
+    # tester 38: a Hangul filler, and text of format characters alone (a lone joiner, tag characters)
+    ("a\u3164b", False), ("\u200d", False), ("\u200c\u200d", False), ("\U000e0041\U000e0042", False),
+    ("a\u200db", True),
 ])
 def test_label_values_refuse_what_changes_how_text_is_shown(value: str, ok: bool) -> None:
     """A fresh-user run set U+202E (right-to-left override) and U+2028 as label values; the CLI's table
