@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator, Callable, Iterable
 from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -43,7 +43,7 @@ from api.guard import CLIENT_GONE, Guard, encoded_slash, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
 from substrate.listing import list_page
-from substrate.loops import LAG_COUNT_OVER_S
+from substrate.loops import LagCounts
 from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_HINT, SESSION_ID_RE, SessionRecord, SessionState
 from substrate.settings import Settings, get_settings
 from substrate.text import text_ok, unprintable
@@ -310,19 +310,19 @@ _METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 def allowed_methods(routes: list[Any], scope: dict[str, Any]) -> str:
     """The ``Allow`` header of the request's path: the methods of every route serving it (one path can be
     served by several routes, e.g. GET and DELETE ``/v1/sessions/{sid}``), HEAD with GET, and OPTIONS."""
-    methods = {"OPTIONS"}
-    for r in routes:
-        if isinstance(r, Route) and r.methods and r.matches(scope)[0] != Match.NONE:
-            methods |= r.methods
-    if "GET" in methods:
-        methods.add("HEAD")
-    return ", ".join([m for m in _METHOD_ORDER if m in methods] + sorted(methods - set(_METHOD_ORDER)))
+    return _allow(r.methods for r in routes
+                  if isinstance(r, Route) and r.methods and r.matches(scope)[0] != Match.NONE)
 
 
 def server_methods(routes: list[Any]) -> str:
     """The ``Allow`` header of ``OPTIONS *``: every method some route of ``routes`` takes, HEAD with GET,
     and OPTIONS, in ``_METHOD_ORDER``."""
-    methods = {"OPTIONS"}.union(*(r.methods for r in routes if isinstance(r, Route) and r.methods))
+    return _allow(r.methods for r in routes if isinstance(r, Route) and r.methods)
+
+
+def _allow(method_sets: Iterable[set[str]]) -> str:
+    """An ``Allow`` header of the union of ``method_sets``, OPTIONS, and HEAD with GET, in ``_METHOD_ORDER``."""
+    methods = {"OPTIONS"}.union(*method_sets)
     if "GET" in methods:
         methods.add("HEAD")
     return ", ".join([m for m in _METHOD_ORDER if m in methods] + sorted(methods - set(_METHOD_ORDER)))
@@ -866,9 +866,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 "workerSeconds": s.get("workerSeconds", 0.0), "slotSeconds": s.get("slotSeconds", 0.0),
                 "processSeconds": s.get("processSeconds", 0.0), "parked": rt.activator.parked,
                 # the workers' event-loop lag probes since the directory was created (substrate.loops.LagCounts)
-                "workerLoopLag": {"probes": int(s.get("workerLoopLagProbes", 0)),
-                                  **{f"over{round(b * 1000)}ms": int(s.get(f"workerLoopLagOver{round(b * 1000)}ms", 0))
-                                     for b in LAG_COUNT_OVER_S}},
+                "workerLoopLag": LagCounts.totals(s),
                 "routeCacheEntries": len(rt.routes), **out}
 
     @app.get("/metrics", include_in_schema=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,14 @@ class LagCounts:
         ``...Over10ms``, ``...Over25ms``."""
         return {"workerLoopLagProbes": self.probes,
                 **{f"workerLoopLagOver{round(b * 1000)}ms": n for b, n in zip(LAG_COUNT_OVER_S, self.over)}}
+
+    @staticmethod
+    def totals(stats: Mapping[str, float]) -> dict[str, int]:
+        """The fleet's counts in the directory's ``stats`` (fields of ``fields()``, added up) as ``/v1/stats``
+        shows them: ``{"probes", "over5ms", "over10ms", "over25ms"}``."""
+        return {"probes": int(stats.get("workerLoopLagProbes", 0)),
+                **{f"over{round(b * 1000)}ms": int(stats.get(f"workerLoopLagOver{round(b * 1000)}ms", 0))
+                   for b in LAG_COUNT_OVER_S}}
 
     def take(self, fields: dict[str, int]) -> None:
         """Subtract ``fields`` (a ``fields()`` reported since) from the counts."""

@@ -260,9 +260,7 @@ async def test_a_wake_that_waited_for_a_slot_in_vain_while_a_delete_went_through
     stale = await d.get_session("s1")
     settings = Settings()
     audit = AuditLog(d.redis, d.keys, settings.audit)
-    view = WorkerView(d, 60)
-    await view.refresh()
-    router = Activator(settings, d, CATALOG, Workers(), view, audit=audit)  # type: ignore[arg-type]
+    (router,) = await _routers(d, Workers(), settings, audit, n=1)
     deleting = False
 
     async def no_slot(rec: SessionRecord, pin: str | None) -> Any:

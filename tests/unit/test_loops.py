@@ -187,3 +187,14 @@ def test_lag_counts_count_probes_over_each_bound_and_give_back_what_was_reported
     c.take(sent)
     assert c.fields() == {"workerLoopLagProbes": 1, "workerLoopLagOver5ms": 1, "workerLoopLagOver10ms": 1,
                           "workerLoopLagOver25ms": 1}
+
+
+def test_lag_totals_read_back_what_the_heartbeats_added() -> None:
+    from substrate.loops import LagCounts
+
+    c = LagCounts()
+    for lag_s in (0.001, 0.006, 0.03):
+        c.observe(lag_s)
+    stats = {k: float(v) for k, v in c.fields().items()} | {"slotSeconds": 5.0}
+    assert LagCounts.totals(stats) == {"probes": 3, "over5ms": 2, "over10ms": 1, "over25ms": 1}
+    assert LagCounts.totals({}) == {"probes": 0, "over5ms": 0, "over10ms": 0, "over25ms": 0}
