@@ -484,41 +484,24 @@ async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, header
     (``api.workerhttp``: the whole answer), a streamed one (or an ``https://`` worker) over aiohttp (the
     answer's headers; its body is relayed as it comes). Raises aiohttp's or ``api.workerhttp``'s
     connection errors, ``TimeoutError``, and ``_LeaseLost`` if the worker's lease runs out while we wait
-    (a frozen worker would otherwise hold the request for the whole invoke timeout).
-
-    The watch is a timer on the loop, re-armed every ``check_s`` while the call waits, that cancels this
-    task when the lease is gone: on the hot path (an answer within ``check_s``) it costs one
-    ``call_later`` and one ``cancel``, where a watcher task and ``asyncio.wait`` cost a task, a future
-    and their callbacks per request."""
+    (a frozen worker would otherwise hold the request for the whole invoke timeout): the call is watched
+    by the router's ``api.leasewatch.LeaseWatch`` (a set insertion and removal per turn, no timer)."""
     task = asyncio.current_task()
     assert task is not None
-    loop = asyncio.get_running_loop()
-    grace = runtime.settings.worker.lease_grace_s
-    check_s = max(0.25, runtime.settings.api.worker_refresh_s)
-    lost = False
-
-    def check() -> None:
-        nonlocal lost, handle
-        w = runtime.view.workers.get(route.worker)
-        if w is None or w.leaseExpiresAt + grace < time.time():
-            lost = True
-            task.cancel()
-        else:
-            handle = loop.call_later(check_s, check)
-
-    handle = loop.call_later(check_s, check)
+    watch = runtime.lease_watch
+    watch.add(route.worker, task)
     try:
         if not stream and WorkerHTTP.supports(route.address):
             return await runtime.worker_http.post(route.address, path, body, headers,
                                                   runtime.settings.api.invoke_timeout_s)
         return await runtime.http.post(route.address + path, data=body, headers=headers)
     except asyncio.CancelledError:
-        # ours (the lease ran out) unless something else cancelled the request too (a server stop)
-        if lost and task.uncancel() == 0:
+        # the watch's (the lease ran out) unless something else cancelled the request too (a server stop)
+        if task in watch.lost and task.uncancel() == 0:
             raise _LeaseLost(route.worker) from None
         raise
     finally:
-        handle.cancel()
+        watch.discard(route.worker, task)
 
 
 async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid: str, key: str,

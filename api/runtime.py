@@ -18,6 +18,7 @@ import aiohttp
 
 from api.auth import AUTH_CLOSED_MARKER, Authenticator
 from api.proxy import RouteCache
+from api.leasewatch import LeaseWatch
 from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
 from snapshot.guard import GuardedStore
@@ -60,6 +61,9 @@ class Runtime:
     routes: RouteCache = field(default_factory=RouteCache)
     #: the invoke hot path's client for plain-JSON turns (``api.workerhttp``); ``http`` serves the rest
     worker_http: WorkerHTTP = field(default_factory=WorkerHTTP)
+    #: turns in flight, abandoned when their worker's lease runs out (``api.leasewatch``): made from
+    #: ``view`` and the settings
+    lease_watch: LeaseWatch = field(init=False)
     state_manager: StateManager | None = None
     pools: PoolController | None = None
     kube_catalog: Any = None
@@ -69,6 +73,11 @@ class Runtime:
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     #: this process holds its snapshot store in the directory (``substrate.storeloc.hold``): let go at stop
     _holding_store: bool = False
+
+    def __post_init__(self) -> None:
+        # a call is checked as often as the view is read again (its leases change no faster), 4x/s at most
+        self.lease_watch = LeaseWatch(self.view, grace_s=self.settings.worker.lease_grace_s,
+                                      check_s=max(0.25, self.settings.api.worker_refresh_s))
 
     @classmethod
     async def build(cls, settings: Settings, *, embedded: bool = True, catalog: Catalog | None = None) -> "Runtime":
@@ -220,6 +229,7 @@ class Runtime:
             self.kube_catalog.stop()
         await self.http.close()
         await self.worker_http.close()
+        self.lease_watch.close()
         await self.client.close()
         await self.directory.close()
 

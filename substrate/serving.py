@@ -224,9 +224,17 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     way (bytes are parsed in pieces no longer than the head may still grow, and a piece that ends inside
     the head is counted: exact whatever the chunking, and a body never counts). Idle
     keep-alive connections stay under uvicorn's own ``timeout_keep_alive``; bodies under the API's
-    ``api.body_read_timeout_s`` (``api/guard.py``). Cost: one ``call_later`` and one ``cancel`` per
-    request (microseconds). Answers are written through a :class:`CoalescingTransport`. Build it with
-    :func:`header_timeout_protocol`.
+    ``api.body_read_timeout_s`` (``api/guard.py``).
+
+    The deadline is kept lazily, as a coarse timer (the way event-driven servers keep per-connection
+    timeouts without a timer operation per request): a request's first byte only records when its head
+    began, and one timer per connection is armed only when none is. When it fires it looks: a head still
+    being read past its deadline is answered 408; one still within it re-arms the timer for what is
+    left; no head being read lets the timer lapse, and the next request arms it again. On a kept-alive
+    connection serving request after request that is one timer every ``header_read_timeout_s`` instead
+    of a ``call_later`` and a ``cancel`` per request (a saturated router armed and cancelled four timers
+    per turn, the floor proxy two: 2026-12-07 profile). Answers are written through
+    a :class:`CoalescingTransport`. Build it with :func:`header_timeout_protocol`.
     """
 
     header_read_timeout_s: float = 10.0
@@ -238,18 +246,30 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     #: an answer was sent and the connection is lingering: incoming bytes are dropped, not parsed
     _discarding: bool = False
     _linger: asyncio.TimerHandle | None = None
+    #: the loop time (s) at which the head being read began (``_in_head``)
+    _head_began: float = 0.0
 
-    def _arm(self) -> None:
+    def _begin_head(self) -> None:
+        self._in_head, self._head_bytes = True, 0
+        self._head_began = self.loop.time()
         if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.header_read_timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_later(self.header_read_timeout_s, self._head_check)
 
     def _disarm(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_timed_out(self) -> None:
+    def _head_check(self) -> None:
+        """The connection's timer fired (class docstring): 408 for a head past its deadline, the timer
+        again for one still within it, nothing while no head is being read."""
         self._head_timer = None
+        if not self._in_head or self._discarding:
+            return
+        left_s = self._head_began + self.header_read_timeout_s - self.loop.time()
+        if left_s > 0:
+            self._head_timer = self.loop.call_later(left_s, self._head_check)
+            return
         self._reject(_timeout_answer(self.header_read_timeout_s))
 
     def _reject(self, answer: bytes) -> None:
@@ -282,17 +302,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Any) -> None:  # noqa: D102
         super().connection_made(CoalescingTransport(transport, self.loop))
-        self._in_head, self._head_bytes = True, 0
-        self._arm()
+        self._begin_head()
 
     def on_message_begin(self) -> None:  # noqa: D102
         super().on_message_begin()
-        self._in_head, self._head_bytes = True, 0
-        self._arm()
+        self._begin_head()
 
     def on_headers_complete(self) -> None:  # noqa: D102
-        self._in_head = False
-        self._disarm()
+        self._in_head = False  # the timer, if armed, lapses when it fires (class docstring)
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:  # noqa: D102

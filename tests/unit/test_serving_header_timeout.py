@@ -251,3 +251,57 @@ def test_a_later_request_on_a_keep_alive_connection_is_bounded_too() -> None:
             task.cancel()
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
+
+
+def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection() -> None:
+    """The deadline is kept lazily (``HeaderTimeoutProtocol``'s docstring): a request's first byte only
+    records when its head began, the connection's one timer is not re-armed per request, and when it fires
+    it re-arms for a head still within its deadline, answers 408 for one past it, and lapses between
+    requests. Driven by hand on a loop whose clock the test sets (nothing runs: the timer's callback is
+    called as the loop would call it)."""
+    loop = asyncio.new_event_loop()
+    now = [100.0]
+    loop.time = lambda: now[0]  # type: ignore[method-assign]
+    try:
+        cfg = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off")
+        cfg.load()
+        from uvicorn.server import ServerState
+
+        p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+        t = _Transport(p)
+        p.connection_made(t)
+        first = p._head_timer
+        assert first is not None and first.when() == 130.0  # the connection's first head: 30 s from now
+        now[0] = 101.0
+        p.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # a head in time: the timer is left armed
+        assert p._head_timer is first
+        now[0] = 120.0
+        p.data_received(b"GET / HTTP/1.1\r\nHo")  # the next head begins at 120 and stalls: not re-armed
+        assert p._head_timer is first
+        now[0] = 130.0
+        first._run()  # fires at 130 (as the loop would): this head has until 150
+        assert not t.written and p._head_timer is not None and p._head_timer.when() == 150.0
+        now[0] = 150.0
+        p._head_timer._run()
+        assert t.written.startswith(b"HTTP/1.1 408 "), t.written[:200]
+        assert p._head_timer is None
+        p.connection_lost(None)
+
+        q = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+        u = _Transport(q)
+        q.connection_made(u)
+        q.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        now[0] = 180.0
+        q._head_timer._run()  # between requests: no head is read, the timer lapses
+        assert q._head_timer is None and not u.written
+        now[0] = 185.0
+        q.data_received(b"GET / HTTP/1.1\r\nHo")  # the next head arms it again, 30 s from its first byte
+        assert q._head_timer is not None and q._head_timer.when() == 215.0
+        q.connection_lost(None)
+        assert q._head_timer is None
+    finally:
+        pending = asyncio.all_tasks(loop)  # the requests' ASGI tasks, never run
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
