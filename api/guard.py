@@ -248,6 +248,29 @@ def body_arrived(receive: Receive) -> bool:
     return event is not None and event.is_set() and getattr(cycle, "more_body", True) is False
 
 
+class _TooLarge(Exception):
+    """The request's body is over the limit (``_whole_body``)."""
+
+
+async def _whole_body(receive: Receive, limit: int) -> bytes | None:
+    """The request's whole body from ``receive`` (chunks until ``more_body`` is false), or None if the
+    client went away first. Raises ``_TooLarge`` as soon as more than ``limit`` bytes came (a chunked body
+    is read no further)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body = msg.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(body)
+        if not msg.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 _STOPPING_MESSAGE = ("the router stopped before this call's answer came; the turn may have run: retry with "
                      "the same Idempotency-Key (a turn that ran is answered again, never run twice)")
 
@@ -358,10 +381,17 @@ def rebinding(headers: dict[bytes, bytes], server: tuple[str, int] | None, allow
     came in on a loopback address (``server``: the ASGI scope's local address), else None. ``allowed``:
     further names the server answers to (any case; read only for a non-loopback ``Host``). A request
     without ``Host`` (HTTP/1.0; no browser sends one) passes."""
-    if not server or not _loopback(str(server[0]).lower()):
+    if not server:
         return None
     raw = headers.get(b"host")
     if raw is None:
+        return None
+    return _rebinding(raw, str(server[0]), tuple(allowed))
+
+
+@functools.lru_cache(maxsize=256)  # asked on every open-mode call, mostly for the same two or three values
+def _rebinding(raw: bytes, server_host: str, allowed: tuple[str, ...]) -> str | None:
+    if not _loopback(server_host.lower()):
         return None
     host = raw.decode("latin-1").strip().lower()
     name = host[1:host.find("]")] if host.startswith("[") and "]" in host else host.rpartition(":")[0] or host
@@ -509,13 +539,14 @@ class Guard:
         headers = dict(scope["headers"])  # a repeated Host, Authorization or ID is refused just below
         state["headers"] = headers  # read again by the invoke route (api.proxy.invoke), not rebuilt
         sent_id = headers.get(b"x-request-id")
-        state["request_id"], bad_id = id_of(sent_id.decode("latin-1") if sent_id is not None else None)
+        state["request_id"], bad_id = (new_request_id(), None) if sent_id is None else id_of(sent_id.decode("latin-1"))
         if b"upgrade" in headers:
             if (why := upgrade_losing_body(scope["headers"])) is not None:
                 await _answer(send, 400, "bad_request", why, scope=scope)
                 return
             send = _closing(send)
-        if (twice := repeated_header(scope["headers"])) is not None:
+        # a name given twice makes the dict shorter than the list: only then is the list looked through
+        if len(headers) != len(scope["headers"]) and (twice := repeated_header(scope["headers"])) is not None:
             name = _ONCE_NAMES[twice]
             if twice == b"x-request-id":
                 state["request_id"] = new_request_id()  # which one the client meant is unknown: echo neither
@@ -629,33 +660,25 @@ class Guard:
         # read the whole body (a chunked one at most limit + 1 bytes) by the deadline, then replay it;
         # one timeout scope for the whole read (asyncio.wait_for would make a task per chunk), and none
         # when the body is in already (nearly every turn: see body_arrived)
-        arrived = body_arrived(receive)
-        chunks: list[bytes] = []
-        size = 0
         try:
-            async with contextlib.nullcontext() if arrived else asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect":
-                        # nothing to answer: counted as the client's doing, not as a 500 (tester 37)
-                        scope[CLIENT_GONE] = True
-                        return
-                    body = msg.get("body", b"")
-                    size += len(body)
-                    if size > limit:
-                        await _answer(send, 413, "payload_too_large", f"body is over the {limit}-byte limit",
-                                      scope=scope)
-                        return
-                    chunks.append(body)
-                    if not msg.get("more_body", False):
-                        break
+            if body_arrived(receive):
+                body = await _whole_body(receive, limit)
+            else:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    body = await _whole_body(receive, limit)
+        except _TooLarge:
+            await _answer(send, 413, "payload_too_large", f"body is over the {limit}-byte limit", scope=scope)
+            return
         except TimeoutError:
             await _answer(send, 408, "request_timeout",
                           f"the request body did not arrive within {api.body_read_timeout_s:g} s; "
                           "send it whole right after the headers", scope=scope)
             return
-        replay = [{"type": "http.request", "body": chunks[0] if len(chunks) == 1 else b"".join(chunks),
-                   "more_body": False}]
+        if body is None:
+            # nothing to answer: counted as the client's doing, not as a 500 (tester 37)
+            scope[CLIENT_GONE] = True
+            return
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed() -> Message:
             return replay.pop() if replay else await receive()
