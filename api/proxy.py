@@ -469,20 +469,30 @@ async def invoke(request: Request) -> Response:
         return error_response(e)
 
 
+#: the turn's header names as the lean client writes them (``_forward``)
+_IDEMPOTENCY_NAME = IDEMPOTENCY_HEADER.encode("latin-1")
+_KEY_ORIGIN_NAME = KEY_ORIGIN_HEADER.encode("latin-1")
+
 #: the worker's answer headers relayed to the client: (lower-case name, the name as sent)
 _RELAYED_HEADERS = tuple((h.lower(), h) for h in ("X-Substrate-Restored", "X-Substrate-Restored-Snapshot-At",
                                                    "X-Substrate-Replayed"))
+_RELAYED_NAMES = frozenset(h for h, _ in _RELAYED_HEADERS)
+#: the ASGI (lower-case, encoded) names of the headers the router puts on a turn's answer
+_ASGI_NAMES = {name: name.lower().encode("latin-1") for name in (
+    "X-Substrate-Worker", "X-Substrate-Epoch", "X-Request-ID", "X-Substrate-Woke", "X-Substrate-Wake-Ms",
+    "Server-Timing", *(name for _, name in _RELAYED_HEADERS))}
 
 
 class _LeaseLost(Exception):
     """The worker of a call in flight is past its lease (plus grace): it stopped serving."""
 
 
-async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, headers: dict[str, str], stream: bool
-                ) -> aiohttp.ClientResponse | Answer:
-    """POST the turn to the worker at ``route.address + path``: a plain turn over the lean client
-    (``api.workerhttp``: the whole answer), a streamed one (or an ``https://`` worker) over aiohttp (the
-    answer's headers; its body is relayed as it comes). Raises aiohttp's or ``api.workerhttp``'s
+async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, headers: dict[str, str] | bytes,
+                lean: bool) -> aiohttp.ClientResponse | Answer:
+    """POST the turn to the worker at ``route.address + path``: with ``lean`` (a plain turn to an
+    ``http://`` worker) over the lean client (``api.workerhttp``: the whole answer; ``headers`` may be
+    lines already encoded), else over aiohttp (a streamed turn or an ``https://`` worker: the answer's
+    headers; its body is relayed as it comes; ``headers`` a dict). Raises aiohttp's or ``api.workerhttp``'s
     connection errors, ``TimeoutError``, and ``_LeaseLost`` if the worker's lease runs out while we wait
     (a frozen worker would otherwise hold the request for the whole invoke timeout): the call is watched
     by the router's ``api.leasewatch.LeaseWatch`` (a set insertion and removal per turn, no timer)."""
@@ -491,9 +501,10 @@ async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, header
     watch = runtime.lease_watch
     watch.add(route.worker, task)
     try:
-        if not stream and WorkerHTTP.supports(route.address):
+        if lean:
             return await runtime.worker_http.post(route.address, path, body, headers,
                                                   runtime.settings.api.invoke_timeout_s)
+        assert isinstance(headers, dict)
         return await runtime.http.post(route.address + path, data=body, headers=headers)
     except asyncio.CancelledError:
         # the watch's (the lease ran out) unless something else cancelled the request too (a server stop)
@@ -547,14 +558,22 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 restored = route.restored
             cache.put(sid, route)
         path = f"/v1/activations/{sid}/invoke" + ("?stream=1" if stream else "")
-        headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
-                   "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
-        if key_by_router:  # made for this router's own retry (the client learns it only from the answer):
-            # the worker evicts such keys first
-            headers[KEY_ORIGIN_HEADER] = "router"
+        lean = not stream and WorkerHTTP.supports(route.address)
+        headers: dict[str, str] | bytes
+        if lean:  # the lean client writes its request itself: the route's fixed lines are kept encoded
+            headers = (runtime.client.auth_head(route.address, sid, route.epoch, route.tenant)
+                       + b"\r\nContent-Type: application/json\r\nX-Request-ID: " + rid.encode("latin-1")
+                       + b"\r\n" + _IDEMPOTENCY_NAME + b": " + key.encode("latin-1")
+                       + (b"\r\n" + _KEY_ORIGIN_NAME + b": router" if key_by_router else b""))
+        else:
+            headers = {**runtime.client.auth_headers(route.address, sid, route.epoch, route.tenant),
+                       "Content-Type": "application/json", "X-Request-ID": rid, IDEMPOTENCY_HEADER: key}
+            if key_by_router:  # made for this router's own retry (the client learns it only from the answer):
+                # the worker evicts such keys first
+                headers[KEY_ORIGIN_HEADER] = "router"
         first = b""
         try:
-            resp = await _post(runtime, route, path, body, headers, stream)
+            resp = await _post(runtime, route, path, body, headers, lean)
             sent = True
             if _streamed(resp, stream):
                 first = await _first_bytes(resp)
@@ -621,9 +640,11 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             _count_error(err)
             return Response(error_json(err), status_code=status, headers={**_JSON, "X-Request-ID": rid})
         extra = {"X-Substrate-Worker": route.worker, "X-Substrate-Epoch": str(route.epoch), "X-Request-ID": rid}
-        for h, name in _RELAYED_HEADERS:
-            if h in resp.headers:  # lower-case: found without lowering it
-                extra[name] = resp.headers[h]
+        # an Answer's names are lower-case: one set operation tells there is none to relay (nearly every turn)
+        if not isinstance(resp, Answer) or resp.headers.keys() & _RELAYED_NAMES:
+            for h, name in _RELAYED_HEADERS:
+                if h in resp.headers:  # lower-case: found without lowering it
+                    extra[name] = resp.headers[h]
         if woke_ms is not None:
             extra["X-Substrate-Woke"] = "1"
             extra["X-Substrate-Wake-Ms"] = f"{woke_ms:.1f}"
@@ -686,8 +707,10 @@ class _Plain(Response):
         self.status_code = status_code
         self.background = None
         self.body = body
+        names = _ASGI_NAMES
         self.raw_headers = [(b"content-type", content_type.encode("latin-1")),
-                            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+                            *((names.get(k) or k.lower().encode("latin-1"), v.encode("latin-1"))
+                              for k, v in headers.items())]
         if status_code >= 200 and status_code not in (204, 304):  # as Starlette: these carry no body
             self.raw_headers.append((b"content-length", str(len(body)).encode("latin-1")))
 

@@ -185,19 +185,24 @@ class WorkerHTTP:
             self._targets[address] = t
         return t
 
-    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str],
+    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str] | bytes,
                    timeout_s: float) -> Answer:
-        """``POST address + path`` with ``body`` and ``headers``; -> the whole :class:`Answer`. Raises
-        :class:`ConnectError`, :class:`Disconnected` or ``TimeoutError`` (see the module docstring), and
-        ``ValueError`` for an address that is not ``http://``."""
+        """``POST address + path`` with ``body`` and ``headers``; -> the whole :class:`Answer`. ``headers``
+        is a dict (name -> value, latin-1 text), or the header lines already encoded, each preceded by
+        CRLF (``b"\\r\\nName: value\\r\\nOther: value"``: the router's hot path keeps its fixed ones
+        encoded per route). Raises :class:`ConnectError`, :class:`Disconnected` or ``TimeoutError`` (see
+        the module docstring), and ``ValueError`` for an address that is not ``http://``."""
         key, host = self._target(address)
         conn = self._take(key)
         if conn is None:
             conn = await self._connect(key)
         head = [b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nHost: ", host,
                 b"\r\nContent-Length: ", str(len(body)).encode()]
-        for k, v in headers.items():
-            head += [b"\r\n", k.encode("latin-1"), b": ", v.encode("latin-1")]
+        if isinstance(headers, bytes):
+            head.append(headers)
+        else:
+            for k, v in headers.items():
+                head += [b"\r\n", k.encode("latin-1"), b": ", v.encode("latin-1")]
         head += [b"\r\n\r\n", body]
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()

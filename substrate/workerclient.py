@@ -76,6 +76,9 @@ class WorkerClient:
         self.minter = minter
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        #: ``auth_head``'s encoded header lines by token
+        self._heads: dict[str, bytes] = {}
+        self.max_cached_heads = 100_000
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -96,6 +99,22 @@ class WorkerClient:
         if epoch is not None:
             h[EPOCH_HEADER] = str(epoch)
         return h
+
+    def auth_head(self, address: str, session: str, epoch: int | None, tenant: str = "") -> bytes:
+        """``auth_headers`` as HTTP/1.1 header lines, each preceded by CRLF (``b"\\r\\nAuthorization:
+        Bearer ...\\r\\nX-Substrate-Epoch: 3"``), for a client that writes its request itself (the
+        router's hot path, ``api.workerhttp``). Kept encoded per token: the minter reuses a token per
+        binding (session, epoch, worker, tenant) for half its life, and the token names the epoch, so a
+        turn costs a dict lookup where it built and encoded the headers (bounded: cleared past
+        ``max_cached_heads``)."""
+        token = self.minter.mint(session=session, epoch=epoch, worker_address=address, tenant=tenant)
+        head = self._heads.get(token)
+        if head is None:
+            if len(self._heads) >= self.max_cached_heads:
+                self._heads.clear()
+            lines = f"\r\nAuthorization: Bearer {token}" + (f"\r\n{EPOCH_HEADER}: {epoch}" if epoch is not None else "")
+            head = self._heads[token] = lines.encode("latin-1")
+        return head
 
     async def _call(self, method: str, url: str, *, address: str, session: str, epoch: int | None = None,
                     tenant: str = "", json_body: Any = None, params: dict[str, str] | None = None,
