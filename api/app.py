@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, AsyncIterator, Callable, Iterable
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Iterable
 from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -28,7 +28,6 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.routing import Match, Route
 
 from api import proxy
@@ -287,7 +286,7 @@ async def _unexpected(request: Request, e: Exception) -> Response:
     """The answer to an error no code was made for: 500 ``internal`` in JSON like every error (Starlette
     answered a plain-text "Internal Server Error"), counted. The server still logs the traceback: the
     error is raised again after this answer is sent (Starlette's ``ServerErrorMiddleware``, outermost in
-    FastAPI's stack and in the invoke hot path's, ``api.hotpath``)."""
+    FastAPI's stack; the invoke hot path's ``RequestCounter`` does the same, ``api.hotpath``)."""
     metrics.ERRORS_TOTAL.labels(code="internal").inc()
     return _error(500, "internal", f"an unexpected error ({e.__class__.__name__}); it is logged")
 
@@ -352,12 +351,20 @@ class RequestCounter:
     the matched route's template as ``route`` (never the raw path: bounded label values) and
     ``unmatched`` for paths no route serves. Also puts the request's ID (``X-Request-ID``, the client's or
     the one the router made, see ``api.proxy.request_id``) on every answer of a call that got one, not only
-    on invoke's, so a client can match any call to its audit record."""
+    on invoke's, so a client can match any call to its audit record.
 
-    def __init__(self, app: Any, routes: list[Any] | None = None) -> None:
+    With ``on_error`` (``(request, exception) -> response``) it also does what Starlette's
+    ``ServerErrorMiddleware`` outside it would: an exception from the app before any answer began gets
+    ``on_error``'s answer (sent as is, counted 500) and is raised again for the server to log. The
+    invoke hot path (``api.hotpath``) uses that instead of one more middleware and one more ``send``
+    wrapper per call."""
+
+    def __init__(self, app: Any, routes: list[Any] | None = None,
+                 on_error: Callable[[Request, Exception], Awaitable[Response]] | None = None) -> None:
         self.app = app
         #: routes to match when the router did not record one in the scope (plain Starlette routes)
         self.routes = routes if routes is not None else []
+        self.on_error = on_error
         #: the counter of each (route, status) seen: ``labels()`` checks and locks on every call
         self._counters: dict[tuple[str, int], Any] = {}
 
@@ -380,6 +387,12 @@ class RequestCounter:
 
         try:
             await self.app(scope, receive, send_status)
+        except Exception as e:
+            if self.on_error is None or status:  # no handler, or half an answer: the server ends it
+                raise
+            answer = await self.on_error(Request(scope), e)
+            await answer(scope, receive, send)  # counted 500 below: nothing was answered by the app
+            raise
         finally:
             # the protocol answered (and counted) it itself: what the app sent was dropped
             if not scope.get(ANSWERED_BY_SERVER):
@@ -515,9 +528,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     app.add_middleware(Guard, get_settings=lambda scope: _guard_settings(scope, settings))
     app.add_middleware(RequestCounter, routes=app.router.routes)
     app.invoke_route = route
-    app.hot_path = ServerErrorMiddleware(
-        RequestCounter(Guard(endpoint(proxy.invoke), get_settings=lambda scope: _guard_settings(scope, settings)),
-                       routes=[route]), handler=_unexpected)
+    app.hot_path = RequestCounter(Guard(endpoint(proxy.invoke), get_settings=lambda scope: _guard_settings(scope, settings)),
+                                  routes=[route], on_error=_unexpected)
 
     @app.exception_handler(SubstrateError)
     async def _substrate_error(request: Request, e: SubstrateError) -> Response:

@@ -678,6 +678,7 @@ class Guard:
             # nothing to answer: counted as the client's doing, not as a 500 (tester 37)
             scope[CLIENT_GONE] = True
             return
+        state["body"] = body  # the invoke route reads it here, without a receive (api.proxy.invoke)
         replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed() -> Message:

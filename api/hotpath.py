@@ -13,9 +13,10 @@ and runs it through exactly what it needs:
   route's template as label, ``X-Request-ID`` on every answer): the same classes with the same
   settings, in the same order;
 * :func:`api.proxy.invoke`, unchanged, which answers every ``SubstrateError`` itself;
-* outermost, Starlette's ``ServerErrorMiddleware`` with the app's own answer to an unexpected error
-  (500 ``internal``, JSON, counted; the error is then raised again so the server logs its traceback),
-  as on every other route.
+* the app's own answer to an unexpected error (500 ``internal``, JSON, counted; the error is then
+  raised again so the server logs its traceback), as on every other route: there Starlette's
+  ``ServerErrorMiddleware`` gives it, here the request counter itself (``RequestCounter(on_error=...)``,
+  one middleware and one ``send`` wrapper fewer per turn).
 
 Anything else (another method, another path, a ``root_path`` mount, lifespan) goes to FastAPI as
 before, and the route stays registered there, so the OpenAPI document and a 405's ``Allow`` header are
@@ -43,7 +44,7 @@ _INVOKE_RE = re.compile(r"/v1/sessions/([^/]+)/invoke")
 def endpoint(handler: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
     """An ASGI app running ``handler``, a Starlette endpoint (request -> response), without Starlette's
     router and its exception wrappers: what ``handler`` raises goes up to the caller (the hot path's
-    ``ServerErrorMiddleware``)."""
+    request counter answers it, see the module docstring)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         response = await handler(Request(scope, receive, send))
@@ -56,7 +57,7 @@ class SubstrateAPI(FastAPI):
     """FastAPI whose invoke route is dispatched ahead of its middleware stack (module docstring).
 
     ``hot_path`` is the ASGI app that serves ``POST /v1/sessions/{sid}/invoke`` (set by
-    ``api.app.create_app``: ``ServerErrorMiddleware(Guard(RequestCounter(endpoint(proxy.invoke))))``);
+    ``api.app.create_app``: ``RequestCounter(Guard(endpoint(proxy.invoke)), on_error=...)``);
     while it is None,
     every request takes FastAPI's way. ``invoke_route`` is the registered route, put in the scope as
     Starlette's router would, so the request counter labels the call with its template."""

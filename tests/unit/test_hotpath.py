@@ -102,11 +102,42 @@ async def test_an_unexpected_error_in_a_turn_is_500_internal_in_json_and_is_rais
 
     app = _app(monkeypatch, invoke)
     internal = metrics.ERRORS_TOTAL.labels(code="internal")._value.get()
+    answered_500 = _requests("500")
     async with _client(app, raise_app_exceptions=False) as c:
         r = await c.post("/v1/sessions/s-1/invoke", content=_TURN, headers={"Content-Type": "application/json"})
     assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
     assert r.json()["code"] == "internal" and "RuntimeError" in r.json()["message"]
     assert metrics.ERRORS_TOTAL.labels(code="internal")._value.get() == internal + 1
+    assert _requests("500") == answered_500 + 1  # counted once, under the route
     async with _client(app) as c:  # the server sees the error too (it logs the traceback)
         with pytest.raises(RuntimeError, match="a bug"):
             await c.post("/v1/sessions/s-1/invoke", content=_TURN, headers={"Content-Type": "application/json"})
+
+
+async def test_an_error_after_the_answer_began_is_not_answered_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half an answer is the server's to end (it closes the connection): no 500 is sent after a 200's head."""
+    sent: list[dict[str, Any]] = []
+
+    async def invoke(request: Request) -> Response:
+        class Broken(Response):
+            async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                raise RuntimeError("mid-answer")
+        return Broken()
+
+    app = _app(monkeypatch, invoke)
+    scope = {"type": "http", "method": "POST", "path": "/v1/sessions/s-1/invoke", "raw_path": b"/v1/sessions/s-1/invoke",
+             "query_string": b"", "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"),
+                                              (b"content-length", str(len(_TURN)).encode())],
+             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+             "root_path": ""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": _TURN, "more_body": False}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    with pytest.raises(RuntimeError, match="mid-answer"):
+        await app(scope, receive, send)
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [200]
