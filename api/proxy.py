@@ -498,7 +498,7 @@ async def _post(runtime: "Runtime", route: Route, path: str, body: bytes, header
     headers; its body is relayed as it comes; ``headers`` a dict). Raises aiohttp's or ``api.workerhttp``'s
     connection errors, ``TimeoutError``, and ``_LeaseLost`` if the worker's lease runs out while we wait
     (a frozen worker would otherwise hold the request for the whole invoke timeout): the call is watched
-    by the router's ``api.leasewatch.LeaseWatch`` (a set insertion and removal per turn, no timer)."""
+    by the router's ``substrate.leasewatch.LeaseWatch`` (a set insertion and removal per turn, no timer)."""
     task = asyncio.current_task()
     assert task is not None
     watch = runtime.lease_watch

@@ -18,7 +18,6 @@ import aiohttp
 
 from api.auth import AUTH_CLOSED_MARKER, Authenticator
 from api.proxy import RouteCache
-from api.leasewatch import LeaseWatch
 from api.workerhttp import WorkerHTTP
 from snapshot.state_manager import StateManager
 from snapshot.guard import GuardedStore
@@ -26,6 +25,7 @@ from snapshot.store import ObjectStore, make_store
 from substrate import catalogcheck, storeloc
 from substrate.catalogcheck import CatalogCheck
 from substrate.activator import Activator, WorkerView
+from substrate.leasewatch import LeaseWatch
 from substrate.audit import AuditLog
 from substrate.demand import DemandBoard
 from substrate.backends.local import LocalBackend
@@ -61,9 +61,6 @@ class Runtime:
     routes: RouteCache = field(default_factory=RouteCache)
     #: the invoke hot path's client for plain-JSON turns (``api.workerhttp``); ``http`` serves the rest
     worker_http: WorkerHTTP = field(default_factory=WorkerHTTP)
-    #: turns in flight, abandoned when their worker's lease runs out (``api.leasewatch``): made from
-    #: ``view`` and the settings
-    lease_watch: LeaseWatch = field(init=False)
     state_manager: StateManager | None = None
     pools: PoolController | None = None
     kube_catalog: Any = None
@@ -74,10 +71,11 @@ class Runtime:
     #: this process holds its snapshot store in the directory (``substrate.storeloc.hold``): let go at stop
     _holding_store: bool = False
 
-    def __post_init__(self) -> None:
-        # a call is checked as often as the view is read again (its leases change no faster), 4x/s at most
-        self.lease_watch = LeaseWatch(self.view, grace_s=self.settings.worker.lease_grace_s,
-                                      check_s=max(0.25, self.settings.api.worker_refresh_s))
+    @property
+    def lease_watch(self) -> LeaseWatch:
+        """Calls in flight to workers, abandoned when a worker's lease runs out (``substrate.leasewatch``):
+        the activator's, which the router's turns share (``api.proxy``)."""
+        return self.activator.lease_watch
 
     @classmethod
     async def build(cls, settings: Settings, *, embedded: bool = True, catalog: Catalog | None = None) -> "Runtime":

@@ -52,6 +52,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from substrate import metrics
 from substrate.admission import ActivationLimiter, LimiterSettings, LimiterTimeout
@@ -74,6 +75,7 @@ from substrate.errors import (
     WorkerUnavailable,
 )
 from substrate.fairness import ParkedShare, TenantBreaker, victim_order
+from substrate.leasewatch import LeaseWatch
 from substrate.loops import cancel_and_wait, run_forever
 from substrate.models import (
     ActorTemplate,
@@ -93,6 +95,7 @@ from substrate.specs import Catalog
 from substrate.workerclient import WorkerClient
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _WAKEABLE = (SessionState.SUSPENDED, SessionState.FAILED)
 #: reasons whose next activation comes back from older state than was acknowledged (the answers say so):
@@ -164,6 +167,21 @@ def _elsewhere(e: SubstrateError) -> bool:
     its lease (``worker_fenced``) or refused the connection (``WorkerUnavailable.reached`` False), so
     nothing of the session ran there."""
     return e.code == "worker_fenced" or (isinstance(e, WorkerUnavailable) and not e.reached)
+
+
+class _LeaseLost(WorkerUnavailable):
+    """A call to a worker abandoned because the worker's lease ran out while it waited
+    (``Activator._within_lease``)."""
+
+
+class _WorkerLostCreate(Exception):
+    """A create's worker could not take the session, refused the connection, or lost its lease during
+    the activation (``error``: ``worker_fenced`` or ``worker_unavailable``); ``kept``: the session was not undone (the worker's
+    recovery or the deadline roll had made it SUSPENDED first). ``Activator.create`` places it again."""
+
+    def __init__(self, error: SubstrateError, *, kept: bool) -> None:
+        super().__init__(error.message)
+        self.error, self.kept = error, kept
 
 
 def blames_tenant(e: SubstrateError) -> bool:
@@ -297,6 +315,10 @@ class Activator:
         self.catalog = catalog
         self.client = client
         self.view = view
+        #: calls in flight to workers, abandoned when a worker's lease runs out (``_within_lease``; the
+        #: router's turns use it too, ``api.proxy``): checked as often as the view is read again, 4x/s at most
+        self.lease_watch = LeaseWatch(view, grace_s=settings.worker.lease_grace_s,
+                                      check_s=max(0.25, settings.api.worker_refresh_s))
         self._wakes: dict[str, asyncio.Future[Route]] = {}
         #: when (monotonic s) a suspension to make room last failed for want of the snapshot store, and why
         self._room_failed: tuple[float, StoreUnavailable | None] = (float("-inf"), None)
@@ -460,6 +482,28 @@ class Activator:
         if pool not in self.starting:
             return len(sids)
         return sum(1 for sid in sids if self.may_make_room(pool, sid))
+
+    async def _within_lease(self, worker: str, call: Awaitable[_T]) -> _T:
+        """Await ``call``, a call to ``worker``, abandoned once the worker's lease has run out plus
+        ``worker.lease_grace_s`` (``substrate.leasewatch``): a frozen or cut-off worker fails it as
+        ``_LeaseLost``, a ``WorkerUnavailable`` (``reached``: the worker may have acted on it; a create is
+        then placed again on another worker, once its undo fenced it) within about the lease, where
+        it held the call for the call's whole timeout (fresh-user tester 39: a create and a suspend on a
+        SIGSTOPped worker waited until the worker was resumed, 50 and 100 s, then answered from a session
+        the lost worker's recovery had changed meanwhile)."""
+        task = asyncio.current_task()
+        assert task is not None
+        watch = self.lease_watch
+        watch.add(worker, task)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            # the watch's (the lease ran out) unless something else cancelled the task too (a server stop)
+            if task in watch.lost and task.uncancel() == 0:
+                raise _LeaseLost(f"worker {worker} stopped answering during the call (its lease ran out)") from None
+            raise
+        finally:
+            watch.discard(worker, task)
 
     def _skip_worker(self, wid: str) -> None:
         """``wid`` answered ``worker_fenced`` (past its own lease) or refused a connection: place
@@ -975,14 +1019,26 @@ class Activator:
                     done = await self._create(rec, template)
                     made.worker = done.worker
                     return done
-                except SubstrateError as e:
-                    # the worker chosen was past its own lease (a loaded machine delayed its heartbeat), or
+                except _WorkerLostCreate as lost:
+                    # the worker chosen was past its own lease (a loaded machine delayed its heartbeat),
                     # refused the connection (it died and its lease has not run out yet: fresh-user tester
-                    # 37 got 502 for a second after a kill -9 while other workers had free slots): nothing
-                    # of the session remains (undone), so place it again on another worker
-                    if not _elsewhere(e) or attempt >= self.max_fenced_retries:
-                        raise
-                    log.info("create retried on another worker", extra={"session": rec.id, "code": e.code})
+                    # 37 got 502 for a second after a kill -9 while other workers had free slots), or
+                    # went away during the activation (killed, frozen past its lease: tester 39)
+                    if attempt >= self.max_fenced_retries:
+                        raise lost.error from None
+                    if lost.kept:
+                        # the lost worker's recovery (or the deadline roll) kept the session SUSPENDED
+                        # before the undo: it is this create's own session, with nothing in it yet (no turn
+                        # ran); placing it again as a new create could only answer 409 session_exists
+                        # (tester 39), so it is woken on another worker instead
+                        log.info("create's session kept; woken on another worker",
+                                 extra={"session": rec.id, "code": lost.error.code})
+                        await self.wake_retrying(rec.id, tenant=rec.tenant)
+                        done = await self.directory.get_session(rec.id)
+                        made.worker = done.worker
+                        return done
+                    # undone: nothing of the session remains, so place it again on another worker
+                    log.info("create retried on another worker", extra={"session": rec.id, "code": lost.error.code})
             raise AssertionError("unreachable")
 
     @property
@@ -1051,8 +1107,9 @@ class Activator:
             if self.quotas is not None:
                 self._background(self._own_created_place(rec, template, epoch))
             t_act = time.perf_counter()
-            await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
-                                       slot=slot, env=rec.env, snapshot=None, tenant=rec.tenant)
+            await self._within_lease(worker.id, self.client.activate(
+                worker.address, session=rec.id, epoch=epoch, template=template, slot=slot, env=rec.env,
+                snapshot=None, tenant=rec.tenant))
             adm.latency_s = time.perf_counter() - t_act
             now = time.time()
             done = await self.directory.transition(
@@ -1065,7 +1122,8 @@ class Activator:
                     raise SessionDeleted(f"session {rec.id!r} was deleted while it was starting")
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
         except BaseException as e:
-            if await self._undo_create(rec, worker, slot, e, epoch):
+            undone = await self._undo_create(rec, worker, slot, e, epoch)
+            if undone:
                 try:
                     await self._index(rec.tenant, rec.id, None)
                 except SubstrateError:
@@ -1073,9 +1131,14 @@ class Activator:
             else:  # kept SUSPENDED by its deadline: it holds its total quota, no running one (a wake since
                 # then owns a newer epoch's place: the guard leaves it)
                 await self.release_quota(rec, epoch=epoch)
-            if isinstance(e, SubstrateError) and _elsewhere(e):
-                self._skip_worker(worker.id)  # the worker's doing, not the tenant's: retried elsewhere
-            elif isinstance(e, SubstrateError) and blames_tenant(e):
+            if isinstance(e, SubstrateError) and (_elsewhere(e) or isinstance(e, _LeaseLost)):
+                # the worker's doing, not the tenant's: placed again elsewhere (``create``). A worker whose
+                # lease ran out during the activation left nothing that can run: the undo fenced its epoch
+                # (a call that timed out on a worker within its lease is the caller's to retry: that
+                # worker may still be starting the session)
+                self._skip_worker(worker.id)
+                raise _WorkerLostCreate(e, kept=not undone) from e
+            if isinstance(e, SubstrateError) and blames_tenant(e):
                 self.breaker.failure(rec.tenant, rec.actorTemplate)
             raise
         self.breaker.success(rec.tenant, rec.actorTemplate)
@@ -1122,7 +1185,7 @@ class Activator:
                 if isinstance(cause, WorkerUnavailable):
                     await self.check_worker(worker.id)
                 try:
-                    await self.client.deactivate(worker.address, sid, epoch)
+                    await self._within_lease(worker.id, self.client.deactivate(worker.address, sid, epoch))
                 except SubstrateError:
                     pass
                 await self.directory.release_slot(worker.id, slot, sid)
@@ -1499,10 +1562,10 @@ class Activator:
             restored_what = rec.reason if lost_after else f"{rec.reason};snapshot=none"
         phases: tuple[tuple[str, float], ...] = ()
         try:
-            answer = await self.client.activate(worker.address, session=rec.id, epoch=epoch, template=template,
-                                       slot=slot, env=rec.env, snapshot=rec.snapshot, restored=restored_what,
-                                       tenant=rec.tenant, answers=rec.carriedAnswers or None,
-                                       restored_at=lost_after if rec.lostAfter is not None else None)
+            answer = await self._within_lease(worker.id, self.client.activate(
+                worker.address, session=rec.id, epoch=epoch, template=template, slot=slot, env=rec.env,
+                snapshot=rec.snapshot, restored=restored_what, tenant=rec.tenant,
+                answers=rec.carriedAnswers or None, restored_at=lost_after if rec.lostAfter is not None else None))
             if adm is not None:
                 adm.latency_s = time.perf_counter() - activating
             phases = worker_phases(answer)
@@ -1646,7 +1709,7 @@ class Activator:
         slot unless the record points at it again. Best effort: the worker's reconciliation and the
         state manager's repair pass free whatever is left."""
         try:
-            await self.client.deactivate(worker.address, sid, epoch)
+            await self._within_lease(worker.id, self.client.deactivate(worker.address, sid, epoch))
         except SubstrateError:
             pass
         try:
@@ -1706,9 +1769,9 @@ class Activator:
         t0 = time.perf_counter()
         auto = reason != "explicit"  # automatic: no API call records it, so this does (as the system)
         try:
-            ref = await self.client.suspend(address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant,
-                                      wait_s=self.settings.api.suspend_wait_s if reason == "explicit" else None,
-                                      reason=reason)
+            ref = await self._within_lease(rec.worker, self.client.suspend(
+                address, rec.id, rec.epoch, idle_s=idle_s, tenant=rec.tenant,
+                wait_s=self.settings.api.suspend_wait_s if reason == "explicit" else None, reason=reason))
         except SubstrateError as e:
             if isinstance(e, WorkerUnavailable):
                 await self.check_worker(rec.worker)
@@ -1865,9 +1928,12 @@ class Activator:
         ``stale_epoch``: the activation it named is gone. Decide from the directory what the caller is
         told (never those worker codes: a public answer names the session's state):
 
-        * suspended now, by a concurrent suspend or a crash: returns the record (202, as for a suspended
-          session); suspending: waits for that suspend to end (``_suspend_ended``), and returns the
-          SUSPENDED record, never a SUSPENDING one;
+        * suspended now, by a concurrent suspend or an agent's crash: returns the record (202, as for a
+          suspended session); suspending: waits for that suspend to end (``_suspend_ended``), and returns
+          the SUSPENDED record, never a SUSPENDING one;
+        * recovered from a lost worker meanwhile (SUSPENDED, ``worker_lost``, a newer epoch): raises
+          ``WorkerUnavailable`` (502 ``worker_unavailable``, ``details.state`` SUSPENDED), as a suspend
+          whose worker dies under it answers;
         * still RUNNING at that epoch on that worker, which says it has no such activation: the activation
           was lost; repaired to SUSPENDED (``repair_lost_activation``), returns the record;
         * anything else (resumed again by a concurrent call, moving): raises ``Conflict`` (409
@@ -1879,6 +1945,14 @@ class Activator:
             cur = await self.directory.get_session(rec.id)
         if cur.state == SessionState.SUSPENDING:
             cur = await self._suspend_ended(cur)
+        if cur.state == SessionState.SUSPENDED and cur.reason == "worker_lost" and cur.epoch != rec.epoch:
+            # not suspended but recovered: its worker was declared lost while this suspend reached it (a
+            # worker frozen past its lease answers once it runs again: tester 39 got 202 with no snapshot
+            # for the acknowledged state that was lost); the README's answer to a suspend whose worker
+            # dies under it
+            raise WorkerUnavailable(f"session {rec.id!r}: its worker {rec.worker} was lost during the suspend; "
+                                    f"{cur.message or 'the session is SUSPENDED from its last snapshot'}",
+                                    details={"state": cur.state.value})
         if cur.state == SessionState.SUSPENDED:
             return cur
         raise self._moved_on(cur)
@@ -1929,7 +2003,7 @@ class Activator:
             if address:
                 try:  # the worker ends the activation at once, even mid-turn; if it cannot be reached
                     # its reconciliation frees it (the record is gone, and epochs never repeat)
-                    await self.client.deactivate(address, sid, cas.epoch)
+                    await self._within_lease(rec.worker, self.client.deactivate(address, sid, cas.epoch))
                 except SubstrateError as e:
                     log.info("deactivate on delete failed; the worker's reconciliation frees it",
                              extra={"session": sid, "worker": rec.worker, "code": e.code})

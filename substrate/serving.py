@@ -248,6 +248,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     _linger: asyncio.TimerHandle | None = None
     #: the loop time (s) at which the head being read began (``_in_head``)
     _head_began: float = 0.0
+    #: a refusal of a pipelined request's head, sent once the answers before it are (``_reject``)
+    _deferred: bytes | None = None
 
     def _begin_head(self) -> None:
         self._in_head, self._head_bytes = True, 0
@@ -266,16 +268,47 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._head_timer = None
         if not self._in_head or self._discarding:
             return
+        if self._earlier_answer_pending():
+            # a pipelined head waits for the answers before it: its time counts from the last of them
+            # (``on_response_complete``)
+            self._head_timer = self.loop.call_later(self.header_read_timeout_s, self._head_check)
+            return
         left_s = self._head_began + self.header_read_timeout_s - self.loop.time()
         if left_s > 0:
             self._head_timer = self.loop.call_later(left_s, self._head_check)
             return
         self._reject(_timeout_answer(self.header_read_timeout_s))
 
+    def _earlier_answer_pending(self) -> bool:
+        """A head is being read while a request before it on this connection (pipelined, RFC 9112 9.3.2)
+        is still being answered: uvicorn queues the later ones until the earlier answers are sent."""
+        cycle = getattr(self, "cycle", None)
+        return self._in_head and cycle is not None and not cycle.response_complete
+
+    def on_response_complete(self) -> None:  # noqa: D102
+        super().on_response_complete()
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            return  # a pipelined request queued behind the one answered has started: its answer is next
+        if self._deferred is not None:
+            answer, self._deferred = self._deferred, None
+            self._reject(answer)
+        elif self._in_head:  # a pipelined head was waiting for this answer: its time starts now
+            self._head_began = self.loop.time()
+
     def _reject(self, answer: bytes) -> None:
         """Send ``answer`` and end the connection without a reset (see ``LINGER_S``): the answer, then
         our end closed for writing, then what still comes is dropped until the client closes or
-        ``LINGER_S`` has passed."""
+        ``LINGER_S`` has passed. A refusal of a pipelined request's head waits for the answers of the
+        requests before it (HTTP answers in order: fresh-user tester 39 read a 408 meant for a
+        pipelined request as the answer to the 12 s turn before it, which had run): reading stops, and
+        it is sent once they are (``on_response_complete``)."""
+        if self._earlier_answer_pending() and not self._discarding:
+            if self._deferred is None:
+                self._deferred = answer
+                self._disarm()
+                self.transport.pause_reading()
+            return
         self._in_head = False
         self._disarm()
         if self.transport.is_closing() or self._discarding:
@@ -313,7 +346,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:  # noqa: D102
-        if self._discarding:
+        if self._discarding or self._deferred is not None:
             return
         # Parsed in pieces no longer than the head may still grow (the limit, between requests): httptools
         # gives no position, so bytes of a chunk that completes a head cannot be told from the body bytes
@@ -335,10 +368,11 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
                 return
 
     def _feed(self, piece: bytes | memoryview) -> bool:
-        """Parse ``piece``; True if this protocol still reads the connection (no answer that ends it,
-        no upgrade that handed the transport to another protocol)."""
+        """Parse ``piece``; True if this protocol still reads the connection (no answer that ends it or
+        waits to, no upgrade that handed the transport to another protocol)."""
         super().data_received(piece)  # type: ignore[arg-type]  # httptools takes any buffer
-        if self._discarding or self.transport.is_closing() or self.transport.get_protocol() is not self:
+        if self._discarding or self._deferred is not None or self.transport.is_closing() or \
+                self.transport.get_protocol() is not self:
             return False
         # still inside a head after parsing this piece: all of the piece was head (when a pipelined
         # request began inside the piece, the end of the one before is counted as its head too: cautious)

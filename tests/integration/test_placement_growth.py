@@ -37,6 +37,11 @@ class Workers:
         #: connection is lost after the call was sent (``lose``)
         self.refuse: set[str] = set()
         self.lose: set[str] = set()
+        #: addresses frozen past their lease (``view``: the activator's, whose leases run out); with
+        #: ``recover_first`` the frozen activation's session is recovered before the create's undo
+        self.freeze: set[str] = set()
+        self.recover_first = False
+        self.view: WorkerView | None = None
         self.activated: list[tuple[str, str]] = []  # (address, session)
         self.suspended: list[str] = []
         self.reasons: list[str] = []  # what each suspend told the worker (the record's suspendReason)
@@ -49,6 +54,14 @@ class Workers:
             err = SubstrateError(f"worker at {address} is past its lease", code="worker_fenced", retry_after_s=1)
             err.status = 503
             raise err
+        if address in self.freeze:
+            # frozen past its lease (SIGSTOP): the lease runs out in the view and the call never returns
+            if self.recover_first:  # the lost worker's recovery gets there before the create's undo
+                await self.d.transition(session, from_states=[SessionState.STARTING], epoch=epoch,
+                                        to=SessionState.SUSPENDED, bump=True, unset=("worker", "slot"),
+                                        set={"reason": "worker_lost"})
+            self.view.workers[address.removeprefix("http://")].leaseExpiresAt = 0.0
+            await asyncio.sleep(3600)
         if address in self.refuse or address in self.lose:
             err = WorkerUnavailable("the session's worker did not answer: ClientConnectorError")
             err.reached = address in self.lose
@@ -163,8 +176,9 @@ async def test_a_create_on_a_fenced_worker_is_placed_on_another_and_never_answer
 async def test_a_create_on_a_worker_that_refuses_connections_is_placed_on_another(env):
     """Fresh-user tester 37: for about a second after a worker's kill -9 (its lease not yet out) creates
     placed on it were answered 502 ``worker_unavailable`` while another worker had free slots. A refused
-    connection ran nothing: the create is placed again elsewhere. A call lost after it was sent is not
-    (the worker may have started the session: the caller is told)."""
+    connection ran nothing: the create is placed again elsewhere. A call lost after it was sent (tester 39:
+    the worker frozen past its lease: ``tests/reliability/test_frozen_worker_calls.py``) is placed again
+    too; a call lost otherwise (reset, timed out) is not: the caller is told."""
     d, act, workers = env
     await _worker(d, "a", slots=4)
     await _worker(d, "b", slots=4)
@@ -180,6 +194,29 @@ async def test_a_create_on_a_worker_that_refuses_connections_is_placed_on_anothe
         await act.create(_new("lost"), CATALOG.template("counter"))
     with pytest.raises(NotFound):
         await d.get_session("lost")  # undone, not retried
+
+
+async def test_a_create_on_a_worker_frozen_past_its_lease_is_answered_running_on_another(env):
+    """Tester 39: a create on a worker frozen past its lease waited until the worker was resumed, and the
+    router's retry of the create then answered 409 ``session_exists`` for the session the create itself
+    had made (the lost worker's recovery had kept it SUSPENDED). Now the activation is abandoned when the
+    lease runs out; an undone create is placed again on another worker, and a kept session is woken on
+    another worker: the create answers it RUNNING either way."""
+    d, act, workers = env
+    await _worker(d, "a", slots=8)  # the most free slots: placed there first
+    await _worker(d, "b", slots=4)
+    await act.view.refresh()
+    workers.view, workers.freeze = act.view, {"http://a"}
+    rec = await act.create(_new("undone"), CATALOG.template("counter"))
+    assert rec.state == SessionState.RUNNING and rec.worker == "b" and rec.epoch > 1  # above the fenced one
+    assert workers.activated == [("http://b", "undone")]
+    await act.view.refresh()  # a's lease is valid in the view again: tried first again
+    workers.recover_first = True
+    rec = await act.create(_new("kept"), CATALOG.template("counter"))
+    assert rec.state == SessionState.RUNNING and rec.worker == "b", rec
+    assert rec.epoch > 2, "woken above the epoch the recovery moved it to, not created again"
+    assert workers.activated[-1] == ("http://b", "kept")
+    assert (await d.get_session("kept")).state == SessionState.RUNNING
 
 
 async def test_a_create_on_fenced_workers_only_still_answers_after_bounded_retries(env):

@@ -1,4 +1,4 @@
-"""``api.leasewatch.LeaseWatch``: turns in flight are abandoned when their worker's lease runs out, by one
+"""``substrate.leasewatch.LeaseWatch``: calls in flight to workers are abandoned when their worker's lease runs out, by one
 timer per router that runs only while some turn is in flight (not a timer per turn)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from api.leasewatch import LeaseWatch
+from substrate.leasewatch import LeaseWatch
 
 
 @dataclass

@@ -240,8 +240,9 @@ def test_a_later_request_on_a_keep_alive_connection_is_bounded_too() -> None:
         p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
         t = _Transport(p)
         p.connection_made(t)
-        p.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # the first request, answered or not
+        p.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # the first request, answered
         assert not t.written
+        _answer_first(p)  # (a head pipelined behind a request still being answered waits for its answer)
         p.data_received(_head_of(MAX_HEADER_BYTES + 1, b"keep-alive"))
         assert t.written.startswith(b"HTTP/1.1 431 "), t.written[:200]
         p.connection_lost(None)
@@ -275,6 +276,7 @@ def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection()
         now[0] = 101.0
         p.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # a head in time: the timer is left armed
         assert p._head_timer is first
+        _answer_first(p)
         now[0] = 120.0
         p.data_received(b"GET / HTTP/1.1\r\nHo")  # the next head begins at 120 and stalls: not re-armed
         assert p._head_timer is first
@@ -291,6 +293,7 @@ def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection()
         u = _Transport(q)
         q.connection_made(u)
         q.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        _answer_first(q)
         now[0] = 180.0
         q._head_timer._run()  # between requests: no head is read, the timer lapses
         assert q._head_timer is None and not u.written
@@ -305,3 +308,82 @@ def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection()
             task.cancel()
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
+
+
+def _pipelined(now: list[float]) -> tuple[asyncio.AbstractEventLoop, HeaderTimeoutProtocol, _Transport]:
+    loop = asyncio.new_event_loop()
+    loop.time = lambda: now[0]  # type: ignore[method-assign]
+    cfg = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off")
+    cfg.load()
+    from uvicorn.server import ServerState
+
+    p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+    t = _Transport(p)
+    p.connection_made(t)
+    return loop, p, t
+
+
+def _answer_first(p: HeaderTimeoutProtocol) -> None:
+    """What uvicorn does when the app's answer to the request in flight is complete."""
+    p.cycle.response_complete = True
+    p.on_response_complete()
+
+
+def _close(loop: asyncio.AbstractEventLoop, p: HeaderTimeoutProtocol) -> None:
+    p.connection_lost(None)
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+def test_a_pipelined_heads_deadline_counts_from_the_answer_before_it() -> None:
+    """Fresh-user tester 39: a turn of 12 s followed in the same write by the start of a second request
+    got a 408 at 10 s, meant for the second request, as the only answer on the connection (the turn had
+    run). A pipelined head's time now counts from the answer before it, and the 408 follows that answer."""
+    now = [100.0]
+    loop, p, t = _pipelined(now)
+    try:
+        p.data_received(b"POST /turn HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiGET /v1/sta")
+        now[0] = 130.0
+        p._head_timer._run()  # the first request is still being answered: no 408 yet
+        assert not t.written and p._head_timer is not None
+        now[0] = 142.0
+        _answer_first(p)  # its answer went out at 142: the pipelined head has until 172
+        now[0] = 160.0
+        p._head_timer._run()
+        assert not t.written and p._head_timer.when() == 172.0
+        now[0] = 172.0
+        p._head_timer._run()
+        assert t.written.startswith(b"HTTP/1.1 408 "), t.written[:200]
+    finally:
+        _close(loop, p)
+
+
+def test_a_refused_pipelined_head_is_answered_after_the_answer_before_it() -> None:
+    """A pipelined head over the size limit is refused (431) only once the request before it is answered:
+    the in-flight request's answer is not dropped for it."""
+    now = [100.0]
+    loop, p, t = _pipelined(now)
+    try:
+        p.data_received(b"POST /turn HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        first = p.cycle
+        p.data_received(_head_of(MAX_HEADER_BYTES + 1, b"keep-alive"))
+        assert not t.written and not first.disconnected  # the first request's answer is still to come
+        _answer_first(p)
+        assert t.written.startswith(b"HTTP/1.1 431 "), t.written[:200]
+    finally:
+        _close(loop, p)
+
+
+def test_the_answer_to_a_request_comes_before_the_408_of_a_stalled_head_pipelined_behind_it(server: int) -> None:
+    """The real server: a request whose handler takes longer than the head deadline, and the start of a
+    second request in the same write. Its answer comes first, then the second request's 408 (tester 39
+    got only the 408, and read it as the answer to its turn)."""
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiGET /v1/sta")
+        raw = _read_all(s)
+    assert raw.startswith(b"HTTP/1.1 200 ") and b"ok:hi" in raw, raw[:300]
+    assert raw.count(b"HTTP/1.1 ") == 2 and raw.index(b"HTTP/1.1 408 ") > raw.index(b"ok:hi"), raw[:400]
+    _timed_out(raw[raw.index(b"HTTP/1.1 408 "):])

@@ -1,18 +1,22 @@
-"""Turns in flight to workers, watched against the workers' leases by one coarse timer per router.
+"""Calls in flight to workers, watched against the workers' leases by one coarse timer per process.
 
-A turn the router has sent waits for its worker's answer up to the invoke timeout. If the worker
-freezes or is cut off, its lease in Redis runs out and it stops serving (DESIGN.md: each worker holds a
-lease), but the turn would still wait out the whole timeout; so a call whose worker's lease (as the
-router's ``WorkerView`` last read it) expired more than ``grace_s`` ago is abandoned, and the router
-routes it again with the same idempotency key (``api.proxy``).
+A call to a worker (a turn the router sent, an activation, a suspend, a deactivate) waits for the
+worker's answer up to the call's timeout. If the worker freezes or is cut off, its lease in Redis runs
+out and it stops serving (DESIGN.md: each worker holds a lease), but the call would still wait out the
+whole timeout; so a call whose worker's lease (as the process's ``WorkerView`` last read it) expired
+more than ``grace_s`` ago is abandoned: the router routes a turn again with the same idempotency key
+(``api.proxy``), and the activator fails an activation or suspend as ``worker_unavailable``
+(``substrate.activator``: a create is then placed again on another worker).
 
-Each call used to arm a timer of its own for that (a ``call_later`` and a ``cancel`` per turn, re-armed
-every ``check_s`` while it waited). Here the calls are kept by worker, and one timer per router, armed
-only while some call is in flight, looks every ``check_s`` at the leases of the workers that have
-calls: the cost per turn is a set insertion and a removal, and each look is O(workers with calls in
-flight), not O(calls), until a worker is found lost. This is the usual coarse-timer way servers keep
-per-request timeouts (one sweep of a timer wheel per tick, not a timer per request): a lost worker's
-calls are abandoned at most ``check_s`` after the lease ran out, as before.
+The router's turns each used to arm a timer of their own for that (a ``call_later`` and a ``cancel``
+per turn, re-armed every ``check_s`` while it waited; its callback and the waiting coroutine's frame
+referred to each other, so every turn also left a reference cycle for the garbage collector). Here the
+calls are kept by worker, and one timer per process, armed only while some call is in flight, looks
+every ``check_s`` at the leases of the workers that have calls: the cost per call is a set insertion
+and a removal, and each look is O(workers with calls in flight), not O(calls), until a worker is found
+lost. This is the usual coarse-timer way servers keep per-request timeouts (one sweep of a timer wheel
+per tick, not a timer per request): a lost worker's calls are abandoned at most ``check_s`` after the
+lease ran out.
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""Calls of the control plane to a worker frozen past its lease (SIGSTOP) are abandoned within about the
+lease, as turns already were (``substrate.leasewatch``): fresh-user tester 39 found a create placed on a
+frozen worker and a suspend of a session on one both waiting until the worker was resumed (50 and 100 s),
+then answering from what the lost worker's recovery had left: 409 ``session_exists`` for the create's own
+session, and 202 with no snapshot for a suspend whose acknowledged state was gone. A whole runtime
+(``substrate up``, real worker processes; leases of 2 s here)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.reliability.test_failure_paths import _alive
+
+
+def test_a_create_placed_on_a_frozen_worker_is_answered_running_on_another(runtime_factory):
+    rt = runtime_factory(replicas=1, slots=4)
+    c = rt.client
+    ((frozen, w),) = rt.workers().items()
+    pid = int(w["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = c.http.post("/v1/sessions", json={"actorTemplate": "counter", "id": "made-while-frozen"})  # 30 s
+        assert r.status_code == 201, r.text
+        assert r.json()["state"] == "RUNNING" and r.json()["worker"] != frozen, r.json()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert c.invoke("made-while-frozen", "increment") == {"count": 1}
+    actions = [(e["action"], e["result"]) for e in c.session_events("made-while-frozen")["items"]]
+    assert actions.count(("create", "ok")) == 1, actions  # the create is recorded once, as it answered
+    rt.wait_for(lambda: not _alive(pid), timeout_s=20, what="the thawed worker stopped (it was declared dead)")
+
+
+def test_a_suspend_of_a_session_on_a_frozen_worker_is_502_and_the_loss_is_told(runtime_factory):
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    assert c.invoke(s["id"], "increment") == {"count": 1}  # acknowledged, never snapshotted
+    pid = int(rt.workers()[s["worker"]]["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = c.http.post(f"/v1/sessions/{s['id']}/suspend")  # client timeout 30 s
+        assert r.status_code == 502 and r.json()["code"] == "worker_unavailable", r.text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rt.wait_for(lambda: c.get_session(s["id"])["state"] == "SUSPENDED", what="the session recovered")
+    got = c.get_session(s["id"])
+    assert got["reason"] == "worker_lost" and got["snapshot"] is None, got
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.json() == {"output": {"count": 0}}
+    assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none"
