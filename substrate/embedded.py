@@ -107,6 +107,18 @@ def private_folder(path: Path) -> None:
                     path, e.strerror or e)
 
 
+def exit_description(code: int | None) -> str:
+    """How the Redis keeper (``substrate.redis_keeper``) ended, for the log: its exit code, or the signal
+    that killed its Redis (the keeper exits with 128 + the signal, as a shell reports it; a fresh-user
+    tester read "code 1" after a kill -9 of the server)."""
+    if code is not None and 128 < code < 128 + signal.NSIG:
+        try:
+            return f"killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
 def _private_files(hook: "Callable[[], None]") -> "Callable[[], None]":
     """``hook`` preceded by ``umask 077``: what the child creates is its owner's only."""
 
@@ -207,6 +219,8 @@ class EmbeddedRedis:
         self.password = secrets.token_hex(24)
         #: how many times the watcher restarted the server
         self.restarts = 0
+        #: how the last Redis that exited on its own ended (``exit_description``), or None
+        self.last_exit: str | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -337,7 +351,8 @@ class EmbeddedRedis:
             with self._lock:
                 if self._stop.is_set() or self.proc is None or self.proc.poll() is None:
                     continue
-                log.error("embedded Redis exited (code %s); restarting it", self.proc.returncode)
+                log.error("embedded Redis exited (%s); restarting it", exit_description(self.proc.returncode))
+                self.last_exit = exit_description(self.proc.returncode)
                 try:
                     self._spawn()
                     if self._wait_up():

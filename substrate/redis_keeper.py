@@ -14,7 +14,8 @@ HOLD_FD GRACE_S [FILE...] -- REDIS_ARGV...`` with Redis's configuration (its pas
   ``directory_unavailable`` and every session came back from an older snapshot (fresh-user run 35);
 * **``GRACE_S`` after the runtime died** (SIGUSR1, this process's parent-death signal) with a holder
   still alive: stop Redis anyway (a worker that hangs must not keep the folder's Redis up for ever);
-* Redis exiting on its own: exit with its status (the runtime's watcher starts a new pair).
+* Redis exiting on its own: exit with its status, 128 + the signal if one killed it (the runtime's
+  watcher starts a new pair).
 
 Stopping Redis is SIGTERM, so it flushes its append-only file; SIGKILL if it has not exited 10 s later.
 When it stops Redis because the runtime died, it also removes each ``FILE`` (the URL file that CLI
@@ -71,7 +72,8 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     while not state["stop"]:
         if redis.poll() is not None:
-            return redis.returncode if redis.returncode >= 0 else 1
+            # a signal's death as a shell reports it, 128 + the signal (SIGKILL: 137), so the log can name it
+            return redis.returncode if redis.returncode >= 0 else 128 - redis.returncode
         gone_at = state["gone_at"]
         if gone_at is not None and time.monotonic() - gone_at >= grace_s:
             break

@@ -48,6 +48,7 @@ def test_a_killed_server_is_restarted_with_its_data(tmp_path: Path) -> None:
         _wait(lambda: r.info("persistence")["aof_rewrite_in_progress"] == 0)
         os.kill(e.redis_pid, signal.SIGKILL)  # the server itself (its keeper exits with it)
         _wait(lambda: e.restarts == 1 and redis.Redis.from_url(e.url, socket_timeout=1).get("k") == b"v")
+        assert e.last_exit == "killed by SIGKILL"  # the log names the signal (a tester read "code 1")
 
 
 def test_it_needs_its_password_and_listens_on_loopback_only(tmp_path: Path) -> None:
