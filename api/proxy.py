@@ -578,7 +578,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         try:
             resp = await _post(runtime, route, path, body, headers, lean)
             sent = True
-            if _streamed(resp, stream):
+            if stream and _streamed(resp, stream):
                 first = await _first_bytes(resp)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, WorkerHTTPError, _LeaseLost) as e:
             # not answered (refused, reset, a stale keep-alive, the worker stopping or frozen): route again
@@ -661,7 +661,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
         # the worker's content type: a replayed answer comes in the form its turn first ran (a streamed
         # turn's NDJSON lines, a plain turn's JSON), whichever this call asked for
         ndjson = resp.headers.get("content-type", "").startswith("application/x-ndjson")
-        if _streamed(resp, stream):
+        if stream and _streamed(resp, stream):
             failed = _failed_at_once(first)
             if failed is None:
                 return StreamingResponse(_relay(resp, runtime, sid, first), status_code=200,
@@ -676,7 +676,7 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             _count_error(failed)
             return Response(error_json(failed), status_code=status, headers={**_JSON, **extra})
         try:
-            data = await resp.read()
+            data = resp.body if isinstance(resp, Answer) else await resp.read()  # an Answer is whole
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
             cache.drop(sid)  # the answer was lost on the way: ask again with the same key
             await act.check_worker(route.worker, sid=sid)
