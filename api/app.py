@@ -201,13 +201,16 @@ async def _owned(rt: Runtime, sid: str, principal: Principal) -> SessionRecord:
 
 
 async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, reason: str = "",
-                   early: bool = False, changed: Callable[[], bool] | None = None) -> Any:
+                   early: bool = False, changed: Callable[[], bool] | None = None,
+                   recorded: Callable[[], bool] | None = None) -> Any:
     """Run ``op()`` (a coroutine factory) and leave one audit record of its outcome (``reason``: as the
     automatic records of the same action say it, e.g. ``explicit`` for a suspend, the session's
     ``suspendReason``). ``early``: ``op`` is called as ``op(ok)`` and may await ``ok()`` to write the
     success record at the moment it succeeded (before its clean-up), which is then its only record.
     ``changed``: asked after a success; False (the call changed nothing, e.g. a suspend of a session
-    already suspended) leaves no record: a record is of a transition, not of a call."""
+    already suspended) leaves no record: a record is of a transition, not of a call. ``recorded``: asked
+    after a failure; True (what the call started records its own outcome, e.g. a resume's wake) leaves
+    none either."""
     written = False
 
     async def ok() -> None:
@@ -220,7 +223,7 @@ async def _audited(rt: Runtime, action: str, rec: SessionRecord, op: Any, *, rea
         if written:
             return result
     except SubstrateError as e:
-        if written:
+        if written or (recorded is not None and recorded()):
             raise
         # the code the client gets (a worker-internal ``busy`` is answered 409 ``conflict``): an audit
         # trail that says otherwise cannot be matched to the answer (fresh-user run)
@@ -745,7 +748,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             if pin not in rt.view.workers:
                 raise InvalidInput(f"unknown worker {clip(pin)}", code="unknown_worker")
 
-        started: list[bool] = []  # this call started the wake (not found it running, nor joined one)
+        started: list[bool] = []  # this call started a wake (not found it running, nor joined one)
 
         async def op() -> SessionRecord:
             # woken again if the worker chosen for it dies while restoring it, as an invoke's wake is
@@ -753,7 +756,10 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                                                             on_started=lambda: started.append(True))
             rt.routes.put(sid, route)
             return cur
-        return session_view(await _audited(rt, "resume", rec, op, changed=lambda: bool(started)), rt)
+        # a wake this call started records itself with its own outcome when it ends, also after this
+        # call's wait ended (resume_timeout): this call records only what no wake of its own did
+        return session_view(await _audited(rt, "resume", rec, op, changed=lambda: False,
+                                           recorded=lambda: bool(started)), rt)
 
     @app.get("/v1/sessions/{sid}/events", dependencies=v1, tags=["audit"])
     async def session_events(sid: str, request: Request, limit: PageLimit = DEFAULT_PAGE_LIMIT,

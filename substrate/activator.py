@@ -1269,13 +1269,17 @@ class Activator:
 
     async def resume_explicit(self, sid: str, *, worker: str | None = None, tenant: str | None = None,
                               on_started: Callable[[], None] | None = None) -> tuple[Route, SessionRecord]:
-        """The explicit resume (``POST /v1/sessions/{id}/resume``): ``wake_retrying`` (the caller records
-        the audit record), then the record, which must be RUNNING. Returns (route, record). Raises what
+        """The explicit resume (``POST /v1/sessions/{id}/resume``): ``wake_retrying``, then the record, which
+        must be RUNNING. Returns (route, record). A wake this call starts records itself as ``resume``
+        with its own outcome when it ends, as an invoke's wake does (also when the caller's wait ends
+        first, 503 ``resume_timeout``: tester 40 found the caller's timeout recorded instead, with no
+        worker and the suspended epoch, for a wake that failed later on a frozen worker); the caller
+        records the rest (``api.app``). Raises what
         ``wake_retrying`` raises, and Conflict ``conflict`` (409, ``details.state``/``epoch``) when a
         concurrent suspend took the session between the wake and the read: a 200 naming SUSPENDING told
         the caller a resume had held that did not (fresh-user race: 15 of 80 resumes), and a suspend that
         meets a concurrent resume is 409 the same way (``_moved_on``). ``on_started``: as ``wake``'s."""
-        route, _ = await self.wake_retrying(sid, worker=worker, tenant=tenant, audit_action=None,
+        route, _ = await self.wake_retrying(sid, worker=worker, tenant=tenant, audit_action="resume",
                                             on_started=on_started)
         cur = await self.directory.get_session(sid)
         if cur.state != SessionState.RUNNING:

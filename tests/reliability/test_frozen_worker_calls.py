@@ -49,3 +49,29 @@ def test_a_suspend_of_a_session_on_a_frozen_worker_is_502_and_the_loss_is_told(r
     r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
     assert r.json() == {"output": {"count": 0}}
     assert r.headers["x-substrate-restored"] == "worker_lost;snapshot=none"
+
+
+def test_a_resume_pinned_to_a_frozen_worker_fails_and_its_wake_records_its_own_outcome(runtime_factory):
+    """Tester 40: a resume whose wake failed on a frozen worker was recorded with the caller's outcome,
+    no worker and the suspended epoch (written when the caller stopped waiting). The wake records itself,
+    as an invoke's wake does: the worker it was placed on, the epoch it claimed, and how it ended."""
+    rt = runtime_factory(replicas=2, slots=4)
+    c = rt.client
+    s = c.create_session("counter")
+    worker = s["worker"]
+    suspended = c.suspend(s["id"])
+    pid = int(rt.workers()[worker]["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = c.http.post(f"/v1/sessions/{s['id']}/resume", json={"worker": worker})  # client timeout 30 s
+        assert r.status_code in (502, 503), r.text  # its worker lost (lease 2 s here), or the park timeout
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    def wake_recorded() -> list[dict]:
+        return [e for e in c.session_events(s["id"])["items"] if e["action"] == "resume"]
+
+    rt.wait_for(lambda: bool(wake_recorded()), what="the wake's own record")
+    (rec,) = wake_recorded()
+    assert rec["result"] == "worker_unavailable" and rec["worker"] == worker, rec
+    assert rec["epoch"] > suspended["epoch"], rec  # the activation it claimed, not the suspended one
