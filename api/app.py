@@ -32,7 +32,7 @@ from starlette.routing import Match, Route
 
 from api import proxy
 from api.auth import Principal
-from api.hotpath import INVOKE_PATH, SubstrateAPI, endpoint
+from api.hotpath import INVOKE_PATH, SubstrateAPI, endpoint, runtime_of
 from api.errors_doc import DEFAULT_STATUSES, ROUTE_STATUSES, openapi_error_schema, responses_for
 from api.runtime import Runtime
 from substrate import metrics
@@ -175,7 +175,7 @@ def session_view(rec: SessionRecord, rt: Runtime | None = None) -> dict[str, Any
 
 
 def _guard_settings(scope: dict[str, Any], default: Settings) -> tuple[Settings, Any]:
-    rt = getattr(getattr(scope.get("app"), "state", None), "runtime", None)
+    rt = runtime_of(scope.get("app"))
     return (rt.settings, rt.auth) if rt is not None else (default, None)
 
 
@@ -384,7 +384,10 @@ class RequestCounter:
                 rid = request_id_of(scope)
                 if rid:
                     headers = message.get("headers") or []
-                    if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    for k, _ in headers:  # a loop, not any() over a generator: once per answer
+                        if k.lower() == b"x-request-id":
+                            break
+                    else:
                         message = {**message, "headers": [*headers, (b"x-request-id", rid.encode("latin-1"))]}
             await send(message)
 
@@ -510,6 +513,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = runtime or await Runtime.build(settings, embedded=embedded)
         app.state.runtime = rt
+        app.runtime = rt  # the hot path's way to it (``runtime_of``)
         await rt.start()
         await rt.wait_ready()
         try:

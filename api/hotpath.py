@@ -27,7 +27,7 @@ route; FastAPI for the rest of the API"); before, the thin route still sat behin
 from __future__ import annotations
 
 import re
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -53,6 +53,14 @@ def endpoint(handler: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
     return app
 
 
+def runtime_of(app: Any) -> Any:
+    """The app's runtime (``api.runtime.Runtime``): its ``runtime`` attribute, which the lifespan sets and
+    the hot path reads on every call (``app.state.runtime`` goes through Starlette's ``State.__getattr__``),
+    else ``app.state.runtime`` (what a test sets), else None."""
+    rt = getattr(app, "runtime", None)
+    return rt if rt is not None else getattr(getattr(app, "state", None), "runtime", None)
+
+
 class SubstrateAPI(FastAPI):
     """FastAPI whose invoke route is dispatched ahead of its middleware stack (module docstring).
 
@@ -64,6 +72,8 @@ class SubstrateAPI(FastAPI):
 
     hot_path: ASGIApp | None = None
     invoke_route: Route | None = None
+    #: the runtime, set by the lifespan next to ``state.runtime`` (``runtime_of``)
+    runtime: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hot = self.hot_path

@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope
 
 from api.errors_doc import ERROR_CODES
 from api.guard import retry_after, www_authenticate
+from api.hotpath import runtime_of
 from api.workerhttp import Answer, ConnectError, WorkerHTTP, WorkerHTTPError
 from substrate import audit, metrics
 from substrate.activator import Route
@@ -412,8 +413,8 @@ async def invoke(request: Request) -> Response:
     ``Request.headers`` (a walk of the header list per lookup), ``query_params`` and ``body()`` took a
     measurable part of a saturated router's CPU (the router's CPU per turn went down about 14 %, paired
     A/B in ``docs/bench/2026-12-06-invoke-scope-ab.md``)."""
-    runtime: Runtime = request.app.state.runtime
     scope = request.scope
+    runtime: Runtime = runtime_of(scope["app"])
     sid = scope["path_params"]["sid"]
     try:
         principal = await authenticate(runtime, request)

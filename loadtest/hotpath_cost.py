@@ -70,7 +70,7 @@ async def measure(redis_url: str, *, turns: int = 20_000, repeats: int = 5) -> d
     rt = await Runtime.build(settings, embedded=False)
     try:
         await rt.signing.load()
-        app.state.runtime = rt
+        app.state.runtime = app.runtime = rt  # as the lifespan sets them
         address = "http://127.0.0.1:1"
         rt.view.workers = {"w1": SimpleNamespace(leaseExpiresAt=time.time() + 86400, address=address)}  # type: ignore[dict-item]
         rt.routes.put(_SID, Route("w1", address, 1, tenant="default"))
