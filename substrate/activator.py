@@ -255,6 +255,8 @@ class WorkerView:
         self.refresh_s = refresh_s
         self.workers: dict[str, WorkerRecord] = {}
         self.refreshed_at = 0.0
+        #: when the read that ``workers`` holds began (``time.time()``): a worker registered before it is in it
+        self.read_at = 0.0
         self._task: asyncio.Task[None] | None = None
         #: registry reads started, and the number of the newest one that completed (see ``refresh``)
         self._reads_started = 0
@@ -273,9 +275,10 @@ class WorkerView:
                 return
             self._reads_started += 1
             n = self._reads_started
+            began = time.time()
             workers = await self.directory.list_workers()
             self.workers = {w.id: w for w in workers}
-            self.refreshed_at = time.time()
+            self.refreshed_at, self.read_at = time.time(), began
             self._read_done = n
 
     @property

@@ -32,6 +32,7 @@ class _Lease(Protocol):
 
 class _View(Protocol):
     workers: dict[str, _Lease]  # the WorkerView's last read of the registry: id -> record
+    read_at: float  # when that read began (time.time())
 
 
 class LeaseWatch:
@@ -50,6 +51,8 @@ class LeaseWatch:
         self.grace_s = grace_s
         self.check_s = check_s
         self._calls: dict[str, set[asyncio.Task[object]]] = {}
+        #: when each worker's calls began to be watched (its set became non-empty)
+        self._since: dict[str, float] = {}
         #: tasks this watch cancelled (their worker lost its lease), until discarded
         self.lost: set[asyncio.Task[object]] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -59,6 +62,7 @@ class LeaseWatch:
         calls = self._calls.get(worker)
         if calls is None:
             calls = self._calls[worker] = set()
+            self._since[worker] = time.time()
         calls.add(task)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.check_s, self.check)
@@ -70,6 +74,7 @@ class LeaseWatch:
             calls.discard(task)
             if not calls:
                 del self._calls[worker]
+                del self._since[worker]
         if self.lost:
             self.lost.discard(task)
 
@@ -78,14 +83,17 @@ class LeaseWatch:
         return sum(len(c) for c in self._calls.values())
 
     def check(self) -> None:
-        """Cancel the calls of every worker past its lease plus grace (or gone from the view), and arm the
-        timer again while calls remain. Called by the timer; never raises."""
+        """Cancel the calls of every worker past its lease plus grace, or gone from the view (absent from
+        a registry read that began after its calls did: a worker that registered after the view's last
+        read, which a placement can already use, is not taken for gone), and arm the timer again while
+        calls remain. Called by the timer; never raises."""
         self._timer = None
         now = time.time()
-        workers = self.view.workers
+        workers, read_at = self.view.workers, self.view.read_at
         for worker, calls in self._calls.items():
             w = workers.get(worker)
-            if w is None or w.leaseExpiresAt + self.grace_s < now:
+            gone = read_at > self._since[worker] if w is None else w.leaseExpiresAt + self.grace_s < now
+            if gone:
                 for task in calls:
                     if task not in self.lost and not task.done():
                         self.lost.add(task)

@@ -20,6 +20,7 @@ class _Worker:
 class _View:
     def __init__(self) -> None:
         self.workers: dict[str, _Worker] = {}
+        self.read_at = 0.0  # when the registry read that ``workers`` holds began
 
 
 async def test_only_the_calls_of_a_worker_past_its_lease_and_grace_are_cancelled() -> None:
@@ -31,6 +32,11 @@ async def test_only_the_calls_of_a_worker_past_its_lease_and_grace_are_cancelled
     for w, t in tasks.items():
         watch.add(w, t)
     assert watch.in_flight() == 4
+    view.read_at = time.time() - 5  # read before the calls began: w-gone may have registered since
+    watch.check()
+    await asyncio.sleep(0)
+    assert not tasks["w-gone"].done(), "a worker newer than the view's last read is not taken for gone"
+    view.read_at = time.time() + 1  # a read that began after the calls did, without w-gone
     watch.check()
     await asyncio.sleep(0)
     # within the lease, or past it by less than the grace: left alone; past lease and grace, or gone from
