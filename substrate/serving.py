@@ -342,6 +342,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._begin_head()
 
     def on_headers_complete(self) -> None:  # noqa: D102
+        if b"#" in self.url:
+            # RFC 9112 3.2: a request target has no fragment (a client strips it); the parser dropped it and
+            # the request ran as if it were not there (tester 41). Refused like any malformed request line,
+            # still as a head (``_reject``: after the answers before it on a pipelined connection)
+            self._reject(_closing_answer(b"400 Bad Request", "bad_request",
+                                         "the request target holds a fragment (#...): send the path and "
+                                         "query only; the connection is closed"))
+            return
         self._in_head = False  # the timer, if armed, lapses when it fires (class docstring)
         super().on_headers_complete()
 

@@ -387,3 +387,15 @@ def test_the_answer_to_a_request_comes_before_the_408_of_a_stalled_head_pipeline
     assert raw.startswith(b"HTTP/1.1 200 ") and b"ok:hi" in raw, raw[:300]
     assert raw.count(b"HTTP/1.1 ") == 2 and raw.index(b"HTTP/1.1 408 ") > raw.index(b"ok:hi"), raw[:400]
     _timed_out(raw[raw.index(b"HTTP/1.1 408 "):])
+
+
+@pytest.mark.parametrize("target", [b"/#x", b"/slow?a=1#frag", b"/#"])
+def test_a_request_target_with_a_fragment_is_a_json_400_and_is_closed(server: int, target: bytes) -> None:
+    """RFC 9112 3.2: a request target carries no fragment. The parser dropped it and served the request
+    (tester 41: ``POST /v1/sessions/b1/invoke#x`` ran the turn); it is refused now, and nothing runs."""
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        raw = _read_all(s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), raw[:200]
+    assert json.loads(body)["code"] == "bad_request" and b"ok:" not in raw
