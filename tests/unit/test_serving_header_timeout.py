@@ -228,18 +228,24 @@ class _Transport(asyncio.Transport):
         pass
 
 
+def _hand_driven(loop: asyncio.AbstractEventLoop) -> tuple[HeaderTimeoutProtocol, "_Transport"]:
+    """A protocol (30 s head deadline) on ``loop``, connected to a ``_Transport`` the test drives by hand."""
+    cfg = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off")
+    cfg.load()
+    from uvicorn.server import ServerState
+
+    p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+    t = _Transport(p)
+    p.connection_made(t)
+    return p, t
+
+
 def test_a_later_request_on_a_keep_alive_connection_is_bounded_too() -> None:
     """Between requests no head is being read: the chunk that holds all of the next one's over-limit head
     (more than a loopback segment, so the server above cannot be made to get it whole) must be counted."""
     loop = asyncio.new_event_loop()
     try:
-        cfg = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off")
-        cfg.load()
-        from uvicorn.server import ServerState
-
-        p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
-        t = _Transport(p)
-        p.connection_made(t)
+        p, t = _hand_driven(loop)
         p.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # the first request, answered
         assert not t.written
         _answer_first(p)  # (a head pipelined behind a request still being answered waits for its answer)
@@ -264,13 +270,7 @@ def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection()
     now = [100.0]
     loop.time = lambda: now[0]  # type: ignore[method-assign]
     try:
-        cfg = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off")
-        cfg.load()
-        from uvicorn.server import ServerState
-
-        p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
-        t = _Transport(p)
-        p.connection_made(t)
+        p, t = _hand_driven(loop)
         first = p._head_timer
         assert first is not None and first.when() == 130.0  # the connection's first head: 30 s from now
         now[0] = 101.0
@@ -289,9 +289,7 @@ def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection()
         assert p._head_timer is None
         p.connection_lost(None)
 
-        q = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
-        u = _Transport(q)
-        q.connection_made(u)
+        q, u = _hand_driven(loop)
         q.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         _answer_first(q)
         now[0] = 180.0
@@ -313,13 +311,7 @@ def test_one_timer_per_connection_bounds_every_head_on_a_kept_alive_connection()
 def _pipelined(now: list[float]) -> tuple[asyncio.AbstractEventLoop, HeaderTimeoutProtocol, _Transport]:
     loop = asyncio.new_event_loop()
     loop.time = lambda: now[0]  # type: ignore[method-assign]
-    cfg = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off")
-    cfg.load()
-    from uvicorn.server import ServerState
-
-    p = header_timeout_protocol(30)(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
-    t = _Transport(p)
-    p.connection_made(t)
+    p, t = _hand_driven(loop)
     return loop, p, t
 
 
