@@ -69,6 +69,14 @@ def token_refused_error(address: str, body: Any) -> E.WorkerUnavailable:
                                f"({str(why)[:200]}); retry", code="worker_unavailable", retry_after_s=1)
 
 
+def _call_headers(token: str, epoch: int | None) -> dict[str, str]:
+    """The headers that bind a call to its activation: the token, and the epoch it names."""
+    h = {"Authorization": f"Bearer {token}"}
+    if epoch is not None:
+        h[EPOCH_HEADER] = str(epoch)
+    return h
+
+
 class WorkerClient:
     """Calls one of many workers by address. One instance per process (it owns the connection pool)."""
 
@@ -95,10 +103,7 @@ class WorkerClient:
     def auth_headers(self, address: str, session: str, epoch: int | None, tenant: str = "") -> dict[str, str]:
         """Headers for one call to the worker at ``address`` on ``session`` at ``epoch``."""
         token = self.minter.mint(session=session, epoch=epoch, worker_address=address, tenant=tenant)
-        h = {"Authorization": f"Bearer {token}"}
-        if epoch is not None:
-            h[EPOCH_HEADER] = str(epoch)
-        return h
+        return _call_headers(token, epoch)
 
     def auth_head(self, address: str, session: str, epoch: int | None, tenant: str = "") -> bytes:
         """``auth_headers`` as HTTP/1.1 header lines, each preceded by CRLF (``b"\\r\\nAuthorization:
@@ -112,7 +117,7 @@ class WorkerClient:
         if head is None:
             if len(self._heads) >= self.max_cached_heads:
                 self._heads.clear()
-            lines = f"\r\nAuthorization: Bearer {token}" + (f"\r\n{EPOCH_HEADER}: {epoch}" if epoch is not None else "")
+            lines = "".join(f"\r\n{k}: {v}" for k, v in _call_headers(token, epoch).items())
             head = self._heads[token] = lines.encode("latin-1")
         return head
 
