@@ -683,7 +683,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         keys = rt.directory.keys
         index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
         items, nxt = await list_page(rt.directory.redis, keys, index, limit=limit, cursor=continue_,
-                                     state=SessionState(state) if state else None, template=template)
+                                     state=SessionState(state) if state else None, template=template,
+                                     tenant=scope)
         return {"items": [session_view(r, rt) for r in items], "metadata": {"continue": nxt}}
 
     @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])
@@ -697,8 +698,9 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         already deleted is 404 ``session_not_found``, and of concurrent DELETEs exactly one answers 204."""
         rt = _rt(request)
         p = _principal(request)
+        read: SessionRecord | None = None  # the record read here, not read again by the delete
         try:
-            rec = await _owned(rt, sid, p)
+            rec = read = await _owned(rt, sid, p)
         except NotFound:
             # a delete under way (another DELETE won): this one loses like one that read the record
             # just before, below (404 after the winner's record, with its own); it answered at once and
@@ -713,7 +715,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         # the record is written when the session has ended, before its record goes: a concurrent DELETE
         # that lost answers (and records) 404 only after that (``Activator.delete``)
         await _audited(rt, "delete", rec, lambda ok: rt.activator.delete(sid, snapshot_gc=rt.snapshot_gc,
-                                                                         before_removal=ok), early=True)
+                                                                         before_removal=ok, read=read),
+                       early=True)
         rt.routes.drop(sid)
         return Response(status_code=204)
 
@@ -868,7 +871,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
             cursor: str | None = None
             while True:
                 page, cursor = await list_page(rt.directory.redis, keys, keys.tenant_sessions(scope), limit=1000,
-                                               cursor=cursor)
+                                               cursor=cursor, tenant=scope)
                 for r in page:
                     by_state[r.state.value] = by_state.get(r.state.value, 0) + 1
                 if cursor is None:

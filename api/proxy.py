@@ -539,11 +539,18 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
     lost_workers: set[str] = set()  # workers that dropped this turn after it was sent
     sent = False  # a worker may have started this turn: a session gone since was deleted under it
     token_retried = False  # sent again once with reloaded signing keys after the worker refused the token
+    waits_on_lease = 0  # tries that found nothing listening on a worker whose lease still runs
+    unreachable: str | None = None  # that worker, when it was the last try's
     while True:
         attempt += 1
-        if attempt > 1 and (time.monotonic() > deadline or attempt > 12):
+        if (attempt > 1 or waits_on_lease) and (time.monotonic() > deadline or attempt > 12):
+            if unreachable is not None:  # the last try found its worker unreachable: it did not move
+                raise WorkerUnavailable(f"session {sid!r}: its worker {unreachable} cannot be reached and was not "
+                                        "declared dead (its lease did not lapse) in time; retry",
+                                        code="worker_unavailable", retry_after_s=s.api.retry_after_s)
             raise WorkerUnavailable(f"session {sid!r} kept moving between workers; retry", code="session_moving",
                                     retry_after_s=s.api.retry_after_s)
+        unreachable = None
         if route is None:
             t0 = time.perf_counter()
             try:
@@ -588,7 +595,8 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
             # turn took down 11 workers in a row), so once more than max_lost_worker_retries distinct
             # workers dropped it after it was sent, it is answered 502.
             # refused before sending: not this turn's doing
-            if not isinstance(e, (aiohttp.ClientConnectorError, ConnectError)):
+            refused = isinstance(e, (aiohttp.ClientConnectorError, ConnectError))
+            if not refused:
                 lost_workers.add(route.worker)
                 sent = True
             cache.drop(sid)
@@ -597,7 +605,20 @@ async def _forward(runtime: "Runtime", sid: str, body: bytes, stream: bool, rid:
                 raise WorkerUnavailable(
                     f"session {sid!r}: {len(lost_workers)} workers went away during this turn; not retried again "
                     "(the turn may be what stops it)", code="worker_unavailable", retry_after_s=s.api.retry_after_s)
-            await act.check_worker(route.worker, sid=sid)
+            if not await act.check_worker(route.worker, sid=sid) and (refused or isinstance(e, _LeaseLost)):
+                # nothing listens there (or it froze past its lease), and its lease still runs: the session
+                # stays there until the lease lapses and the worker is declared dead. Each such try fails
+                # at once, so they are bounded by the deadline (park + lease + grace), not by the count of
+                # attempts: the 12 attempts ran out in 1.5 s, and the turn was answered 502
+                # ``session_moving`` for a session that never moved (fresh-user tester 42, a worker killed
+                # where the runtime could not see it exit)
+                act.view.mark_unreachable(route.worker, s.worker.lease_s)
+                unreachable = route.worker
+                attempt -= 1
+                waits_on_lease += 1
+                route = None
+                await asyncio.sleep(min(0.05 * waits_on_lease, 0.5))
+                continue
             route = None
             await asyncio.sleep(min(0.02 * attempt, 0.2))
             continue

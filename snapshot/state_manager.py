@@ -226,7 +226,7 @@ class StateManager:
             # the places first, while the record still keeps the ID taken (as a DELETE does): given back
             # after it, they could be a create's of the same ID that came in between
             await self.activator.release_quota(rec, epoch=None, total=True)
-            await d.delete_session(rec.id)
+            await d.delete_session(rec.id, tenant=rec.tenant)
             await self.activator.record("deadline", rec, reason="PENDING->deleted", who=SYSTEM)
             return
         if rec.state == SessionState.SUSPENDING:

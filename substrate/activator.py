@@ -262,6 +262,11 @@ class WorkerView:
         self._reads_started = 0
         self._read_done = 0
         self._read_lock = asyncio.Lock()
+        #: workers a call could not reach while their lease still ran, each with the lease expiry (epoch s)
+        #: that only a renewal after the call can reach and when the mark lapses anyway (epoch s): not
+        #: placed on until a registry read shows such a lease (the worker is alive), the worker gone, or
+        #: the mark lapsed (``mark_unreachable``)
+        self.unreachable: dict[str, tuple[float, float]] = {}
 
     async def refresh(self) -> None:
         """Read the worker registry again (``Directory.list_workers``: O(workers)). Calls share reads:
@@ -278,6 +283,11 @@ class WorkerView:
             began = time.time()
             workers = await self.directory.list_workers()
             self.workers = {w.id: w for w in workers}
+            for wid, (renewed_past, lapses_at) in list(self.unreachable.items()):
+                w = self.workers.get(wid)
+                # gone, or renewed since (alive after all), or marked long enough
+                if w is None or w.leaseExpiresAt > renewed_past or began > lapses_at:
+                    del self.unreachable[wid]
             self.refreshed_at, self.read_at = time.time(), began
             self._read_done = n
 
@@ -295,6 +305,22 @@ class WorkerView:
     def address(self, wid: str | None) -> str | None:
         w = self.workers.get(wid or "")
         return w.address if w else None
+
+    def mark_unreachable(self, wid: str, lease_s: float) -> None:
+        """A call to ``wid`` could not reach it (refused, reset, or outlived its lease) while its lease
+        still runs. Its death is not declared here (only a lapsed lease does that:
+        ``Activator.check_worker``), but a wake retried at once was placed on it again and again: a kill
+        -9'd worker whose lease still ran took 5 epochs and 5 failure records of one resume (fresh-user
+        tester 42). So placements skip it until a registry read shows a lease renewed after now (expiring
+        more than ``lease_s``, the workers' lease, from now: a lease renewed before the call, after this
+        view's last read, is no sign of life; a kill -9 right after a heartbeat sent a retried wake back
+        to the dead worker). The mark lapses after two leases in any case (a dead worker is declared dead
+        by then; a live one whose lease setting is shorter than this process's would be skipped for
+        good). Its lease in the view is left as it is: the turns still in flight there are not abandoned
+        for this (a worker that stopped listening may be draining them)."""
+        if wid in self.workers:
+            now = time.time()
+            self.unreachable[wid] = (now + lease_s, now + 2 * lease_s)
 
     def leased(self, wid: str, now: float | None = None) -> bool:
         """True while ``wid``'s lease (as last seen) is valid: a route to a worker past its lease is not
@@ -410,15 +436,6 @@ class Activator:
                                 who=who)
 
     @translated
-    async def _index(self, tenant: str, sid: str, created_at: float | None) -> None:
-        """Add ``sid`` to (``created_at`` given) or drop it from its tenant's session index."""
-        key = self.directory.keys.tenant_sessions(tenant)
-        if created_at is None:
-            await self.directory.redis.zrem(key, sid)
-        else:
-            await self.directory.redis.zadd(key, {sid: created_at})
-
-    @translated
     async def _exists(self, sid: str) -> bool:
         return bool(await self.directory.redis.exists(self.directory.keys.session(sid)))
 
@@ -510,7 +527,8 @@ class Activator:
 
     def _skip_worker(self, wid: str) -> None:
         """``wid`` answered ``worker_fenced`` (past its own lease) or refused a connection: place
-        elsewhere until the view's next refresh shows it renewed."""
+        elsewhere until a registry read shows it renewed."""
+        self.view.mark_unreachable(wid, self.settings.worker.lease_s)
         w = self.view.workers.get(wid)
         if w is not None:
             w.leaseExpiresAt = 0.0
@@ -733,7 +751,8 @@ class Activator:
     async def _claim_in(self, pool: str, sid: str, worker: str | None) -> tuple[WorkerRecord, int] | None:
         """Claim a free slot on the best candidate of the view (None if none has one)."""
         pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
-        for w in candidates(pinned, pool, pack=self.settings.pool.placement == "pack"):
+        for w in candidates(pinned, pool, pack=self.settings.pool.placement == "pack",
+                            exclude=self.view.unreachable):
             slot = await self.directory.claim_slot(w.id, sid)
             if slot >= 0:
                 w.freeSlots = max(0, w.freeSlots - 1)
@@ -761,7 +780,7 @@ class Activator:
                 # waiters from what it shows before suspending anyone (an e2e burst on a slow machine
                 # suspended 2 sessions with 10 free slots registered)
                 await self.view.refresh()
-                if candidates(self.view.workers.values(), pool):
+                if candidates(self.view.workers.values(), pool, exclude=self.view.unreachable):
                     self._queues[pool].notify()
                     return 0
                 return await self._suspend_lru(pool, self.settings.api.pressure_min_idle_s, tenant=tenant,
@@ -1106,7 +1125,6 @@ class Activator:
             await self.release_quota(rec, epoch=None, total=True)
             raise
         try:
-            await self._index(rec.tenant, rec.id, rec.createdAt)
             if self.quotas is not None:
                 self._background(self._own_created_place(rec, template, epoch))
             t_act = time.perf_counter()
@@ -1126,12 +1144,8 @@ class Activator:
                 raise Conflict(f"session {rec.id!r} changed while starting", code="conflict")
         except BaseException as e:
             undone = await self._undo_create(rec, worker, slot, e, epoch)
-            if undone:
-                try:
-                    await self._index(rec.tenant, rec.id, None)
-                except SubstrateError:
-                    pass  # a stale index entry is skipped (and dropped) by the next listing
-            else:  # kept SUSPENDED by its deadline: it holds its total quota, no running one (a wake since
+            if not undone:
+                # kept SUSPENDED by its deadline: it holds its total quota, no running one (a wake since
                 # then owns a newer epoch's place: the guard leaves it)
                 await self.release_quota(rec, epoch=epoch)
             if isinstance(e, SubstrateError) and (_elsewhere(e) or isinstance(e, _LeaseLost)):
@@ -1193,7 +1207,8 @@ class Activator:
                     pass
                 await self.directory.release_slot(worker.id, slot, sid)
             await self.release_quota(rec, epoch=None, total=True)
-            await self.directory.delete_session(sid)
+            # a stale index entry left by a failure here is skipped (and dropped) by the next listing
+            await self.directory.delete_session(sid, tenant=rec.tenant)
         except Exception:  # noqa: BLE001 - the state manager's scans repair what is left
             log.warning("undo of a failed create incomplete", extra={"session": sid}, exc_info=True)
         return True
@@ -1605,7 +1620,11 @@ class Activator:
                 raise e from None
             await self._abandon(rec.id, worker, slot, epoch)
             if isinstance(e, WorkerUnavailable):
-                await self.check_worker(worker.id)
+                if not await self.check_worker(worker.id):
+                    # not known dead yet (its lease runs): the wake retried (``wake_retrying``) goes elsewhere
+                    # until the worker renews its lease (refused, frozen, or reset: a pooled keep-alive
+                    # connection to a killed worker fails as a reset, not a refusal)
+                    self.view.mark_unreachable(worker.id, self.settings.worker.lease_s)
             elif e.code == "worker_fenced":
                 self._skip_worker(worker.id)
             raise
@@ -1977,7 +1996,8 @@ class Activator:
         await self.record("suspend", rec, reason=reason, result=code, who=SYSTEM)
 
     async def delete(self, sid: str, snapshot_gc: Callable[[str, int], Awaitable[None]] | None = None, *,
-                     before_removal: Callable[[], Awaitable[None]] | None = None) -> None:
+                     before_removal: Callable[[], Awaitable[None]] | None = None,
+                     read: SessionRecord | None = None) -> None:
         """End a session wherever it is and remove its record (and its snapshots, via ``snapshot_gc(sid,
         last_epoch)``, in the background).
         Of concurrent deletes one does it and the others get ``NotFound``, as a delete after it does (the
@@ -1988,12 +2008,19 @@ class Activator:
         before its record goes (the API writes its audit record there). A concurrent delete that lost
         the compare-and-set answers ``NotFound`` only once the record is gone (at most
         ``DELETE_WAIT_S``), so its own record follows the winner's: the losers' ``session_not_found``
-        records came before the winner's ``ok`` in the trail (fresh-user run, 6 of 6)."""
-        try:
-            rec = await self.directory.get_session(sid)
-        except NotFound:
-            await self._wait_removed(sid)
-            raise
+        records came before the winner's ``ok`` in the trail (fresh-user run, 6 of 6).
+
+        ``read``: the record as the caller just read it (the API, to check who owns it): not read again. It
+        is as good as a read here: the move to DELETED takes any state, and an activation that moved in
+        between is freed by its worker's reconciliation, as one that moves between a read here and the
+        move would be."""
+        rec = read
+        if rec is None:
+            try:
+                rec = await self.directory.get_session(sid)
+            except NotFound:
+                await self._wait_removed(sid)
+                raise
         cas = await self.directory.transition(sid, from_states=_NOT_DELETED, to=SessionState.DELETED, bump=True)
         if not cas.ok:  # gone, or marked DELETED by a concurrent delete (or an undone create)
             await self._wait_removed(sid)
@@ -2022,8 +2049,7 @@ class Activator:
         # the places go while the DELETED record still keeps the ID taken, as in ``_undo_create``: given
         # back after the record, they could be a create's of the same ID that came in between
         await self.release_quota(rec, epoch=None, total=True)
-        await self.directory.delete_session(sid)
-        await self._index(rec.tenant, sid, None)
+        await self.directory.delete_session(sid, tenant=rec.tenant)
         if snapshot_gc is not None:
             # up to the deleted session's last epoch: a session made again under this ID starts above it,
             # and its snapshots may be under the same prefix before this task lists it

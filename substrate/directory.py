@@ -493,7 +493,8 @@ class Directory:
     # sessions ---------------------------------------------------------------------------------------
     @_translate
     async def create_session(self, rec: SessionRecord) -> int:
-        """Write a new record; ``Conflict(code="session_exists")`` if the ID is taken (even if DELETED).
+        """Write a new record, with its entries in the runtime's and its tenant's session index, in one round
+        trip; ``Conflict(code="session_exists")`` if the ID is taken (even if DELETED).
 
         Returns the epoch written: ``rec.epoch``, or above the last epoch a deleted session of this ID
         reached (epochs never repeat for an ID); ``rec.epoch`` is updated to it."""
@@ -505,9 +506,13 @@ class Directory:
         # the state counter too, optimistically (undone below if the ID was taken): no round trip more
         counted = rec.state != SessionState.DELETED
 
+        tenant_index = self.keys.tenant_sessions(rec.tenant)
+
         async def queue(p: Any) -> None:
             await self._create(keys=[key, self.keys.session_epoch_floor(rec.id)], args=flat, client=p)
             p.zadd(self.keys.sessions_index, {rec.id: rec.createdAt}, nx=True)
+            # the tenant's index too (it was a round trip of its own after this one)
+            p.zadd(tenant_index, {rec.id: rec.createdAt}, nx=True)
             if rec.state in TRANSITIONAL and rec.stateDeadline:
                 p.zadd(self.keys.deadlines, {rec.id: rec.stateDeadline}, nx=True)
             if counted:
@@ -517,8 +522,11 @@ class Directory:
             if counted:
                 await self._count_states(rec.state.value, None, tenant=rec.tenant)
 
-        created = (await self._scripted(queue, uncount))[0]
+        done = await self._scripted(queue, uncount)
+        created = done[0]
         if int(created[0]) != 1:
+            if int(done[2]):  # the ID is another tenant's session (or a removed one's): not in this index
+                await self.redis.zrem(tenant_index, rec.id)
             await uncount()
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
         rec.epoch = int(created[1])
@@ -668,14 +676,17 @@ class Directory:
         return list(await self.redis.zrange(self.keys.session_snapshots(sid), 0, -1))
 
     @_translate
-    async def delete_session(self, sid: str) -> None:
-        """Remove the record and its index entries (idempotent). The epoch it reached stays behind as
-        the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``)."""
+    async def delete_session(self, sid: str, *, tenant: str | None = None) -> None:
+        """Remove the record and its index entries (idempotent), ``tenant``'s index too when given (its
+        entry is otherwise dropped by that tenant's next listing), in one round trip. The epoch it reached
+        stays behind as the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``)."""
         async def queue(p: Any) -> None:
             await self._delete(keys=[self.keys.session(sid), self.keys.session_epoch_floor(sid),
                                      self.keys.session_snapshots(sid)], args=[self.epoch_floor_ttl_s], client=p)
             p.zrem(self.keys.sessions_index, sid)
             p.zrem(self.keys.deadlines, sid)
+            if tenant is not None:
+                p.zrem(self.keys.tenant_sessions(tenant), sid)
 
         res = (await self._scripted(queue))[0]
         if res[1]:

@@ -5,8 +5,11 @@ base64). The next page starts strictly after it in the index's order (a Redis so
 ``createdAt``, ties broken by member, i.e. by session ID), so deleting any item between two pages can
 neither skip a survivor nor repeat one, unlike an offset. Each tenant has its own index (``Keys.
 tenant_sessions``), so a tenant's listing costs O(its page), however many sessions other tenants hold;
-admins list the global index. Index entries whose record is gone (derived data, see ``keys.py``) are
-skipped and removed on the way.
+admins list the global index. Index entries whose record is gone (derived data, see ``keys.py``), and in a
+tenant's index those whose record is another tenant's, are skipped and removed on the way: such an entry
+is left by a step that removed a record but not its index entry (a deadline's removal of a PENDING record,
+a failed removal), and once another tenant made a session of that ID again it would have listed that
+session to the first tenant.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ def decode_cursor(token: str) -> tuple[float, str]:
 @translated
 async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int = 100,
                     cursor: str | None = None, state: SessionState | None = None, template: str | None = None,
-                    scan_cap: int = 5000) -> tuple[list[SessionRecord], str | None]:
+                    scan_cap: int = 5000, tenant: str | None = None) -> tuple[list[SessionRecord], str | None]:
     """One page of the sessions in sorted set ``index`` after ``cursor``, filtered by state/template.
+    ``tenant``: ``index`` is that tenant's (``Keys.tenant_sessions``); records of other tenants in it are
+    stale entries, skipped and removed (see the module docstring).
 
     Returns ``(items, next_cursor)``; ``next_cursor`` is None at the end. At most ``scan_cap`` index
     entries are read per call, so a selective filter answers in bounded time (fewer items, and a cursor
@@ -91,6 +96,9 @@ async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int
             if not raw or "actorTemplate" not in raw or raw.get("state") == SessionState.DELETED.value:
                 if not raw:
                     stale.append(m)
+                continue
+            if tenant is not None and raw.get("tenant") != tenant:
+                stale.append(m)
                 continue
             rec = decode_session(raw)
             if (state is None or rec.state == state) and (template is None or rec.actorTemplate == template):

@@ -162,6 +162,30 @@ async def test_two_routers_resuming_one_session_activate_it_once_200_times(direc
         await r.directory.close()
 
 
+async def test_a_worker_marked_unreachable_is_skipped_until_it_renews_after_the_mark(directory):
+    """``WorkerView.mark_unreachable``: a lease renewed before the mark (a heartbeat just before a kill -9,
+    read after it) keeps the worker skipped; one renewed after the mark clears it."""
+    from substrate.placement import candidates
+
+    now = time.time()
+    await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://w1", slots=2,
+                                                 leaseExpiresAt=now + 5, startedAt=now))
+    view = WorkerView(directory, 60)
+    await view.refresh()
+    renewed_before = time.time()
+    view.mark_unreachable("w1", 5)
+    assert candidates(view.workers.values(), "default", exclude=view.unreachable) == []
+    assert await directory.heartbeat("w1", renewed_before + 5)  # renewed before the mark, read only now
+    await view.refresh()
+    assert "w1" in view.unreachable, "a lease from before the mark is no sign of life"
+    assert await directory.heartbeat("w1", time.time() + 5 + 1)  # renewed after the mark
+    await view.refresh()
+    assert "w1" not in view.unreachable
+    assert [w.id for w in candidates(view.workers.values(), "default", exclude=view.unreachable)] == ["w1"]
+    view.mark_unreachable("gone", 5)
+    assert "gone" not in view.unreachable, "a worker not in the view is not marked"
+
+
 async def test_heartbeat_records_last_activity_without_resurrecting(directory):
     now = time.time()
     await directory.register_worker(WorkerRecord(id="w1", pool="default", address="http://x", slots=2,

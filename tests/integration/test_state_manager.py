@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -489,8 +490,8 @@ async def test_a_pending_session_rolled_past_its_deadline_gives_its_places_back_
     await quotas.acquire("default", template, "p", create=True)
     delete = d.delete_session
 
-    async def then_a_create_of_the_same_id(sid: str) -> None:
-        await delete(sid)
+    async def then_a_create_of_the_same_id(sid: str, **kw: Any) -> None:
+        await delete(sid, **kw)
         await quotas.acquire("default", template, sid, create=True)  # the next create of "p" takes its places
 
     d.delete_session = then_a_create_of_the_same_id  # type: ignore[method-assign]

@@ -44,6 +44,29 @@ def _template(name: str = "counter", gpus: int = 0, quota: dict[str, int] | None
 
 
 # ------------------------------------------------------------------------------------------ listing
+async def test_a_tenants_listing_never_shows_another_tenants_session_of_a_stale_index_entry(redis_url,
+                                                                                            redis_prefix):
+    """A record removed without its index entry (a PENDING create past its deadline, a failed removal)
+    left the ID in its tenant's index; once another tenant made a session of that ID, the first tenant's
+    listing showed it. The listing now skips and drops such entries."""
+    r, keys, prefix = redis_prefix
+    d = Directory(redis_url, prefix)
+    try:
+        now = time.time()
+        for sid, tenant in (("s-mine", "a"), ("s-reused", "b")):
+            await d.create_session(SessionRecord(id=sid, state=SessionState.RUNNING, actorTemplate="counter",
+                                                 pool="default", tenant=tenant, createdAt=now, updatedAt=now,
+                                                 lastActiveAt=now))
+        assert await r.zscore(keys.tenant_sessions("b"), "s-reused") is not None, "the create indexes it"
+        await r.zadd(keys.tenant_sessions("a"), {"s-reused": now - 1})  # a's entry from a removed record
+        items, _ = await list_page(r, keys, keys.tenant_sessions("a"), tenant="a")
+        assert [x.id for x in items] == ["s-mine"]
+        assert await r.zscore(keys.tenant_sessions("a"), "s-reused") is None, "the stale entry is dropped"
+        assert [x.id for x in (await list_page(r, keys, keys.tenant_sessions("b"), tenant="b"))[0]] == ["s-reused"]
+    finally:
+        await d.close()
+
+
 async def test_keyset_listing_skips_no_survivor_when_items_are_deleted_between_pages(redis_url, redis_prefix):
     r, keys, prefix = redis_prefix
     d = Directory(redis_url, prefix)
