@@ -751,8 +751,10 @@ class Activator:
     async def _claim_in(self, pool: str, sid: str, worker: str | None) -> tuple[WorkerRecord, int] | None:
         """Claim a free slot on the best candidate of the view (None if none has one)."""
         pinned = [w for w in self.view.workers.values() if worker is None or w.id == worker]
+        # a pinned placement tries its worker even if a call could not reach it: the caller named it, and
+        # its failure (``worker_unavailable``) says more than a wait for a slot there (``no_capacity``)
         for w in candidates(pinned, pool, pack=self.settings.pool.placement == "pack",
-                            exclude=self.view.unreachable):
+                            exclude=self.view.unreachable if worker is None else ()):
             slot = await self.directory.claim_slot(w.id, sid)
             if slot >= 0:
                 w.freeSlots = max(0, w.freeSlots - 1)
