@@ -92,7 +92,7 @@ from substrate.quotas import Quotas, translated
 from substrate.settings import Settings
 from substrate.slotqueue import SlotQueue
 from substrate.specs import Catalog
-from substrate.workerclient import WorkerClient
+from substrate.workerclient import DEACTIVATE_TIMEOUT_S, WorkerClient
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -108,8 +108,9 @@ _LIVE = (SessionState.RUNNING, SessionState.SUSPENDING, SessionState.STARTING, S
 _ANSWERED = (SessionState.RUNNING, SessionState.SUSPENDING)
 #: every state but DELETED: what a delete may move to DELETED (``Activator.delete``)
 _NOT_DELETED = tuple(s for s in SessionState if s != SessionState.DELETED)
-#: how long a delete that lost to a concurrent one waits for that one to remove the record (s); the
-#: record stays DELETED longer only if the process that marked it died (the state manager's scans repair it)
+#: how long a delete that lost to a concurrent one waits for that one to remove the record (s), beyond the
+#: winner's call to the session's worker (``Activator.delete_wait_s``); the record stays DELETED longer
+#: only if the process that marked it died (the state manager's scans repair it)
 DELETE_WAIT_S = 5.0
 #: a ``resume_timeout`` names the session's previous failed wake if it failed at most this long ago
 _WAKE_FAILURE_SAID_S = 600.0
@@ -446,10 +447,20 @@ class Activator:
         except SubstrateError:
             return False
 
+    @property
+    def delete_wait_s(self) -> float:
+        """The longest (s) a delete that lost to a concurrent one waits for the winner to remove the record:
+        the winner's call that ends the activation (bounded by the worker's lease and grace when the
+        worker froze, ``_within_lease``, and by ``DEACTIVATE_TIMEOUT_S`` on a live one) plus
+        ``DELETE_WAIT_S`` for the rest. It was ``DELETE_WAIT_S`` alone: with the worker frozen, the losers
+        answered 404 a second before the winner's 204, their records first (fresh-user tester 43)."""
+        w = self.settings.worker
+        return max(w.lease_s + w.lease_grace_s, DEACTIVATE_TIMEOUT_S) + DELETE_WAIT_S
+
     async def _wait_removed(self, sid: str) -> None:
-        """Wait (at most ``DELETE_WAIT_S``, polling every 20 ms) until ``sid``'s record is gone: one marked
+        """Wait (at most ``delete_wait_s``, polling every 20 ms) until ``sid``'s record is gone: one marked
         DELETED is a delete (or an undone create) still under way. Returns at once if there is none."""
-        gone_by = time.monotonic() + DELETE_WAIT_S
+        gone_by = time.monotonic() + self.delete_wait_s
         while await self._exists(sid) and time.monotonic() < gone_by:
             await asyncio.sleep(0.02)
 
@@ -1057,8 +1068,13 @@ class Activator:
                         # (tester 39), so it is woken on another worker instead
                         log.info("create's session kept; woken on another worker",
                                  extra={"session": rec.id, "code": lost.error.code})
-                        await self.wake_retrying(rec.id, tenant=rec.tenant)
-                        done = await self.directory.get_session(rec.id)
+                        try:
+                            await self.wake_retrying(rec.id, tenant=rec.tenant)
+                            done = await self.directory.get_session(rec.id)
+                        except NotFound as gone:
+                            # a DELETE won the race meanwhile, as in ``_create_admitted``: 410, not the wake's
+                            # 404 (tester 43: a create answered 404 ``session_not_found``)
+                            raise SessionDeleted(f"session {rec.id!r} was deleted while it was starting") from gone
                         made.worker = done.worker
                         return done
                     # undone: nothing of the session remains, so place it again on another worker
@@ -2009,7 +2025,7 @@ class Activator:
         ``before_removal``: awaited by the delete that does it after the session's activation ended and
         before its record goes (the API writes its audit record there). A concurrent delete that lost
         the compare-and-set answers ``NotFound`` only once the record is gone (at most
-        ``DELETE_WAIT_S``), so its own record follows the winner's: the losers' ``session_not_found``
+        ``delete_wait_s``), so its own record follows the winner's: the losers' ``session_not_found``
         records came before the winner's ``ok`` in the trail (fresh-user run, 6 of 6).
 
         ``read``: the record as the caller just read it (the API, to check who owns it): not read again. It

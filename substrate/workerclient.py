@@ -27,6 +27,8 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: value ``router``: the turn's idempotency key is a request ID the router made (the client sent neither
 #: ``Idempotency-Key`` nor ``X-Request-ID``); the worker lets such answers make room first
 KEY_ORIGIN_HEADER = "X-Substrate-Key-Origin"
+#: how long ending an activation may take on a live worker (s): its agent's stop, sandbox and slot clean-up
+DEACTIVATE_TIMEOUT_S = 10.0
 
 _BY_CODE: dict[str, type[E.SubstrateError]] = {
     "stale_epoch": E.StaleEpoch, "not_active": E.NotFound, "snapshot_corrupt": E.SnapshotCorrupt,
@@ -200,8 +202,9 @@ class WorkerClient:
         return SnapshotRef.model_validate(body["snapshot"])
 
     async def deactivate(self, address: str, session: str, epoch: int | None = None) -> None:
+        """End an activation (``DELETE /v1/activations/{session}``), waiting at most ``DEACTIVATE_TIMEOUT_S``."""
         await self._call("DELETE", f"{address}/v1/activations/{session}", address=address, session=session,
-                         epoch=epoch, timeout_s=10)
+                         epoch=epoch, timeout_s=DEACTIVATE_TIMEOUT_S)
 
     async def healthy(self, address: str, timeout_s: float = 0.5) -> bool:
         """True if the worker answers ``/healthz`` with 200 within ``timeout_s``."""

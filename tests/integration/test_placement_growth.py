@@ -219,6 +219,27 @@ async def test_a_create_on_a_worker_frozen_past_its_lease_is_answered_running_on
     assert (await d.get_session("kept")).state == SessionState.RUNNING
 
 
+async def test_a_kept_create_deleted_before_it_was_woken_elsewhere_is_410_not_404(env):
+    """Tester 43: a create whose session the lost worker's recovery kept SUSPENDED is woken on another
+    worker; a DELETE that won the race meanwhile made that wake's 404 ``session_not_found`` the create's
+    answer. A create racing a delete is 410 ``session_deleted``, as when the delete comes mid-activation."""
+    from substrate.errors import NotFound, SessionDeleted
+
+    d, act, workers = env
+    await _worker(d, "a", slots=8)
+    await _worker(d, "b", slots=4)
+    await act.view.refresh()
+    workers.view, workers.freeze, workers.recover_first = act.view, {"http://a"}, True
+
+    async def deleted_meanwhile(sid: str, **_: object) -> None:
+        await d.delete_session(sid)
+        raise NotFound(f"session {sid!r} not found", code="session_not_found")
+
+    act.wake_retrying = deleted_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(SessionDeleted):
+        await act.create(_new("raced"), CATALOG.template("counter"))
+
+
 async def test_a_create_on_fenced_workers_only_still_answers_after_bounded_retries(env):
     d, act, workers = env
     await _worker(d, "a")

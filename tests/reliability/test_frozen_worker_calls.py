@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from tests.reliability.test_failure_paths import _alive
 
@@ -75,3 +76,36 @@ def test_a_resume_pinned_to_a_frozen_worker_fails_and_its_wake_records_its_own_o
     (rec,) = wake_recorded()
     assert rec["result"] == "worker_unavailable" and rec["worker"] == worker, rec
     assert rec["epoch"] > suspended["epoch"], rec  # the activation it claimed, not the suspended one
+
+
+def test_concurrent_deletes_of_a_session_on_a_frozen_worker_lose_after_the_winner(runtime_factory):
+    """Tester 43: the winner's call that ends the activation waits out the frozen worker's lease (6 s
+    here); the losers waited 5 s for its record to go, then answered 404 and recorded it, before the
+    winner's 204 and ``delete ok``. They wait for the winner now (``Activator.delete_wait_s``)."""
+    import threading
+
+    rt = runtime_factory(replicas=2, slots=4, env={"SUBSTRATE_WORKER__LEASE_S": "6"})
+    c = rt.client
+    s = c.create_session("counter")
+    pid = int(rt.workers()[s["worker"]]["pid"])
+    done: list[tuple[int, float]] = []
+
+    def delete() -> None:
+        r = c.http.delete(f"/v1/sessions/{s['id']}")
+        done.append((r.status_code, time.monotonic()))
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=delete) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert sorted(st for st, _ in done) == [204, 404, 404], done
+    won = next(t for st, t in done if st == 204)
+    assert all(t >= won for st, t in done if st == 404), "a loser answered before the winner"
+    actions = [(e["action"], e["result"]) for e in c.session_events(s["id"])["items"]]
+    assert actions[1:] == [("delete", "ok"), ("delete", "session_not_found"), ("delete", "session_not_found")], \
+        actions
