@@ -109,3 +109,25 @@ def test_concurrent_deletes_of_a_session_on_a_frozen_worker_lose_after_the_winne
     actions = [(e["action"], e["result"]) for e in c.session_events(s["id"])["items"]]
     assert actions[1:] == [("delete", "ok"), ("delete", "session_not_found"), ("delete", "session_not_found")], \
         actions
+
+
+def test_a_session_busy_with_back_to_back_turns_is_still_snapshotted_at_its_interval(runtime_factory):
+    """Tester 44: the periodic snapshot skipped a session mid-turn, so one with back-to-back turns was
+    never snapshotted (39 turns in 80 s, all lost to a kill -9 though ``snapshotInterval`` was 30 s). A due
+    snapshot now waits for the turn under way and runs before the next one."""
+    rt = runtime_factory(replicas=1, slots=4, snapshot_interval="1s")
+    c = rt.client
+    s = c.create_session("counter")
+    deadline = time.monotonic() + 4
+    turns = 0
+    while time.monotonic() < deadline:  # always a turn under way: the next is sent as the last answers
+        c.invoke(s["id"], {"op": "increment", "work_s": 0.25})
+        turns += 1
+    snap = c.get_session(s["id"])["snapshot"]
+    assert snap is not None, f"no snapshot after {turns} back-to-back turns over 4 s (interval 1 s)"
+    pid = int(rt.workers()[s["worker"]]["pid"])
+    os.kill(pid, signal.SIGKILL)
+    r = c.http.post(f"/v1/sessions/{s['id']}/invoke", json={"input": "get"})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"]["count"] >= 1, "the restore has the snapshot's turns"
+    assert "snapshot=none" not in r.headers.get("x-substrate-restored", ""), r.headers
