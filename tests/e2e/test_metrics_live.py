@@ -90,6 +90,11 @@ def test_every_series_the_alerts_and_dashboard_use_moves_under_real_traffic(runt
     # and the pool controller the capacity gauges on its next round
     rt.wait_for(lambda: 'state="RUNNING"} 2.0' in httpx.get(f"{rt.url}/metrics").text, what="sessions gauge")
     rt.wait_for(lambda: 'state="READY"} 2.0' in httpx.get(f"{rt.url}/metrics").text, what="workers gauge")
+    # and the event-loop lag histogram at its next once-a-second probe (the traffic above can take less
+    # than a second: a fresh-clone run found no probe of any process between the two scrapes)
+    lag = "agent_substrate_event_loop_lag_seconds"
+    rt.wait_for(lambda: _activity([_scrape(rt.url)], lag)[0] > _activity(before[:1], lag)[0],
+                what="an event-loop lag probe of the router")
     after = scrape_all()
 
     # a crash: the worker holding s2 dies; the next request recovers s2 from its snapshot (worker_lost)
