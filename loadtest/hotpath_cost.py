@@ -63,6 +63,17 @@ def _scope() -> dict[str, Any]:
             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8080), "client": ("127.0.0.1", 5555)}
 
 
+async def _close(rt: Any) -> None:
+    """Stop what ``Runtime.build`` started that the lifespan would stop: the lease watch's timer, the HTTP
+    clients and the directory's connections."""
+    watch = getattr(rt, "lease_watch", None)  # a checkout from before the watch (an A/B's baseline) has none
+    if watch is not None:
+        watch.close()
+    await rt.http.close()
+    await rt.client.close()
+    await rt.directory.close()
+
+
 async def measure(redis_url: str, *, turns: int = 20_000, repeats: int = 5) -> dict[str, float]:
     """Run ``repeats`` x ``turns`` turns (after 200 of warm-up) through the hot path of an app on the
     directory at ``redis_url`` (a key prefix of its own). Returns ``us_per_turn_min``,
@@ -124,24 +135,7 @@ async def measure(redis_url: str, *, turns: int = 20_000, repeats: int = 5) -> d
         return {"us_per_turn_min": min(times_us), "us_per_turn_median": statistics.median(times_us),
                 "cyclic_per_turn": cyclic / turns}
     finally:
-        watch = getattr(rt, "lease_watch", None)  # a checkout from before the watch (an A/B's baseline) has none
-        if watch is not None:
-            watch.close()
-        await rt.http.close()
-        await rt.client.close()
-        await rt.directory.close()
-
-
-_CREATE_YAML = """apiVersion: substrate.agent.dev/v1
-kind: WorkerPool
-metadata: {name: default}
-spec: {replicas: 1, slots: 64}
----
-apiVersion: substrate.agent.dev/v1
-kind: ActorTemplate
-metadata: {name: counter}
-spec: {entrypoint: "workers.agents.counter:Counter"}
-"""
+        await _close(rt)
 
 
 async def measure_create(redis_url: str, *, sessions: int = 500, repeats: int = 3) -> dict[str, float]:
@@ -159,12 +153,13 @@ async def measure_create(redis_url: str, *, sessions: int = 500, repeats: int = 
 
     from api.app import create_app
     from api.runtime import Runtime
+    from loadtest.bench import POOL
     from substrate.models import WorkerRecord
     from substrate.settings import Settings
     from substrate.specs import load_catalog
 
     with tempfile.TemporaryDirectory(prefix="create-cost-") as tmp:
-        (Path(tmp) / "catalog.yaml").write_text(_CREATE_YAML)
+        (Path(tmp) / "catalog.yaml").write_text(POOL % {"replicas": 1, "slots": 64})
         settings = Settings(redis={"url": redis_url, "key_prefix": f"createcost{uuid.uuid4().hex[:8]}"},
                             snapshot={"local_dir": f"{tmp}/snapshots"})
         app = create_app(settings)
@@ -244,12 +239,7 @@ async def measure_create(redis_url: str, *, sessions: int = 500, repeats: int = 
                     "round_trips_per_create": runs[-1][2] / sessions,
                     "round_trips_per_delete": runs[-1][3] / sessions}
         finally:
-            watch = getattr(rt, "lease_watch", None)
-            if watch is not None:
-                watch.close()
-            await rt.http.close()
-            await rt.client.close()
-            await rt.directory.close()
+            await _close(rt)
 
 
 def main(argv: list[str] | None = None) -> None:
