@@ -112,6 +112,17 @@ class _Worker:
 
 #: ``<worker>.after-runtime-exit.log`` files kept in the workers' folder (the newest)
 EXIT_LOGS_KEPT = 10
+#: how long a ready zygote may take to answer a fork (s). It forks and answers at once (milliseconds, on a
+#: loaded machine too); only a frozen or wedged zygote takes longer, and every worker start queued behind
+#: it waits as long (it was 30 s: a SIGSTOPped zygote held creates for 30 s, fresh-user tester 43)
+FORK_REPLY_TIMEOUT_S = 5.0
+#: how long a newly started zygote may take to import what workers need (s) before it is given up
+ZYGOTE_READY_TIMEOUT_S = 60.0
+#: after a zygote failed (gave no answer, or none in time): workers start cold for this long (s), then a new
+#: zygote is tried; the pause doubles with each failure in a row, up to ``ZYGOTE_RETRY_MAX_S``. A zygote
+#: that failed once used to disable forking for the runtime's whole life (every later worker cold)
+ZYGOTE_RETRY_S = 5.0
+ZYGOTE_RETRY_MAX_S = 300.0
 
 
 class LocalBackend:
@@ -125,6 +136,13 @@ class LocalBackend:
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_ready = False
         self._zlock = asyncio.Lock()
+        self.fork_reply_timeout_s = FORK_REPLY_TIMEOUT_S
+        self.zygote_ready_timeout_s = ZYGOTE_READY_TIMEOUT_S
+        self.zygote_retry_s = ZYGOTE_RETRY_S
+        #: failures of the zygote in a row (reset by a fork it answered) and, after one, until when
+        #: (``time.monotonic()``) workers start cold before a new zygote is tried
+        self._zygote_failures = 0
+        self._zygote_retry_at = 0.0
         #: dead workers whose cgroups still held processes at the last ``reap`` (worker id -> attempts left)
         self._sweeps: dict[str, int] = {}
         #: (read end, write end) of the lifeline pipe, made at the first process started, closed by ``close``
@@ -190,7 +208,8 @@ class LocalBackend:
     async def start(self, timeout_s: float = 60.0) -> None:
         """Start the zygote now and wait until it has imported what workers need, so that a pool
         scaling from zero pays for a fork (tens of ms), not for the imports (~1 s, far more on a loaded
-        machine). A zygote that does not come up makes workers start cold."""
+        machine). A zygote that does not come up is killed, and workers start cold until a new one is
+        tried (``_zygote_failed``)."""
         self._tidy_exit_logs()
         if not self.fork_server:
             return
@@ -202,9 +221,17 @@ class LocalBackend:
                 await self._read_reply(z, "ready", timeout_s)
                 self._zygote_ready = True
             except (OSError, ValueError, asyncio.TimeoutError):
-                log.warning("zygote did not start; starting workers cold", exc_info=True)
-                self.fork_server = False
-                z.kill()
+                self._zygote_failed(z, "zygote did not start")
+
+    def _zygote_failed(self, z: subprocess.Popen[bytes], what: str) -> None:
+        """Kill the zygote ``z`` that failed and start workers cold for a pause (``zygote_retry_s``,
+        doubled per failure in a row, at most ``ZYGOTE_RETRY_MAX_S``); the first worker start after it
+        starts a new zygote (``_ensure_zygote``). Its workers go on serving: they are their own sessions."""
+        self._zygote_failures += 1
+        pause_s = min(ZYGOTE_RETRY_MAX_S, self.zygote_retry_s * 2 ** (self._zygote_failures - 1))
+        self._zygote_retry_at = time.monotonic() + pause_s
+        log.warning("%s; starting workers cold for %.0f s, then a new zygote", what, pause_s, exc_info=True)
+        z.kill()
 
     def _tidy_exit_logs(self, keep: int = EXIT_LOGS_KEPT) -> None:
         """Keep the newest ``keep`` ``<worker>.after-runtime-exit.log`` files (what a worker wrote after its
@@ -222,20 +249,29 @@ class LocalBackend:
                      "the newest %d)", min(len(logs), keep), root, keep)
 
     async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
-        """Ask the zygote for a worker; None if the zygote is unusable (the caller spawns cold)."""
+        """Ask the zygote for a worker's pid; None if the zygote is unusable now (the caller spawns cold):
+        it failed less than its pause ago (``_zygote_failed``), or it fails this fork (no answer within
+        ``fork_reply_timeout_s``; a new zygote, not yet ready: none within ``zygote_ready_timeout_s``)."""
+        if time.monotonic() < self._zygote_retry_at:
+            return None
         async with self._zlock:
+            if time.monotonic() < self._zygote_retry_at:  # it failed for a fork queued ahead of this one
+                return None
             z = self._ensure_zygote()
             assert z.stdin is not None and z.stdout is not None
             try:
+                if not self._zygote_ready:  # a new zygote: its imports first, on a clock of their own
+                    await self._read_reply(z, "ready", self.zygote_ready_timeout_s)
+                    self._zygote_ready = True
                 req = {"worker_id": worker_id, "pool": pool.name, "slots": pool.spec.slots}
                 z.stdin.write(json.dumps(req).encode() + b"\n")
                 z.stdin.flush()
-                return int((await self._read_reply(z, "pid", 30))["pid"])
+                pid = int((await self._read_reply(z, "pid", self.fork_reply_timeout_s))["pid"])
             except (OSError, ValueError, KeyError, asyncio.TimeoutError):
-                log.warning("zygote failed; starting workers cold", exc_info=True)
-                self.fork_server = False
-                z.kill()
+                self._zygote_failed(z, "zygote failed")
                 return None
+            self._zygote_failures = 0
+            return pid
 
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
         pid = await self._fork(pool, worker_id) if self.fork_server else None
