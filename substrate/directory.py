@@ -39,6 +39,7 @@ from substrate.models import (
     WorkerRecord,
     WorkerState,
 )
+from substrate.redispack import use_hiredis_packer
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -412,6 +413,9 @@ class Directory:
                 socket_connect_timeout=socket_timeout_s, health_check_interval=0, max_connections=256,
                 retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError],
             )
+            # commands packed in C (substrate.redispack). Not for the cluster client: it fixes its
+            # nodes' connection class itself, per node discovered
+            use_hiredis_packer(self.redis.connection_pool)
         self._cas = self.redis.register_script(_CAS)
         self._create = self.redis.register_script(_CREATE)
         self._commit = self.redis.register_script(_COMMIT)
