@@ -406,10 +406,20 @@ def _print(obj: Any) -> None:
     console.print_json(json.dumps(obj))
 
 
+def usage_refused(status: int, code: str) -> bool:
+    """Whether an API error refused the command's own arguments (400 ``bad_json`` or ``bad_request``, or a
+    400/422 ``invalid_...``), which exits 2 as a bad option the CLI itself catches does: a script can then
+    tell "fix the command" (2) from every other failure (1), wherever the check happened to be made
+    (fresh-user tester 45: ``--state bogus`` exited 2, ``--tenant BAD`` and ``--continue garbage`` 1).
+    Not the agent's own 422s (``agent_error``, ``state_load_failed``): the command was well formed."""
+    return status in (400, 422) and (code in ("bad_json", "bad_request") or code.startswith("invalid_"))
+
+
 def _api_error_exit(e: ApiError) -> NoReturn:
-    """One line for an API error (status, code, message) and exit 1; a replayed one (the kept answer of a
-    turn that already ran under the key) says so first; an error after a streamed answer began prints the
-    chunks before it (on stdout, as ``--stream`` does) and is not called status 200."""
+    """One line for an API error (status, code, message) and exit 1, or 2 when it refused the command's
+    arguments (``usage_refused``); a replayed one (the kept answer of a turn that already ran under the
+    key) says so first; an error after a streamed answer began prints the chunks before it (on stdout, as
+    ``--stream`` does) and is not called status 200."""
     if e.replayed:
         err.print("note: replayed: a turn with this idempotency key already ran; this is its kept answer "
                   "(the turn was not run again)", markup=False, highlight=False)
@@ -421,7 +431,7 @@ def _api_error_exit(e: ApiError) -> NoReturn:
     # a 401's message names the HTTP header; this CLI's way to send one is --token (fresh-user run)
     hint = " (this CLI sends one with --token or SUBSTRATE_TOKEN)" if e.status == 401 else ""
     err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}{hint}")
-    raise typer.Exit(1) from None
+    raise typer.Exit(2 if usage_refused(e.status, e.code) else 1) from None
 
 
 def _run(fn: Any) -> Any:

@@ -184,3 +184,24 @@ def _capture_invokes(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
     monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
         server, token=token, transport=httpx.MockTransport(handler)))
     return got
+
+
+@pytest.mark.parametrize("status,code,exit_code", [
+    (422, "invalid_tenant", 2), (422, "invalid_continue", 2), (400, "bad_json", 2), (422, "invalid_env", 2),
+    (422, "agent_error", 1), (422, "state_load_failed", 1), (404, "session_not_found", 1), (503, "no_capacity", 1)])
+def test_arguments_the_api_refuses_exit_2_like_those_the_cli_refuses(monkeypatch: pytest.MonkeyPatch, status: int,
+                                                                       code: str, exit_code: int) -> None:
+    """Fresh-user tester 45: ``sessions list --state bogus`` exited 2 (the CLI checks it) but ``--tenant BAD``
+    and ``--continue garbage`` 1 (the API checks them): a script could not tell a bad command from a
+    failure. The API's refusals of the arguments exit 2 now; the agent's own 422s and the rest still 1."""
+    import substrate.cli as cli
+    from substrate.client import SubstrateClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"code": code, "message": "refused"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "list", "--tenant", "BAD"], env={"COLUMNS": "300"})
+    assert r.exit_code == exit_code, r.output
+    assert f"error {status} {code}: refused" in r.output
