@@ -503,7 +503,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
-    from substrate.backends.local import check_capacity
+    from substrate.backends.local import check_capacity, port_range_shortfall
     from substrate.specs import SpecError, load_catalog
 
     if os.environ.get("SUBSTRATE_ROLE", "embedded") != "embedded":
@@ -527,6 +527,8 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         hint = "" if config is not None else " (use --config DIR)"
         err.print(f"[red]error[/red]: {escape(e.message)} (the folder of {source}){hint}", highlight=False)
         raise typer.Exit(2) from None
+    if short := port_range_shortfall(catalog, settings, embedded_redis=not settings.redis.url):
+        err.print(f"warning: {short}", markup=False, highlight=False)
     configure_logging(settings.log_level, settings.log_json)
     host = host or settings.api.host
     if host.startswith("[") and host.endswith("]"):
@@ -552,11 +554,17 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         settings.snapshot.local_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     embedded = None
     if not settings.redis.url:
-        embedded = EmbeddedRedis(settings.redis.data_dir)  # persistent: a restart keeps every session
+        # persistent: a restart keeps every session
+        embedded = EmbeddedRedis(settings.redis.data_dir, port_range=settings.worker.ports)
         try:
             os.environ["SUBSTRATE_REDIS_URL"] = embedded.start()
         except RuntimeError as e:
             err.print(f"[red]error[/red]: {e}")
+            raise typer.Exit(2) from None
+        except OSError as e:  # no free port in SUBSTRATE_WORKER__PORT_RANGE
+            embedded.stop()
+            err.print(f"[red]error[/red]: the embedded Redis: {escape(e.strerror or str(e))} "
+                      "(SUBSTRATE_WORKER__PORT_RANGE): widen the range or free a port of it")
             raise typer.Exit(2) from None
         err.print(f"embedded Redis at {embedded.safe_url}")
     if why := _store_location_problem(settings, os.environ.get("SUBSTRATE_REDIS_URL") or settings.redis.url):

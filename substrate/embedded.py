@@ -36,7 +36,7 @@ from typing import Callable
 
 import redis
 
-from substrate.netports import free_port
+from substrate.netports import free_port, free_port_in
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +206,11 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: Path | str | None = None, *, timeout_s: float = 10.0,
-                 restart: bool = True, watch_interval_s: float = 0.5) -> None:
+                 restart: bool = True, watch_interval_s: float = 0.5,
+                 port_range: tuple[int, int] | None = None) -> None:
         self.timeout_s = timeout_s
+        #: ``(LO, HI)``: take the port from these (``SUBSTRATE_WORKER__PORT_RANGE``); None: anywhere free
+        self.port_range = port_range
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.restart = restart
         self.watch_interval_s = watch_interval_s
@@ -329,7 +332,7 @@ class EmbeddedRedis:
 
     def start(self) -> str:
         self._lock_data_dir()
-        self.port = _free_port()
+        self.port = free_port_in(*self.port_range) if self.port_range else _free_port()
         self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
         self._spawn()
         if not self._wait_up():

@@ -10,7 +10,10 @@ never the same one twice in a process) leaves only a collision with another expl
 
 from __future__ import annotations
 
+import errno
+import os
 import random
+import re
 import socket
 import threading
 from pathlib import Path
@@ -20,6 +23,8 @@ _LOWEST = 10000  # below this live well-known services (Redis 6379, moto 5000, d
 _handed_out: set[int] = set()
 _lock = threading.Lock()
 _rng = random.Random()
+# a forked process (the zygote's workers) draws its own picks, not its siblings' same ones
+os.register_at_fork(after_in_child=_rng.seed)
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -65,3 +70,38 @@ def free_port(host: str = "127.0.0.1", *, high: int | None = None, attempts: int
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: ``LO-HI``: decimal port numbers, no sign or space
+_RANGE_TEXT = re.compile(r"(\d{1,5})-(\d{1,5})")
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"LO-HI"`` (inclusive, ``1 <= LO <= HI <= 65535``, e.g. ``"29610-29699"``) -> ``(LO, HI)``.
+    Raises ``ValueError`` saying the form for anything else."""
+    m = _RANGE_TEXT.fullmatch(text.strip())
+    lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    if not m or not 1 <= lo <= hi <= 65535:
+        raise ValueError(f"a port range is LO-HI with 1 <= LO <= HI <= 65535, e.g. 29610-29699; got {text!r}")
+    return lo, hi
+
+
+def ports_in_random_order(lo: int, hi: int) -> list[int]:
+    """The ports ``lo..hi`` (inclusive) from a random one on, wrapping round: processes starting at once
+    in one range (a pool's workers) then rarely try the same port first."""
+    start = _rng.randint(lo, hi)
+    return [*range(start, hi + 1), *range(lo, start)]
+
+
+def free_port_in(lo: int, hi: int, host: str = "127.0.0.1") -> int:
+    """A TCP port in ``lo..hi`` that nothing is bound to now and this process has not handed out before
+    (for a server another process starts on it: the embedded Redis). A process that binds it itself
+    should bind in the range directly instead (``workers.server.listen_socket``): nothing can take the
+    port between the pick and the bind then. Raises ``OSError`` (``EADDRINUSE``) when every port of
+    the range is bound or handed out."""
+    with _lock:
+        for port in ports_in_random_order(lo, hi):
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+    raise OSError(errno.EADDRINUSE, f"no free port in {lo}-{hi} on {host}")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from substrate.models import QuotaLimits
+from substrate.netports import parse_port_range
 from substrate.text import unprintable
 
 
@@ -280,11 +281,29 @@ class ApiSettings(_Section):
 
 class WorkerSettings(_Section):
     host: str = "127.0.0.1"
+    #: the ports local workers listen on, ``LO-HI`` (e.g. ``29610-29699``; under ``substrate up`` the
+    #: embedded Redis's too): each takes a free one of the range. Unset: ports the kernel picks. A
+    #: worker that finds none free exits, and the pool controller tries again. Ignored where a worker is
+    #: given its port (on Kubernetes: ``kubernetes.worker_port``)
+    port_range: str | None = None
     #: optional secret mixed (HMAC-SHA256) into the activation-token signing keys kept in Redis, so that
     #: read access to Redis alone cannot mint tokens workers accept (see ``substrate.tokens``). Set the
     #: same value on every router, controller and worker (on Kubernetes: the Secret
     #: ``substrate-internal-token``); unset in the embedded default (Redis is private to it there).
     internal_token: str | None = None
+
+    @field_validator("port_range")
+    @classmethod
+    def _a_port_range(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None  # empty: unset, as for the folder variables
+        lo, hi = parse_port_range(v)
+        return f"{lo}-{hi}"
+
+    @property
+    def ports(self) -> tuple[int, int] | None:
+        """``port_range`` as ``(LO, HI)``, inclusive; None when unset."""
+        return parse_port_range(self.port_range) if self.port_range else None
 
     @field_validator("internal_token")
     @classmethod

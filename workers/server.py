@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -97,6 +98,7 @@ from substrate.models import (
     WorkerRecord,
     WorkerState,
 )
+from substrate.netports import ports_in_random_order
 from substrate.secrets import resolve_env
 from substrate.settings import Settings, get_settings
 from substrate.tokens import ANY_SESSION, ActivationClaims, SigningKeyRing, TokenNotForThisCall, TokenVerifier, bearer
@@ -1418,11 +1420,33 @@ def pool_opts_out_of_sandbox(settings: Settings, pool: str) -> bool:
     return bool(mine) and all(not t.spec.isolation.sandbox for t in mine)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (0: any free port), not yet listening. An IPv6 literal
+def listen_socket(host: str, port: int, port_range: tuple[int, int] | None = None) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: any free port), not yet listening; or, for port 0 with
+    ``port_range`` ``(LO, HI)``, bound to a free one of those (tried from a random one on) and listening. An IPv6 literal
     (``::``, ``fd00::5``) binds an IPv6 socket; ``::`` also takes IPv4 connections (dual stack,
     ``IPV6_V6ONLY`` off), so an IPv6-only or dual-stack cluster sets ``SUBSTRATE_WORKER_LISTEN_HOST=::``.
-    Anything else (an IPv4 address, a name) binds IPv4 as before. Raises ``OSError`` as ``bind`` does."""
+    Anything else (an IPv4 address, a name) binds IPv4 as before. Raises ``OSError`` as ``bind`` does;
+    ``EADDRINUSE`` naming the range when every port of it is taken."""
+    if port == 0 and port_range is not None:
+        lo, hi = port_range
+        for candidate in ports_in_random_order(lo, hi):
+            try:
+                sock = listen_socket(host, candidate)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            try:
+                # listening now claims the port: with SO_REUSEADDR two sockets that are not yet listening
+                # may both bind it (two workers starting at once did), and the second failed later
+                sock.listen(128)
+            except OSError as e:
+                sock.close()
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            return sock
+        raise OSError(errno.EADDRINUSE, f"no free port in SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi} on {host}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -1476,6 +1500,13 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     root = Path(settings.worker.root_dir) / worker_id
     store = GuardedStore(make_store(settings.snapshot), directory.redis, directory.keys, settings.snapshot)
     snapshots = SnapshotManager(store, directory, settings.snapshot, root / "tmp")
+    try:  # first: a worker that cannot listen starts nothing
+        sock = listen_socket(bind_host(host, advertise_host), port, settings.worker.ports)
+    except OSError as e:
+        log.error("worker cannot listen", extra={"worker": worker_id, "error": str(e)})
+        print(f"worker {worker_id}: cannot listen: {e.strerror or e}", file=sys.stderr)
+        await directory.close()
+        raise SystemExit(2) from e
     try:
         sandboxes = SandboxPool(root, slots + settings.worker.sandbox_spares(), name=worker_id, bwrap=find_bwrap(),
                                 uid_base=settings.worker.sandbox_uid_base, uid_span=settings.worker.sandbox_uid_span,
@@ -1488,6 +1519,7 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
         log.error("worker refuses to start: agents must run sandboxed", extra={"worker": worker_id, "error": str(e)})
         print(f"worker {worker_id}: refusing to start: {e}. (Only a pool whose every ActorTemplate sets "
               "isolation.sandbox: false runs without bubblewrap.)", file=sys.stderr)
+        sock.close()
         await directory.close()
         raise SystemExit(2) from e
     await sandboxes.start()
@@ -1495,7 +1527,6 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
                     sandboxes=sandboxes)
     runner = web.AppRunner(worker.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    sock = listen_socket(bind_host(host, advertise_host), port)
     site = web.SockSite(runner, sock)
     await site.start()
     tune_after_startup()  # the worker's request path: see substrate/gctune.py

@@ -84,6 +84,25 @@ def check_capacity(catalog: Catalog, settings: Settings, *, source: str = "", as
                         "holds one): lower them or widen the span (or SUBSTRATE_WORKER__SPARE_SANDBOXES=0)")
 
 
+def port_range_shortfall(catalog: Catalog, settings: Settings, *, embedded_redis: bool) -> str | None:
+    """A warning when ``worker.port_range`` has fewer ports than the workers its pools may run (their
+    ``max_workers``) plus the embedded Redis's: the workers beyond it cannot listen, exit and are started
+    again once a second. None when it has enough, or no range is set. Not refused: ``maxReplicas`` is a
+    safety bound that a pool may never reach."""
+    if settings.worker.ports is None:
+        return None
+    lo, hi = settings.worker.ports
+    have = hi - lo + 1
+    workers = sum(max_workers(p.spec) for p in catalog.pools.values())
+    need = workers + (1 if embedded_redis else 0)
+    if have >= need:
+        return None
+    return (f"SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi} has {have} port(s); the pools may run {workers} worker(s)"
+            + (" and the embedded Redis takes one" if embedded_redis else "")
+            + f": past {max(have - (need - workers), 0)} worker(s) at once, a new one cannot listen and is started "
+            "again each second; widen the range to at least " + str(need) + " ports")
+
+
 @dataclass
 class _Worker:
     pool: str

@@ -75,6 +75,10 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_WORKER__HOST", "192.0.2.1", "not an address of this machine"),  # RFC 5737 TEST-NET-1
     ("SUBSTRATE_WORKER__HOST", "2001:db8::1", "not an address of this machine"),  # RFC 3849 documentation
     ("SUBSTRATE_WORKER__HOST", "no such host.invalid", "is not an IPv4 address, an IPv6 literal or a name"),
+    ("SUBSTRATE_WORKER__PORT_RANGE", "29699-29610", "a port range is LO-HI with 1 <= LO <= HI <= 65535"),
+    ("SUBSTRATE_WORKER__PORT_RANGE", "29610", "a port range is LO-HI"),
+    ("SUBSTRATE_WORKER__PORT_RANGE", "0-10", "a port range is LO-HI"),
+    ("SUBSTRATE_WORKER__PORT_RANGE", "+1-10", "a port range is LO-HI"),
     ("SUBSTRATE_REDIS_URL", "notaurl", "not a Redis URL"),
     ("SUBSTRATE_REDIS__URL", "http://127.0.0.1:6379", "not a Redis URL"),
     ("SUBSTRATE_REDIS_URL", "redis://127.0.0.1:notaport/0", "not a Redis URL"),
