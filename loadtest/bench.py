@@ -584,10 +584,11 @@ async def bench_snapshots(repeats: int, sizes: tuple[int, ...]) -> list[dict[str
 
 ROOT = Path(__file__).resolve().parents[1]
 GENTD26 = ROOT.parent / "shared" / "traces" / "gentd26_requests_2024-11-15_to_11-26.csv"
-#: the control loops' clocks compressed like the trace (see README: trace replay)
+#: the control loops' clocks compressed like the trace, and one free slot kept per pool (see README: trace
+#: replay; the headroom's A/B: docs/replays/gentd26-2024-11-26-rate-2x/report-2026-12-07-headroom-ab.md)
 REPLAY_ENV = {"SUBSTRATE_POOL__SCALE_DOWN_DELAY_S": "1", "SUBSTRATE_POOL__FORECAST_WINDOW_S": "1",
               "SUBSTRATE_WORKER__ACTIVE_WINDOW_S": "0.3",
-              "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.2"}
+              "SUBSTRATE_API__PRESSURE_MIN_IDLE_S": "0.2", "SUBSTRATE_POOL__HEADROOM_SLOTS": "1"}
 
 
 def bench_replay(trace: Path, args: list[str], out: Path) -> list[dict[str, Any]]:
