@@ -407,12 +407,15 @@ def _print(obj: Any) -> None:
 
 
 def usage_refused(status: int, code: str) -> bool:
-    """Whether an API error refused the command's own arguments (400 ``bad_json`` or ``bad_request``, or a
-    400/422 ``invalid_...``), which exits 2 as a bad option the CLI itself catches does: a script can then
+    """Whether an API error refused the command's own arguments (400 ``bad_json`` or ``bad_request``, a
+    400/422 ``invalid_...``, a 422 ``unknown_template``/``unknown_worker``), which exits 2 as a bad option the CLI itself catches does: a script can then
     tell "fix the command" (2) from every other failure (1), wherever the check happened to be made
     (fresh-user tester 45: ``--state bogus`` exited 2, ``--tenant BAD`` and ``--continue garbage`` 1).
-    Not the agent's own 422s (``agent_error``, ``state_load_failed``): the command was well formed."""
-    return status in (400, 422) and (code in ("bad_json", "bad_request") or code.startswith("invalid_"))
+    A 422 ``unknown_template`` or ``unknown_worker`` too: a template or worker the command names that the
+    API does not have (tester 46); not ``unknown_pool``, the server's own catalog at fault. Not the agent's
+    own 422s (``agent_error``, ``state_load_failed``): the command was well formed."""
+    return status in (400, 422) and (code in ("bad_json", "bad_request") or code.startswith("invalid_")) or (
+        status == 422 and code in ("unknown_template", "unknown_worker"))
 
 
 def _api_error_exit(e: ApiError) -> NoReturn:
@@ -503,7 +506,7 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
 
     if config is not None:
         os.environ["SUBSTRATE_CONFIG_DIR"] = str(config)
-    from substrate.backends.local import check_capacity, port_range_shortfall
+    from substrate.backends.local import check_capacity, check_port_range
     from substrate.specs import SpecError, load_catalog
 
     if os.environ.get("SUBSTRATE_ROLE", "embedded") != "embedded":
@@ -527,13 +530,17 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         hint = "" if config is not None else " (use --config DIR)"
         err.print(f"[red]error[/red]: {escape(e.message)} (the folder of {source}){hint}", highlight=False)
         raise typer.Exit(2) from None
-    if short := port_range_shortfall(catalog, settings, embedded_redis=not settings.redis.url):
-        err.print(f"warning: {short}", markup=False, highlight=False)
     configure_logging(settings.log_level, settings.log_json)
     host = host or settings.api.host
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # an IPv6 literal as URLs write it ('[::1]' could not be resolved: round 25)
     port = port or settings.api.port
+    try:
+        if short := check_port_range(catalog, settings, api_port=port, embedded_redis=not settings.redis.url):
+            err.print(f"warning: {short}", markup=False, highlight=False)
+    except ValueError as e:
+        err.print(f"[red]error[/red]: {escape(str(e))}")
+        raise typer.Exit(2) from None
     if why := _free_port(host, port):  # before Redis and workers start, not as an error deep in the log
         err.print(f"[red]error[/red]: {escape(why)}")
         raise typer.Exit(2)

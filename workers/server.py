@@ -1503,8 +1503,8 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     try:  # first: a worker that cannot listen starts nothing
         sock = listen_socket(bind_host(host, advertise_host), port, settings.worker.ports)
     except OSError as e:
-        log.error("worker cannot listen", extra={"worker": worker_id, "error": str(e)})
-        print(f"worker {worker_id}: cannot listen: {e.strerror or e}", file=sys.stderr)
+        # one line (the worker is started again each second while none is free)
+        log.error(f"worker cannot listen: {e.strerror or e}", extra={"worker": worker_id})
         await directory.close()
         raise SystemExit(2) from e
     try:

@@ -35,6 +35,7 @@ from pathlib import Path
 from substrate import sandbox_sweep
 from substrate.embedded import hold_fds
 from substrate.models import WorkerPool, WorkerPoolSpec
+from substrate.pool import desired_replicas
 from substrate.settings import Settings
 from substrate.specs import Catalog, SpecError
 
@@ -84,23 +85,48 @@ def check_capacity(catalog: Catalog, settings: Settings, *, source: str = "", as
                         "holds one): lower them or widen the span (or SUBSTRATE_WORKER__SPARE_SANDBOXES=0)")
 
 
-def port_range_shortfall(catalog: Catalog, settings: Settings, *, embedded_redis: bool) -> str | None:
-    """A warning when ``worker.port_range`` has fewer ports than the workers its pools may run (their
-    ``max_workers``) plus the embedded Redis's: the workers beyond it cannot listen, exit and are started
-    again once a second. None when it has enough, or no range is set. Not refused: ``maxReplicas`` is a
-    safety bound that a pool may never reach."""
+def check_port_range(catalog: Catalog, settings: Settings, *, api_port: int, embedded_redis: bool) -> str | None:
+    """Check ``worker.port_range`` (when set) against what ``substrate up`` will run. Raises ValueError,
+    with the line to print, when the API's ``api_port`` is in the range (a worker could take it first, and
+    the API then failed to bind after everything had started: fresh-user tester 46), or when the range has
+    fewer ports than the workers the pools start with no demand (fixed ``replicas``, or the autoscaler's
+    floor) plus the embedded Redis's: such a pool never reaches its size, the runtime never becomes ready,
+    and the workers beyond it are started again each second (tester 46). Returns a warning line when it
+    has fewer than the workers the pools may run at most (``max_workers``; not refused: ``maxReplicas`` is
+    a safety bound a pool may never reach), else None."""
     if settings.worker.ports is None:
         return None
     lo, hi = settings.worker.ports
+    if lo <= api_port <= hi:
+        raise ValueError(f"--port {api_port} is inside SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi}, whose ports the "
+                         "workers and the embedded Redis take: choose a port outside the range")
     have = hi - lo + 1
-    workers = sum(max_workers(p.spec) for p in catalog.pools.values())
-    need = workers + (1 if embedded_redis else 0)
-    if have >= need:
-        return None
-    return (f"SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi} has {have} port(s); the pools may run {workers} worker(s)"
-            + (" and the embedded Redis takes one" if embedded_redis else "")
-            + f": past {max(have - (need - workers), 0)} worker(s) at once, a new one cannot listen and is started "
-            "again each second; widen the range to at least " + str(need) + " ports")
+    redis = 1 if embedded_redis else 0
+    pools = catalog.pools.values()
+    floor = sum(desired_replicas(p.spec, 0) for p in pools)
+    most = sum(max_workers(p.spec) for p in pools)
+    also = " and the embedded Redis takes one" if redis else ""
+    if have < floor + redis:
+        raise ValueError(f"SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi} has {have} port(s); the pools start {floor} "
+                         f"worker(s){also}: widen the range to at least {floor + redis} ports (a port for each "
+                         f"worker the pools may run, {most}, and the Redis's, to let them all start)")
+    if have < most + redis:
+        return (f"SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi} has {have} port(s); the pools may run {most} worker(s)"
+                f"{also}: past {have - redis} worker(s) at once, a new one cannot listen and is started again "
+                f"each second; widen the range to at least {most + redis} ports")
+    return None
+
+
+def _zombie(pid: int) -> bool:
+    """Whether process ``pid`` has exited and waits to be reaped (state ``Z`` in ``/proc/<pid>/stat``,
+    proc(5)); False when that cannot be read (not Linux, or gone: the caller's signal 0 tells)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # the state follows the command name, which is in parentheses and may itself hold ") "
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"Z"
 
 
 @dataclass
@@ -115,12 +141,14 @@ class _Worker:
         if self.popen is not None:
             return self.popen.poll() is None
         try:
-            os.kill(self.pid, 0)  # the zygote reaps its children at once: no zombies linger
-            return True
+            os.kill(self.pid, 0)  # the zygote reaps its children at once: no zombies linger...
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
+        # ...unless it cannot run (frozen: SIGSTOP, a cgroup freeze): a worker that died meanwhile stays
+        # a zombie, which signal 0 still reaches; it was seen only when its lease ran out (tester 46)
+        return not _zombie(self.pid)
 
     def signal(self, sig: int) -> None:
         try:

@@ -56,3 +56,31 @@ async def test_a_worker_that_dies_by_itself_is_reaped(tmp_path):
     assert w.popen is not None
     w.popen.wait(30)
     assert b.reap() == ["w-crashed"] and "w-crashed" not in b.workers
+
+
+def test_a_dead_worker_its_frozen_zygote_cannot_reap_is_reaped_at_once(tmp_path) -> None:
+    """Fresh-user tester 46: with the zygote SIGSTOPped, a worker it forked and that was killed stayed a
+    zombie, which signal 0 still reaches: its death was seen ~12 s later, when its lease ran out. Here the
+    test process is the unreaping parent: the worker's process has exited and is not waited for."""
+    import time
+
+    p = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until it has exited (a zombie: nobody waited for it)
+        with open(f"/proc/{p.pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                break
+        time.sleep(0.01)
+    b = _backend(tmp_path)
+    b.workers["w1"] = _Worker("dense", p.pid)  # a child of the zygote: no Popen here
+    try:
+        assert not b.workers["w1"].alive()
+        assert b.reap() == ["w1"]
+    finally:
+        p.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        assert _Worker("dense", alive.pid).alive()  # a live one still is
+    finally:
+        alive.kill()
+        alive.wait()

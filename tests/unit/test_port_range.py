@@ -72,3 +72,65 @@ def test_the_embedded_redis_port_is_a_free_one_of_the_range_each_handed_out_once
     with pytest.raises(OSError) as e:
         free_port_in(lo, hi)
     assert e.value.errno == errno.EADDRINUSE
+
+
+def _catalog(**specs: dict) -> object:
+    from types import SimpleNamespace
+
+    from substrate.models import WorkerPoolSpec
+
+    return SimpleNamespace(pools={name: SimpleNamespace(name=name, spec=WorkerPoolSpec(**spec))
+                                  for name, spec in specs.items()})
+
+
+def _settings(port_range: str) -> object:
+    from substrate.settings import Settings
+
+    return Settings(worker=WorkerSettings(port_range=port_range))
+
+
+def test_up_refuses_an_api_port_inside_the_range() -> None:
+    """Fresh-user tester 46: a worker took the API's port, and `up` died (exit 3) after starting it all."""
+    from substrate.backends.local import check_port_range
+
+    with pytest.raises(ValueError, match="--port 29852 is inside SUBSTRATE_WORKER__PORT_RANGE 29852-29853"):
+        check_port_range(_catalog(a={"replicas": 1}), _settings("29852-29853"), api_port=29852, embedded_redis=True)
+
+
+def test_up_refuses_a_range_smaller_than_the_workers_the_pools_start_and_warns_below_their_most() -> None:
+    """Fresh-user tester 46: `replicas: 6` in a 4-port range never became ready, and its creates waited 30 s
+    for workers that could not listen while idle sessions were never suspended for them."""
+    from substrate.backends.local import check_port_range
+
+    fixed = _catalog(a={"replicas": 6, "slots": 2})
+    with pytest.raises(ValueError, match=r"has 4 port\(s\); the pools start 6 worker\(s\) and the embedded Redis "
+                                         r"takes one: widen the range to at least 7 ports"):
+        check_port_range(fixed, _settings("29840-29843"), api_port=8080, embedded_redis=True)
+    # an external Redis takes no port of the range
+    assert check_port_range(fixed, _settings("29840-29845"), api_port=8080, embedded_redis=False) is None
+    scaled = _catalog(a={"slots": 6, "autoscaling": {"minReplicas": 1, "maxReplicas": 64}})
+    warned = check_port_range(scaled, _settings("29840-29849"), api_port=8080, embedded_redis=True)
+    assert warned is not None and "the pools may run 64 worker(s)" in warned and "past 9 worker(s)" in warned
+    assert check_port_range(scaled, _settings("29800-29899"), api_port=8080, embedded_redis=True) is None
+    assert check_port_range(fixed, _settings(""), api_port=29840, embedded_redis=True) is None  # no range
+
+
+def test_a_worker_that_finds_no_free_port_exits_2_with_one_line(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    lo, _ = _span(1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", lo))
+        held.listen()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
+        env["SUBSTRATE_WORKER"] = json.dumps({"port_range": f"{lo}-{lo}", "root_dir": str(tmp_path)})
+        env["SUBSTRATE_REDIS_URL"] = "redis://127.0.0.1:1/0"  # never reached: the worker stops before
+        p = subprocess.run([sys.executable, "-m", "workers.server", "--pool", "default", "--slots", "1",
+                            "--worker-id", "w1"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"worker cannot listen: no free port in SUBSTRATE_WORKER__PORT_RANGE {lo}-{lo}" \
+        in lines[0], p.stderr
