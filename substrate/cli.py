@@ -407,13 +407,13 @@ def _print(obj: Any) -> None:
 
 
 def usage_refused(status: int, code: str) -> bool:
-    """Whether an API error refused the command's own arguments (400 ``bad_json`` or ``bad_request``, a
-    400/422 ``invalid_...``, a 422 ``unknown_template``/``unknown_worker``), which exits 2 as a bad option the CLI itself catches does: a script can then
-    tell "fix the command" (2) from every other failure (1), wherever the check happened to be made
-    (fresh-user tester 45: ``--state bogus`` exited 2, ``--tenant BAD`` and ``--continue garbage`` 1).
-    A 422 ``unknown_template`` or ``unknown_worker`` too: a template or worker the command names that the
-    API does not have (tester 46); not ``unknown_pool``, the server's own catalog at fault. Not the agent's
-    own 422s (``agent_error``, ``state_load_failed``): the command was well formed."""
+    """Whether an API error refused the command's own arguments, which then exits 2 as a bad option the
+    CLI itself catches does, so a script can tell "fix the command" (2) from every other failure (1)
+    wherever the check was made (fresh-user tester 45: ``--state bogus`` exited 2, ``--tenant BAD`` 1):
+    400 ``bad_json`` or ``bad_request``, a 400/422 ``invalid_...``, and a 422 ``unknown_template`` or
+    ``unknown_worker`` (a template or worker the command names that the API lacks: tester 46). Not
+    ``unknown_pool`` (the server's catalog at fault) nor the agent's own 422s (``agent_error``,
+    ``state_load_failed``): the command was well formed."""
     return status in (400, 422) and (code in ("bad_json", "bad_request") or code.startswith("invalid_")) or (
         status == 422 and code in ("unknown_template", "unknown_worker"))
 
