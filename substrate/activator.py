@@ -369,6 +369,8 @@ class Activator:
         self._lru_scans: dict[str, _LruScan] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
+        #: pool -> why no worker of it can start now ("" when one can; set by that pool controller)
+        self.capacity_blocked: dict[str, str] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
         self.capacity_wanted = asyncio.Event()
         #: demand/capacity notes shared with a pool controller in another process (None: same process)
@@ -634,9 +636,11 @@ class Activator:
                     return await queue.wait(sid, worker, api.slot_wait_s, tenant=tenant,
                                             hold=lambda: not self.may_make_room(pool, sid), max_s=max_s)
                 except asyncio.TimeoutError:
+                    blocked = self.capacity_blocked.get(pool, "")
                     raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or NoCapacity(
-                        f"no free slot in pool {pool!r}; retry later", retry_after_s=api.retry_after_s,
-                        details={"pool": pool}) from None
+                        f"no free slot in pool {pool!r}" + (f": {blocked}" if blocked else "") + "; retry later",
+                        retry_after_s=api.retry_after_s,
+                        details={"pool": pool, **({"reason": blocked} if blocked else {})}) from None
             # a pool controller in another process (substrate.demand): one place in the FIFO for the whole
             # wait; past slot_wait_s it goes on while that controller says capacity is coming (or has yet
             # to count this demand), and one slot_wait_s more once it stopped coming (the new slots must
@@ -713,7 +717,7 @@ class Activator:
         most ``pool.demand_ttl_s`` from ``since``; with no (fresh) note nothing is coming."""
         local = self.starting.get(pool, 0)
         if local > 0 or self.board is None:
-            return local, "", False
+            return local, self.capacity_blocked.get(pool, ""), False
         note = await self.board.capacity(pool)
         if note.at == 0:
             return 0, "", False

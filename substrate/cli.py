@@ -1240,7 +1240,8 @@ def s_delete(sid: str = SessionArg, server: str = ServerOpt, token: Optional[str
 @app.command()
 def pools(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Worker pools with replicas, ready replicas and free slots (admins and the open mode; a tenant's key
-    sees the pools' names only: their capacity and load are not its to see)."""
+    sees the pools' names only: their capacity and load are not its to see), then each condition that is
+    False (no ready worker; ``WorkersHealthy``: its workers keep exiting and starts back off)."""
     with _client(server, token) as c:
         items = _run(c.pools)
     fields = ("replicas", "readyReplicas", "slots", "freeSlots")
@@ -1250,6 +1251,13 @@ def pools(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
         # the API leaves these out for an ordinary tenant: "-", not a KeyError
         t.add_row(p["metadata"]["name"], *(str(st[f]) if f in st else "-" for f in fields))
     console.print(t)
+    # what keeps a pool from serving or growing (kubectl shows it with `describe`): "Scaling" False is the
+    # ordinary state, the others False are a problem
+    for p in items:
+        for cond in (p.get("status") or {}).get("conditions") or []:
+            if cond.get("status") == "False" and cond.get("type") != "Scaling":
+                err.print(f"pool {p['metadata']['name']}: {cond.get('type')}=False ({cond.get('reason')}): "
+                          f"{cond.get('message')}", markup=False, highlight=False)
     if any(not set(fields) & set(p.get("status") or {}) for p in items):
         err.print("replicas and slots are shown to admins only")
 

@@ -255,12 +255,16 @@ class Backend(Protocol):
     # zygote), counted in the process-seconds cost; a backend without it counts 0.
     # optional: ``gpu_memory(pool) -> (total_bytes, fragmented_bytes)`` of the pool's ResourceClaims;
     # without it the GPU gauges export 0 ("unknown", as their help text says)
+    # optional: ``backoff(pool) -> str``, why no worker of ``pool`` may be started now (its workers keep
+    # failing: ``substrate.backends.backoff``), "" when one may; the controller asks for none meanwhile
     async def close(self) -> None: ...
 
 
 @dataclass
 class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
+    #: why the backend starts none of the pool's workers now (its ``backoff``), as of the last round
+    held_back: str = ""
     conditions: list[Condition] = field(default_factory=list)
     desired_window: SlidingWindow | None = None  # desired replicas over the scale-down window
     arrivals: SlidingWindow | None = None  # cumulative activations over the forecast window
@@ -491,6 +495,14 @@ class PoolController:
                          allow_scale_down=not drain_running, scale_up_step=self.settings.pool.scale_up_step)
         st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
         st.desired = plan.desired
+        # workers of the pool keep dying (substrate.backends.backoff): none is started until the pause
+        # ends, and none counts as starting meanwhile, so the waiting placements make room by suspending
+        # idle sessions instead of holding out for it (they held out api.start_wait_s, 58 starts in 30 s)
+        st.held_back = self._backoff_reason(pool.name)
+        if st.held_back and plan.create:
+            log.debug("pool scaling held back", extra={"pool": pool.name, "create": plan.create,
+                                                       "why": st.held_back})
+            plan = replace(plan, create=0)
         if plan.create or plan.drain or plan.reclaim:
             log.info("pool scaling", extra={"pool": pool.name, "desired": plan.desired, "need": plan.need,
                                             "create": plan.create, "drain": list(plan.drain),
@@ -534,6 +546,9 @@ class PoolController:
                       message=f"{len(ready)} ready of {plan.desired} desired"),
             Condition(type="Scaling", status="True" if plan.create or plan.drain or plan.reclaim else "False",
                       reason=plan.reason),
+            Condition(type="WorkersHealthy", status="False" if st.held_back else "True",
+                      reason="BackOff" if st.held_back else "Healthy",
+                      message=st.held_back or "no worker exited on its own recently"),
         ]
 
     async def _create_workers(self, pool: WorkerPool, st: _PoolState, n: int) -> None:
@@ -559,10 +574,19 @@ class PoolController:
 
     def _publish_starting(self, pool: str, st: _PoolState) -> None:
         """Tell this process's placements a worker is starting for ``pool`` (they wait for it rather
-        than answer ``no_capacity``: capacity never refuses what it is creating)."""
+        than answer ``no_capacity``: capacity never refuses what it is creating), or why none can
+        start now (their ``no_capacity`` says it)."""
         starting = getattr(self.activator, "starting", None)
         if isinstance(starting, dict):
             starting[pool] = len(st.expectations)
+        blocked = getattr(self.activator, "capacity_blocked", None)
+        if isinstance(blocked, dict):
+            blocked[pool] = st.held_back
+
+    def _backoff_reason(self, pool: str) -> str:
+        """The backend's ``backoff(pool)`` (why it starts no worker of ``pool`` now), "" without one."""
+        of = getattr(self.backend, "backoff", None)
+        return of(pool) if callable(of) else ""
 
     async def _reclaim(self, wid: str) -> None:
         """Call off this controller's drain of ``wid`` and make it READY again: the drain loop stops at

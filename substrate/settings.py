@@ -645,8 +645,13 @@ class PoolSettings(_Section):
     forecast_window_s: float = Field(30.0, gt=0)
     #: assumed create-to-READY time of a worker until one was measured
     lead_time_s: float = Field(0.5, ge=0)
-    #: a dead local worker process is restarted after this back-off
+    #: local backend: a worker process that exits on its own (a crash; a port range taken by other
+    #: programs, where it cannot listen) holds back the pool's next worker start this long, doubling with
+    #: each such exit up to ``restart_backoff_max_s`` (``substrate.backends.backoff``; the Kubernetes
+    #: backend's are ``kubernetes.failure_backoff_s``). Without it a worker that could not start was
+    #: started again every round (58 times in 30 s) and creates waited 30 s for it
     restart_backoff_s: float = Field(0.5, ge=0)
+    restart_backoff_max_s: float = Field(60.0, ge=0)
     #: how often a router process writes its waiting placements to Redis for the pool controller while
     #: any wait (``substrate.demand``); the first wait of a burst is written at once
     demand_publish_s: float = Field(0.5, gt=0)

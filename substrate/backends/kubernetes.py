@@ -14,8 +14,9 @@
 * ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
   no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
 * Pods that fail repeatedly are re-created after a back-off (``failure_backoff_s`` doubling up to
-  ``failure_backoff_max_s``); meanwhile ``create`` creates nothing (the pool controller's expectation for
-  it lapses on the next tick) and ``problems`` reports ``BackOff``.
+  ``failure_backoff_max_s``; ``substrate.backends.backoff``): meanwhile ``backoff(pool)`` says why, the
+  pool controller asks for no Pod (and ``create`` would create nothing), and ``problems`` reports
+  ``BackOff``.
 """
 
 from __future__ import annotations
@@ -27,18 +28,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from substrate.backends.backoff import StartBackoff
 from substrate.k8s.api import Informer, Kube
 from substrate.k8s.pods import POOL_LABEL, build_worker_pod
 from substrate.models import WorkerPool
 from substrate.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Backoff:
-    failures: int = 0
-    until: float = 0.0
 
 
 @dataclass
@@ -80,7 +76,8 @@ class KubernetesBackend:
         self._created: dict[str, _Created] = {}
         self._deleting: set[str] = set()
         self._reported: dict[str, str] = {}  # running() as last seen: worker -> pool
-        self._backoff: dict[str, _Backoff] = {}
+        k = settings.kubernetes
+        self._backoff = StartBackoff(k.failure_backoff_s, k.failure_backoff_max_s, noun="worker Pod")
         self._first_seen_problem: dict[str, float] = {}
         self.gang_pools: set[str] = set()
         #: pool name -> the ActorTemplates it hosts (their isolation bounds the Pods); set by the controller
@@ -101,8 +98,7 @@ class KubernetesBackend:
 
     # --------------------------------------------------------------------------------------- port
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
-        b = self._backoff.get(pool.name)
-        if b is not None and time.monotonic() < b.until:
+        if self._backoff.reason(pool.name):
             log.debug("create skipped: backing off", extra={"pool": pool.name})
             return
         body = build_worker_pod(pool, worker_id, self.settings, namespace=self.namespace,
@@ -166,21 +162,17 @@ class KubernetesBackend:
                 self._reported.pop(name)
                 dead.append(name)
                 if pod is not None and pod_failed(pod):
-                    self._note_failure(pool)
+                    self._backoff.failed(pool)
                     self._deleting.add(name)
                     asyncio.ensure_future(asyncio.to_thread(self.kube.delete_pod, self.namespace, name, 0))
                 log.warning("worker pod ended", extra={"worker": name, "pool": pool,
                                                         "reason": ((pod or {}).get("status") or {}).get("reason")})
-        for pool, b in self._backoff.items():
-            if b.failures and time.monotonic() > b.until + self.settings.kubernetes.failure_backoff_max_s:
-                b.failures = 0  # a quiet period forgives
         return dead
 
-    def _note_failure(self, pool: str) -> None:
-        k = self.settings.kubernetes
-        b = self._backoff.setdefault(pool, _Backoff())
-        b.failures += 1
-        b.until = time.monotonic() + min(k.failure_backoff_max_s, k.failure_backoff_s * 2 ** (b.failures - 1))
+    def backoff(self, pool: str) -> str:
+        """Why no worker Pod of ``pool`` is created now (Pods of it failed: ``substrate.backends.backoff``),
+        or "" (the pool controller creates none meanwhile)."""
+        return self._backoff.reason(pool)
 
     async def close(self) -> None:
         self.pods.stop()
@@ -201,9 +193,7 @@ class KubernetesBackend:
             if c is not None:
                 stuck.add(name)
                 why = why or f"worker Pod {name} is Unschedulable: {c.get('message') or 'no node fits'}"
-        b = self._backoff.get(pool)
-        if b is not None and time.monotonic() < b.until:
-            why = why or f"{b.failures} worker Pod(s) failed; re-creating after a back-off"
+        why = why or self._backoff.reason(pool)
         return stuck, why
 
     def problems(self, pool: str) -> list[PodProblem]:
@@ -219,8 +209,6 @@ class KubernetesBackend:
             since = self._first_seen_problem.setdefault(name, now)
             if now - since >= grace:
                 out.append(PodProblem(name, "Unschedulable", c.get("message") or "", since))
-        b = self._backoff.get(pool)
-        if b is not None and time.monotonic() < b.until:
-            out.append(PodProblem("", "BackOff", f"{b.failures} worker Pod(s) failed; re-creating after a "
-                                               "back-off", now))
+        if why := self._backoff.reason(pool):
+            out.append(PodProblem("", "BackOff", why, now))
         return out

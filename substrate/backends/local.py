@@ -34,6 +34,7 @@ from pathlib import Path
 
 from substrate import sandbox_sweep
 from substrate.embedded import hold_fds
+from substrate.backends.backoff import StartBackoff
 from substrate.models import WorkerPool, WorkerPoolSpec
 from substrate.pool import desired_replicas
 from substrate.settings import Settings
@@ -150,6 +151,11 @@ class _Worker:
         # a zombie, which signal 0 still reaches; it was seen only when its lease ran out (tester 46)
         return not _zombie(self.pid)
 
+    def exit_code(self) -> int | None:
+        """Its exit status once exited, if this process knows it (a child of the zygote: the zygote reaped
+        it, so None; a negative value: killed by that signal)."""
+        return self.popen.poll() if self.popen is not None else None
+
     def signal(self, sig: int) -> None:
         try:
             os.kill(self.pid, sig)
@@ -194,6 +200,9 @@ class LocalBackend:
         self._sweeps: dict[str, int] = {}
         #: (read end, write end) of the lifeline pipe, made at the first process started, closed by ``close``
         self._lifeline: tuple[int, int] | None = None
+        #: workers that exit on their own hold back the pool's next start (``backoff``)
+        self._backoff = StartBackoff(settings.pool.restart_backoff_s, settings.pool.restart_backoff_max_s,
+                                     noun="worker process")
 
     def _lifeline_fd(self) -> int:
         """The lifeline's read end, for a child to inherit (``pass_fds``). The write end stays in this
@@ -370,13 +379,26 @@ class LocalBackend:
         # "recover" a worker that had just suspended all its sessions, and log its exit as a warning
         dead = [wid for wid, w in self.workers.items() if not w.stopping and not w.alive()]
         for wid in dead:
-            self.workers.pop(wid)
-            log.warning("worker process exited", extra={"worker": wid})
+            w = self.workers.pop(wid)
+            pause = self._backoff.failed(w.pool)
+            log.warning("worker process exited", extra={"worker": wid, "pool": w.pool, "exitCode": w.exit_code(),
+                                                        "restartBackoffS": round(pause, 2)})
             self._sweeps[wid] = 50
             # a killed worker could not clean its folder (workspaces, archives in flight)
             shutil.rmtree(Path(self.settings.worker.root_dir) / wid, ignore_errors=True)
         self._sweep_dead()
         return dead
+
+    def backoff(self, pool: str) -> str:
+        """Why no worker of ``pool`` is started now (its workers exited on their own: the pause of
+        ``pool.restart_backoff_s`` doubling up to ``pool.restart_backoff_max_s``), or "" (port of
+        ``substrate.pool``: the pool controller starts none meanwhile)."""
+        return self._backoff.reason(pool)
+
+    def unplaceable(self, pool: str) -> tuple[set[str], str]:
+        """(no stuck worker, why none can come now) for the capacity note routers in other processes read
+        (``substrate.demand``): while the pool backs off, nothing is coming."""
+        return set(), self._backoff.reason(pool)
 
     def _sweep_dead(self) -> None:
         """Thaw and kill what is left in dead workers' cgroups without blocking the control loop: one pass

@@ -443,7 +443,8 @@ def test_up_names_a_pasteable_url_and_warns_of_open_mode_beyond_loopback(tmp_pat
             r.delete(key)
 
 
-def _port_range_up(tmp_path: Path, lo: int, hi: int, port: int, replicas: int) -> subprocess.Popen[bytes]:
+def _port_range_up(tmp_path: Path, lo: int, hi: int, port: int, replicas: int,
+                   spec: str = "") -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
     env.update({"SUBSTRATE_DATA_DIR": str(tmp_path / "var"), "SUBSTRATE_CONFIG_DIR": str(tmp_path / "cfg"),
                 "SUBSTRATE_WORKER__PORT_RANGE": f"{lo}-{hi}"})
@@ -452,7 +453,7 @@ def _port_range_up(tmp_path: Path, lo: int, hi: int, port: int, replicas: int) -
         apiVersion: substrate.agent.dev/v1
         kind: WorkerPool
         metadata: {{name: default}}
-        spec: {{replicas: {replicas}, slots: 1}}
+        spec: {spec or f"{{replicas: {replicas}, slots: 1}}"}
         ---
         apiVersion: substrate.agent.dev/v1
         kind: ActorTemplate
@@ -516,3 +517,60 @@ def test_up_refuses_a_port_range_it_cannot_run_in_before_anything_starts(tmp_pat
                  "embedded Redis takes one: widen the range to at least 3 ports")
     assert len(lines) == 1 and lines[0].startswith(said), lines
     assert not (tmp_path / "var" / "redis").exists() or not any((tmp_path / "var" / "redis").iterdir())
+
+
+def test_a_pool_whose_new_workers_cannot_listen_backs_off_and_makes_room_instead(tmp_path: Path) -> None:
+    """Fresh-user tester 46's follow-up: the port range filled up by other programs after the start, so
+    each new worker could not listen and exited 2. The pool controller started one every round (58 in
+    30 s) and, as a worker was always starting, a create held out for it for 30 s and got 503
+    ``no_capacity`` saying nothing of why. Now starts back off (``pool.restart_backoff_s``, doubling),
+    the create makes room by suspending the idle session at once, and the pool's status says why it
+    does not grow."""
+    import socket
+
+    from substrate.netports import free_port
+
+    lo = free_port(high=60000) + 1
+    hi = lo + 2  # the embedded Redis, the first worker, and one port for growth
+    port = free_port(high=60000)
+    p = _port_range_up(tmp_path, lo, hi, port, replicas=0,
+                       spec="{slots: 1, autoscaling: {minReplicas: 1, maxReplicas: 3}}")
+    log = tmp_path / "up.log"
+    held: list[socket.socket] = []
+    try:
+        _wait(lambda: "serving on" in log.read_text() or p.poll() is not None, 90, "the API serving")
+        _wait(lambda: '"worker ready"' in log.read_text() or p.poll() is not None, 90, "a worker ready")
+        for q in range(lo, hi + 1):  # another program takes what is left of the range
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", q))
+                s.listen()
+                held.append(s)
+            except OSError:
+                s.close()
+        assert held, "the range had no port left to take"
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        first = c.post("/v1/sessions", json={"actorTemplate": "counter"})
+        assert first.status_code == 201, first.text
+        time.sleep(1.5)  # idle past api.pressure_min_idle_s (1 s): it may make room
+        second = c.post("/v1/sessions", json={"actorTemplate": "counter"})
+        assert second.status_code == 201, second.text
+        assert second.json()["worker"] == first.json()["worker"]
+        was = c.get(f"/v1/sessions/{first.json()['id']}").json()
+        assert was["state"] == "SUSPENDED" and was["suspendReason"] == "pressure", was
+
+        def backed_off() -> bool:
+            (pool,) = c.get("/v1/workerpools").json()["items"]
+            return any(x["type"] == "WorkersHealthy" and x["status"] == "False" and x["reason"] == "BackOff"
+                       and "failed in a row" in x["message"] for x in pool["status"]["conditions"])
+
+        _wait(backed_off, 30, "the pool's WorkersHealthy condition saying it backs off")
+        text = log.read_text()
+        assert '"restartBackoffS"' in text and '"exitCode"' in text, text[-3000:]
+        # the starts back off (0.5 s doubling): a handful in these seconds, not one per round
+        assert text.count("worker process exited") <= 8, text.count("worker process exited")
+    finally:
+        for s in held:
+            s.close()
+        p.send_signal(signal.SIGINT)
+        p.wait(60)

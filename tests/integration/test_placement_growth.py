@@ -803,3 +803,71 @@ async def test_a_full_pool_whose_idle_sessions_cannot_be_suspended_for_want_of_t
     with _controller_running(act), pytest.raises(SubstrateError) as e2:
         await act.place("new2", CATALOG.template("counter"))
     assert e2.value.code == "no_capacity"
+
+
+async def test_waiters_make_room_while_the_pools_new_workers_keep_dying_and_starts_back_off(env):
+    """A pool whose new workers exit before they register (a fresh user's port range taken by other
+    programs: each could not listen and exited 2) was "growing" for ever: the controller started one
+    every round, so a worker was always starting, and the waiting create held out for it for
+    ``api.start_wait_s`` (30 s; 503 ``no_capacity`` saying nothing of why). Now the backend's back-off
+    (``substrate.backends.backoff``) stops the starts, nothing counts as starting, and the idle session
+    makes room; the pool's status says why it does not grow."""
+    from substrate.backends.backoff import StartBackoff
+    from substrate.pool import PoolController
+
+    d, act, workers = env
+    await _full_of_idle_sessions_at_its_size(d, act)
+    # both count as active for sizing (created, not yet at their first turn: the worker's first-turn
+    # window), so the waiter is demand beyond the pool's slots and the pool wants a second worker
+    rec = (await d.list_workers())[0]
+    rec.activeSlots = 2
+    await d.register_worker(rec)
+
+    class Dying(RecordingBackend):
+        """Every worker it starts exits before registering: gone at the next round (``reap``)."""
+
+        def __init__(self) -> None:
+            super().__init__(also_running=("full",))
+            self.started: list[str] = []
+            self.gone: list[str] = []
+            self.pauses = StartBackoff(30.0, 60.0, noun="worker process")
+
+        def running(self):
+            return {w: "default" for w in ("full", *self.created) if w not in self.gone}
+
+        def reap(self):
+            dead = [w for w in self.created if w not in self.gone]
+            for w in dead:
+                self.gone.append(w)
+                self.pauses.failed("default")
+            return dead
+
+        def backoff(self, pool):
+            return self.pauses.reason(pool)
+
+    backend = Dying()
+    pc = PoolController(act.settings, d, CATALOG, backend, act)
+    stop = asyncio.Event()
+
+    async def rounds() -> None:  # the controller's loop: a round whenever a placement asks, or 50 ms
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(act.capacity_wanted.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+            act.capacity_wanted.clear()
+            await pc.tick()
+
+    loop = asyncio.create_task(rounds())
+    try:
+        w, _ = await asyncio.wait_for(act.place("new", CATALOG.template("counter")), 15)
+    finally:
+        stop.set()
+        await loop
+    assert w.id == "full" and workers.suspended[:1] == ["idle-1"] and workers.reasons[:1] == ["pressure"]
+    assert len(backend.created) == 1, "one start failed; the next waits for the back-off, not the next round"
+    assert act.starting["default"] == 0
+    why = act.capacity_blocked["default"]
+    assert why.startswith("1 worker process(s) of pool 'default' failed in a row"), why
+    healthy = [c for c in pc.conditions("default") if c.type == "WorkersHealthy"]
+    assert [(c.status, c.reason, c.message) for c in healthy] == [("False", "BackOff", why)]

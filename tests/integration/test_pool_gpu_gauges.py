@@ -75,4 +75,4 @@ async def test_the_ready_condition_says_the_ready_count_it_is_shown_beside(d) ->
     assert next(c for c in pc.conditions("gpus") if c.type == "Ready").message == "0 ready of 2 desired"
     ready = next(c for c in pc.conditions("gpus", ready=2) if c.type == "Ready")
     assert (ready.status, ready.reason, ready.message) == ("True", "WorkersReady", "2 ready of 2 desired")
-    assert [c.type for c in pc.conditions("gpus", ready=2)] == ["Ready", "Scaling"]
+    assert [c.type for c in pc.conditions("gpus", ready=2)] == ["Ready", "Scaling", "WorkersHealthy"]

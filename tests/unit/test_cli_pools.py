@@ -41,3 +41,18 @@ def test_an_admin_sees_replicas_and_slots(monkeypatch: pytest.MonkeyPatch) -> No
     row = next(line for line in r.output.splitlines() if "default" in line)
     assert [c.strip() for c in row.split("│")[2:6]] == ["2", "1", "8", "5"]
     assert "admins only" not in r.output
+
+
+def test_a_pool_that_backs_off_says_why_under_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    why = "3 worker process(s) of pool 'default' failed in a row; the next start is backed off for 2.0 s more"
+    _serve(monkeypatch, [{"metadata": {"name": "default"}, "spec": {"replicas": 2},
+                          "status": {"replicas": 1, "readyReplicas": 1, "slots": 1, "freeSlots": 0,
+                                     "conditions": [
+                                         {"type": "Ready", "status": "True", "reason": "WorkersReady", "message": ""},
+                                         {"type": "Scaling", "status": "False", "reason": "steady", "message": ""},
+                                         {"type": "WorkersHealthy", "status": "False", "reason": "BackOff",
+                                          "message": why}]}}])
+    r = CliRunner().invoke(app, ["pools"])
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.output.splitlines() if line.startswith("pool default:")]
+    assert said == [f"pool default: WorkersHealthy=False (BackOff): {why}"], r.output

@@ -1,0 +1,108 @@
+"""Worker starts back off per pool after workers fail (``substrate.backends.backoff``), in both backends.
+
+A local worker that could not listen (its port range taken by other programs) was started again every
+reconcile round, 58 times in 30 s, and the pool controller's "a worker is starting" held every waiting
+create for ``api.start_wait_s`` (30 s, then 503 ``no_capacity`` saying nothing of why)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from substrate.backends.backoff import StartBackoff
+from substrate.backends.local import LocalBackend, _Worker
+from substrate.settings import PoolSettings, Settings, WorkerSettings
+
+
+def test_the_pause_doubles_per_failure_up_to_the_max_and_names_the_pool() -> None:
+    b = StartBackoff(0.5, 4.0, noun="worker process")
+    assert b.reason("p", now=0.0) == "" and b.failures("p") == 0
+    pauses = [b.failed("p", now=100.0) for _ in range(5)]
+    assert pauses == [0.5, 1.0, 2.0, 4.0, 4.0]
+    why = b.reason("p", now=101.0)
+    assert why.startswith("5 worker process(s) of pool 'p' failed in a row") and "3.0 s more" in why, why
+    assert b.reason("other", now=101.0) == ""  # per pool
+    assert b.reason("p", now=104.0) == ""  # the pause is over: a start may be tried
+
+
+def test_a_quiet_period_forgives_and_a_zero_base_never_holds_back() -> None:
+    b = StartBackoff(1.0, 8.0)
+    b.failed("p", now=0.0)
+    b.failed("p", now=0.0)  # pause 2 s, until 2
+    assert b.failed("p", now=5.0) == 4.0  # within until + max: still counted (third in a row)
+    # quiet for longer than max past the last pause's end (9 + 8): the next failure is the first again
+    assert b.failed("p", now=20.0) == 1.0
+    z = StartBackoff(0.0, 60.0)
+    z.failed("p")
+    assert z.reason("p") == ""
+    with pytest.raises(ValueError, match="must not be negative"):
+        StartBackoff(-1.0, 1.0)
+
+
+def _local(tmp_path, base_s: float = 30.0) -> LocalBackend:  # noqa: ANN001
+    return LocalBackend(Settings(worker=WorkerSettings(root_dir=tmp_path / "w"),
+                                 pool=PoolSettings(restart_backoff_s=base_s)), fork_server=False)
+
+
+def test_a_local_worker_that_exits_on_its_own_backs_its_pool_off(tmp_path) -> None:
+    b = _local(tmp_path)
+    p = subprocess.Popen(["sh", "-c", "exit 2"])  # a worker that could not listen exits 2
+    p.wait(30)
+    b.workers["w1"] = _Worker("dense", p.pid, p)
+    assert b.workers["w1"].exit_code() == 2
+    assert b.backoff("dense") == ""
+    assert b.reap() == ["w1"]
+    assert b.backoff("dense").startswith("1 worker process(s) of pool 'dense' failed in a row")
+    assert b.unplaceable("dense") == (set(), b.backoff("dense"))  # what routers elsewhere are told
+    assert b.backoff("other") == ""
+
+
+async def test_a_local_worker_stopped_by_delete_does_not_back_its_pool_off(tmp_path) -> None:
+    b = _local(tmp_path)
+    p = subprocess.Popen(["sleep", "60"])
+    b.workers["w1"] = _Worker("dense", p.pid, p)
+    await b.delete("w1", grace_s=10)
+    assert b.reap() == [] and b.backoff("dense") == ""
+
+
+class _Informer:
+    def __init__(self) -> None:
+        self.items: dict = {}
+
+    def stop(self) -> None:
+        pass
+
+
+class _Kube:
+    def __init__(self) -> None:
+        self.created: list[str] = []
+        self.deleted: list[str] = []
+
+    def create_pod(self, ns, body):  # noqa: ANN001
+        self.created.append(body["metadata"]["name"])
+
+    def delete_pod(self, ns, name, grace_s=None):  # noqa: ANN001
+        self.deleted.append(name)
+
+
+async def test_a_failed_worker_pod_backs_its_pool_off_and_the_backend_creates_none_meanwhile() -> None:
+    from substrate.backends.kubernetes import KubernetesBackend
+    from substrate.k8s.pods import POOL_LABEL
+    from substrate.specs import load_documents
+
+    kube, inf = _Kube(), _Informer()
+    b = KubernetesBackend(Settings(), kube, informer=inf)  # type: ignore[arg-type]
+    inf.items["agents-1"] = {"metadata": {"name": "agents-1", "labels": {POOL_LABEL: "agents"}},
+                             "status": {"phase": "Running"}}
+    assert b.running() == {"agents-1": "agents"} and b.backoff("agents") == ""
+    inf.items["agents-1"]["status"] = {"phase": "Failed", "reason": "Evicted"}
+    assert b.reap() == ["agents-1"]
+    why = b.backoff("agents")
+    assert why.startswith("1 worker Pod(s) of pool 'agents' failed in a row"), why
+    assert b.unplaceable("agents")[1] == why
+    assert [p.reason for p in b.problems("agents")] == ["BackOff"]
+    pool = load_documents([{"kind": "WorkerPool", "metadata": {"name": "agents"}, "spec": {"replicas": 1}}]).pools["agents"]
+    await b.create(pool, "agents-2")
+    assert kube.created == []  # held back
+    await b.close()
