@@ -110,7 +110,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "session_moving": (502, "the session kept moving between workers; retry"),
     "invoke_timeout": (502, "the worker did not answer within `api.invoke_timeout_s`"),
     "turn_timeout": (504, "the turn ran over `isolation.turnTimeout`; the session's processes were killed"),
-    "no_capacity": (503, "no free slot; retry after `Retry-After`"),
+    "no_capacity": (503, "no free slot; retry after `Retry-After`. `details.reason`, when the pool cannot grow "
+                         "now: `no_replicas`, `unschedulable`, `start_backoff` (its workers fail in a row) or "
+                         "`activations_saturated`"),
     "directory_unavailable": (503, "Redis is unreachable"),
     "no_signing_key": (503, "the activation-token signing keys are not loaded yet (a runtime starting, or its Redis "
                             "lost its data); retry after `Retry-After`"),

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -57,7 +58,7 @@ from typing import TypeVar
 from substrate import metrics
 from substrate.admission import ActivationLimiter, LimiterSettings, LimiterTimeout
 from substrate.audit import SYSTEM, Actor, AuditLog
-from substrate.demand import DemandBoard, PoolDemand
+from substrate.demand import CapacityNote, DemandBoard, PoolDemand
 from substrate.directory import CasResult, Directory
 from substrate.errors import (
     Conflict,
@@ -369,8 +370,9 @@ class Activator:
         self._lru_scans: dict[str, _LruScan] = {}
         #: pool -> workers being started for it (set by the pool controller of this process)
         self.starting: dict[str, int] = {}
-        #: pool -> why no worker of it can start now ("" when one can; set by that pool controller)
-        self.capacity_blocked: dict[str, str] = {}
+        #: pool -> why no worker of it can start now (absent when one can; set by this process's pool
+        #: controller): ``blocked`` the sentence, ``code`` and ``retry_after_s`` for the 503
+        self.capacity_blocked: dict[str, CapacityNote] = {}
         #: set when a placement found no free slot: wakes the pool controller at once
         self.capacity_wanted = asyncio.Event()
         #: demand/capacity notes shared with a pool controller in another process (None: same process)
@@ -627,7 +629,7 @@ class Activator:
         self._announce_demand(pool)
         api = self.settings.api
         max_s = max(api.start_wait_s, api.slot_wait_s)
-        blocked = ""
+        blocked: CapacityNote | None = None
         waiter: asyncio.Future[tuple[WorkerRecord, int]] | None = None
         try:
             if self.board is None:
@@ -636,11 +638,8 @@ class Activator:
                     return await queue.wait(sid, worker, api.slot_wait_s, tenant=tenant,
                                             hold=lambda: not self.may_make_room(pool, sid), max_s=max_s)
                 except asyncio.TimeoutError:
-                    blocked = self.capacity_blocked.get(pool, "")
-                    raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or NoCapacity(
-                        f"no free slot in pool {pool!r}" + (f": {blocked}" if blocked else "") + "; retry later",
-                        retry_after_s=api.retry_after_s,
-                        details={"pool": pool, **({"reason": blocked} if blocked else {})}) from None
+                    raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or self._no_capacity(
+                        pool, self.capacity_blocked.get(pool)) from None
             # a pool controller in another process (substrate.demand): one place in the FIFO for the whole
             # wait; past slot_wait_s it goes on while that controller says capacity is coming (or has yet
             # to count this demand), and one slot_wait_s more once it stopped coming (the new slots must
@@ -672,10 +671,8 @@ class Activator:
                 pass
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise asyncio.CancelledError
-            msg = f"no free slot in pool {pool!r}" + (f": {blocked}" if blocked else "") + "; retry later"
-            details = {"pool": pool, **({"reason": blocked} if blocked else {})}
-            raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or NoCapacity(
-                msg, retry_after_s=api.retry_after_s, details=details) from None
+            raise self._no_room(pool, t_wait_m) or self._pinned_full(pool, worker) or self._no_capacity(
+                pool, blocked) from None
         finally:
             if waiter is not None and not waiter.done():
                 waiter.cancel()
@@ -683,6 +680,19 @@ class Activator:
             self._placing.discard(sid)
             self._wanted_at.get(pool, {}).pop(sid, None)
             self._waited(sid)
+
+    def _no_capacity(self, pool: str, blocked: CapacityNote | None) -> NoCapacity:
+        """The answer to a wait for a slot of ``pool`` that ran out: 503 ``no_capacity``; when the pool
+        controller said why no capacity can come (``blocked``), the message says it, ``details.reason`` is
+        its stable code (``unschedulable``, ``start_backoff``) and ``Retry-After`` covers the block's
+        known length (a back-off's pause; it said 1 s during a 34 s pause: fresh-user tester 47)."""
+        api = self.settings.api
+        if blocked is None or not blocked.blocked:
+            return NoCapacity(f"no free slot in pool {pool!r}; retry later", retry_after_s=api.retry_after_s,
+                              details={"pool": pool})
+        return NoCapacity(f"no free slot in pool {pool!r}: {blocked.blocked}; retry later",
+                          retry_after_s=max(api.retry_after_s, math.ceil(blocked.retry_after_s)),
+                          details={"pool": pool, "reason": blocked.code or "blocked"})
 
     def _pinned_full(self, pool: str, worker: str | None) -> NoCapacity | None:
         """The answer to a wait for a slot on ``worker`` (a resume pinned to it) that ran out: that worker is
@@ -710,19 +720,19 @@ class Activator:
                                 f"failed: {e.message}", retry_after_s=e.retry_after_s or self.settings.api.retry_after_s,
                                 details={**(e.details or {}), "pool": pool})
 
-    async def _capacity_coming(self, pool: str, since: float) -> tuple[int, str, bool]:
-        """(workers starting for ``pool``, why none can come, whether the controller has yet to count
+    async def _capacity_coming(self, pool: str, since: float) -> tuple[int, CapacityNote | None, bool]:
+        """(workers starting for ``pool``, why none can come (None: nothing blocks), whether the controller has yet to count
         what waits since ``since``): from this process's pool controller, or from the note of the
         controller in another process (one Redis read; see ``substrate.demand``). Undecided lasts at
         most ``pool.demand_ttl_s`` from ``since``; with no (fresh) note nothing is coming."""
         local = self.starting.get(pool, 0)
         if local > 0 or self.board is None:
-            return local, self.capacity_blocked.get(pool, ""), False
+            return local, self.capacity_blocked.get(pool), False
         note = await self.board.capacity(pool)
         if note.at == 0:
-            return 0, "", False
+            return 0, None, False
         undecided = not self.board.seen(note, since) and time.time() - since < self.board.ttl_s
-        return note.starting, note.blocked, undecided
+        return note.starting, note if note.blocked else None, undecided
 
     def demand_by_pool(self) -> dict[str, PoolDemand]:
         """This process's demand per pool, as the pool controller counts it (``substrate.demand``)."""
@@ -852,7 +862,7 @@ class Activator:
     async def _admitted(self, pool: str, sid: str) -> AsyncIterator[_Admission]:
         """Hold one of ``pool``'s activation permits for the block (``substrate.admission``); waits for
         it up to ``api.start_wait_s``, then raises ``NoCapacity`` (503 ``no_capacity``, reason
-        ``activations saturated``). The block sets the yielded ``latency_s`` when its worker call
+        ``activations_saturated``). The block sets the yielded ``latency_s`` when its worker call
         succeeded."""
         lim = self.limiter(pool)
         self.gated_by_pool[pool] = self.gated_by_pool.get(pool, 0) + 1
@@ -863,7 +873,7 @@ class Activator:
         except LimiterTimeout as e:
             raise NoCapacity(f"activations of pool {pool!r} are saturated ({e}); retry later",
                              retry_after_s=self.settings.api.retry_after_s,
-                             details={"pool": pool, "reason": "activations saturated"}) from None
+                             details={"pool": pool, "reason": "activations_saturated"}) from None
         finally:
             self.gated_by_pool[pool] -= 1
             self._gated.discard(sid)

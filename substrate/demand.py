@@ -57,6 +57,11 @@ class PoolDemand:
         return self.waiting > 0 or self.in_flight > 0
 
 
+#: ``CapacityNote.code`` values (a 503 ``no_capacity``'s ``details.reason``)
+UNSCHEDULABLE = "unschedulable"
+START_BACKOFF = "start_backoff"
+
+
 @dataclass(frozen=True)
 class CapacityNote:
     """What the pool controller says about one pool: ``starting`` workers on their way (created, not
@@ -68,6 +73,12 @@ class CapacityNote:
     at: float = 0.0
     #: when the controller last read the routers' demand before writing this note (s since epoch)
     seen_at: float = 0.0
+    #: ``blocked``'s stable code for clients (``details.reason`` of a 503 ``no_capacity``):
+    #: ``unschedulable`` (the scheduler places none of the pool's Pods) or ``start_backoff`` (its workers
+    #: failed in a row: ``substrate.backends.backoff``)
+    code: str = ""
+    #: how long the block lasts, when known (a back-off's pause left, s; 0: unknown)
+    retry_after_s: float = 0.0
 
 
 class DemandBoard:
@@ -191,8 +202,8 @@ class DemandBoard:
             return
         now = time.time()
         await self.redis.hset(self.keys.pool_capacity, mapping={
-            p: json.dumps({"at": now, "seenAt": seen_at, "starting": n.starting, "blocked": n.blocked},
-                          separators=(",", ":"))
+            p: json.dumps({"at": now, "seenAt": seen_at, "starting": n.starting, "blocked": n.blocked,
+                           "code": n.code, "retryAfterS": n.retry_after_s}, separators=(",", ":"))
             for p, n in notes.items()})
 
     async def follow(self, wanted: asyncio.Event, subscribed: asyncio.Event | None = None) -> None:
@@ -228,6 +239,7 @@ def _parse_note(raw: str | None) -> CapacityNote | None:
     try:
         doc = json.loads(raw)
         return CapacityNote(int(doc.get("starting", 0)), str(doc.get("blocked") or ""), float(doc["at"]),
-                            float(doc.get("seenAt") or 0.0))
+                            float(doc.get("seenAt") or 0.0), str(doc.get("code") or ""),
+                            float(doc.get("retryAfterS") or 0.0))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

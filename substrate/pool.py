@@ -58,7 +58,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from substrate import metrics
-from substrate.demand import CapacityNote, DemandBoard, PoolDemand
+from substrate.backends.backoff import StartBackoff
+from substrate.demand import START_BACKOFF, UNSCHEDULABLE, CapacityNote, DemandBoard, PoolDemand
 from substrate.directory import Directory
 from substrate.errors import SubstrateError
 from substrate.loops import cancel_and_wait, reraise_lost_cancel
@@ -255,16 +256,19 @@ class Backend(Protocol):
     # zygote), counted in the process-seconds cost; a backend without it counts 0.
     # optional: ``gpu_memory(pool) -> (total_bytes, fragmented_bytes)`` of the pool's ResourceClaims;
     # without it the GPU gauges export 0 ("unknown", as their help text says)
-    # optional: ``backoff(pool) -> str``, why no worker of ``pool`` may be started now (its workers keep
-    # failing: ``substrate.backends.backoff``), "" when one may; the controller asks for none meanwhile
+    # optional: ``start_backoff: StartBackoff`` (``substrate.backends.backoff``), the failures of each
+    # pool's workers: the controller starts none while it pauses a pool, and tells it when one started
     async def close(self) -> None: ...
 
 
 @dataclass
 class _PoolState:
     expectations: dict[str, float] = field(default_factory=dict)  # worker id -> create time
-    #: why the backend starts none of the pool's workers now (its ``backoff``), as of the last round
+    #: why the backend starts none of the pool's workers now (its ``start_backoff`` pause), for how much
+    #: longer (s), and whether its workers fail in a row (pause or not), as of the last round
     held_back: str = ""
+    retry_after_s: float = 0.0
+    failing: str = ""
     conditions: list[Condition] = field(default_factory=list)
     desired_window: SlidingWindow | None = None  # desired replicas over the scale-down window
     arrivals: SlidingWindow | None = None  # cumulative activations over the forecast window
@@ -330,14 +334,27 @@ class PoolController:
         await self.backend.close()
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        """True once every pool has the READY workers it wants at zero demand."""
+        """True once every pool has the READY workers it wants at zero demand; False, with a warning
+        saying which pools and why, after ``timeout_s`` or as soon as a short pool's workers fail to start
+        (the start-up waited the whole 30 s, silent, with its first worker unable to listen: fresh-user
+        tester 47)."""
         deadline = time.monotonic() + timeout_s
+        backoff = self._start_backoff()
+        short: list[str] = []
         while time.monotonic() < deadline:
             workers = await self.directory.list_workers()
             ready = collections.Counter(w.pool for w in workers if w.state == WorkerState.READY)
-            if all(ready[p.name] >= desired_replicas(p.spec, 0) for p in self.catalog.pools.values()):
+            short = [p.name for p in self.catalog.pools.values() if ready[p.name] < desired_replicas(p.spec, 0)]
+            if not short:
                 return True
+            failing = [(p, why) for p in short if backoff is not None and (why := backoff.failing(p))]
+            if failing:
+                for p, why in failing:
+                    log.warning(f"serving without waiting for pool {p!r}'s workers: {why}")
+                return False
             await asyncio.sleep(0.05)
+        log.warning(f"serving although pool(s) {', '.join(map(repr, short))} have fewer READY workers than they "
+                    f"start with after {timeout_s:g} s (GET /v1/workerpools shows their conditions)")
         return False
 
     def effective_spec(self, pool: WorkerPool) -> WorkerPoolSpec:
@@ -428,6 +445,7 @@ class PoolController:
         ``unplaceable(pool) -> (worker ids, reason)`` when it has one)."""
         running = self.backend.running()
         stuck_of = getattr(self.backend, "unplaceable", None)
+        backoff = self._start_backoff()
         out = {}
         for pool in self.catalog.pools:
             st = self._state.get(pool)
@@ -435,7 +453,13 @@ class PoolController:
             on_way = {wid for wid, p in running.items() if p == pool and wid not in registered}
             # expected too before its create returned (creates run concurrently, in the background)
             on_way |= set(st.expectations if st else {})
-            out[pool] = CapacityNote(starting=len(on_way - set(stuck)), blocked=why)
+            # a backend says why only for Pods the scheduler refuses, or else for its start back-off (while
+            # the pool's workers fail in a row, through its retries too)
+            if not why and backoff is not None:
+                why = backoff.failing(pool)
+            code = (UNSCHEDULABLE if stuck else START_BACKOFF) if why else ""
+            left = backoff.pause_left_s(pool) if code == START_BACKOFF and backoff is not None else 0.0
+            out[pool] = CapacityNote(starting=len(on_way - set(stuck)), blocked=why, code=code, retry_after_s=left)
         return out
 
     async def _publish_capacity(self, registered: set[str], seen_at: float) -> None:
@@ -453,10 +477,13 @@ class PoolController:
             st.desired_window = SlidingWindow(self.scale_down_delay_s)
             st.arrivals = SlidingWindow(self.settings.pool.forecast_window_s)
         registered = {w.id for w in workers}
+        backoff = self._start_backoff()
         for wid, t_created in list(st.expectations.items()):
             if wid in registered:
                 took = t - t_created  # an upper bound (seen at the next tick); EWMA smooths it
                 st.lead_time_s = took if st.lead_time_s is None else 0.8 * st.lead_time_s + 0.2 * took
+                if backoff is not None:
+                    backoff.started(pool.name)  # the failures before it were not in a row any more
             if wid in registered or wid not in running or t - t_created > self.create_timeout_s:
                 st.expectations.pop(wid)
         # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,
@@ -498,7 +525,9 @@ class PoolController:
         # workers of the pool keep dying (substrate.backends.backoff): none is started until the pause
         # ends, and none counts as starting meanwhile, so the waiting placements make room by suspending
         # idle sessions instead of holding out for it (they held out api.start_wait_s, 58 starts in 30 s)
-        st.held_back = self._backoff_reason(pool.name)
+        st.held_back = backoff.reason(pool.name) if backoff is not None else ""
+        st.failing = backoff.failing(pool.name) if backoff is not None else ""
+        st.retry_after_s = backoff.pause_left_s(pool.name) if st.held_back and backoff is not None else 0.0
         if st.held_back and plan.create:
             log.debug("pool scaling held back", extra={"pool": pool.name, "create": plan.create,
                                                        "why": st.held_back})
@@ -546,9 +575,11 @@ class PoolController:
                       message=f"{len(ready)} ready of {plan.desired} desired"),
             Condition(type="Scaling", status="True" if plan.create or plan.drain or plan.reclaim else "False",
                       reason=plan.reason),
-            Condition(type="WorkersHealthy", status="False" if st.held_back else "True",
-                      reason="BackOff" if st.held_back else "Healthy",
-                      message=st.held_back or "no worker exited on its own recently"),
+            # False from a failure until a worker of the pool starts (not only during the pauses: it
+            # flapped to True at each retry, fresh-user tester 47)
+            Condition(type="WorkersHealthy", status="False" if st.failing else "True",
+                      reason="BackOff" if st.failing else "Healthy",
+                      message=st.failing or "no worker failed since one last started"),
         ]
 
     async def _create_workers(self, pool: WorkerPool, st: _PoolState, n: int) -> None:
@@ -581,12 +612,17 @@ class PoolController:
             starting[pool] = len(st.expectations)
         blocked = getattr(self.activator, "capacity_blocked", None)
         if isinstance(blocked, dict):
-            blocked[pool] = st.held_back
+            # through the retries too (a 503 in one said nothing of why): until a worker of the pool starts
+            if st.held_back or st.failing:
+                blocked[pool] = CapacityNote(blocked=st.held_back or st.failing, code=START_BACKOFF,
+                                             retry_after_s=st.retry_after_s)
+            else:
+                blocked.pop(pool, None)
 
-    def _backoff_reason(self, pool: str) -> str:
-        """The backend's ``backoff(pool)`` (why it starts no worker of ``pool`` now), "" without one."""
-        of = getattr(self.backend, "backoff", None)
-        return of(pool) if callable(of) else ""
+    def _start_backoff(self) -> StartBackoff | None:
+        """The backend's ``start_backoff`` (its workers' failures per pool), None without one."""
+        b = getattr(self.backend, "start_backoff", None)
+        return b if isinstance(b, StartBackoff) else None
 
     async def _reclaim(self, wid: str) -> None:
         """Call off this controller's drain of ``wid`` and make it READY again: the drain loop stops at

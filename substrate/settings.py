@@ -634,6 +634,15 @@ class StateSettings(_Section):
     repair_max_share: float = Field(0.05, gt=0, le=1)
 
 
+def _backoff_max_checked(max_s: float, base_s: float | None, base_var: str) -> float:
+    """``max_s`` if a back-off that starts at ``base_s`` (validated before it; None if it was invalid)
+    can double up to it; else ValueError naming ``base_var``."""
+    if base_s is not None and max_s < base_s:
+        raise ValueError(f"({max_s:g}) must be at least {base_var} ({base_s:g}): the pause starts there and "
+                         "doubles up to this maximum")
+    return max_s
+
+
 class PoolSettings(_Section):
     reconcile_interval_s: float = Field(1.0, gt=0)
     #: the pool shrinks only below the largest size wanted over this window (hysteresis): demand must
@@ -652,6 +661,11 @@ class PoolSettings(_Section):
     #: started again every round (58 times in 30 s) and creates waited 30 s for it
     restart_backoff_s: float = Field(0.5, ge=0)
     restart_backoff_max_s: float = Field(60.0, ge=0)
+
+    @field_validator("restart_backoff_max_s")
+    @classmethod
+    def _restart_max_not_below_start(cls, v: float, info: Any) -> float:
+        return _backoff_max_checked(v, info.data.get("restart_backoff_s"), "SUBSTRATE_POOL__RESTART_BACKOFF_S")
     #: how often a router process writes its waiting placements to Redis for the pool controller while
     #: any wait (``substrate.demand``); the first wait of a burst is written at once
     demand_publish_s: float = Field(0.5, gt=0)
@@ -710,6 +724,11 @@ class KubernetesSettings(_Section):
     #: back-off between re-creations of failing Pods of one pool (doubles up to the max)
     failure_backoff_s: float = Field(1.0, ge=0)
     failure_backoff_max_s: float = Field(60.0, ge=0)
+
+    @field_validator("failure_backoff_max_s")
+    @classmethod
+    def _failure_max_not_below_start(cls, v: float, info: Any) -> float:
+        return _backoff_max_checked(v, info.data.get("failure_backoff_s"), "SUBSTRATE_KUBERNETES__FAILURE_BACKOFF_S")
 
 
 class Settings(BaseSettings):

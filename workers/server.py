@@ -1503,8 +1503,8 @@ async def serve(settings: Settings, *, worker_id: str, pool: str, slots: int, ho
     try:  # first: a worker that cannot listen starts nothing
         sock = listen_socket(bind_host(host, advertise_host), port, settings.worker.ports)
     except OSError as e:
-        # one line (the worker is started again each second while none is free)
-        log.error(f"worker cannot listen: {e.strerror or e}", extra={"worker": worker_id})
+        # one line (its pool's next worker start backs off while none is free: substrate.backends.backoff)
+        log.error(f"worker cannot listen: {e.strerror or e}", extra={"worker": worker_id, "pool": pool})
         await directory.close()
         raise SystemExit(2) from e
     try:

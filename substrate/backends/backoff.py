@@ -25,12 +25,15 @@ class _Pool:
 
 class StartBackoff:
     """Failures per pool and the pause they impose: ``base_s * 2**(failures - 1)``, at most ``max_s``
-    (seconds; ``base_s`` 0 disables the pause). ``noun`` names what failed in ``reason`` ("worker
-    process", "worker Pod")."""
+    (seconds; ``base_s`` 0 disables the pause). ``noun`` names what failed in the sentences ("worker
+    process", "worker Pod"). A worker of the pool that starts (registers) ends the run of failures
+    (``started``); so does a quiet period of ``max_s`` past the last pause's end."""
 
     def __init__(self, base_s: float, max_s: float, *, noun: str = "worker") -> None:
         if base_s < 0 or max_s < 0:
             raise ValueError(f"back-off durations must not be negative, got {base_s!r} and {max_s!r}")
+        if base_s > max_s:
+            raise ValueError(f"the back-off's start ({base_s!r} s) is over its maximum ({max_s!r} s)")
         self.base_s = base_s
         self.max_s = max_s
         self.noun = noun
@@ -46,22 +49,45 @@ class StartBackoff:
         b.until = now + pause
         return pause
 
-    def failures(self, pool: str) -> int:
-        """Failures of ``pool``'s workers counted (0 once forgiven)."""
-        self._forgive(time.monotonic())
+    def started(self, pool: str) -> None:
+        """A worker of ``pool`` started (registered): the failures were not "in a row" any more, and a
+        pause under way ends (a pool whose workers started fine was held at zero workers for a minute
+        after one later crash: fresh-user tester 47)."""
+        self._pools.pop(pool, None)
+
+    def failures(self, pool: str, *, now: float | None = None) -> int:
+        """Failures of ``pool``'s workers in a row (0 once one started, or once forgiven)."""
+        self._forgive(time.monotonic() if now is None else now)
         b = self._pools.get(pool)
         return b.failures if b else 0
 
-    def reason(self, pool: str, *, now: float | None = None) -> str:
-        """Why no worker of ``pool`` is started now (a sentence), or "" when none is held back."""
+    def pause_left_s(self, pool: str, *, now: float | None = None) -> float:
+        """Seconds until a worker of ``pool`` may be started again (0: now)."""
         now = time.monotonic() if now is None else now
         b = self._pools.get(pool)
-        if b is None or now >= b.until:
+        return max(0.0, b.until - now) if b else 0.0
+
+    def reason(self, pool: str, *, now: float | None = None) -> str:
+        """Why no worker of ``pool`` is started now (a sentence), or "" when a start may be tried."""
+        left = self.pause_left_s(pool, now=now)
+        if not left:
             return ""
-        return (f"{b.failures} {self.noun}(s) of pool {pool!r} failed in a row; the next start is backed off "
-                f"for {b.until - now:.1f} s more (see the runtime's log for why they exited)")
+        return f"{self._failed(pool)}; its next start is backed off for {left:.1f} s more"
+
+    def failing(self, pool: str, *, now: float | None = None) -> str:
+        """While ``pool``'s workers fail in a row (none started since): a sentence saying so and when
+        the next start is (for the pool's condition, which stays False through the retries); else ""."""
+        if not self.failures(pool, now=now):
+            return ""
+        left = self.pause_left_s(pool, now=now)
+        return f"{self._failed(pool)}; " + (f"the next start in {left:.1f} s" if left else "a start is being tried")
+
+    def _failed(self, pool: str) -> str:
+        n = self._pools[pool].failures
+        nouns = self.noun if n == 1 else self.noun + ("es" if self.noun.endswith("s") else "s")
+        return f"{n} {nouns} of pool {pool!r} failed in a row (none started since; the runtime's log says why)"
 
     def _forgive(self, now: float) -> None:
-        for b in self._pools.values():
-            if b.failures and now > b.until + self.max_s:
-                b.failures = 0
+        for pool, b in list(self._pools.items()):
+            if now > b.until + self.max_s:
+                del self._pools[pool]

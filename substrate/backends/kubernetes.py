@@ -14,9 +14,9 @@
 * ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
   no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
 * Pods that fail repeatedly are re-created after a back-off (``failure_backoff_s`` doubling up to
-  ``failure_backoff_max_s``; ``substrate.backends.backoff``): meanwhile ``backoff(pool)`` says why, the
-  pool controller asks for no Pod (and ``create`` would create nothing), and ``problems`` reports
-  ``BackOff``.
+  ``failure_backoff_max_s``; ``substrate.backends.backoff``, read by the pool controller as
+  ``start_backoff``): meanwhile the controller asks for no Pod (and ``create`` would create nothing), and
+  ``problems`` reports ``BackOff``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class KubernetesBackend:
         self._deleting: set[str] = set()
         self._reported: dict[str, str] = {}  # running() as last seen: worker -> pool
         k = settings.kubernetes
-        self._backoff = StartBackoff(k.failure_backoff_s, k.failure_backoff_max_s, noun="worker Pod")
+        self.start_backoff = StartBackoff(k.failure_backoff_s, k.failure_backoff_max_s, noun="worker Pod")
         self._first_seen_problem: dict[str, float] = {}
         self.gang_pools: set[str] = set()
         #: pool name -> the ActorTemplates it hosts (their isolation bounds the Pods); set by the controller
@@ -98,7 +98,7 @@ class KubernetesBackend:
 
     # --------------------------------------------------------------------------------------- port
     async def create(self, pool: WorkerPool, worker_id: str) -> None:
-        if self._backoff.reason(pool.name):
+        if self.start_backoff.reason(pool.name):
             log.debug("create skipped: backing off", extra={"pool": pool.name})
             return
         body = build_worker_pod(pool, worker_id, self.settings, namespace=self.namespace,
@@ -162,17 +162,12 @@ class KubernetesBackend:
                 self._reported.pop(name)
                 dead.append(name)
                 if pod is not None and pod_failed(pod):
-                    self._backoff.failed(pool)
+                    self.start_backoff.failed(pool)
                     self._deleting.add(name)
                     asyncio.ensure_future(asyncio.to_thread(self.kube.delete_pod, self.namespace, name, 0))
                 log.warning("worker pod ended", extra={"worker": name, "pool": pool,
                                                         "reason": ((pod or {}).get("status") or {}).get("reason")})
         return dead
-
-    def backoff(self, pool: str) -> str:
-        """Why no worker Pod of ``pool`` is created now (Pods of it failed: ``substrate.backends.backoff``),
-        or "" (the pool controller creates none meanwhile)."""
-        return self._backoff.reason(pool)
 
     async def close(self) -> None:
         self.pods.stop()
@@ -193,7 +188,7 @@ class KubernetesBackend:
             if c is not None:
                 stuck.add(name)
                 why = why or f"worker Pod {name} is Unschedulable: {c.get('message') or 'no node fits'}"
-        why = why or self._backoff.reason(pool)
+        why = why or self.start_backoff.reason(pool)
         return stuck, why
 
     def problems(self, pool: str) -> list[PodProblem]:
@@ -209,6 +204,6 @@ class KubernetesBackend:
             since = self._first_seen_problem.setdefault(name, now)
             if now - since >= grace:
                 out.append(PodProblem(name, "Unschedulable", c.get("message") or "", since))
-        if why := self._backoff.reason(pool):
+        if why := self.start_backoff.failing(pool):  # through the retries too, until a Pod starts
             out.append(PodProblem("", "BackOff", why, now))
         return out

@@ -92,7 +92,7 @@ def check_port_range(catalog: Catalog, settings: Settings, *, api_port: int, emb
     the API then failed to bind after everything had started: fresh-user tester 46), or when the range has
     fewer ports than the workers the pools start with no demand (fixed ``replicas``, or the autoscaler's
     floor) plus the embedded Redis's: such a pool never reaches its size, the runtime never becomes ready,
-    and the workers beyond it are started again each second (tester 46). Returns a warning line when it
+    and the workers beyond it cannot listen and exit (tester 46). Returns a warning line when it
     has fewer than the workers the pools may run at most (``max_workers``; not refused: ``maxReplicas`` is
     a safety bound a pool may never reach), else None."""
     if settings.worker.ports is None:
@@ -113,8 +113,9 @@ def check_port_range(catalog: Catalog, settings: Settings, *, api_port: int, emb
                          f"worker the pools may run, {most}, and the Redis's, to let them all start)")
     if have < most + redis:
         return (f"SUBSTRATE_WORKER__PORT_RANGE {lo}-{hi} has {have} port(s); the pools may run {most} worker(s)"
-                f"{also}: past {have - redis} worker(s) at once, a new one cannot listen and is started again "
-                f"each second; widen the range to at least {most + redis} ports")
+                f"{also}: past {have - redis} worker(s) at once, a new one cannot listen and exits, and the pool's "
+                f"next start backs off (SUBSTRATE_POOL__RESTART_BACKOFF_S); widen the range to at least "
+                f"{most + redis} ports")
     return None
 
 
@@ -200,8 +201,9 @@ class LocalBackend:
         self._sweeps: dict[str, int] = {}
         #: (read end, write end) of the lifeline pipe, made at the first process started, closed by ``close``
         self._lifeline: tuple[int, int] | None = None
-        #: workers that exit on their own hold back the pool's next start (``backoff``)
-        self._backoff = StartBackoff(settings.pool.restart_backoff_s, settings.pool.restart_backoff_max_s,
+        #: workers that exit on their own hold back their pool's next start (the pool controller reads it:
+        #: the ``start_backoff`` of the ``Backend`` port)
+        self.start_backoff = StartBackoff(settings.pool.restart_backoff_s, settings.pool.restart_backoff_max_s,
                                      noun="worker process")
 
     def _lifeline_fd(self) -> int:
@@ -380,7 +382,7 @@ class LocalBackend:
         dead = [wid for wid, w in self.workers.items() if not w.stopping and not w.alive()]
         for wid in dead:
             w = self.workers.pop(wid)
-            pause = self._backoff.failed(w.pool)
+            pause = self.start_backoff.failed(w.pool)
             log.warning("worker process exited", extra={"worker": wid, "pool": w.pool, "exitCode": w.exit_code(),
                                                         "restartBackoffS": round(pause, 2)})
             self._sweeps[wid] = 50
@@ -389,16 +391,10 @@ class LocalBackend:
         self._sweep_dead()
         return dead
 
-    def backoff(self, pool: str) -> str:
-        """Why no worker of ``pool`` is started now (its workers exited on their own: the pause of
-        ``pool.restart_backoff_s`` doubling up to ``pool.restart_backoff_max_s``), or "" (port of
-        ``substrate.pool``: the pool controller starts none meanwhile)."""
-        return self._backoff.reason(pool)
-
     def unplaceable(self, pool: str) -> tuple[set[str], str]:
         """(no stuck worker, why none can come now) for the capacity note routers in other processes read
         (``substrate.demand``): while the pool backs off, nothing is coming."""
-        return set(), self._backoff.reason(pool)
+        return set(), self.start_backoff.reason(pool)
 
     def _sweep_dead(self) -> None:
         """Thaw and kill what is left in dead workers' cgroups without blocking the control loop: one pass

@@ -574,3 +574,35 @@ def test_a_pool_whose_new_workers_cannot_listen_backs_off_and_makes_room_instead
             s.close()
         p.send_signal(signal.SIGINT)
         p.wait(60)
+
+
+def test_up_does_not_wait_silently_for_a_first_worker_that_cannot_listen(tmp_path: Path) -> None:
+    """Fresh-user tester 47: with the range's only port for a worker taken by another program, `up` kept
+    its API closed for 32 s, saying nothing, then served without a worker. Now it serves as soon as the
+    pool's worker has failed, saying why, and a create is answered 503 with the reason's code."""
+    import socket
+
+    from substrate.netports import free_port
+
+    lo = free_port(high=60000) + 1
+    hi = lo + 1  # the embedded Redis's port and the worker's
+    port = free_port(high=60000)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", hi))
+    taken.listen()
+    p = _port_range_up(tmp_path, lo, hi, port, replicas=1)
+    log = tmp_path / "up.log"
+    try:
+        _wait(lambda: "serving on" in log.read_text() or p.poll() is not None, 90, "the API serving")
+        text = log.read_text()
+        said = "serving without waiting for pool 'default''s workers: 1 worker process of pool 'default' failed in a row"
+        assert said in text and text.index(said) < text.index("serving on"), text[-3000:]
+        assert '"worker cannot listen' in text and '"pool": "default"' in text
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/sessions", json={"actorTemplate": "counter"}, timeout=60)
+        assert r.status_code == 503 and r.json()["code"] == "no_capacity", r.text
+        assert r.json()["details"] == {"pool": "default", "reason": "start_backoff"}, r.text
+        assert "failed in a row" in r.json()["message"] and int(r.headers["Retry-After"]) >= 1
+    finally:
+        taken.close()
+        p.send_signal(signal.SIGINT)
+        p.wait(60)

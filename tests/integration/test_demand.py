@@ -155,11 +155,12 @@ async def test_an_unschedulable_pool_answers_no_capacity_with_the_reason_not_aft
     backend.stuck = set(backend.created)  # the scheduler marks the new Pod Unschedulable
     await pc.tick()
     note = await router.board.capacity("default")
-    assert note.starting == 0 and "Unschedulable" in note.blocked
+    assert note.starting == 0 and "Unschedulable" in note.blocked and note.code == "unschedulable"
     with pytest.raises(NoCapacity) as e:
         await asyncio.wait_for(placement, 20)
     assert e.value.status == 503 and e.value.retry_after_s == settings.api.retry_after_s
-    assert "Unschedulable" in e.value.message and "Unschedulable" in e.value.details["reason"]
+    # the scheduler's sentence in the message, a stable code for clients in details.reason (tester 47)
+    assert "Unschedulable" in e.value.message and e.value.details["reason"] == "unschedulable"
 
 
 async def test_a_stale_note_or_stale_demand_counts_for_nothing(d):

@@ -415,7 +415,7 @@ async def test_a_create_that_waits_too_long_for_a_permit_is_refused_and_holds_no
     await asyncio.sleep(0.05)
     with pytest.raises(SubstrateError) as e:
         await act.create(_new("s1"), CATALOG.template("counter"))
-    assert e.value.code == "no_capacity" and e.value.details.get("reason") == "activations saturated"
+    assert e.value.code == "no_capacity" and e.value.details.get("reason") == "activations_saturated"
     assert not await d.redis.exists(d.keys.session("s1")), "nothing of the refused create remains"
     assert list((await d.worker_slots("a")).values()) == ["s0"]
     gate.set()
@@ -830,20 +830,18 @@ async def test_waiters_make_room_while_the_pools_new_workers_keep_dying_and_star
             super().__init__(also_running=("full",))
             self.started: list[str] = []
             self.gone: list[str] = []
-            self.pauses = StartBackoff(30.0, 60.0, noun="worker process")
+            self.healthy: list[str] = []  # started and registering (the trouble is over)
+            self.start_backoff = StartBackoff(30.0, 60.0, noun="worker process")
 
         def running(self):
-            return {w: "default" for w in ("full", *self.created) if w not in self.gone}
+            return {w: "default" for w in ("full", *self.healthy, *self.created) if w not in self.gone}
 
         def reap(self):
             dead = [w for w in self.created if w not in self.gone]
             for w in dead:
                 self.gone.append(w)
-                self.pauses.failed("default")
+                self.start_backoff.failed("default")
             return dead
-
-        def backoff(self, pool):
-            return self.pauses.reason(pool)
 
     backend = Dying()
     pc = PoolController(act.settings, d, CATALOG, backend, act)
@@ -867,7 +865,20 @@ async def test_waiters_make_room_while_the_pools_new_workers_keep_dying_and_star
     assert w.id == "full" and workers.suspended[:1] == ["idle-1"] and workers.reasons[:1] == ["pressure"]
     assert len(backend.created) == 1, "one start failed; the next waits for the back-off, not the next round"
     assert act.starting["default"] == 0
-    why = act.capacity_blocked["default"]
-    assert why.startswith("1 worker process(s) of pool 'default' failed in a row"), why
+    note = act.capacity_blocked["default"]
+    assert note.code == "start_backoff" and 29 < note.retry_after_s <= 30, note
+    assert note.blocked.startswith("1 worker process of pool 'default' failed in a row"), note
     healthy = [c for c in pc.conditions("default") if c.type == "WorkersHealthy"]
-    assert [(c.status, c.reason, c.message) for c in healthy] == [("False", "BackOff", why)]
+    assert [(c.status, c.reason) for c in healthy] == [("False", "BackOff")]
+    assert healthy[0].message.startswith("1 worker process of pool 'default' failed in a row")
+    # a waiter the pool cannot serve now is told why, with a stable code and the pause as Retry-After
+    err = act._no_capacity("default", note)
+    assert err.details == {"pool": "default", "reason": "start_backoff"} and err.retry_after_s == 30
+    assert "failed in a row" in err.message
+    # a worker of the pool that registers ends the run: healthy again, starts allowed
+    backend.healthy.append("good")
+    await _worker(d, "good")
+    pc._state["default"].expectations["good"] = time.monotonic()
+    await pc.tick()
+    assert backend.start_backoff.failures("default") == 0 and "default" not in act.capacity_blocked
+    assert [c.status for c in pc.conditions("default") if c.type == "WorkersHealthy"] == ["True"]

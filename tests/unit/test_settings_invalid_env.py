@@ -134,6 +134,11 @@ def _one_error_line(output: str) -> str:
     ("SUBSTRATE_AUTH__API_KEYS", '[{"tenant":"a","key":"sk_x_1234567890abcdef"},'
      '{"tenant":"a","sha256":"AD9277209DEFEBDD60BD03CBC1ED698666BBAE919D6418284783B464576E82F1"}]',
      "entry 1 (tenant 'a') gives the same key as entry 0 (tenant 'a')"),  # by its hash, in any case
+    # fresh-user tester 47: a back-off whose maximum is below its start was taken
+    ("SUBSTRATE_POOL__RESTART_BACKOFF_MAX_S", "0.1",
+     "(0.1) must be at least SUBSTRATE_POOL__RESTART_BACKOFF_S (0.5)"),
+    ("SUBSTRATE_KUBERNETES__FAILURE_BACKOFF_MAX_S", "0.5",
+     "(0.5) must be at least SUBSTRATE_KUBERNETES__FAILURE_BACKOFF_S (1)"),
     # the nested form of the same typo: one error line (the warning "is ignored" would contradict it)
     ("SUBSTRATE_QUOTA__DEFAULT__MAXRUNING", "3",
      "SUBSTRATE_QUOTA__DEFAULT__MAXRUNING: not a setting (did you mean SUBSTRATE_QUOTA__DEFAULT__MAXRUNNING?)"),

@@ -7,6 +7,7 @@ create for ``api.start_wait_s`` (30 s, then 503 ``no_capacity`` saying nothing o
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
@@ -17,13 +18,33 @@ from substrate.settings import PoolSettings, Settings, WorkerSettings
 
 def test_the_pause_doubles_per_failure_up_to_the_max_and_names_the_pool() -> None:
     b = StartBackoff(0.5, 4.0, noun="worker process")
-    assert b.reason("p", now=0.0) == "" and b.failures("p") == 0
+    assert b.reason("p", now=0.0) == "" and b.failures("p") == 0 and b.failing("p") == ""
     pauses = [b.failed("p", now=100.0) for _ in range(5)]
     assert pauses == [0.5, 1.0, 2.0, 4.0, 4.0]
     why = b.reason("p", now=101.0)
-    assert why.startswith("5 worker process(s) of pool 'p' failed in a row") and "3.0 s more" in why, why
+    assert why.startswith("5 worker processes of pool 'p' failed in a row (none started since") and \
+        why.endswith("its next start is backed off for 3.0 s more"), why
+    assert b.pause_left_s("p", now=101.0) == 3.0
     assert b.reason("other", now=101.0) == ""  # per pool
-    assert b.reason("p", now=104.0) == ""  # the pause is over: a start may be tried
+    assert b.reason("p", now=104.0) == ""  # the pause is over: a start may be tried...
+    # ...and the pool still fails in a row until one starts (its condition stays False: tester 47)
+    assert b.failing("p", now=104.0).endswith("a start is being tried")
+    assert b.failing("p", now=101.0).endswith("the next start in 3.0 s")
+    one = StartBackoff(0.5, 4.0, noun="worker Pod")
+    one.failed("q", now=0.0)
+    assert one.reason("q", now=0.0).startswith("1 worker Pod of pool 'q' failed in a row")
+
+
+def test_a_worker_that_starts_ends_the_run_of_failures() -> None:
+    """Fresh-user tester 47: the count was kept through workers that started and served, so one later
+    crash got the 60 s pause and left the pool at zero workers for a minute ("in a row" was false)."""
+    b = StartBackoff(0.5, 60.0)
+    for _ in range(8):
+        b.failed("p", now=0.0)
+    assert b.pause_left_s("p", now=0.0) == 60.0
+    b.started("p")
+    assert b.failures("p") == 0 and b.reason("p", now=0.0) == "" and b.failing("p") == ""
+    assert b.failed("p", now=1.0) == 0.5  # the next failure is the first again
 
 
 def test_a_quiet_period_forgives_and_a_zero_base_never_holds_back() -> None:
@@ -38,6 +59,8 @@ def test_a_quiet_period_forgives_and_a_zero_base_never_holds_back() -> None:
     assert z.reason("p") == ""
     with pytest.raises(ValueError, match="must not be negative"):
         StartBackoff(-1.0, 1.0)
+    with pytest.raises(ValueError, match="over its maximum"):
+        StartBackoff(10.0, 1.0)
 
 
 def _local(tmp_path, base_s: float = 30.0) -> LocalBackend:  # noqa: ANN001
@@ -51,11 +74,11 @@ def test_a_local_worker_that_exits_on_its_own_backs_its_pool_off(tmp_path) -> No
     p.wait(30)
     b.workers["w1"] = _Worker("dense", p.pid, p)
     assert b.workers["w1"].exit_code() == 2
-    assert b.backoff("dense") == ""
+    assert b.start_backoff.reason("dense") == ""
     assert b.reap() == ["w1"]
-    assert b.backoff("dense").startswith("1 worker process(s) of pool 'dense' failed in a row")
-    assert b.unplaceable("dense") == (set(), b.backoff("dense"))  # what routers elsewhere are told
-    assert b.backoff("other") == ""
+    assert b.start_backoff.reason("dense").startswith("1 worker process of pool 'dense' failed in a row")
+    assert b.unplaceable("dense") == (set(), b.start_backoff.reason("dense"))  # what routers elsewhere are told
+    assert b.start_backoff.reason("other") == ""
 
 
 async def test_a_local_worker_stopped_by_delete_does_not_back_its_pool_off(tmp_path) -> None:
@@ -63,7 +86,7 @@ async def test_a_local_worker_stopped_by_delete_does_not_back_its_pool_off(tmp_p
     p = subprocess.Popen(["sleep", "60"])
     b.workers["w1"] = _Worker("dense", p.pid, p)
     await b.delete("w1", grace_s=10)
-    assert b.reap() == [] and b.backoff("dense") == ""
+    assert b.reap() == [] and b.start_backoff.failures("dense") == 0
 
 
 class _Informer:
@@ -95,14 +118,17 @@ async def test_a_failed_worker_pod_backs_its_pool_off_and_the_backend_creates_no
     b = KubernetesBackend(Settings(), kube, informer=inf)  # type: ignore[arg-type]
     inf.items["agents-1"] = {"metadata": {"name": "agents-1", "labels": {POOL_LABEL: "agents"}},
                              "status": {"phase": "Running"}}
-    assert b.running() == {"agents-1": "agents"} and b.backoff("agents") == ""
+    assert b.running() == {"agents-1": "agents"} and b.start_backoff.reason("agents") == ""
     inf.items["agents-1"]["status"] = {"phase": "Failed", "reason": "Evicted"}
     assert b.reap() == ["agents-1"]
-    why = b.backoff("agents")
-    assert why.startswith("1 worker Pod(s) of pool 'agents' failed in a row"), why
+    why = b.start_backoff.reason("agents")
+    assert why.startswith("1 worker Pod of pool 'agents' failed in a row"), why
     assert b.unplaceable("agents")[1] == why
     assert [p.reason for p in b.problems("agents")] == ["BackOff"]
     pool = load_documents([{"kind": "WorkerPool", "metadata": {"name": "agents"}, "spec": {"replicas": 1}}]).pools["agents"]
     await b.create(pool, "agents-2")
     assert kube.created == []  # held back
+    b.start_backoff._pools["agents"].until = time.monotonic() - 1  # the pause is over: still in a row...
+    assert b.start_backoff.reason("agents") == ""
+    assert [p.reason for p in b.problems("agents")] == ["BackOff"], "...so PodsHealthy stays False (no flapping)"
     await b.close()
