@@ -443,12 +443,29 @@ class WorkerPoolSpec(BaseModel):
         return v
 
 
+def rfc3339_now() -> str:
+    """Now in UTC as RFC 3339 to the second (``2026-12-07T18:30:00Z``), the form of Kubernetes' times."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class Condition(BaseModel):
+    """A status condition as Kubernetes API conventions define it: ``type``, ``status`` (``True``,
+    ``False``, ``Unknown``), ``reason`` (one CamelCase word, stable for programs), ``message`` (for
+    people) and ``lastTransitionTime`` (RFC 3339: when ``status`` last changed, not when last computed)."""
+
     type: str
     status: str
     reason: str = ""
     message: str = ""
-    lastTransitionTime: float = Field(default_factory=time.time)
+    lastTransitionTime: str = Field(default_factory=rfc3339_now)
+
+    def since(self, previous: list["Condition"]) -> "Condition":
+        """This condition with the ``lastTransitionTime`` of the same type in ``previous`` when its
+        status is unchanged (it was "now" at every round: fresh-user tester 47)."""
+        for c in previous:
+            if c.type == self.type and c.status == self.status:
+                return self.model_copy(update={"lastTransitionTime": c.lastTransitionTime})
+        return self
 
 
 class WorkerPoolStatus(BaseModel):

@@ -115,6 +115,8 @@ class PoolPlan:
     reason: str = ""
     #: slots wanted right now (the demand the plan was sized for)
     need: int = 0
+    #: the pool is below the size its demand wants (workers created, taken back, or held back)
+    grow: bool = False
 
 
 def desired_replicas(spec: WorkerPoolSpec, busy: int) -> int:
@@ -188,7 +190,7 @@ def reconcile(spec: WorkerPoolSpec, obs: PoolObservation, *, allow_scale_down: b
             ready = sum(1 for w in serving if w.state == WorkerState.READY)
             create = max(0, min(create, max(scale_up_step, ready) - obs.starting))
         return PoolPlan(now_desired, create=create, remove=remove, reclaim=reclaim,
-                        reason=f"need={need} above capacity", need=need)
+                        reason=f"need={need} above capacity", need=need, grow=True)
     remove = tuple(w.id for w in alive if w.state == WorkerState.DRAINING and w.used == 0)
     drain: tuple[str, ...] = ()
     # one drain at a time: a drain takes seconds (a snapshot per session) and while it runs the demand
@@ -373,7 +375,8 @@ class PoolController:
         # before the controller's first round nothing was desired yet
         message = f"{ready} ready of {st.desired} desired" if st.conditions else f"{ready} ready"
         return [Condition(type="Ready", status="True" if ready else "False",
-                          reason="WorkersReady" if ready else "NoReadyWorker", message=message), *out]
+                          reason="WorkersReady" if ready else "NoReadyWorker", message=message).since(st.conditions),
+                *out]
 
     async def _loop(self) -> None:
         wanted: asyncio.Event | None = getattr(self.activator, "capacity_wanted", None)
@@ -569,18 +572,23 @@ class PoolController:
             fragmented = sum(w.gpuMemoryBytes or 0 for w in workers if w.id not in ready_ids)
         metrics.GPU_MEMORY_TOTAL.labels(pool=pool.name).set(total)
         metrics.GPU_MEMORY_FRAGMENTED.labels(pool=pool.name).set(fragmented)
-        st.conditions = [
+        # Scaling: True while the pool wants another size than it has (also while its starts are held
+        # back), with a CamelCase reason and the demand in the message (the reason was "need=3 above
+        # capacity" and the message empty: fresh-user tester 47)
+        scaling = ("ScalingUp" if plan.grow else "ScalingDown" if plan.drain or plan.remove else "Steady")
+        held = f"; starts held back: {st.held_back}" if plan.grow and st.held_back else ""
+        st.conditions = [c.since(st.conditions) for c in (
             Condition(type="Ready", status="True" if ready else "False",
                       reason="WorkersReady" if ready else "NoReadyWorker",
                       message=f"{len(ready)} ready of {plan.desired} desired"),
-            Condition(type="Scaling", status="True" if plan.create or plan.drain or plan.reclaim else "False",
-                      reason=plan.reason),
+            Condition(type="Scaling", status="False" if scaling == "Steady" else "True", reason=scaling,
+                      message=f"{plan.need} slot(s) wanted, {plan.desired} worker(s) desired{held}"),
             # False from a failure until a worker of the pool starts (not only during the pauses: it
             # flapped to True at each retry, fresh-user tester 47)
             Condition(type="WorkersHealthy", status="False" if st.failing else "True",
                       reason="BackOff" if st.failing else "Healthy",
                       message=st.failing or "no worker failed since one last started"),
-        ]
+        )]
 
     async def _create_workers(self, pool: WorkerPool, st: _PoolState, n: int) -> None:
         """Create ``n`` workers, up to the backend's ``create_concurrency`` (default 1) at once. Every

@@ -76,3 +76,28 @@ async def test_the_ready_condition_says_the_ready_count_it_is_shown_beside(d) ->
     ready = next(c for c in pc.conditions("gpus", ready=2) if c.type == "Ready")
     assert (ready.status, ready.reason, ready.message) == ("True", "WorkersReady", "2 ready of 2 desired")
     assert [c.type for c in pc.conditions("gpus", ready=2)] == ["Ready", "Scaling", "WorkersHealthy"]
+
+
+async def test_conditions_follow_the_api_conventions_and_keep_their_transition_time(d) -> None:
+    """Fresh-user tester 47: ``lastTransitionTime`` was a Unix float renewed at every round, and the
+    Scaling condition's reason was free text ("need=2 above capacity") with an empty message, False while
+    the pool wanted to grow. Now: RFC 3339, changed only with the status; CamelCase reasons; the demand in
+    the message."""
+    import re
+
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "gpus"}, "spec": {"replicas": 2, "slots": 1}}]
+    pc = PoolController(Settings(), d, load_documents(docs), Backend([]), None, scale_down_delay_s=600)
+    await pc.tick()  # no worker registered: it wants 2
+    first = {c.type: c for c in pc.conditions("gpus")}
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", c.lastTransitionTime) for c in first.values())
+    scaling = first["Scaling"]
+    assert (scaling.status, scaling.reason) == ("True", "ScalingUp")
+    assert scaling.message == "0 slot(s) wanted, 2 worker(s) desired", scaling.message
+    for c in first.values():  # an old transition, to tell it from a renewed one
+        c.lastTransitionTime = "2020-01-01T00:00:00Z"
+    pc._state["gpus"].conditions = list(first.values())
+    await pc.tick()
+    again = {c.type: c for c in pc.conditions("gpus")}
+    assert {t: c.lastTransitionTime for t, c in again.items()} == dict.fromkeys(first, "2020-01-01T00:00:00Z")
+    assert pc.conditions("gpus", ready=0)[0].lastTransitionTime == "2020-01-01T00:00:00Z"  # Ready: still False
+    assert pc.conditions("gpus", ready=2)[0].lastTransitionTime != "2020-01-01T00:00:00Z"  # it changed
