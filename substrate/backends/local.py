@@ -197,6 +197,8 @@ class LocalBackend:
         #: (``time.monotonic()``) workers start cold before a new zygote is tried
         self._zygote_failures = 0
         self._zygote_retry_at = 0.0
+        #: a new zygote's imports, waited for in the background (``_fork``)
+        self._warming: asyncio.Task[None] | None = None
         #: dead workers whose cgroups still held processes at the last ``reap`` (worker id -> attempts left)
         self._sweeps: dict[str, int] = {}
         #: (read end, write end) of the lifeline pipe, made at the first process started, closed by ``close``
@@ -271,6 +273,11 @@ class LocalBackend:
         self._tidy_exit_logs()
         if not self.fork_server:
             return
+        await self._warm(timeout_s)
+
+    async def _warm(self, timeout_s: float) -> None:
+        """Start a zygote unless one runs and is ready, and wait up to ``timeout_s`` for its imports;
+        one that does not come up in time is given up (``_zygote_failed``)."""
         async with self._zlock:
             z = self._ensure_zygote()
             if self._zygote_ready:
@@ -284,7 +291,8 @@ class LocalBackend:
     def _zygote_failed(self, z: subprocess.Popen[bytes], what: str) -> None:
         """Kill the zygote ``z`` that failed and start workers cold for a pause (``zygote_retry_s``,
         doubled per failure in a row, at most ``ZYGOTE_RETRY_MAX_S``); the first worker start after it
-        starts a new zygote (``_ensure_zygote``). Its workers go on serving: they are their own sessions."""
+        starts a new zygote in the background (``_warm``) and itself cold. Its workers go on serving: they
+        are their own sessions."""
         self._zygote_failures += 1
         pause_s = min(ZYGOTE_RETRY_MAX_S, self.zygote_retry_s * 2 ** (self._zygote_failures - 1))
         self._zygote_retry_at = time.monotonic() + pause_s
@@ -308,19 +316,26 @@ class LocalBackend:
 
     async def _fork(self, pool: WorkerPool, worker_id: str) -> int | None:
         """Ask the zygote for a worker's pid; None if the zygote is unusable now (the caller spawns cold):
-        it failed less than its pause ago (``_zygote_failed``), or it fails this fork (no answer within
-        ``fork_reply_timeout_s``; a new zygote, not yet ready: none within ``zygote_ready_timeout_s``)."""
+        it failed less than its pause ago (``_zygote_failed``), it is not ready (a new one, replacing one
+        that failed or exited, imports in the background meanwhile: ``_warm``, up to
+        ``zygote_ready_timeout_s``), or it fails this fork (no answer within ``fork_reply_timeout_s``)."""
         if time.monotonic() < self._zygote_retry_at:
+            return None
+        z = self._zygote
+        if z is None or z.poll() is not None or not self._zygote_ready:
+            # worker starts used to queue behind a new zygote's imports under the lock (up to 60 s for a
+            # wedged one); this one starts cold instead, and the zygote serves the starts after it is ready
+            if self._warming is None or self._warming.done():
+                self._warming = asyncio.create_task(self._warm(self.zygote_ready_timeout_s))
             return None
         async with self._zlock:
             if time.monotonic() < self._zygote_retry_at:  # it failed for a fork queued ahead of this one
                 return None
-            z = self._ensure_zygote()
+            z = self._zygote
+            if z is None or z.poll() is not None or not self._zygote_ready:
+                return None  # it failed or exited while this start waited: the next start warms a new one
             assert z.stdin is not None and z.stdout is not None
             try:
-                if not self._zygote_ready:  # a new zygote: its imports first, on a clock of their own
-                    await self._read_reply(z, "ready", self.zygote_ready_timeout_s)
-                    self._zygote_ready = True
                 req = {"worker_id": worker_id, "pool": pool.name, "slots": pool.spec.slots}
                 z.stdin.write(json.dumps(req).encode() + b"\n")
                 z.stdin.flush()
@@ -424,6 +439,9 @@ class LocalBackend:
 
     async def close(self) -> None:
         """Stop every worker gracefully, all at once (each suspends its sessions within its grace)."""
+        if self._warming is not None:
+            self._warming.cancel()
+            await asyncio.gather(self._warming, return_exceptions=True)
         await asyncio.gather(*(self.delete(wid) for wid in list(self.workers)))
         if self._zygote is not None:
             if self._zygote.stdin:

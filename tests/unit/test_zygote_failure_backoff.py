@@ -56,9 +56,14 @@ async def test_a_zygote_that_stops_answering_is_replaced_after_a_pause(tmp_path:
         assert backend._zygote is wedged
 
         await asyncio.sleep(0.4)
-        pid = await backend._fork(pool, "w3")  # a new zygote, which answers
+        # after the pause: a new zygote imports in the background, and this worker starts cold rather
+        # than wait behind its imports (under the lock, up to 60 s for a wedged one)
+        assert await backend._fork(pool, "w3") is None
+        assert backend._warming is not None
+        await asyncio.wait_for(backend._warming, 30)
         fresh = backend._zygote
-        assert fresh is not wedged and fresh is not None and fresh.poll() is None
+        assert fresh is not wedged and fresh is not None and fresh.poll() is None and backend._zygote_ready
+        pid = await backend._fork(pool, "w4")  # the new zygote, which answers
         assert pid == fresh.pid
         assert backend._zygote_failures == 0
     finally:
@@ -76,7 +81,8 @@ async def test_the_pause_doubles_while_new_zygotes_keep_failing(tmp_path: Path) 
         # the next zygote fails too (its imports never end): the pause doubles
         backend.python = "/bin/sleep"  # `sleep -m workers.zygote` exits at once: no ready line
         backend._zygote_retry_at = 0.0
-        assert await backend._fork(pool, "w2") is None
+        assert await backend._fork(pool, "w2") is None  # cold, while the new zygote warms...
+        await asyncio.wait_for(backend._warming, 30)  # ...and fails
         second_pause = backend._zygote_retry_at - time.monotonic()
         assert backend._zygote_failures == 2
         assert 0.25 < first_pause <= 0.3 and 0.55 < second_pause <= 0.6
