@@ -20,7 +20,7 @@ async def test_a_dead_zygote_is_named_when_it_is_replaced(caplog) -> None:
     try:
         assert new is not dead
         said = [r.getMessage() for r in caplog.records if "zygote" in r.getMessage()]
-        assert said == [f"the zygote (pid {dead.pid}) exited with status 9; starting a new one for the next worker"]
+        assert said == [f"the zygote (pid {dead.pid}) exited with status 9; starting a new one (workers start cold until it is ready)"]
     finally:
         new.wait(10)
         await backend.close()
