@@ -242,8 +242,8 @@ class LocalBackend:
     def _ensure_zygote(self) -> subprocess.Popen[bytes]:
         if self._zygote is None or self._zygote.poll() is not None:
             if self._zygote is not None:  # its workers go on serving; only new ones need it (round 16: silent)
-                log.warning("the zygote (pid %s) exited with status %s; starting a new one (workers start cold until it is ready)",
-                            self._zygote.pid, self._zygote.returncode)
+                log.warning("the zygote (pid %s) exited with status %s; starting a new one (workers start cold "
+                            "until it is ready)", self._zygote.pid, self._zygote.returncode)
             self._zygote_ready = False
             self._zygote = subprocess.Popen(
                 [self.python, "-m", "workers.zygote"], env=self._env(), stdin=subprocess.PIPE,
