@@ -1400,8 +1400,16 @@ class Activator:
         except asyncio.TimeoutError:
             if await self._deleted_meanwhile(sid, rec.createdAt):  # by another router: no retry brings it back
                 raise NotFound(f"session {sid!r} not found", code="session_not_found") from None
-            msg = f"session {sid!r} did not resume within {budget_s:g}s (its wake goes on: retry)"
+            # the time this request waited, not only the restore's budget: a wake waiting for a starting
+            # worker waits up to start_wait_s, and "within 5s" after 30 s misled (fresh-user tester 48)
+            waited_s = time.perf_counter() - t0
+            msg = (f"session {sid!r} did not resume within the {waited_s:.1f} s this request waited (its wake goes "
+                   f"on: retry; a wake has {budget_s:g} s to restore once it has a slot)")
             details: dict[str, object] = {}
+            blocked = self.capacity_blocked.get(rec.pool)
+            if blocked is not None and blocked.blocked:  # why it may not have had a slot
+                msg += f"; pool {rec.pool!r}: {blocked.blocked}"
+                details["reason"] = blocked.code
             last = self._wake_failed.get(sid)
             if last is not None and time.monotonic() - last[0] < _WAKE_FAILURE_SAID_S:
                 ago = time.monotonic() - last[0]

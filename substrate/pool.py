@@ -258,6 +258,8 @@ class Backend(Protocol):
     # zygote), counted in the process-seconds cost; a backend without it counts 0.
     # optional: ``gpu_memory(pool) -> (total_bytes, fragmented_bytes)`` of the pool's ResourceClaims;
     # without it the GPU gauges export 0 ("unknown", as their help text says)
+    # optional: ``async abandon(worker_id)``, stop a worker that did not register within the controller's
+    # create timeout and count it as a failed start (local processes; a Pending Pod is left alone)
     # optional: ``start_backoff: StartBackoff`` (``substrate.backends.backoff``), the failures of each
     # pool's workers: the controller starts none while it pauses a pool, and tells it when one started
     async def close(self) -> None: ...
@@ -487,6 +489,13 @@ class PoolController:
                 st.lead_time_s = took if st.lead_time_s is None else 0.8 * st.lead_time_s + 0.2 * took
                 if backoff is not None:
                     backoff.started(pool.name)  # the failures before it were not in a row any more
+            late = wid not in registered and wid in running and t - t_created > self.create_timeout_s
+            if late and callable(abandon := getattr(self.backend, "abandon", None)):
+                # a local worker frozen or hung in its start: waited on for ever (a tester's SIGSTOPped
+                # starts held the pool at no capacity for 2 min); it holds no session, so it goes, and
+                # counts as a failed start (the back-off). A Pending Pod stays: it is the scheduler's.
+                await abandon(wid)
+                running.pop(wid, None)
             if wid in registered or wid not in running or t - t_created > self.create_timeout_s:
                 st.expectations.pop(wid)
         # started (a Pending Pod, a process still importing) but not registered yet: capacity on its way,

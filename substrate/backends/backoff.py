@@ -80,7 +80,9 @@ class StartBackoff:
         if not self.failures(pool, now=now):
             return ""
         left = self.pause_left_s(pool, now=now)
-        return f"{self._failed(pool)}; " + (f"the next start in {left:.1f} s" if left else "a start is being tried")
+        # not "a start is being tried": the pool may need none (tester 48 read that for 60 s with no start)
+        return f"{self._failed(pool)}; " + (f"the next start in {left:.1f} s" if left
+                                            else "the pause is over: the next start the pool needs goes ahead")
 
     def _failed(self, pool: str) -> str:
         n = self._pools[pool].failures

@@ -406,6 +406,23 @@ class LocalBackend:
         self._sweep_dead()
         return dead
 
+    async def abandon(self, worker_id: str) -> None:
+        """Kill a worker that did not register within the pool controller's create timeout (frozen or hung
+        in its start; SIGKILL reaches a stopped process too) and count it as a failed start of its pool
+        (``start_backoff``). It never registered, so it holds no session."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        w.signal(signal.SIGKILL)
+        if w.popen is not None:
+            await asyncio.to_thread(w.popen.wait)
+        self._sweeps[worker_id] = 50  # its sandboxes' leftovers are ours to sweep
+        self._sweep_dead()
+        shutil.rmtree(Path(self.settings.worker.root_dir) / worker_id, ignore_errors=True)
+        pause = self.start_backoff.failed(w.pool)
+        log.warning("worker did not register in time; killed", extra={"worker": worker_id, "pool": w.pool,
+                                                                       "restartBackoffS": round(pause, 2)})
+
     def unplaceable(self, pool: str) -> tuple[set[str], str]:
         """(no stuck worker, why none can come now) for the capacity note routers in other processes read
         (``substrate.demand``): while the pool backs off, nothing is coming."""

@@ -4,6 +4,7 @@ a real Redis with in-memory fakes for the workers."""
 from __future__ import annotations
 
 import asyncio
+import re
 import contextlib
 import time
 from typing import Iterator
@@ -882,3 +883,66 @@ async def test_waiters_make_room_while_the_pools_new_workers_keep_dying_and_star
     await pc.tick()
     assert backend.start_backoff.failures("default") == 0 and "default" not in act.capacity_blocked
     assert [c.status for c in pc.conditions("default") if c.type == "WorkersHealthy"] == ["True"]
+
+
+async def test_a_start_that_never_registers_is_abandoned_after_the_create_timeout(env):
+    """Tester 48: a worker frozen in its start counted as capacity on its way for ever. Past the pool
+    controller's create timeout, a backend that can (``abandon``: the local one) stops it, and it is no
+    longer counted as starting; a backend without it (a Pending Pod) is left alone."""
+    from substrate.pool import PoolController
+
+    d, act, workers = env
+
+    class Hung(RecordingBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.abandoned: list[str] = []
+
+        async def abandon(self, worker_id):
+            self.abandoned.append(worker_id)
+            self.created.remove(worker_id)
+
+    backend = Hung()
+    pc = PoolController(act.settings, d, CATALOG, backend, act, create_timeout_s=0.0)
+    await pc.tick()  # minReplicas 1: one start, which never registers
+    (first,) = backend.created
+    assert act.starting["default"] == 1
+    await asyncio.sleep(0.01)
+    await pc.tick()
+    assert backend.abandoned == [first] and first not in pc._state["default"].expectations
+    assert len(backend.created) == 1 and backend.created[0] != first, "a new start replaces it"
+    plain = RecordingBackend()  # no abandon: its late start stays, counted as on its way (a Pending Pod)
+    pc2 = PoolController(act.settings, d, CATALOG, plain, act, create_timeout_s=0.0)
+    await pc2.tick()
+    await asyncio.sleep(0.01)
+    await pc2.tick()
+    assert len(plain.created) == 1
+
+
+async def test_a_resume_timeout_says_how_long_the_request_waited_and_why_the_pool_has_no_room(env):
+    """Tester 48: a wake that waited 30 s for a worker frozen in its start answered "did not resume
+    within 5s" (the restore's budget). The message now gives the request's own wait, and the pool's
+    block (its start back-off) when there is one, with its code."""
+    from substrate.demand import START_BACKOFF, CapacityNote
+    from substrate.errors import ResumeTimeout
+
+    d, act, workers = env
+    act.settings.api.park_timeout_s = 0.2
+    act.settings.api.slot_wait_s = 5
+    act.settings.api.pressure_min_idle_s = 1e9
+    act.capacity_blocked["default"] = CapacityNote(blocked="2 worker processes of pool 'default' failed in a row",
+                                                   code=START_BACKOFF, retry_after_s=4.0)
+    ticking, wake = await _wake_behind_a_full_worker(d, act)
+    await asyncio.sleep(0.5)  # waiting for a slot, past the park timeout
+    workers.activate_delay_s = 1.0  # then the restore outlives its budget
+    await act.suspend(await d.get_session("busy-1"))
+    try:
+        with pytest.raises(ResumeTimeout) as e:
+            await asyncio.wait_for(wake, 10)
+    finally:
+        ticking.cancel()
+    waited = float(re.search(r"within the ([\d.]+) s this request waited", e.value.message).group(1))
+    assert waited >= 0.6, e.value.message  # the queue's wait and the restore's budget, not "within 0.2s"
+    assert "a wake has 0.2 s to restore once it has a slot" in e.value.message
+    assert "pool 'default': 2 worker processes of pool 'default' failed in a row" in e.value.message
+    assert e.value.details == {"reason": "start_backoff"}

@@ -28,7 +28,7 @@ def test_the_pause_doubles_per_failure_up_to_the_max_and_names_the_pool() -> Non
     assert b.reason("other", now=101.0) == ""  # per pool
     assert b.reason("p", now=104.0) == ""  # the pause is over: a start may be tried...
     # ...and the pool still fails in a row until one starts (its condition stays False: tester 47)
-    assert b.failing("p", now=104.0).endswith("a start is being tried")
+    assert b.failing("p", now=104.0).endswith("the pause is over: the next start the pool needs goes ahead")
     assert b.failing("p", now=101.0).endswith("the next start in 3.0 s")
     one = StartBackoff(0.5, 4.0, noun="worker Pod")
     one.failed("q", now=0.0)
@@ -132,3 +132,22 @@ async def test_a_failed_worker_pod_backs_its_pool_off_and_the_backend_creates_no
     assert b.start_backoff.reason("agents") == ""
     assert [p.reason for p in b.problems("agents")] == ["BackOff"], "...so PodsHealthy stays False (no flapping)"
     await b.close()
+
+
+async def test_a_local_worker_frozen_in_its_start_is_killed_and_counted_as_a_failed_start(tmp_path) -> None:
+    """Fresh-user tester 48: starts SIGSTOPped before they registered were waited on for ever (2 min 15 s
+    with no capacity, until a SIGCONT by hand). The pool controller abandons them after its create timeout."""
+    import signal
+
+    b = _local(tmp_path, base_s=1.0)
+    p = subprocess.Popen(["sleep", "60"])
+    p.send_signal(signal.SIGSTOP)
+    b.workers["w1"] = _Worker("dense", p.pid, p)
+    (tmp_path / "w" / "w1").mkdir(parents=True)
+    await b.abandon("w1")
+    assert p.poll() == -signal.SIGKILL  # a stopped process is killed too
+    assert "w1" not in b.workers and b.reap() == []  # gone, and not reported again as a death
+    assert not (tmp_path / "w" / "w1").exists()
+    assert b.start_backoff.failures("dense") == 1 and b.start_backoff.reason("dense")
+    await b.abandon("w1")  # unknown by now: nothing happens
+    assert b.start_backoff.failures("dense") == 1
