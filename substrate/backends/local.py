@@ -298,6 +298,12 @@ class LocalBackend:
         self._zygote_retry_at = time.monotonic() + pause_s
         log.warning("%s; starting workers cold for %.0f s, then a new zygote", what, pause_s, exc_info=True)
         z.kill()
+        try:  # reaped, so that the next start sees it gone (poll()) and warms a new one
+            z.wait(1)
+        except subprocess.TimeoutExpired:
+            pass
+        if z is self._zygote:
+            self._zygote_ready = False
 
     def _tidy_exit_logs(self, keep: int = EXIT_LOGS_KEPT) -> None:
         """Keep the newest ``keep`` ``<worker>.after-runtime-exit.log`` files (what a worker wrote after its
