@@ -286,7 +286,7 @@ class PoolController:
 
     def __init__(self, settings: Settings, directory: Directory, catalog: Catalog, backend: Backend,
                  activator: "object | None" = None, *, scale_down_delay_s: float | None = None,
-                 create_timeout_s: float = 60.0, board: DemandBoard | None = None) -> None:
+                 create_timeout_s: float | None = None, board: DemandBoard | None = None) -> None:
         self.settings = settings
         self.directory = directory
         self.catalog = catalog
@@ -294,7 +294,7 @@ class PoolController:
         self.activator = activator
         self.scale_down_delay_s = (settings.pool.scale_down_delay_s if scale_down_delay_s is None
                                    else scale_down_delay_s)
-        self.create_timeout_s = create_timeout_s
+        self.create_timeout_s = settings.pool.start_timeout_s if create_timeout_s is None else create_timeout_s
         self._state: dict[str, _PoolState] = {p: _PoolState() for p in catalog.pools}
         self._task: asyncio.Task[None] | None = None
         self._draining: set[str] = set()
@@ -537,6 +537,11 @@ class PoolController:
         # workers of the pool keep dying (substrate.backends.backoff): none is started until the pause
         # ends, and none counts as starting meanwhile, so the waiting placements make room by suspending
         # idle sessions instead of holding out for it (they held out api.start_wait_s, 58 starts in 30 s)
+        ready_now = sum(1 for w in workers if w.state == WorkerState.READY and w.leaseExpiresAt > now and w.id in running)
+        if backoff is not None and not plan.grow and not obs.starting and ready_now >= plan.desired:
+            # the pool is whole again (every worker it wants READY, none starting): past failures are no
+            # longer "in a row" (WorkersHealthy stayed False for a minute on a whole pool: tester 49)
+            backoff.started(pool.name)
         st.held_back = backoff.reason(pool.name) if backoff is not None else ""
         st.failing = backoff.failing(pool.name) if backoff is not None else ""
         st.retry_after_s = backoff.pause_left_s(pool.name) if st.held_back and backoff is not None else 0.0
@@ -584,8 +589,11 @@ class PoolController:
         # Scaling: True while the pool wants another size than it has (also while its starts are held
         # back), with a CamelCase reason and the demand in the message (the reason was "need=3 above
         # capacity" and the message empty: fresh-user tester 47)
-        scaling = ("ScalingUp" if plan.grow else "ScalingDown" if plan.drain or plan.remove else "Steady")
+        scaling = ("ScalingUp" if plan.grow else "WorkersStarting" if obs.starting
+                   else "ScalingDown" if plan.drain or plan.remove else "Steady")
         held = f"; starts held back: {st.held_back}" if plan.grow and st.held_back else ""
+        if obs.starting:  # a start that hangs shows here until the create timeout abandons it (tester 49)
+            held += f"; {obs.starting} worker(s) started, not registered yet"
         st.conditions = [c.since(st.conditions) for c in (
             Condition(type="Ready", status="True" if ready else "False",
                       reason="WorkersReady" if ready else "NoReadyWorker",

@@ -661,6 +661,10 @@ class PoolSettings(_Section):
     #: started again every round (58 times in 30 s) and creates waited 30 s for it
     restart_backoff_s: float = Field(0.5, ge=0)
     restart_backoff_max_s: float = Field(60.0, ge=0)
+    #: a worker started this long ago that has not registered counts no more as capacity on its way; the
+    #: local backend kills it (frozen or hung in its start: it holds no session) and counts a failed start.
+    #: A Pod that has not registered is left to Kubernetes (a Pending Pod is the scheduler's)
+    start_timeout_s: float = Field(60.0, gt=0)
 
     @field_validator("restart_backoff_max_s")
     @classmethod

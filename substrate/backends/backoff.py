@@ -20,12 +20,16 @@ from dataclasses import dataclass
 @dataclass
 class _Pool:
     failures: int = 0
+    #: doublings so far: only a failure after the pause ended doubles it (workers started together and
+    #: dying of one cause took the pause 8 -> 16 -> 32 s within a second: tester 49)
+    steps: int = 0
     until: float = 0.0  # time.monotonic() the pause ends
 
 
 class StartBackoff:
-    """Failures per pool and the pause they impose: ``base_s * 2**(failures - 1)``, at most ``max_s``
-    (seconds; ``base_s`` 0 disables the pause). ``noun`` names what failed in the sentences ("worker
+    """Failures per pool and the pause they impose: ``base_s * 2**(n - 1)``, at most ``max_s``, where ``n``
+    counts the failures that came after the previous pause had ended (seconds; ``base_s`` 0 disables the
+    pause): workers that fail together, started in one round, double it once. ``noun`` names what failed in the sentences ("worker
     process", "worker Pod"). A worker of the pool that starts (registers) ends the run of failures
     (``started``); so does a quiet period of ``max_s`` past the last pause's end."""
 
@@ -40,12 +44,16 @@ class StartBackoff:
         self._pools: dict[str, _Pool] = {}
 
     def failed(self, pool: str, *, now: float | None = None) -> float:
-        """Count a failure of one of ``pool``'s workers; return the pause it starts (s)."""
+        """Count a failure of one of ``pool``'s workers; return the pause left (s): a new one, or, for a
+        failure during a pause, what is left of it."""
         now = time.monotonic() if now is None else now
         self._forgive(now)
         b = self._pools.setdefault(pool, _Pool())
         b.failures += 1
-        pause = min(self.max_s, self.base_s * 2 ** (b.failures - 1))
+        if now < b.until:  # within the pause another one started: same cause, no further doubling
+            return b.until - now
+        b.steps += 1
+        pause = min(self.max_s, self.base_s * 2 ** (b.steps - 1))
         b.until = now + pause
         return pause
 

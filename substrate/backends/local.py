@@ -302,8 +302,8 @@ class LocalBackend:
             z.wait(1)
         except subprocess.TimeoutExpired:
             pass
-        if z is self._zygote:
-            self._zygote_ready = False
+        if z is self._zygote:  # gone by our hand: not logged again as an exit found later ("status -9")
+            self._zygote, self._zygote_ready = None, False
 
     def _tidy_exit_logs(self, keep: int = EXIT_LOGS_KEPT) -> None:
         """Keep the newest ``keep`` ``<worker>.after-runtime-exit.log`` files (what a worker wrote after its

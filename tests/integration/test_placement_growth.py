@@ -946,3 +946,32 @@ async def test_a_resume_timeout_says_how_long_the_request_waited_and_why_the_poo
     assert "a wake has 0.2 s to restore once it has a slot" in e.value.message
     assert "pool 'default': 2 worker processes of pool 'default' failed in a row" in e.value.message
     assert e.value.details == {"reason": "start_backoff"}
+
+
+async def test_a_whole_pool_ends_the_run_of_failures_and_a_start_under_way_shows_in_scaling(env):
+    """Tester 49: after a start that failed, a pool that needed no other worker (every worker it wants
+    READY) still said WorkersHealthy=False for a minute; and while a start hung, Scaling said Steady."""
+    from substrate.backends.backoff import StartBackoff
+    from substrate.pool import PoolController
+
+    d, act, workers = env
+    await _worker(d, "w")  # minReplicas 1: the pool is whole with it
+    backend = RecordingBackend(also_running=("w",))
+    backend.start_backoff = StartBackoff(30.0, 60.0)  # type: ignore[attr-defined]
+    backend.start_backoff.failed("default")  # a worker of the pool died; none was needed since
+    pc = PoolController(act.settings, d, CATALOG, backend, act)
+    await pc.tick()
+    assert backend.created == [] and backend.start_backoff.failures("default") == 0
+    healthy = next(c for c in pc.conditions("default") if c.type == "WorkersHealthy")
+    assert (healthy.status, healthy.reason) == ("True", "Healthy")
+    assert next(c for c in pc.conditions("default") if c.type == "Scaling").reason == "Steady"
+
+    # a start under way (not registered yet) shows, and does not end a run of failures
+    pc._state["default"].expectations["starting-1"] = time.monotonic()
+    backend.also_running = ("w", "starting-1")
+    backend.start_backoff.failed("default")
+    await pc.tick()
+    scaling = next(c for c in pc.conditions("default") if c.type == "Scaling")
+    assert (scaling.status, scaling.reason) == ("True", "WorkersStarting"), scaling
+    assert "1 worker(s) started, not registered yet" in scaling.message
+    assert backend.start_backoff.failures("default") == 1

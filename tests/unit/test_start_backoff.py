@@ -19,17 +19,21 @@ from substrate.settings import PoolSettings, Settings, WorkerSettings
 def test_the_pause_doubles_per_failure_up_to_the_max_and_names_the_pool() -> None:
     b = StartBackoff(0.5, 4.0, noun="worker process")
     assert b.reason("p", now=0.0) == "" and b.failures("p") == 0 and b.failing("p") == ""
-    pauses = [b.failed("p", now=100.0) for _ in range(5)]
+    # each failure after the previous pause ended: 100 (-> 100.5), 101 (-> 102), 103 (-> 105), 106, 111
+    pauses = [b.failed("p", now=t) for t in (100.0, 101.0, 103.0, 106.0, 111.0)]
     assert pauses == [0.5, 1.0, 2.0, 4.0, 4.0]
-    why = b.reason("p", now=101.0)
-    assert why.startswith("5 worker processes of pool 'p' failed in a row (none started since") and \
+    # workers started together that fail together (one cause) do not double it again (tester 49: 8 -> 32 s
+    # within a second): a failure within the pause is counted, the pause left stays
+    assert b.failed("p", now=112.0) == 3.0 and b.failed("p", now=112.0) == 3.0
+    why = b.reason("p", now=112.0)
+    assert why.startswith("7 worker processes of pool 'p' failed in a row (none started since") and \
         why.endswith("its next start is backed off for 3.0 s more"), why
-    assert b.pause_left_s("p", now=101.0) == 3.0
-    assert b.reason("other", now=101.0) == ""  # per pool
-    assert b.reason("p", now=104.0) == ""  # the pause is over: a start may be tried...
+    assert b.pause_left_s("p", now=112.0) == 3.0
+    assert b.reason("other", now=112.0) == ""  # per pool
+    assert b.reason("p", now=115.0) == ""  # the pause is over: a start may be tried...
     # ...and the pool still fails in a row until one starts (its condition stays False: tester 47)
-    assert b.failing("p", now=104.0).endswith("the pause is over: the next start the pool needs goes ahead")
-    assert b.failing("p", now=101.0).endswith("the next start in 3.0 s")
+    assert b.failing("p", now=115.0).endswith("the pause is over: the next start the pool needs goes ahead")
+    assert b.failing("p", now=112.0).endswith("the next start in 3.0 s")
     one = StartBackoff(0.5, 4.0, noun="worker Pod")
     one.failed("q", now=0.0)
     assert one.reason("q", now=0.0).startswith("1 worker Pod of pool 'q' failed in a row")
@@ -39,20 +43,20 @@ def test_a_worker_that_starts_ends_the_run_of_failures() -> None:
     """Fresh-user tester 47: the count was kept through workers that started and served, so one later
     crash got the 60 s pause and left the pool at zero workers for a minute ("in a row" was false)."""
     b = StartBackoff(0.5, 60.0)
+    t = 0.0
     for _ in range(8):
-        b.failed("p", now=0.0)
-    assert b.pause_left_s("p", now=0.0) == 60.0
+        t += b.failed("p", now=t)  # each one as the previous pause ends
+    assert b.pause_left_s("p", now=t - 60.0) == 60.0
     b.started("p")
-    assert b.failures("p") == 0 and b.reason("p", now=0.0) == "" and b.failing("p") == ""
-    assert b.failed("p", now=1.0) == 0.5  # the next failure is the first again
+    assert b.failures("p", now=t) == 0 and b.reason("p", now=t) == "" and b.failing("p", now=t) == ""
+    assert b.failed("p", now=t) == 0.5  # the next failure is the first again
 
 
 def test_a_quiet_period_forgives_and_a_zero_base_never_holds_back() -> None:
     b = StartBackoff(1.0, 8.0)
-    b.failed("p", now=0.0)
-    b.failed("p", now=0.0)  # pause 2 s, until 2
-    assert b.failed("p", now=5.0) == 4.0  # within until + max: still counted (third in a row)
-    # quiet for longer than max past the last pause's end (9 + 8): the next failure is the first again
+    b.failed("p", now=0.0)  # pause 1 s, until 1
+    assert b.failed("p", now=5.0) == 2.0  # within until + max: still counted (second in a row), until 7
+    # quiet for longer than max past the last pause's end (7 + 8): the next failure is the first again
     assert b.failed("p", now=20.0) == 1.0
     z = StartBackoff(0.0, 60.0)
     z.failed("p")

@@ -53,7 +53,7 @@ async def test_a_zygote_that_stops_answering_is_replaced_after_a_pause(tmp_path:
 
         # within the pause, workers start cold without waiting on (or starting) a zygote
         assert await backend._fork(pool, "w2") is None
-        assert backend._zygote is wedged
+        assert backend._zygote is None  # killed by us: not found later as an exit ("status -9", tester 49)
 
         await asyncio.sleep(0.4)
         # after the pause: a new zygote imports in the background, and this worker starts cold rather
