@@ -721,8 +721,8 @@ class Activator:
                                 details={**(e.details or {}), "pool": pool})
 
     async def _capacity_coming(self, pool: str, since: float) -> tuple[int, CapacityNote | None, bool]:
-        """(workers starting for ``pool``, why none can come (None: nothing blocks), whether the controller has yet to count
-        what waits since ``since``): from this process's pool controller, or from the note of the
+        """(workers starting for ``pool``, why none can come (None: nothing blocks), whether the
+        controller has yet to count what waits since ``since``): from this process's pool controller, or from the note of the
         controller in another process (one Redis read; see ``substrate.demand``). Undecided lasts at
         most ``pool.demand_ttl_s`` from ``since``; with no (fresh) note nothing is coming."""
         local = self.starting.get(pool, 0)

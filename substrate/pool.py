@@ -534,14 +534,15 @@ class PoolController:
                          allow_scale_down=not drain_running, scale_up_step=self.settings.pool.scale_up_step)
         st.desired_window.add(t, float(desired_replicas(spec, plan.need)))
         st.desired = plan.desired
-        # workers of the pool keep dying (substrate.backends.backoff): none is started until the pause
-        # ends, and none counts as starting meanwhile, so the waiting placements make room by suspending
-        # idle sessions instead of holding out for it (they held out api.start_wait_s, 58 starts in 30 s)
-        ready_now = sum(1 for w in workers if w.state == WorkerState.READY and w.leaseExpiresAt > now and w.id in running)
+        ready_now = sum(1 for w in workers
+                        if w.state == WorkerState.READY and w.leaseExpiresAt > now and w.id in running)
         if backoff is not None and not plan.grow and not obs.starting and ready_now >= plan.desired:
             # the pool is whole again (every worker it wants READY, none starting): past failures are no
             # longer "in a row" (WorkersHealthy stayed False for a minute on a whole pool: tester 49)
             backoff.started(pool.name)
+        # workers of the pool keep dying (substrate.backends.backoff): none is started until the pause
+        # ends, and none counts as starting meanwhile, so the waiting placements make room by suspending
+        # idle sessions instead of holding out for it (they held out api.start_wait_s, 58 starts in 30 s)
         st.held_back = backoff.reason(pool.name) if backoff is not None else ""
         st.failing = backoff.failing(pool.name) if backoff is not None else ""
         st.retry_after_s = backoff.pause_left_s(pool.name) if st.held_back and backoff is not None else 0.0

@@ -206,7 +206,7 @@ class LocalBackend:
         #: workers that exit on their own hold back their pool's next start (the pool controller reads it:
         #: the ``start_backoff`` of the ``Backend`` port)
         self.start_backoff = StartBackoff(settings.pool.restart_backoff_s, settings.pool.restart_backoff_max_s,
-                                     noun="worker process")
+                                          noun="worker process")
 
     def _lifeline_fd(self) -> int:
         """The lifeline's read end, for a child to inherit (``pass_fds``). The write end stays in this
@@ -298,7 +298,7 @@ class LocalBackend:
         self._zygote_retry_at = time.monotonic() + pause_s
         log.warning("%s; starting workers cold for %.0f s, then a new zygote", what, pause_s, exc_info=True)
         z.kill()
-        try:  # reaped, so that the next start sees it gone (poll()) and warms a new one
+        try:  # reaped (milliseconds after a SIGKILL), so that the next start sees it gone and warms a new one
             z.wait(1)
         except subprocess.TimeoutExpired:
             pass
