@@ -595,7 +595,8 @@ class PoolController:
         held = f"; starts held back: {st.held_back}" if plan.grow and st.held_back else ""
         if obs.starting:  # a start that hangs shows here until the create timeout abandons it (tester 49)
             held += f"; {obs.starting} worker(s) started, not registered yet"
-        st.conditions = [c.since(st.conditions) for c in (
+        previous = st.conditions
+        st.conditions = [c.since(previous) for c in (
             Condition(type="Ready", status="True" if ready else "False",
                       reason="WorkersReady" if ready else "NoReadyWorker",
                       message=f"{len(ready)} ready of {plan.desired} desired"),
@@ -607,6 +608,14 @@ class PoolController:
                       reason="BackOff" if st.failing else "Healthy",
                       message=st.failing or "no worker failed since one last started"),
         )]
+        a = pool.spec.autoscaling
+        if a is not None and not a.metrics:
+            # as the Kubernetes status says it (substrate.k8s.status): the spec shows a replicas the slot
+            # autoscaler does not use (tester 49 read `spec.replicas: 2` on an autoscaled pool)
+            st.conditions.append(Condition(
+                type="ScalingManaged", status="True", reason="SlotAutoscaler",
+                message=f"spec.autoscaling decides between {a.minReplicas} and {a.maxReplicas} workers; "
+                        f"spec.replicas ({pool.spec.replicas}) is not used").since(previous))
 
     async def _create_workers(self, pool: WorkerPool, st: _PoolState, n: int) -> None:
         """Create ``n`` workers, up to the backend's ``create_concurrency`` (default 1) at once. Every

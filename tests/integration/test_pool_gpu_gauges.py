@@ -101,3 +101,19 @@ async def test_conditions_follow_the_api_conventions_and_keep_their_transition_t
     assert {t: c.lastTransitionTime for t, c in again.items()} == dict.fromkeys(first, "2020-01-01T00:00:00Z")
     assert pc.conditions("gpus", ready=0)[0].lastTransitionTime == "2020-01-01T00:00:00Z"  # Ready: still False
     assert pc.conditions("gpus", ready=2)[0].lastTransitionTime != "2020-01-01T00:00:00Z"  # it changed
+
+
+async def test_an_autoscaled_pool_says_its_replicas_is_not_used(d) -> None:
+    """Tester 49: ``/v1/workerpools`` showed ``spec.replicas: 2`` on an autoscaled pool with nothing saying
+    the autoscaler decides; the Kubernetes status had the condition, the local one did not."""
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "gpus"},
+             "spec": {"replicas": 2, "slots": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}}]
+    pc = PoolController(Settings(), d, load_documents(docs), Backend([]), None, scale_down_delay_s=600)
+    await pc.tick()
+    managed = [c for c in pc.conditions("gpus") if c.type == "ScalingManaged"]
+    assert [(c.status, c.reason, c.message) for c in managed] == [
+        ("True", "SlotAutoscaler", "spec.autoscaling decides between 1 and 3 workers; spec.replicas (2) is not used")]
+    managed[0].lastTransitionTime = "2020-01-01T00:00:00Z"
+    await pc.tick()
+    assert next(c for c in pc.conditions("gpus") if c.type == "ScalingManaged").lastTransitionTime == \
+        "2020-01-01T00:00:00Z"
