@@ -34,7 +34,19 @@ async def test_a_create_and_a_delete_send_seven_redis_round_trips_each(redis_url
     read twice, once to check its owner and once to delete it; its tenant's index entry apart); both are
     7 now. A step added to either path shows here (the bound leaves room for the odd round trip of a
     process-wide task that falls within a create, not for one more per create)."""
-    r = await hotpath_cost.measure_create(redis_url, sessions=40, repeats=1)  # raises on a 201/204 missed
+    import redis.asyncio as aioredis
+
+    import uuid
+
+    prefix = f"createcost{uuid.uuid4().hex[:8]}"
+    # raises on a 201/204 missed
+    r = await hotpath_cost.measure_create(redis_url, sessions=40, repeats=1, key_prefix=prefix)
     assert r["round_trips_per_create"] < 7.5, r
     assert r["round_trips_per_delete"] < 7.5, r
     assert r["cpu_us_per_create"] > 0 and r["cpu_us_per_delete"] > 0
+    # its keys are gone from the (maybe shared) Redis: each run had left ~190 (deleted sessions' epochs)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert [k async for k in client.scan_iter(f"{prefix}:*", count=1000)] == []
+    finally:
+        await client.aclose()
