@@ -464,7 +464,13 @@ class PoolController:
                 why = backoff.failing(pool)
             code = (UNSCHEDULABLE if stuck else START_BACKOFF) if why else ""
             left = backoff.pause_left_s(pool) if code == START_BACKOFF and backoff is not None else 0.0
-            out[pool] = CapacityNote(starting=len(on_way - set(stuck)), blocked=why, code=code, retry_after_s=left)
+            # a pause ends in a start: routers elsewhere go on waiting for it (up to api.start_wait_s; they make
+            # room by suspending idle sessions meanwhile, as their queue does not hold for a start). Counted
+            # as nothing coming, a create on Kubernetes got 503 during a 1 s pause after two Pods failed
+            # under load, where it had waited for the Pod that came after it
+            pausing = 1 if left > 0 else 0
+            out[pool] = CapacityNote(starting=len(on_way - set(stuck)) + pausing, blocked=why, code=code,
+                                     retry_after_s=left)
         return out
 
     async def _publish_capacity(self, registered: set[str], seen_at: float) -> None:

@@ -655,8 +655,9 @@ class PoolSettings(_Section):
     #: assumed create-to-READY time of a worker until one was measured
     lead_time_s: float = Field(0.5, ge=0)
     #: local backend: a worker process that exits on its own (a crash; a port range taken by other
-    #: programs, where it cannot listen) holds back the pool's next worker start this long, doubling with
-    #: each such exit up to ``restart_backoff_max_s`` (``substrate.backends.backoff``; the Kubernetes
+    #: programs, where it cannot listen) is replaced at once the first time in a row; from the second, the
+    #: pool's next worker start is held back this long, doubling with each further exit up to
+    #: ``restart_backoff_max_s`` (``substrate.backends.backoff``; the Kubernetes
     #: backend's are ``kubernetes.failure_backoff_s``). Without it a worker that could not start was
     #: started again every round (58 times in 30 s) and creates waited 30 s for it
     restart_backoff_s: float = Field(0.5, ge=0)
@@ -725,7 +726,8 @@ class KubernetesSettings(_Section):
     create_concurrency: int = Field(8, ge=1, le=64)
     #: a Pod Unschedulable this long puts the pool's condition ``PodsSchedulable`` to False
     unschedulable_grace_s: float = Field(10.0, ge=0)
-    #: back-off between re-creations of failing Pods of one pool (doubles up to the max)
+    #: back-off between re-creations of failing Pods of one pool, from the second failure in a row (the
+    #: first is re-created at once; doubles up to the max)
     failure_backoff_s: float = Field(1.0, ge=0)
     failure_backoff_max_s: float = Field(60.0, ge=0)
 

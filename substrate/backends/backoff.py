@@ -7,7 +7,9 @@ defaults are lower). Without it the local backend restarted a worker that could 
 reconcile round (58 starts in 30 s), and the pool controller's "a worker is starting" made every waiting
 create hold out for that worker for ``api.start_wait_s`` instead of suspending an idle session for room.
 
-A quiet period of ``max_s`` past the last pause's end forgives the failures (as Kubernetes resets its
+The first failure in a row is retried at once (most are one-offs, and a waiting create waits for that
+retry); the pause starts at the second. A quiet period of ``max_s`` past the last pause's end forgives the
+failures (as Kubernetes resets its
 back-off after 10 minutes of running).
 """
 
@@ -27,9 +29,10 @@ class _Pool:
 
 
 class StartBackoff:
-    """Failures per pool and the pause they impose: ``base_s * 2**(n - 1)``, at most ``max_s``, where ``n``
-    counts the failures that came after the previous pause had ended (seconds; ``base_s`` 0 disables the
-    pause): workers that fail together, started in one round, double it once. ``noun`` names what failed in the sentences ("worker
+    """Failures per pool and the pause they impose: none for the first in a row, then ``base_s *
+    2**(n - 2)``, at most ``max_s``, where ``n`` counts the failures that came after the previous pause
+    had ended (seconds; ``base_s`` 0 disables the pause): workers that fail together, started in one
+    round, double it once. ``noun`` names what failed in the sentences ("worker
     process", "worker Pod"). A worker of the pool that starts (registers) ends the run of failures
     (``started``); so does a quiet period of ``max_s`` past the last pause's end."""
 
@@ -53,7 +56,10 @@ class StartBackoff:
         if now < b.until:  # within the pause another one started: same cause, no further doubling
             return b.until - now
         b.steps += 1
-        pause = min(self.max_s, self.base_s * 2 ** (b.steps - 1))
+        # the first failure in a row is retried at once: most are one-offs (an evicted Pod, a crash), and
+        # a pause then turned a create that would have waited a second for the retry into a 503 (the
+        # waiters stop counting on a start during a pause: a k8s test's router gave up on its create)
+        pause = 0.0 if b.steps == 1 else min(self.max_s, self.base_s * 2 ** (b.steps - 2))
         b.until = now + pause
         return pause
 

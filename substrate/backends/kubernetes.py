@@ -13,7 +13,7 @@
   backend deletes are never reported as dead (they were drained first).
 * ``Pending`` Pods the scheduler marked ``Unschedulable`` stay: they keep counting as starting capacity, so
   no endless re-creation; ``problems(pool)`` reports them for the pool's condition.
-* Pods that fail repeatedly are re-created after a back-off (``failure_backoff_s`` doubling up to
+* Pods that fail repeatedly are re-created after a back-off (from the second in a row; ``failure_backoff_s`` doubling up to
   ``failure_backoff_max_s``; ``substrate.backends.backoff``, read by the pool controller as
   ``start_backoff``): meanwhile the controller asks for no Pod (and ``create`` would create nothing), and
   ``problems`` reports ``BackOff``.
