@@ -264,3 +264,34 @@ async def test_a_waiting_placement_takes_the_started_worker_without_being_told_i
     await pc.tick()  # the note: nothing starting any more
     w, slot = await asyncio.wait_for(placement, 10)
     assert w.id == backend.created[0] and slot == 0
+
+
+async def test_a_pause_of_the_start_back_off_is_a_start_to_come_for_routers_elsewhere(d):
+    """Routers in other processes wait through a back-off pause for the start after it (their queue
+    makes room by suspending idle sessions meanwhile): counted as nothing coming, a Kubernetes create got
+    503 during a 1 s pause under load. The note still says why, with the code and the pause left."""
+    from substrate.backends.backoff import StartBackoff
+    from substrate.demand import START_BACKOFF
+
+    settings = Settings()
+    settings.api.start_wait_s = 30
+    router = _router(d, settings)
+    backend = Backend()
+    backend.start_backoff = StartBackoff(30.0, 60.0, noun="worker Pod")  # type: ignore[attr-defined]
+    pc = _controller(d, settings, backend)
+    placement = asyncio.create_task(router.place("s1", router.catalog.template("counter")))
+    try:
+        await _ticks_until_created(pc, backend)
+        assert len(backend.created) == 1
+        backend.created.clear()  # its Pod failed, and so did a second one: a 30 s pause
+        backend.start_backoff.failed("default")
+        backend.start_backoff.failed("default")
+        await pc.tick()
+        assert backend.created == [], "nothing is created during the pause"
+        note = await router.board.capacity("default")
+        assert note.starting == 1 and note.code == START_BACKOFF and 28 < note.retry_after_s <= 30, note
+        assert note.blocked.startswith("2 worker Pods of pool 'default' failed in a row"), note
+        assert not placement.done(), "the router waits through the pause"
+    finally:
+        placement.cancel()
+        await asyncio.gather(placement, return_exceptions=True)
