@@ -121,10 +121,12 @@ def test_a_worker_that_finds_no_free_port_exits_2_with_one_line(tmp_path) -> Non
     import subprocess
     import sys
 
-    lo, _ = _span(1)
     with socket.socket() as held:
-        held.bind(("127.0.0.1", lo))
+        # the range's one port is one this test holds: bound by the kernel's pick, so no other process can
+        # have taken it first (a guessed "free" port was taken by a parallel test once: EADDRINUSE here)
+        held.bind(("127.0.0.1", 0))
         held.listen()
+        lo = held.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
         env["SUBSTRATE_WORKER"] = json.dumps({"port_range": f"{lo}-{lo}", "root_dir": str(tmp_path)})
         env["SUBSTRATE_REDIS_URL"] = "redis://127.0.0.1:1/0"  # never reached: the worker stops before
