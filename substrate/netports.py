@@ -72,6 +72,26 @@ def free_port(host: str = "127.0.0.1", *, high: int | None = None, attempts: int
         return int(s.getsockname()[1])
 
 
+def free_span(n: int, host: str = "127.0.0.1", *, high: int = 60000, attempts: int = 500) -> tuple[int, int]:
+    """``(lo, hi)``: ``n`` consecutive ports (``hi = lo + n - 1``), below the kernel's ephemeral range and
+    at most ``high``, none of them bound now nor handed out before by this process: a
+    ``SUBSTRATE_WORKER__PORT_RANGE`` for a test, whose workers (and :func:`free_port_in`) pick in it
+    themselves, so the span is not marked handed out. An explicit picker can still take one of them
+    later, as for :func:`free_port`; checking the whole span (not only its first port) leaves out what
+    is taken now.
+    Raises ``ValueError`` for ``n < 1`` and ``OSError`` (``EADDRINUSE``) when no such span is found."""
+    if n < 1:
+        raise ValueError(f"a span has at least one port; got {n}")
+    top = min(high, ephemeral_range()[0] - 1) - n + 1
+    with _lock:
+        for _ in range(attempts if top >= _LOWEST else 0):
+            lo = _rng.randint(_LOWEST, top)
+            span = range(lo, lo + n)
+            if not _handed_out.intersection(span) and all(_bindable(host, p) for p in span):
+                return lo, lo + n - 1
+    raise OSError(errno.EADDRINUSE, f"no {n} consecutive free ports in {_LOWEST}-{min(high, 65535)} on {host}")
+
+
 #: ``LO-HI``: decimal port numbers, no sign or space
 _RANGE_TEXT = re.compile(r"(\d{1,5})-(\d{1,5})")
 

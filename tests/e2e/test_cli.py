@@ -470,10 +470,9 @@ def test_up_keeps_its_workers_and_embedded_redis_in_the_port_range(tmp_path: Pat
     embedded Redis's ports were the kernel's pick (the README said no setting kept them in a range)."""
     import re
 
-    from substrate.netports import free_port
+    from substrate.netports import free_port, free_span
 
-    lo = free_port(high=60000) + 1
-    hi = lo + 19
+    lo, hi = free_span(20)
     port = free_port(high=60000)
     p = _port_range_up(tmp_path, lo, hi, port, replicas=2)
     log = tmp_path / "up.log"
@@ -500,10 +499,9 @@ def test_up_refuses_a_port_range_it_cannot_run_in_before_anything_starts(tmp_pat
     """Fresh-user tester 46: a range smaller than a fixed pool's workers plus the Redis's left the pool
     short for good (never ready; creates waited 30 s for workers that could not listen), and an API port
     inside the range was taken by a worker, after which `up` died with exit 3."""
-    from substrate.netports import free_port
+    from substrate.netports import free_port, free_span
 
-    lo = free_port(high=60000) + 1
-    hi = lo + 1
+    lo, hi = free_span(2)
     port = lo if case == "api_port_inside" else free_port(high=60000)
     p = _port_range_up(tmp_path, lo, hi, port, replicas=2)
     try:
@@ -528,10 +526,9 @@ def test_a_pool_whose_new_workers_cannot_listen_backs_off_and_makes_room_instead
     does not grow."""
     import socket
 
-    from substrate.netports import free_port
+    from substrate.netports import free_port, free_span
 
-    lo = free_port(high=60000) + 1
-    hi = lo + 2  # the embedded Redis, the first worker, and one port for growth
+    lo, hi = free_span(3)  # the embedded Redis, the first worker, and one port for growth
     port = free_port(high=60000)
     p = _port_range_up(tmp_path, lo, hi, port, replicas=0,
                        spec="{slots: 1, autoscaling: {minReplicas: 1, maxReplicas: 3}}")
@@ -578,10 +575,9 @@ def test_up_does_not_wait_silently_for_a_first_worker_that_cannot_listen(tmp_pat
     pool's worker has failed, saying why, and a create is answered 503 with the reason's code."""
     import socket
 
-    from substrate.netports import free_port
+    from substrate.netports import free_port, free_span
 
-    lo = free_port(high=60000) + 1
-    hi = lo + 1  # the embedded Redis's port and the worker's
+    lo, hi = free_span(2)  # the embedded Redis's port and the worker's
     port = free_port(high=60000)
     taken = socket.socket()
     taken.bind(("127.0.0.1", hi))

@@ -8,16 +8,14 @@ import socket
 
 import pytest
 
-from substrate.netports import free_port, free_port_in, parse_port_range, ports_in_random_order
+from substrate.netports import free_port_in, free_span, parse_port_range, ports_in_random_order
 from substrate.settings import WorkerSettings
 from workers.server import listen_socket
 
 
 def _span(n: int) -> tuple[int, int]:
-    """``n`` consecutive ports after a free one (outside the ephemeral range; ``free_port`` hands out the
-    free one itself, so it is left out)."""
-    lo = free_port(high=60000) + 1
-    return lo, lo + n - 1
+    """``n`` consecutive ports, none bound now (outside the ephemeral range)."""
+    return free_span(n)
 
 
 @pytest.mark.parametrize("text,want", [("29610-29699", (29610, 29699)), (" 5-5 ", (5, 5)), ("1-65535", (1, 65535))])
@@ -136,3 +134,18 @@ def test_a_worker_that_finds_no_free_port_exits_2_with_one_line(tmp_path) -> Non
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and f"worker cannot listen: no free port in SUBSTRATE_WORKER__PORT_RANGE {lo}-{lo}" \
         in lines[0], p.stderr
+
+
+def test_a_free_span_is_n_ports_none_bound_now_and_bad_sizes_are_refused() -> None:
+    import socket as _socket
+
+    lo, hi = free_span(4)
+    assert hi - lo == 3 and lo >= 10000
+    for port in range(lo, hi + 1):  # each one is free now: a range of workers can bind all of it
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    with pytest.raises(ValueError, match="at least one port"):
+        free_span(0)
+    with pytest.raises(OSError) as e:  # no room below the cap
+        free_span(10, high=10005)
+    assert e.value.errno == errno.EADDRINUSE
