@@ -118,8 +118,11 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     view = WorkerView(d, 60)
     await view.refresh()
 
+    activations: list[asyncio.Task[Any]] = []
+
     class Restoring(Workers):
         async def activate(self, address: str, *, session: str, epoch: int, **_: Any) -> dict[str, Any]:
+            activations.append(asyncio.current_task())  # type: ignore[arg-type]
             await router.delete(session)  # the DELETE lands mid-restore; its GC removes the object
             if failure == "missing_made_again":  # and a create of the same ID lands before the restore fails
                 await asyncio.sleep(0.01)
@@ -137,6 +140,16 @@ async def test_a_wake_whose_snapshot_the_delete_removed_is_404_not_a_corrupt_sna
     with pytest.raises(NotFound) as e:
         await router.wake("s1")
     assert e.value.code == "session_not_found" and e.value.status == 404
+    # the delete answers the waiting wake at once; the restore fails after it, in the wake's own task:
+    # what it leaves is checked once that task and its repairs have ended
+    await asyncio.wait(activations)
+    await asyncio.gather(*router._repairs, return_exceptions=True)
+    if failure == "missing_made_again":  # the new session of the same ID is left as its create made it
+        made = await d.get_session("s1")  # (its epoch starts above the deleted one's last)
+        assert made.state == SessionState.RUNNING and made.snapshot is None and not made.reason, made
+    else:
+        with pytest.raises(NotFound):
+            await d.get_session("s1")
     # no wake record (the API records the delete itself; the wake that lost to it leaves none)
     assert [ev["action"] for ev in (await audit.session_events("s1"))[0]] == []
     assert await d.redis.hgetall(d.keys.worker_slots("w1")) == {}, "the slot is free"
