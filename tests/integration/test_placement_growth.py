@@ -93,6 +93,10 @@ async def env(redis_url):
     workers = Workers(d)
     act = Activator(settings, d, CATALOG, workers, WorkerView(d, 60))  # type: ignore[arg-type]
     yield d, act, workers
+    # a wake or repair a test left running would count its transition after the clean-up (keys left behind)
+    left = [*act._repairs, *act._wakes.values(), *(t for t in act._headroom.values() if t is not None)]
+    if left:
+        await asyncio.wait(left, timeout=5)
     async for key in d.redis.scan_iter(f"{d.keys.prefix}:*"):
         await d.redis.delete(key)
     await d.close()
