@@ -120,7 +120,9 @@ async def test_a_router_waits_for_a_worker_its_demand_made_another_process_start
     w, slot = await asyncio.wait_for(placement, 10)
     assert w.id == backend.created[0] and slot == 0
     await pc.tick()
-    assert (await router.board.capacity("default")).starting == 0  # registered: no longer on its way
+    # registered: no longer on its way. (On a loaded machine the router's last demand note, published
+    # before its placement ended, can still ask for one more worker in this tick: that one is starting)
+    assert (await router.board.capacity("default")).starting == len(backend.created) - 1
 
 
 async def test_a_router_does_not_give_up_before_the_controller_has_counted_its_demand(d):
