@@ -906,7 +906,14 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/readyz", tags=["health"])
     async def readyz(request: Request) -> Response:
-        """200 when Redis answers and a worker is ready; 503 otherwise."""
+        """200 when Redis answers and, in a process that runs the pools (``substrate up``), every pool
+        has the READY workers it starts with; else 503 (``directory_unavailable``, ``no_workers``).
+
+        A router whose pools another process runs (``substrate router``: Kubernetes' readiness probe) is
+        ready once Redis answers, and lists the short pools in ``poolsWithoutReadyWorkers``: one pool
+        whose Pods cannot be scheduled took every router out of its Service, and the healthy pools'
+        sessions with them (fresh-user tester 51); its creates answer 503 ``no_capacity`` with the reason
+        instead."""
         rt = _rt(request)
         try:
             await rt.directory.ping()
@@ -916,6 +923,8 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
         ready = [w.pool for w in rt.view.workers.values() if w.state.value == "READY"]
         short = [p.name for p in rt.catalog.pools.values() if ready.count(p.name) < desired_replicas(p.spec, 0)]
+        if rt.pools is None:
+            return JSONResponse({"status": "ready", "poolsWithoutReadyWorkers": short})
         if short:  # a pool that may scale to zero is ready without workers
             return _error(503, "no_workers", f"pools without their ready workers: {short}")
         return JSONResponse({"status": "ready"})
