@@ -53,7 +53,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unknown_pool": (422, "the template names a WorkerPool that does not exist"),
     "unknown_worker": (422, "resume pinned to a worker that is not registered"),
     "invalid_continue": (422, "a `continue` token not made by this API"),
-    "invalid_tenant": (422, "a `tenant=` that is no tenant name (1-63 lower-case letters, digits and '-'; also an "
+    "invalid_tenant": (422, "a `tenant=` that is no tenant name (1-63 lower-case letters, digits and '-', starting and ending with a letter or digit; also an "
                             "empty `tenant=`)"),
     "invalid_idempotency_key": (422, "an `Idempotency-Key` that is empty, over 200 characters, sent twice, or not "
                                      "printable ASCII"),

@@ -45,7 +45,7 @@ def hash_key(key: str) -> str:
 def check_tenant(name: str) -> str:
     """Return ``name`` or raise ``InvalidInput(code="invalid_tenant")``."""
     if not TENANT_RE.fullmatch(name):  # not match: "$" would let "team-a\n" through
-        raise InvalidInput(f"invalid tenant name {clip(name)}: use 1-63 lower-case letters, digits and '-'",
+        raise InvalidInput(f"invalid tenant name {clip(name)}: use 1-63 lower-case letters, digits and '-', starting and ending with a letter or digit",
                            code="invalid_tenant")
     return name
 

@@ -11,6 +11,7 @@ Client commands talk to ``--server`` (env ``SUBSTRATE_SERVER``, default http://1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -1402,13 +1403,61 @@ def _file_error(path: Path, why: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+@contextlib.contextmanager
+def _key_file_locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the key file's folder while a command reads, changes and writes
+    the file: of ``keys create --file`` commands run in parallel each one's entry is kept (a fresh-user
+    tester ran 10 at once: 3 to 6 entries were left, and keys already in the file were gone, so a
+    provisioning script revoked an admin's key at the next start). The folder, not the file, is locked:
+    the file may not exist yet, and a command refused halfway must leave no file behind."""
+    import fcntl
+
+    folder = path.resolve().parent if path.parent.is_dir() else path.parent
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # no such folder: _file_keys says so, in its words
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 def _write_file_keys(path: Path, entries: list[dict[str, Any]]) -> None:
+    """Replace the key file's content with ``entries`` atomically (a temporary file in the same folder,
+    then ``os.replace``): a runtime or another command reading it meanwhile sees the old file or the new
+    one, never an empty or half-written one. A symlink is followed (its target is replaced); the file
+    keeps its permission bits, and a new one is made readable by its owner only."""
+    import tempfile
+
     import yaml
 
+    target = path.resolve()
     try:
-        path.write_text(yaml.safe_dump(entries, sort_keys=False))
+        mode = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o600
     except OSError as e:
         _file_error(path, f"cannot write it: {e.strerror or e}")
+    tmp = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", suffix=".tmp",
+                                         delete=False) as f:
+            tmp = f.name
+            f.write(yaml.safe_dump(entries, sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        _file_error(path, f"cannot write it: {e.strerror or e}")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 @keys_app.command("create")
@@ -1440,13 +1489,14 @@ def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant
 
         kid = _secrets.token_hex(4)
         key = f"sk_{kid}_{_secrets.token_urlsafe(32)}"
-        entries = _file_keys(file)
-        if any(e.get("name") == (name or kid) for e in entries):  # its name is its ID: `keys revoke NAME`
-            err.print(f"[red]error invalid_input[/red]: {file} already has a key named {escape(name or kid)}: "
-                      "a key's name is its ID (`substrate keys revoke`); give another --name")
-            raise typer.Exit(2)
-        entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
-        _write_file_keys(file, entries)
+        with _key_file_locked(file):
+            entries = _file_keys(file)
+            if any(e.get("name") == (name or kid) for e in entries):  # its name is its ID: `keys revoke NAME`
+                err.print(f"[red]error invalid_input[/red]: {file} already has a key named {escape(name or kid)}: "
+                          "a key's name is its ID (`substrate keys revoke`); give another --name")
+                raise typer.Exit(2)
+            entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
+            _write_file_keys(file, entries)
         err.print(f"added to {file}: it works from the next start of a runtime reading that file "
                   f"(SUBSTRATE_AUTH__API_KEYS_FILE={file}); without --file a key works at once")
         print(key)
@@ -1482,14 +1532,19 @@ def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID
     from substrate.apikeys import ApiKeyStore, hash_key
     from substrate.keys import Keys
 
+    if not key_id.strip():  # no key has an empty ID: bad input (exit 2), not a key that was not found (1)
+        err.print("[red]error invalid_input[/red]: KEY_ID is empty: give a key ID from `substrate keys list`, "
+                  "or the key itself")
+        raise typer.Exit(2)
     if file is not None:
-        entries = _file_keys(file)
-        keep = [e for e in entries if key_id not in (_entry_id(e), e.get("sha256"), e.get("key"))
-                and e.get("sha256") != hash_key(key_id)]
-        if len(keep) == len(entries):
-            err.print(f"[red]error api_key_not_found[/red]: no key {escape(key_id)} in {file}")
-            raise typer.Exit(1)
-        _write_file_keys(file, keep)
+        with _key_file_locked(file):
+            entries = _file_keys(file)
+            keep = [e for e in entries if key_id not in (_entry_id(e), e.get("sha256"), e.get("key"))
+                    and e.get("sha256") != hash_key(key_id)]
+            if len(keep) == len(entries):
+                err.print(f"[red]error api_key_not_found[/red]: no key {escape(key_id)} in {file}")
+                raise typer.Exit(1)
+            _write_file_keys(file, keep)
         console.print(f"removed from {file}; restart the runtime, or also run without --file to revoke at once")
         return
 

@@ -414,7 +414,7 @@ class ApiKeySpec(_Section):
     def _a_tenant_name(cls, v: str) -> str:
         # checked here, at settings load, not when the keys are imported after the API started
         if not TENANT_RE.fullmatch(v):  # not match: "$" would let "team-a\n" through
-            raise ValueError(f"invalid tenant name {v[:70]!r}: use 1-63 lower-case letters, digits and '-'")
+            raise ValueError(f"invalid tenant name {v[:70]!r}: use 1-63 lower-case letters, digits and '-', starting and ending with a letter or digit")
         return v
 
     @model_validator(mode="after")
@@ -527,7 +527,7 @@ class QuotaSettings(_Section):
         for name, limits in v.items():
             tenant = name.replace("_", "-")
             if not TENANT_RE.match(tenant):
-                raise ValueError(f"{name!r} is not a tenant name (1-63 lower-case letters, digits and '-')")
+                raise ValueError(f"{name!r} is not a tenant name (1-63 lower-case letters, digits and '-', starting and ending with a letter or digit)")
             if tenant in out:
                 raise ValueError(f"tenant {tenant!r} has two quota entries")
             out[tenant] = limits

@@ -157,3 +157,47 @@ def test_a_key_file_entry_with_a_bad_name_is_refused_at_load(tmp_path: Path) -> 
     with pytest.raises(InvalidInput) as e:
         load_key_file(f)
     assert "entry 0 name" in e.value.message and "U+0009" in e.value.message
+
+
+def test_parallel_creates_and_revokes_on_one_key_file_keep_every_other_entry(tmp_path: Path) -> None:
+    """Fresh-user tester 50: ``keys create --file`` run 10 at once left 3 to 6 of the 10 entries, and a key
+    already in the file was gone too (revoked at the next start). Each command now holds a lock on the
+    folder for its read-change-write, and replaces the file atomically."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT
+
+    f = tmp_path / "keys.yaml"
+    r = CliRunner().invoke(app, ["keys", "create", "team-base", "--name", "base", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["keys", "create", "team-gone", "--name", "gone", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
+    cmd = [sys.executable, "-m", "substrate.cli", "keys"]
+    procs = [subprocess.Popen([*cmd, "create", "team-c", "--name", f"n{i}", "--file", str(f)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(8)]
+    procs.append(subprocess.Popen([*cmd, "revoke", "gone", "--file", str(f)], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for p in procs:
+        out, errs = p.communicate(timeout=120)
+        assert p.returncode == 0, errs
+    names = sorted(e["name"] for e in yaml.safe_load(f.read_text()))
+    assert names == sorted(["base", *(f"n{i}" for i in range(8))]), names
+    assert (f.stat().st_mode & 0o777) == 0o600  # a new key file is its owner's only
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.yaml"]  # no temporary file left
+
+
+@pytest.mark.parametrize("key_id", ["", "   "])
+@pytest.mark.parametrize("with_file", [True, False])
+def test_an_empty_key_id_to_revoke_is_bad_input_exit_2_and_changes_nothing(tmp_path: Path, key_id: str,
+                                                                           with_file: bool) -> None:
+    f = tmp_path / "keys.yaml"
+    assert CliRunner().invoke(app, ["keys", "create", "team-a", "--name", "ci", "--file", str(f)]).exit_code == 0
+    before = f.read_text()
+    r = CliRunner().invoke(app, ["keys", "revoke", key_id, *(["--file", str(f)] if with_file else [])])
+    assert r.exit_code == 2 and "KEY_ID is empty" in _one_line(r), r.output
+    assert f.read_text() == before
