@@ -173,6 +173,16 @@ def normalize(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         for f in ("maxCpu", "maxMemory"):
             if iso.get(f) is not None:
                 _quantity(f"spec.isolation.{f}", iso[f])
+        # accepted for the seed's YAML, but nothing applies them per template: say so, or a template with
+        # runtimeClass: gvisor reads as if its agents ran under gVisor (fresh-user tester 51)
+        if isinstance(iso, dict) and iso.get("runtimeClass"):
+            warn.append(f"isolation.runtimeClass ({iso['runtimeClass']}) is not applied per template: each session "
+                        "runs in its worker's bubblewrap sandbox; to run the workers under a RuntimeClass, set "
+                        "runtimeClassName in the WorkerPool's Pod template (deploy/components/gvisor)")
+        if isinstance(iso, dict) and iso.get("networkPolicy"):
+            warn.append(f"isolation.networkPolicy ({iso['networkPolicy']}) is not applied per template: a session's "
+                        "network is isolation.network (none, loopback or egress); NetworkPolicies select worker "
+                        "Pods (deploy/base/networkpolicy.yaml)")
         sm = spec.get("stateManagement") or {}
         if sm.get("snapshotStorage"):
             from substrate.k8s.snapshot_uri import parse_storage_uri

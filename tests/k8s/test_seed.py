@@ -30,7 +30,10 @@ def test_seed_documents_load_unchanged_with_their_warnings() -> None:
                      "autoscaling.metrics: the pool is scaled by a HorizontalPodAutoscaler",
                      "spec.replicas (100) is ignored while spec.autoscaling is set",
                      "resourceClaims[agent-gpu].source is the removed v1alpha2 shape",
-                     "stateManagement.snapshotStorage is not applied per template"):
+                     "stateManagement.snapshotStorage is not applied per template",
+                     # fresh-user tester 51: accepted and silently not applied, they read as in force
+                     "isolation.runtimeClass (gvisor) is not applied per template",
+                     "isolation.networkPolicy (default-deny) is not applied per template"):
         assert expected in text, expected
     seed = cat.pools["coding-agents"]
     assert seed.spec.template["spec"]["runtimeClassName"] == "gvisor"
