@@ -663,7 +663,12 @@ def convert(files: list[Path] = typer.Argument(..., metavar="FILES", help="YAML 
                         ", not a Kubernetes-style document; left out" for i, d in enumerate(parsed, 1)
                         if d is not None and not (isinstance(d, dict) and "kind" in d)] + warnings
         except (OSError, yaml.YAMLError, SpecError, RecursionError, UnicodeDecodeError) as e:
-            msg = "nested too deeply" if isinstance(e, RecursionError) else getattr(e, "message", None) or str(e)
+            from substrate.specs import yaml_problem
+
+            # a YAML error in one line, as `up` gives it (PyYAML's own text spans six, with excerpts)
+            msg = ("nested too deeply" if isinstance(e, RecursionError)
+                   else f"not valid YAML: {yaml_problem(e)}" if isinstance(e, yaml.YAMLError)
+                   else getattr(e, "message", None) or str(e))
             where = f"{f}: " if not msg.startswith(str(f)) else ""  # a SpecError may name the file itself
             err.print(f"[red]error[/red]: {where}{escape(msg)}")
             raise typer.Exit(2) from None

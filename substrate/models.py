@@ -28,6 +28,8 @@ def _not_a_bool(v: Any) -> Any:
 
 #: a whole number written by a user (spec counts, quota limits): a bool is refused, not read as 0 or 1
 Count = Annotated[int, BeforeValidator(_not_a_bool)]
+#: the largest replica count Kubernetes takes (the CRDs' ``format: int32``, as a Deployment's)
+INT32_MAX = 2**31 - 1
 
 API_GROUP = "substrate.agent.dev"
 API_VERSION = f"{API_GROUP}/v1"
@@ -379,8 +381,8 @@ class ActorTemplate(BaseModel):
 
 class Autoscaling(BaseModel):
     model_config = ConfigDict(extra="allow")
-    minReplicas: Count = Field(1, ge=0)
-    maxReplicas: Count = Field(10, ge=1)
+    minReplicas: Count = Field(1, ge=0, le=INT32_MAX)
+    maxReplicas: Count = Field(10, ge=1, le=INT32_MAX)
     #: percent of slots busy the autoscaler aims for
     targetUtilization: Count = Field(70, ge=1, le=100)
     #: HPA metrics (autoscaling/v2 MetricSpec): when set, a HorizontalPodAutoscaler drives /scale instead
@@ -397,12 +399,12 @@ class Autoscaling(BaseModel):
 class WarmPool(BaseModel):
     model_config = ConfigDict(extra="allow")
     #: free slots kept ready ahead of demand, counted in whole workers
-    readyReplicas: Count = Field(1, ge=0)
+    readyReplicas: Count = Field(1, ge=0, le=INT32_MAX)
 
 
 class WorkerPoolSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
-    replicas: Count = Field(2, ge=0)
+    replicas: Count = Field(2, ge=0, le=INT32_MAX)
     #: session slots per worker
     slots: Count = Field(8, ge=1, le=4096)
     template: dict[str, Any] = Field(default_factory=dict)

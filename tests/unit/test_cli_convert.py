@@ -17,7 +17,15 @@ from substrate.cli import app
     ("root:x:0:0:root:/root:/bin/bash\n", "no Kubernetes-style documents"),
     ("[" * 5000 + "]" * 5000, "nested too deeply"),
     ("", "no Kubernetes-style documents"),
-    ("a: [1\n", "error"),
+    # one line, as `up` says it (fresh-user tester 51: PyYAML's six lines with a caret)
+    ("apiVersion: v1\nkind: [unclosed\n", "not valid YAML: expected ',' or ']', but got '<stream end>' at line 3, "
+                                         "column 1 (while parsing a flow sequence at line 2, column 7)"),
+    # counts over the CRDs' int32 (fresh-user tester 51: printed as they were, exit 0)
+    ("kind: WorkerPool\nmetadata: {name: p}\nspec: {slots: 4, replicas: 2147483648}\n", "less than or equal to 2147483647"),
+    ("kind: WorkerPool\nmetadata: {name: p}\nspec: {autoscaling: {maxReplicas: 1099511627776}}\n",
+     "less than or equal to 2147483647"),
+    ("kind: WorkerPool\nmetadata: {name: p}\nspec: {warmPool: {readyReplicas: 99999999999999999999999}}\n",
+     "less than or equal to 2147483647"),
     # a repeated key: YAML keeps the last, and the first spec's limits went without a word (fresh-user run)
     ("kind: ActorTemplate\nmetadata: {name: x}\nspec: {isolation: {maxMemory: 64Mi}}\nspec: {entrypoint: 'a:B'}\n",
      "key 'spec' at line 4, column 1 appears twice in one mapping (first at line 3, column 1)"),
@@ -33,6 +41,7 @@ def test_bad_files_exit_2_with_one_line(tmp_path: Path, content: str, message: s
     r = CliRunner().invoke(app, ["convert", str(f)])
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
+    assert len([x for x in r.output.splitlines() if x.strip()]) == 1, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
 
 
