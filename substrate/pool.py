@@ -281,6 +281,18 @@ class _PoolState:
     desired: int = 0
 
 
+
+def _ready_condition(ready: int, desired: int | None, message: str) -> Condition:
+    """The pool's ``Ready`` condition: True with a READY worker, or when none is desired (a pool at
+    ``replicas: 0``, or scaled to zero: as a Deployment scaled to 0 is ``Available``; it was False
+    ``NoReadyWorker`` on every ``substrate pools`` for a pool set to zero on purpose, fresh-user
+    tester 51). ``desired`` None: not known yet (before the controller's first round)."""
+    if ready:
+        return Condition(type="Ready", status="True", reason="WorkersReady", message=message)
+    if desired == 0:
+        return Condition(type="Ready", status="True", reason="NoWorkersDesired", message=message)
+    return Condition(type="Ready", status="False", reason="NoReadyWorker", message=message)
+
 class PoolController:
     """Runs ``reconcile`` for every WorkerPool of the catalog against a backend."""
 
@@ -376,9 +388,7 @@ class PoolController:
         out = [c for c in st.conditions if c.type != "Ready"]
         # before the controller's first round nothing was desired yet
         message = f"{ready} ready of {st.desired} desired" if st.conditions else f"{ready} ready"
-        return [Condition(type="Ready", status="True" if ready else "False",
-                          reason="WorkersReady" if ready else "NoReadyWorker", message=message).since(st.conditions),
-                *out]
+        return [_ready_condition(ready, st.desired if st.conditions else None, message).since(st.conditions), *out]
 
     async def _loop(self) -> None:
         wanted: asyncio.Event | None = getattr(self.activator, "capacity_wanted", None)
@@ -603,9 +613,7 @@ class PoolController:
             held += f"; {obs.starting} worker(s) started, not registered yet"
         previous = st.conditions
         st.conditions = [c.since(previous) for c in (
-            Condition(type="Ready", status="True" if ready else "False",
-                      reason="WorkersReady" if ready else "NoReadyWorker",
-                      message=f"{len(ready)} ready of {plan.desired} desired"),
+            _ready_condition(len(ready), plan.desired, f"{len(ready)} ready of {plan.desired} desired"),
             Condition(type="Scaling", status="False" if scaling == "Steady" else "True", reason=scaling,
                       message=f"{plan.need} slot(s) wanted, {plan.desired} worker(s) desired{held}"),
             # False from a failure until a worker of the pool starts (not only during the pauses: it

@@ -78,6 +78,24 @@ async def test_the_ready_condition_says_the_ready_count_it_is_shown_beside(d) ->
     assert [c.type for c in pc.conditions("gpus", ready=2)] == ["Ready", "Scaling", "WorkersHealthy"]
 
 
+@pytest.mark.parametrize("spec", [{"replicas": 0, "slots": 1},
+                                  {"slots": 1, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}])
+async def test_a_pool_with_no_worker_desired_is_ready(d, spec: dict) -> None:
+    """Fresh-user tester 51: a pool set to zero on purpose showed Ready False ``NoReadyWorker`` "0 ready of
+    0 desired" on every ``substrate pools``. As a Deployment scaled to 0 is Available, it is Ready
+    (``NoWorkersDesired``); a pool that wants a worker and has none is not."""
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "gpus"}, "spec": spec}]
+    pc = PoolController(Settings(), d, load_documents(docs), Backend([]), None, scale_down_delay_s=600)
+    await pc.tick()
+    for ready in (next(c for c in pc.conditions("gpus") if c.type == "Ready"),
+                  next(c for c in pc.conditions("gpus", ready=0) if c.type == "Ready")):
+        assert (ready.status, ready.reason, ready.message) == ("True", "NoWorkersDesired", "0 ready of 0 desired")
+    docs = [{"kind": "WorkerPool", "metadata": {"name": "gpus"}, "spec": {"replicas": 1, "slots": 1}}]
+    pc = PoolController(Settings(), d, load_documents(docs), Backend([]), None, scale_down_delay_s=600)
+    await pc.tick()
+    ready = next(c for c in pc.conditions("gpus", ready=0) if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "NoReadyWorker")
+
 async def test_conditions_follow_the_api_conventions_and_keep_their_transition_time(d) -> None:
     """Fresh-user tester 47: ``lastTransitionTime`` was a Unix float renewed at every round, and the
     Scaling condition's reason was free text ("need=2 above capacity") with an empty message, False while
