@@ -1112,7 +1112,17 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
             while (chunk := _run(lambda: _next_chunk(chunks, end, key))) is not end:
                 _print(chunk)
         else:
-            answer = _run(lambda: c.invoke_answer(sid, value, idempotency_key=idempotency_key))
+            # the key is made here, so an interrupted command can name it: the turn may still run on the
+            # server, and a resend with it is answered from the kept answer, never run twice (Ctrl-C said
+            # nothing, and the automatic key was the SDK's own: fresh-user tester 50)
+            key = idempotency_key or uuid.uuid4().hex
+            try:
+                answer = _run(lambda: c.invoke_answer(sid, value, idempotency_key=key,
+                                                      key_is_auto=idempotency_key is None))
+            except KeyboardInterrupt:
+                err.print(f"interrupted: the turn may still run on the server; to get its answer without running "
+                          f"it twice, send it again with -k {escape(key)}", soft_wrap=True, highlight=False)
+                raise typer.Exit(130) from None
             _answer_notes(sid, answer)
             for out in answer.output if answer.streamed else [answer.output]:
                 _print(out)  # a streamed turn's replay: its chunks, as --stream prints them

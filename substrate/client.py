@@ -297,14 +297,18 @@ class SubstrateClient:
         answer.warn(sid)
         return answer.output
 
-    def invoke_answer(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Answer:  # noqa: A002
+    def invoke_answer(self, sid: str, input: Any, *, idempotency_key: str | None = None,  # noqa: A002
+                      key_is_auto: bool = False) -> Answer:
         """``invoke``, returning the :class:`Answer` (output and what its headers say), without a warning.
         Without ``idempotency_key`` the turn gets a key of its own for the retries here, sent as an
         automatic one (``X-Substrate-Key-Origin: auto``): the worker lets such keys make room first, so
-        any number of such turns never pushes a caller's own key out of its window."""
+        any number of such turns never pushes a caller's own key out of its window. ``key_is_auto``: the
+        ``idempotency_key`` given was made up by the caller (to name it for a resend, as the CLI does
+        when interrupted), not its own: sent as an automatic one too."""
         content = json_body({"input": input})
-        auto = checked_idempotency_key(idempotency_key) is None
-        key = idempotency_key if not auto else uuid.uuid4().hex
+        given = checked_idempotency_key(idempotency_key)
+        auto = given is None or key_is_auto
+        key = given if given is not None else uuid.uuid4().hex
         extra = {"X-Substrate-Key-Origin": "auto"} if auto else {}
         path = _session_path(sid) + "/invoke"
         for attempt in range(self.retries + 1):
