@@ -55,6 +55,13 @@ def test_the_stated_limits_are_the_checked_ones(labels_schema: dict) -> None:
     # tester 38: a Hangul filler, and text of format characters alone (a lone joiner, tag characters)
     ("a\u3164b", False), ("\u200d", False), ("\u200c\u200d", False), ("\U000e0041\U000e0042", False),
     ("a\u200db", True),
+    # tester 50: tags hiding text after a visible one, and values that look empty (a combining grapheme
+    # joiner, a Mongolian variation selector, a Khmer inherent vowel, VS16, braille blank, ideographic or
+    # plain spaces alone); an emoji tag sequence (England's flag), VS16 after a heart and accents stay
+    ("ok\U000e0068\U000e0069", False), ("\u034f", False), ("\u180b", False), ("a\u17b4b", False),
+    ("\ufe0f", False), ("\u2800", False), ("\u3000", False), (" ", False), ("\U0001f3f4\U000e0067", False),
+    ("\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f", True), ("\u2764\ufe0f", True),
+    ("e\u0301", True), ("", True),
 ])
 def test_label_values_refuse_what_changes_how_text_is_shown(value: str, ok: bool) -> None:
     """A fresh-user run set U+202E (right-to-left override) and U+2028 as label values; the CLI's table
