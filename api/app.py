@@ -153,7 +153,9 @@ class ResumeSession(BaseModel):
     """Optional body of ``POST /v1/sessions/{id}/resume``."""
 
     model_config = ConfigDict(extra="forbid")
-    worker: str | None = Field(None, description="place the activation on this worker only")
+    # an empty name is no worker's: bad input (it was 422 unknown_worker "unknown worker ''": tester 50)
+    worker: str | None = Field(None, min_length=1, max_length=253,
+                               description="place the activation on this worker only")
 
     @field_validator("worker")
     @classmethod

@@ -81,3 +81,14 @@ def test_null_labels_and_env_mean_none() -> None:
     for field in ("labels", "env"):
         with pytest.raises(ValidationError, match="valid dictionary"):
             CreateSession.model_validate({"actorTemplate": "counter", field: 5})
+
+
+@pytest.mark.parametrize("worker", ["", "w" * 254])
+def test_a_resume_pinned_to_no_worker_name_is_invalid_input(worker: str) -> None:
+    """Fresh-user tester 50: ``{"worker": ""}`` was 422 ``unknown_worker`` "unknown worker ''": no worker
+    can have that name, so it is the body that is wrong (``invalid_input``), checked before any lookup."""
+    from api.app import ResumeSession
+
+    with pytest.raises(ValidationError):
+        ResumeSession.model_validate({"worker": worker})
+    assert ResumeSession.model_validate({"worker": "w-1"}).worker == "w-1"
