@@ -770,8 +770,9 @@ async def _gone(runtime: "Runtime", sid: str) -> SessionDeleted | NotFound:
     except Exception:  # noqa: BLE001 - the answer's wording only: the turn failed either way
         floor = 1
     if floor:
-        return SessionDeleted(f"session {sid!r} was deleted while this turn was under way; the turn was stopped "
-                              "and the session is gone")
+        # "if it had started": a turn that waited for the session's suspend or wake never ran (tester 50)
+        return SessionDeleted(f"session {sid!r} was deleted while this turn was under way; the turn, if it had "
+                              "started, was stopped, and the session is gone")
     return NotFound(f"session {sid!r} is gone from the session directory without a delete (its Redis lost its "
                     "data: flushed, or restarted without persistence); this turn was stopped", code="session_not_found")
 
