@@ -621,7 +621,9 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
                 time.sleep(0.05)
             if server.started:
                 shown = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal
-                err.print(f"serving on http://{shown}:{port} (docs at /docs); Ctrl-C stops", markup=False)
+                bound = [sock.getsockname()[0] for srv in getattr(server, "servers", []) for sock in srv.sockets]
+                err.print(f"serving on http://{shown}:{port}{listen_note(host, bound)} (docs at /docs); Ctrl-C stops",
+                          markup=False)
 
         threading.Thread(target=_announce, name="announce", daemon=True).start()
         server.run()
@@ -727,6 +729,22 @@ def _serve_api(host: str, port: int) -> None:
     server.run()
     if not server.started:
         raise typer.Exit(1)
+
+
+def listen_note(host: str, bound: list[str]) -> str:
+    """What ``serving on`` adds when ``host`` is a name: the addresses the server listens on (``--host
+    localhost`` listens on the first address the name resolves to, 127.0.0.1, and a client that resolves
+    it to ::1 first was refused while the line said "localhost": fresh-user tester 50); "" for an
+    address given as such, or when nothing is known."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return ""
+    except ValueError:
+        pass
+    addrs = sorted(set(bound))
+    return f" (listening on {', '.join(addrs)} only)" if addrs else ""
 
 
 @app.command()

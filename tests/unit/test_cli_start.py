@@ -291,3 +291,16 @@ def test_up_in_process_leaves_later_commands_a_working_log_handler(tmp_path: Pat
     r = CliRunner().invoke(later, [])
     assert r.exit_code == 0, r.output
     assert "Logging error" not in r.output and "a record of a later command" in r.output, r.output
+
+
+@pytest.mark.parametrize("host,bound,note", [
+    ("localhost", ["127.0.0.1"], " (listening on 127.0.0.1 only)"),
+    ("localhost", ["::1", "127.0.0.1"], " (listening on 127.0.0.1, ::1 only)"),
+    ("127.0.0.1", ["127.0.0.1"], ""), ("::1", ["::1"], ""), ("0.0.0.0", ["0.0.0.0"], ""), ("localhost", [], ""),
+])
+def test_serving_on_a_name_says_the_addresses_it_listens_on(host: str, bound: list[str], note: str) -> None:
+    """Fresh-user tester 50: ``--host localhost`` listened on 127.0.0.1 only and said "serving on
+    http://localhost:P"; a client that resolved localhost to ::1 was refused."""
+    from substrate.cli import listen_note
+
+    assert listen_note(host, bound) == note
