@@ -412,11 +412,13 @@ def usage_refused(status: int, code: str) -> bool:
     CLI itself catches does, so a script can tell "fix the command" (2) from every other failure (1)
     wherever the check was made (fresh-user tester 45: ``--state bogus`` exited 2, ``--tenant BAD`` 1):
     400 ``bad_json`` or ``bad_request``, a 400/422 ``invalid_...``, and a 422 ``unknown_template`` or
-    ``unknown_worker`` (a template or worker the command names that the API lacks: tester 46). Not
+    ``unknown_worker`` (a template or worker the command names that the API lacks: tester 46), and a 400
+    ``unsupported_template`` (a template the command names that no worker can run: tester 51). Not
     ``unknown_pool`` (the server's catalog at fault) nor the agent's own 422s (``agent_error``,
     ``state_load_failed``): the command was well formed."""
     return status in (400, 422) and (code in ("bad_json", "bad_request") or code.startswith("invalid_")) or (
-        status == 422 and code in ("unknown_template", "unknown_worker"))
+        status == 422 and code in ("unknown_template", "unknown_worker")) or (
+        status == 400 and code == "unsupported_template")
 
 
 def _api_error_exit(e: ApiError) -> NoReturn:

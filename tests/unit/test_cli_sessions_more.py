@@ -188,7 +188,7 @@ def _capture_invokes(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
 
 @pytest.mark.parametrize("status,code,exit_code", [
     (422, "invalid_tenant", 2), (422, "invalid_continue", 2), (400, "bad_json", 2), (422, "invalid_env", 2),
-    (422, "unknown_template", 2), (422, "unknown_worker", 2),
+    (422, "unknown_template", 2), (422, "unknown_worker", 2), (400, "unsupported_template", 2),
     (422, "agent_error", 1), (422, "state_load_failed", 1), (422, "unknown_pool", 1), (404, "session_not_found", 1),
     (503, "no_capacity", 1)])
 def test_arguments_the_api_refuses_exit_2_like_those_the_cli_refuses(monkeypatch: pytest.MonkeyPatch, status: int,
