@@ -393,6 +393,8 @@ CEL_RULES: dict[str, typing.Callable[[dict[str, Any]], bool]] = {
         lambda s: s.get("minReplicas", 1) <= s.get("maxReplicas", 10),
     "has(self.entrypoint) || has(self.command) || has(self.container)":
         lambda s: any(k in s for k in ("entrypoint", "command", "container")),
+    "!(has(self.entrypoint) && has(self.command))":
+        lambda s: not ("entrypoint" in s and "command" in s),
 }
 
 
@@ -532,6 +534,17 @@ def test_crd_schema_and_model_agree(kind: str, path: str, value: Any, valid: boo
     schema_errs, model_errs = _schema_errors(doc), _model_errors(doc)
     assert (not schema_errs) is valid, schema_errs
     assert (not model_errs) is valid, model_errs
+
+
+@needs_jsonschema
+def test_crd_refuses_an_entrypoint_and_a_command_as_the_loader_does() -> None:
+    """The loader refuses a template with both (``ActorTemplateSpec.model_post_init``); the API server's
+    CEL rule did not (fresh-user review), so such a template was admitted and then never loaded."""
+    base = next(d for _, d in CUSTOM_RESOURCES if d["kind"] == "ActorTemplate" and "entrypoint" in d["spec"])
+    both = _mutate(base, "spec.command", ["python", "-m", "agent"])
+    assert ".spec: an ActorTemplate sets spec.entrypoint or spec.command, not both" in _schema_errors(both)
+    assert _model_errors(both)
+    assert _schema_errors(base) == []
 
 
 @needs_jsonschema
