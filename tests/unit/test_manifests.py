@@ -202,6 +202,28 @@ def test_worker_pool_references_exist(pool: dict[str, Any]) -> None:
         _one("ServiceAccount", sa)
 
 
+def test_deploy_comments_name_files_that_exist() -> None:
+    """A fresh-user review: the example's header said to apply ``deploy/rbac.yaml``, which is
+    ``deploy/base/rbac.yaml``."""
+    for path in _yaml_files():
+        for ref in re.findall(r"\bdeploy/[A-Za-z0-9_./-]*[A-Za-z0-9_/-]", path.read_text()):
+            assert (ROOT / ref).exists(), f"{path.relative_to(ROOT)} names {ref}, which does not exist"
+
+
+@pytest.mark.parametrize("pool", _find("WorkerPool"), ids=lambda p: p["metadata"]["name"])
+def test_worker_pools_run_the_image_we_build_with_the_snapshot_settings(pool: dict[str, Any]) -> None:
+    """Every shipped pool runs the one image the Dockerfile builds (the example named a ``worker`` image
+    nobody builds) and reads the snapshot settings/credentials as deploy/base/workerpool.yaml does."""
+    from substrate.settings import KubernetesSettings
+
+    image = KubernetesSettings().worker_image.rpartition(":")[0]
+    assert image in (ROOT / "Dockerfile").read_text()
+    for c in pool["spec"]["template"]["spec"]["containers"]:
+        assert c["image"].rpartition(":")[0] == image, c["image"]
+        refs = {(k, v["name"]) for e in c.get("envFrom", []) for k, v in e.items() if isinstance(v, dict)}
+        assert {("configMapRef", "substrate-snapshots"), ("secretRef", "substrate-s3")} <= refs, c["name"]
+
+
 def test_actor_templates_name_existing_pools() -> None:
     pools = {p["metadata"]["name"] for p in _find("WorkerPool")}
     for tpl in _find("ActorTemplate"):
