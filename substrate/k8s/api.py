@@ -122,6 +122,11 @@ class Kube:
         return self.call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, "workerpools",
                          name, {"status": status})
 
+    def patch_template_status(self, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch an ActorTemplate's status subresource (its ``Valid`` condition)."""
+        return self.call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, "actortemplates",
+                         name, {"status": status})
+
     def create_object(self, body: dict[str, Any], plural: str) -> dict[str, Any]:
         """Create a namespaced object of a named API group (ResourceClaimTemplate, PodGroup, HPA) through
         the generic path ``/apis/{group}/{version}/namespaces/{ns}/{plural}``; an existing one is kept."""

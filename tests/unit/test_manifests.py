@@ -253,9 +253,11 @@ def test_rbac_is_least_privilege() -> None:
              for g in rule["apiGroups"] for r in rule["resources"]}
     # exactly the verbs substrate/k8s calls (Kube in substrate/k8s/api.py, informers list+watch)
     assert verbs[("", "pods")] == {"create", "delete", "list", "watch"}
-    assert verbs[(models.API_GROUP, "workerpools")] == {"list", "watch", "patch"}, "patch: the finalizer only"
+    assert verbs[(models.API_GROUP, "workerpools")] == {"list", "watch", "patch"}, \
+        "patch: the finalizer, and spec.replicas where it is missing"
     assert verbs[(models.API_GROUP, "actortemplates")] == {"list", "watch"}
     assert verbs[(models.API_GROUP, "workerpools/status")] == {"patch"}
+    assert verbs[(models.API_GROUP, "actortemplates/status")] == {"patch"}, "the Valid condition"
     assert verbs[("coordination.k8s.io", "leases")] == {"get", "create", "patch"}
     assert verbs[("resource.k8s.io", "resourceclaims")] == {"list", "watch"}
     slices = _one("ClusterRole", "substrate-resourceslice-reader")
