@@ -204,6 +204,20 @@ def test_scaling_managed_names_spec_replicas_only_when_the_pool_has_one() -> Non
     assert managed({**auto, "replicas": 3}).endswith("; spec.replicas (3) is not used")
 
 
+def test_the_status_doc_lists_exactly_the_conditions_the_controller_writes() -> None:
+    """docs/kubernetes.md listed Ready, PodsSchedulable, PodsHealthy and ScalingManaged, not the Valid
+    condition the controller also writes (fresh-user review)."""
+    import re
+
+    doc = (ROOT / "docs/kubernetes.md").read_text().split("## Status", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", doc, re.M))
+    spec = {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
+    written = {c["type"] for c in compute(_pool(spec), {"spec": spec}, [], {}, [])["conditions"]}
+    assert listed == written
+    for reason in ("Loaded", "InvalidSpec", "UnknownWorkerPool"):  # KubeCatalog.template_valid, both kinds
+        assert f"`{reason}`" in doc, reason
+
+
 def test_the_workerpool_crd_has_no_replicas_default() -> None:
     """A CRD default is added to every pool, autoscaled ones too (where it is unused); the controller
     fills in the model's default instead (``KubePoolController._default_replicas``)."""
