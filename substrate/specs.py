@@ -112,10 +112,31 @@ def _check_pod_spec(spec: dict[str, Any], seed: bool, warn: list[str]) -> None:
         spec["runtimeClassName"] = spec.pop("runtimeClass")
         warn.append("spec.template.spec.runtimeClass is not a Pod field: did you mean runtimeClassName? "
                     f"(used as runtimeClassName: {spec['runtimeClassName']!r})")
-    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
-        for kind in ("limits", "requests"):
-            for res, q in ((c.get("resources") or {}).get(kind) or {}).items():
-                _quantity(f"container {c.get('name')!r} resources.{kind}.{res}", q)
+    # the pod template is passed through untyped (``dict[str, Any]``): a wrong shape met here is said with
+    # its field path, not as the AttributeError it raises (fresh-user review: `containers: "notalist"`)
+    for key in ("containers", "initContainers"):
+        where = f"spec.template.spec.{key}"
+        items = spec.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            raise ValueError(f"{where}: must be a list (got a {_yaml_type(items)})")
+        for i, c in enumerate(items):
+            if not isinstance(c, dict):
+                raise ValueError(f"{where}[{i}]: must be a mapping (got a {_yaml_type(c)})")
+            res_node = c.get("resources")
+            if res_node is None:
+                continue
+            if not isinstance(res_node, dict):
+                raise ValueError(f"{where}[{i}].resources: must be a mapping (got a {_yaml_type(res_node)})")
+            for kind in ("limits", "requests"):
+                node = res_node.get(kind)
+                if node is None:
+                    continue
+                if not isinstance(node, dict):
+                    raise ValueError(f"{where}[{i}].resources.{kind}: must be a mapping (got a {_yaml_type(node)})")
+                for res, q in node.items():
+                    _quantity(f"container {c.get('name')!r} resources.{kind}.{res}", q)
 
 
 def normalize(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -7,6 +7,12 @@ so a thread per watch and ``asyncio.to_thread`` per call cost nothing that matte
 threads that keep a dict cache per resource and wake the asyncio side with ``call_soon_threadsafe``.
 
 API errors are translated: ``KubeError(status, reason, message)`` from ``ApiException``.
+
+An API server that cannot be reached is said in one warning line without a traceback (``unreachable`` /
+``ApiReachability``): the first time, then at most once a minute while it lasts, and once when it answers
+again. The client makes no retries of its own (urllib3's three retries each logged a "Retrying" warning
+per call): every caller is a loop that tries again anyway. A watch that ends the normal way (its timeout,
+the server closing the stream) is logged at debug; a traceback is kept for unexpected errors only.
 """
 
 from __future__ import annotations
@@ -53,12 +59,75 @@ def make_api_client(settings: Settings) -> Any:
     if url:
         cfg = client.Configuration()
         cfg.host = url.rstrip("/")
-        return client.ApiClient(cfg)
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        cfg = client.Configuration.get_default_copy()
+    # no urllib3 retries: each one logged a "Retrying" warning, and every caller retries in its own loop
+    cfg.retries = 0
+    return client.ApiClient(cfg)
+
+
+#: how often (seconds) an API server that stays unreachable is said again
+UNREACHABLE_REPEAT_S = 60.0
+
+
+def unreachable(e: BaseException) -> str | None:
+    """The reason, if ``e`` means the API server could not be reached (refused, DNS, connect timeout, no
+    route), as one short phrase (``Connection refused``); None for any other error."""
+    import urllib3.exceptions as u3
+
+    cause: BaseException | None = e.reason if isinstance(e, u3.MaxRetryError) and e.reason is not None else e
+    if isinstance(cause, u3.NewConnectionError):
+        text = str(cause.args[-1]) if cause.args else str(cause)
+        # "<HTTPConnection object at 0x..>: Failed to establish a new connection: [Errno 111] Connection refused"
+        return text.rpartition("] ")[2] or text
+    if isinstance(cause, (u3.ConnectTimeoutError, u3.NameResolutionError)):
+        return str(cause.args[-1] if cause.args else cause).rpartition(": ")[2] or type(cause).__name__
+    if isinstance(cause, (ConnectionRefusedError, ConnectionResetError)) or (
+            isinstance(cause, u3.ProtocolError) and isinstance(cause.args[-1] if cause.args else None,
+                                                               ConnectionRefusedError)):
+        return "Connection refused"
+    return None
+
+
+class ApiReachability:
+    """Says that the API server at ``url`` cannot be reached in one warning line (no traceback): the first
+    time, then at most every ``repeat_s`` while it lasts; and once when it answers again. Shared by the
+    lease and every watch of a process (``REACHABILITY``), so they do not each say it."""
+
+    def __init__(self, repeat_s: float = UNREACHABLE_REPEAT_S) -> None:
+        self.repeat_s = repeat_s
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._said = 0.0
+
+    def failed(self, url: str, reason: str, retry_s: float) -> None:
+        """Record one failed attempt; logs when it is the first or ``repeat_s`` passed since the last line."""
+        now = time.monotonic()
+        with self._lock:
+            first = self._since is None
+            if first:
+                self._since = now
+            elif now - self._said < self.repeat_s:
+                return
+            self._said = now
+            since = now - (self._since or now)
+        more = "" if first else f" (for {since:.0f} s)"
+        log.warning(f"cannot reach the Kubernetes API at {url}: {reason}; retrying every {retry_s:g} s{more}")
+
+    def ok(self, url: str) -> None:
+        """Record a successful call; says so once if the server was unreachable."""
+        with self._lock:
+            was = self._since
+            self._since = None
+        if was is not None:
+            log.warning(f"the Kubernetes API at {url} answers again")
+
+
+REACHABILITY = ApiReachability()
 
 
 def config_problem(settings: Settings) -> str | None:
@@ -93,6 +162,11 @@ class Kube:
         self.coordination = client.CoordinationV1Api(api_client)
         self.resource = client.ResourceV1Api(api_client)
 
+    @property
+    def url(self) -> str:
+        """The API server's URL (for log lines)."""
+        return str(getattr(self.api_client.configuration, "host", "") or "")
+
     def raw(self, obj: Any) -> dict[str, Any]:
         """A client model as the API's JSON dict (camelCase)."""
         return obj if isinstance(obj, dict) else self.api_client.sanitize_for_serialization(obj)
@@ -120,6 +194,11 @@ class Kube:
 
     def patch_pool_status(self, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         return self.call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, "workerpools",
+                         name, {"status": status})
+
+    def patch_template_status(self, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch an ActorTemplate's status subresource (its ``Valid`` condition)."""
+        return self.call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, "actortemplates",
                          name, {"status": status})
 
     def create_object(self, body: dict[str, Any], plural: str) -> dict[str, Any]:
@@ -221,6 +300,7 @@ class Informer:
                 listing = self.kube.raw(self.list_fn(self.namespace, **self._kw()))
                 self.items = {o["metadata"]["name"]: o for o in listing.get("items") or []}
                 rv = (listing.get("metadata") or {}).get("resourceVersion")
+                REACHABILITY.ok(self.kube.url)
                 self.synced.set()
                 self._notify()
                 w = watch.Watch()
@@ -244,9 +324,26 @@ class Informer:
                         self.items[name] = obj
                     self._notify()
                 backoff = 0.2
-            except Exception:  # noqa: BLE001 - a watch never dies: relist after a back-off
+            except Exception as e:  # noqa: BLE001 - a watch never dies: relist after a back-off
                 if self._stop.is_set():
                     return
-                log.info("watch restarted", extra={"informer": self.name}, exc_info=True)
+                why = unreachable(e)
+                if why is not None:
+                    REACHABILITY.failed(self.kube.url, why, 5.0)
+                elif _normal_watch_end(e):
+                    log.debug("watch restarted", extra={"informer": self.name, "error": str(e)[:200]})
+                else:
+                    log.info("watch restarted", extra={"informer": self.name}, exc_info=True)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+
+def _normal_watch_end(e: BaseException) -> bool:
+    """A watch that ended the way watches end: the read timed out, the server closed the stream (an
+    apiserver ends each watch after its timeout), or ``410 Gone`` (the resourceVersion expired)."""
+    import urllib3.exceptions as u3
+
+    if isinstance(e, (u3.ReadTimeoutError, u3.ProtocolError, u3.IncompleteRead, TimeoutError)):
+        return True
+    status = getattr(e, "status", None)
+    return status == 410

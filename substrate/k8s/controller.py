@@ -14,7 +14,14 @@
   - per-pool objects: the ResourceClaimTemplate compiled from ``spec.accelerators`` and the gang PodGroup
     (``substrate.k8s.dra``; its ``minCount`` follows the pool's desired worker count as it scales), and a
     HorizontalPodAutoscaler when ``spec.autoscaling.metrics`` is set;
-  - status through the status subresource (``substrate.k8s.status``), written only when it changed.
+  - status through the status subresource (``substrate.k8s.status``), written only when it changed; a
+    WorkerPool that does not load gets ``Valid=False InvalidSpec`` with the loader's message;
+  - every ActorTemplate gets a ``Valid`` condition in its status, also written only when it changed: True
+    ``Loaded``, or False ``InvalidSpec`` (the loader's message) or ``UnknownWorkerPool`` (its
+    ``workerPool`` names no pool that loaded; logged once, as ``substrate up`` refuses such a template);
+  - ``spec.replicas`` defaulting: the CRD has none (the API server would add it to autoscaled pools too,
+    where it is unused), so a pool without one that the built-in autoscaler does not size gets the model's
+    default (2, as a file's pool) written once, which ``/scale`` needs.
 * Replica count: without ``spec.autoscaling`` (or with HPA ``metrics``) the count is ``spec.replicas``, which
   ``/scale`` writes (``kubectl scale``, HPA, KEDA); with the built-in autoscaling the slot autoscaler decides
   between min and max and ``spec.replicas`` is ignored (the ``ScalingManaged`` condition says so). One writer
@@ -37,6 +44,7 @@ from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
 from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
 from substrate.pool import PoolController, desired_replicas
 from substrate.settings import Settings
+from substrate.errors import InvalidInput
 from substrate.specs import Catalog, SpecError, load_documents
 
 log = logging.getLogger(__name__)
@@ -64,6 +72,8 @@ class KubeCatalog:
         self.raw_pools: dict[str, dict[str, Any]] = {}
         self.deleting: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
+        #: templates that load but name a pool the catalog lacks: name -> message (as ``substrate up`` says it)
+        self.unknown_pools: dict[str, str] = {}
         self._warned: set[tuple[str, Any]] = set()
         for inf in (self.pools, self.templates):
             inf.add_listener(self.rebuild)
@@ -111,6 +121,27 @@ class KubeCatalog:
         self.catalog.pools.update(pools)
         self.catalog.templates.clear()
         self.catalog.templates.update(templates)
+        unknown: dict[str, str] = {}
+        # judged only once both lists arrived: templates listed before the pools would all read as unknown
+        if self.pools.synced.is_set() and self.templates.synced.is_set():
+            for name, t in templates.items():
+                try:
+                    self.catalog.pool_for(t)
+                except InvalidInput as e:
+                    unknown[name] = e.message
+        for n, msg in unknown.items():
+            if self.unknown_pools.get(n) != msg:  # once, not on every rebuild
+                log.warning(msg, extra={"object": f"ActorTemplate/{n}"})
+        self.unknown_pools = unknown
+
+    def template_valid(self, name: str) -> tuple[bool, str, str]:
+        """The ``Valid`` condition of ActorTemplate ``name``: (ok, reason, message)."""
+        err = self.errors.get(f"ActorTemplate/{name}")
+        if err is not None:
+            return False, "InvalidSpec", err
+        if name in self.unknown_pools:
+            return False, "UnknownWorkerPool", self.unknown_pools[name]
+        return True, "Loaded", "spec loaded"
 
 
 class KubePoolController(PoolController):
@@ -126,6 +157,7 @@ class KubePoolController(PoolController):
         self._ensured: dict[str, str] = {}
         self._finalizing: set[str] = set()
         self._last_status: dict[str, dict[str, Any]] = {}
+        self._last_template_status: dict[str, dict[str, Any]] = {}
         self._rolling: set[str] = set()
         #: gang pools: the PodGroup minCount last written, per pool
         self._gang_min: dict[str, int] = {}
@@ -178,9 +210,15 @@ class KubePoolController(PoolController):
     async def tick(self) -> None:
         for name, raw in list(self.kcat.raw_pools.items()):
             try:
+                await self._default_replicas(name, raw)
                 await self._ensure_pool_objects(name, raw)
             except Exception:  # noqa: BLE001 - a control loop never dies
                 log.warning("ensuring pool objects failed", extra={"pool": name}, exc_info=True)
+        for name, raw in list(self.kcat.templates.items.items()):
+            try:
+                await self._template_status(name, raw)
+            except Exception:  # noqa: BLE001 - a control loop never dies
+                log.warning("template status failed", extra={"template": name}, exc_info=True)
         for name, raw in list(self.kcat.deleting.items()):
             if name not in self._finalizing:
                 self._finalizing.add(name)
@@ -201,6 +239,42 @@ class KubePoolController(PoolController):
                 except Exception:  # noqa: BLE001 - a control loop never dies
                     log.warning("pool step failed", extra={"pool": pool.name, "step": step.__name__},
                                 exc_info=True)
+
+    async def _default_replicas(self, name: str, raw: dict[str, Any]) -> None:
+        """Write the model's default ``spec.replicas`` into a pool that has none and is not sized by the
+        built-in autoscaler. The CRD has no default (the API server would add it to autoscaled pools too,
+        where it is not used); without a value ``/scale`` cannot be read (``kubectl scale``, the HPA of
+        ``autoscaling.metrics``). The ``resourceVersion`` precondition loses to a concurrent writer (409:
+        retried next tick, by when the pool has its own value)."""
+        meta = raw.get("metadata") or {}
+        spec = raw.get("spec")
+        if meta.get("deletionTimestamp") or not isinstance(spec, dict) or "replicas" in spec:
+            return
+        auto = spec.get("autoscaling")
+        if isinstance(auto, dict) and not auto.get("metrics"):
+            return
+        if name not in self.catalog.pools:
+            return  # a pool that does not load gets its Valid=False status, not a spec write
+        replicas = WorkerPoolSpec.model_fields["replicas"].default
+        await self._api(self.kube.patch_pool, self.namespace, name,
+                        {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "spec": {"replicas": replicas}})
+        log.info("spec.replicas defaulted", extra={"pool": name, "replicas": replicas})
+
+    async def _template_status(self, name: str, raw: dict[str, Any]) -> None:
+        """An ActorTemplate's ``Valid`` condition (``KubeCatalog.template_valid``), written to its status
+        subresource only when it changed (not every round)."""
+        meta = raw.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            return
+        ok, reason, message = self.kcat.template_valid(name)
+        old = raw.get("status") or {}
+        gen = int(meta.get("generation") or 1)
+        cond = kstatus.condition("Valid", ok, reason, message[:1000], old.get("conditions") or [], gen)
+        new = {**old, "observedGeneration": gen, "conditions": [cond]}
+        if old == new or self._last_template_status.get(name) == new:
+            return
+        await self._api(self.kube.patch_template_status, self.namespace, name, new)
+        self._last_template_status[name] = new
 
     async def _ensure_pool_objects(self, name: str, raw: dict[str, Any]) -> None:
         meta = raw.get("metadata") or {}

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from substrate.k8s.api import Kube, KubeError
+from substrate.k8s.api import REACHABILITY, Kube, KubeError, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,16 @@ class LeaderElector:
 
     async def run(self) -> None:
         while True:
+            wait_s = self.renew_s if self.is_leader else min(self.renew_s, self.duration_s / 3)
             try:
                 ok = await asyncio.to_thread(self.try_acquire_or_renew)
-            except Exception:  # noqa: BLE001 - the API may be briefly away; the lease covers it
-                log.warning("lease attempt failed", exc_info=True)
+                REACHABILITY.ok(self.kube.url)
+            except Exception as e:  # noqa: BLE001 - the API may be briefly away; the lease covers it
+                why = unreachable(e)
+                if why is not None:  # one line, at most once a minute: not a traceback every attempt
+                    REACHABILITY.failed(self.kube.url, why, wait_s)
+                else:
+                    log.warning("lease attempt failed", exc_info=True)
                 ok = False
             now = time.monotonic()
             if ok:

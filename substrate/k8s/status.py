@@ -61,9 +61,13 @@ def compute(pool: WorkerPool, raw: dict[str, Any], workers: list[WorkerRecord], 
                   backoff[0].message if backoff else "no worker Pod failed recently", previous, generation),
     ]
     if a is not None and not a.metrics:
+        # spec.replicas is named only when the pool has one: the model's default was reported as "not
+        # used" for a pool that never set it (fresh-user review)
+        written = ((raw.get("spec") or {}).get("replicas") if isinstance(raw.get("spec"), dict) else None)
+        unused = f"; spec.replicas ({written}) is not used" if written is not None else ""
         conds.append(condition("ScalingManaged", True, "SlotAutoscaler",
-                               f"spec.autoscaling decides between {a.minReplicas} and {a.maxReplicas} workers; "
-                               f"spec.replicas ({pool.spec.replicas}) is not used", previous, generation))
+                               f"spec.autoscaling decides between {a.minReplicas} and {a.maxReplicas} "
+                               f"workers{unused}", previous, generation))
     return {
         "replicas": len(live),
         "readyReplicas": len(ready),

@@ -190,6 +190,42 @@ def test_condition_transition_time_moves_only_when_status_changes() -> None:
     assert ready["status"] == "False" and ready["lastTransitionTime"] != "2020-01-01T00:00:00Z"
 
 
+def test_scaling_managed_names_spec_replicas_only_when_the_pool_has_one() -> None:
+    """The CRD used to default spec.replicas to 2, so an autoscaled pool that never set it was told
+    "spec.replicas (2) is not used" (fresh-user review); the default is gone and the message names the
+    field only when it is written."""
+    auto = {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
+
+    def managed(spec: dict[str, Any]) -> str:
+        st = compute(_pool(spec), {"metadata": {"generation": 1}, "spec": spec}, [], {}, [])
+        return next(c["message"] for c in st["conditions"] if c["type"] == "ScalingManaged")
+
+    assert managed(auto) == "spec.autoscaling decides between 1 and 4 workers"
+    assert managed({**auto, "replicas": 3}).endswith("; spec.replicas (3) is not used")
+
+
+def test_the_status_doc_lists_exactly_the_conditions_the_controller_writes() -> None:
+    """docs/kubernetes.md listed Ready, PodsSchedulable, PodsHealthy and ScalingManaged, not the Valid
+    condition the controller also writes (fresh-user review)."""
+    import re
+
+    doc = (ROOT / "docs/kubernetes.md").read_text().split("## Status", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", doc, re.M))
+    spec = {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
+    written = {c["type"] for c in compute(_pool(spec), {"spec": spec}, [], {}, [])["conditions"]}
+    assert listed == written
+    for reason in ("Loaded", "InvalidSpec", "UnknownWorkerPool"):  # KubeCatalog.template_valid, both kinds
+        assert f"`{reason}`" in doc, reason
+
+
+def test_the_workerpool_crd_has_no_replicas_default() -> None:
+    """A CRD default is added to every pool, autoscaled ones too (where it is unused); the controller
+    fills in the model's default instead (``KubePoolController._default_replicas``)."""
+    crd = yaml.safe_load((ROOT / "deploy/crds/substrate.agent.dev_workerpools.yaml").read_text())
+    replicas = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["replicas"]
+    assert "default" not in replicas
+
+
 def test_gpu_memory_from_claim_allocation_and_resource_slices() -> None:
     from substrate.k8s.gpu import device_memory, pool_gpu_memory
 

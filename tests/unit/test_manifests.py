@@ -202,6 +202,28 @@ def test_worker_pool_references_exist(pool: dict[str, Any]) -> None:
         _one("ServiceAccount", sa)
 
 
+def test_deploy_comments_name_files_that_exist() -> None:
+    """A fresh-user review: the example's header said to apply ``deploy/rbac.yaml``, which is
+    ``deploy/base/rbac.yaml``."""
+    for path in _yaml_files():
+        for ref in re.findall(r"\bdeploy/[A-Za-z0-9_./-]*[A-Za-z0-9_/-]", path.read_text()):
+            assert (ROOT / ref).exists(), f"{path.relative_to(ROOT)} names {ref}, which does not exist"
+
+
+@pytest.mark.parametrize("pool", _find("WorkerPool"), ids=lambda p: p["metadata"]["name"])
+def test_worker_pools_run_the_image_we_build_with_the_snapshot_settings(pool: dict[str, Any]) -> None:
+    """Every shipped pool runs the one image the Dockerfile builds (the example named a ``worker`` image
+    nobody builds) and reads the snapshot settings/credentials as deploy/base/workerpool.yaml does."""
+    from substrate.settings import KubernetesSettings
+
+    image = KubernetesSettings().worker_image.rpartition(":")[0]
+    assert image in (ROOT / "Dockerfile").read_text()
+    for c in pool["spec"]["template"]["spec"]["containers"]:
+        assert c["image"].rpartition(":")[0] == image, c["image"]
+        refs = {(k, v["name"]) for e in c.get("envFrom", []) for k, v in e.items() if isinstance(v, dict)}
+        assert {("configMapRef", "substrate-snapshots"), ("secretRef", "substrate-s3")} <= refs, c["name"]
+
+
 def test_actor_templates_name_existing_pools() -> None:
     pools = {p["metadata"]["name"] for p in _find("WorkerPool")}
     for tpl in _find("ActorTemplate"):
@@ -231,9 +253,11 @@ def test_rbac_is_least_privilege() -> None:
              for g in rule["apiGroups"] for r in rule["resources"]}
     # exactly the verbs substrate/k8s calls (Kube in substrate/k8s/api.py, informers list+watch)
     assert verbs[("", "pods")] == {"create", "delete", "list", "watch"}
-    assert verbs[(models.API_GROUP, "workerpools")] == {"list", "watch", "patch"}, "patch: the finalizer only"
+    assert verbs[(models.API_GROUP, "workerpools")] == {"list", "watch", "patch"}, \
+        "patch: the finalizer, and spec.replicas where it is missing"
     assert verbs[(models.API_GROUP, "actortemplates")] == {"list", "watch"}
     assert verbs[(models.API_GROUP, "workerpools/status")] == {"patch"}
+    assert verbs[(models.API_GROUP, "actortemplates/status")] == {"patch"}, "the Valid condition"
     assert verbs[("coordination.k8s.io", "leases")] == {"get", "create", "patch"}
     assert verbs[("resource.k8s.io", "resourceclaims")] == {"list", "watch"}
     slices = _one("ClusterRole", "substrate-resourceslice-reader")
@@ -397,6 +421,8 @@ CEL_RULES: dict[str, typing.Callable[[dict[str, Any]], bool]] = {
         lambda s: s.get("minReplicas", 1) <= s.get("maxReplicas", 10),
     "has(self.entrypoint) || has(self.command) || has(self.container)":
         lambda s: any(k in s for k in ("entrypoint", "command", "container")),
+    "!(has(self.entrypoint) && has(self.command))":
+        lambda s: not ("entrypoint" in s and "command" in s),
 }
 
 
@@ -536,6 +562,17 @@ def test_crd_schema_and_model_agree(kind: str, path: str, value: Any, valid: boo
     schema_errs, model_errs = _schema_errors(doc), _model_errors(doc)
     assert (not schema_errs) is valid, schema_errs
     assert (not model_errs) is valid, model_errs
+
+
+@needs_jsonschema
+def test_crd_refuses_an_entrypoint_and_a_command_as_the_loader_does() -> None:
+    """The loader refuses a template with both (``ActorTemplateSpec.model_post_init``); the API server's
+    CEL rule did not (fresh-user review), so such a template was admitted and then never loaded."""
+    base = next(d for _, d in CUSTOM_RESOURCES if d["kind"] == "ActorTemplate" and "entrypoint" in d["spec"])
+    both = _mutate(base, "spec.command", ["python", "-m", "agent"])
+    assert ".spec: an ActorTemplate sets spec.entrypoint or spec.command, not both" in _schema_errors(both)
+    assert _model_errors(both)
+    assert _schema_errors(base) == []
 
 
 @needs_jsonschema

@@ -28,6 +28,15 @@ def _write(cfg: Path, case: str) -> Path:
     elif case == "pool template as a list":
         bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
                        "spec: {template: [1, 2]}\n")
+    elif case == "containers as a string":
+        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
+                       "spec: {template: {spec: {containers: notalist}}}\n")
+    elif case == "a container as a string":
+        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
+                       "spec: {template: {spec: {containers: [{name: w, image: i}], initContainers: [x]}}}\n")
+    elif case == "limits as a list":
+        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
+                       "spec: {template: {spec: {containers: [{name: w, resources: {limits: [1]}}]}}}\n")
     elif case == "empty metadata":
         bad.write_text(HEAD + "metadata:\nspec: {entrypoint: 'workers.agents.counter:Counter'}\n")
     elif case == "not UTF-8":
@@ -41,6 +50,13 @@ CASES = {
     "spec as a list": "document 1 (ActorTemplate): spec: must be a mapping (field: value), not a list",
     "isolation as a string": "document 1 (ActorTemplate): spec.isolation: must be a mapping (field: value), not a string",
     "pool template as a list": "document 2 (WorkerPool): spec.template: ",
+    # the pod template is untyped in the model: these were "a field has the wrong type ('str' object has no
+    # attribute 'get')", naming no field (fresh-user review)
+    "containers as a string": "document 2 (WorkerPool): spec.template.spec.containers: must be a list (got a string)",
+    "a container as a string": "document 2 (WorkerPool): spec.template.spec.initContainers[0]: must be a mapping "
+                               "(got a string)",
+    "limits as a list": "document 2 (WorkerPool): spec.template.spec.containers[0].resources.limits: must be a "
+                        "mapping (got a list)",
     "empty metadata": "document 1 (ActorTemplate): metadata.name: Field required",
     "not UTF-8": ": not UTF-8 text (byte 0xff at offset 0)",
     "symlink loop": ": cannot be read: Too many levels of symbolic links",
