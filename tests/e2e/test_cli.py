@@ -389,12 +389,17 @@ def test_a_second_runtime_on_the_same_data_folder_is_refused_with_an_external_re
     data folder (only the embedded Redis locked its folder); the second's local snapshot store was then
     fenced (another directory's marker) and the two shared the workers' folders."""
     rt = runtime_factory(replicas=1, slots=2)
-    env = {**rt.env, "SUBSTRATE_REDIS__KEY_PREFIX": f"other{uuid.uuid4().hex[:8]}"}
+    other = f"other{uuid.uuid4().hex[:8]}"
+    env = {**rt.env, "SUBSTRATE_REDIS__KEY_PREFIX": other}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = subprocess.run([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    try:
+        p = subprocess.run([sys.executable, "-m", "substrate.cli", "up", "--port", str(port)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    finally:  # the refused start recorded its (empty) directory's snapshot store: left on the shared Redis
+        for key in rt.r.scan_iter(f"{other}:*"):
+            rt.r.delete(key)
     assert p.returncode == 2, p.stderr
     assert f"workers folder {rt.env['SUBSTRATE_WORKER__ROOT_DIR']} is in use by another runtime (Redis " \
            f"{rt.redis_url}, key prefix {rt.prefix!r})" in p.stderr, p.stderr
