@@ -448,7 +448,7 @@ async def invoke(request: Request) -> Response:
         if sent_key is not None and not sent_key.strip():
             # an empty key fell back to the request ID silently (a fresh-user run): a client that meant to
             # send one (a variable left empty) would get no retry safety across requests without knowing
-            raise InvalidInput("Idempotency-Key is empty: send a key unique per turn, or no header",
+            raise InvalidInput("Idempotency-Key is empty or blank: send a key unique per turn, or no header",
                                code="invalid_idempotency_key")
         if not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidInput(

@@ -4,7 +4,8 @@
         s = c.create_session("counter")
         c.invoke(s["id"], "increment")        # -> {"count": 1}
 
-Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``.
+Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``; a server
+that cannot be reached raises ``httpx.TransportError`` (after the retries a turn gets).
 
 An answer that comes from an older state than the session had (its worker was lost, its agent restarted,
 a snapshot was corrupt: the API's ``X-Substrate-Restored``) is not silent here either: ``invoke`` and
@@ -158,7 +159,8 @@ def checked_idempotency_key(key: str | None) -> str | None:
     if key is None or IDEMPOTENCY_KEY_RE.fullmatch(key) and key.strip():
         return key
     if not key.strip():
-        raise ApiError(422, "invalid_idempotency_key", "Idempotency-Key is empty: give a key unique per turn, or none")
+        raise ApiError(422, "invalid_idempotency_key",
+                       "Idempotency-Key is empty or blank: give a key unique per turn, or none")
     if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
         raise ApiError(422, "invalid_idempotency_key", f"Idempotency-Key is over {MAX_IDEMPOTENCY_KEY_CHARS} characters")
     bad = next(i for i, ch in enumerate(key) if not " " <= ch <= "~")
@@ -210,6 +212,13 @@ def server_url_problem(url: str) -> str | None:
         return "names no host: e.g. http://127.0.0.1:8080"
     if any(c.isspace() for c in url):
         return "has a space in it"
+    # the client adds /v1/...: a URL ending in /v1 made every call /v1/v1/... (404), and a query or a
+    # fragment was dropped from every call (fresh-user tester 52); a path before it is kept (a reverse
+    # proxy's prefix)
+    if u.query or u.fragment or "#" in url:
+        return "has a query or a fragment: give the server's base URL, e.g. http://127.0.0.1:8080"
+    if u.path.rstrip("/").endswith("/v1"):
+        return f"ends in /v1, which every call adds: use {url.rstrip('/')[:-3] or url}"
     return None
 
 
@@ -374,7 +383,8 @@ class SubstrateClient:
 
     def resume(self, sid: str, *, worker: str | None = None) -> dict[str, Any]:
         """Wake a session now; ``worker`` pins it to one worker."""
-        return self._req("POST", _session_path(sid) + "/resume", json={"worker": worker} if worker else None)
+        # an empty name is sent (the API refuses it), not dropped: the pin silently went (tester 52)
+        return self._req("POST", _session_path(sid) + "/resume", json={"worker": worker} if worker is not None else None)
 
     def delete_session(self, sid: str) -> None:
         self._req("DELETE", _session_path(sid))

@@ -3,6 +3,7 @@ run: `substrate sessions delete ''` printed "deleted" because DELETE /v1/session
 
 from __future__ import annotations
 
+import json
 import httpx
 import pytest
 
@@ -89,6 +90,11 @@ def test_a_server_url_without_a_scheme_says_which_to_use() -> None:
     ("http://", "names no host"),
     ("http://:80", "names no host"),
     ("http://a b", "has a space in it"),
+    # fresh-user tester 52: every call went to /v1/v1/... (404 no route), or dropped the query
+    ("http://127.0.0.1:8080/v1", "ends in /v1, which every call adds: use http://127.0.0.1:8080"),
+    ("http://h/proxy/v1/", "ends in /v1, which every call adds: use http://h/proxy"),
+    ("http://127.0.0.1:8080?x=1", "has a query or a fragment"),
+    ("http://127.0.0.1:8080/#top", "has a query or a fragment"),
 ])
 def test_a_server_url_that_names_no_server_is_a_bad_argument_of_the_cli(url: str, says: str) -> None:
     """Fresh-user round 11: ``--server notaurl`` printed ``error 400 invalid_server_url`` (it read as an
@@ -170,3 +176,19 @@ def test_a_create_body_that_is_not_json_is_refused_before_anything_is_sent() -> 
         assert (e.value.status, e.value.code) == (422, "invalid_input") and "body" in str(e.value)
     assert sent == []
     assert c.create_session("t", env={"A": "1"})["id"] == "s1"
+
+
+def test_a_path_prefix_is_kept_and_an_empty_worker_pin_is_sent() -> None:
+    """A reverse proxy's path prefix stays in every call; ``resume(worker="")`` sends the empty name (the
+    API refuses it) instead of dropping the pin (fresh-user tester 52: it resumed on any worker)."""
+    seen: list[tuple[str, bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.content))
+        return httpx.Response(202, json={"id": "s1", "state": "RUNNING"})
+
+    c = SubstrateClient("http://h/proxy", transport=httpx.MockTransport(handler))
+    c.resume("s1", worker="")
+    c.resume("s1")
+    assert seen[0][0] == "/proxy/v1/sessions/s1/resume" and json.loads(seen[0][1]) == {"worker": ""}
+    assert seen[1][1] == b""
