@@ -190,7 +190,21 @@ class RuntimeProc:
         self.replicas = replicas
         self.shared = share_with is not None
         try:
-            self._wait_ready(workers=wait_workers)
+            for attempt in range(3):
+                try:
+                    self._wait_ready(workers=wait_workers)
+                    break
+                except RuntimeError as e:
+                    # the port picked was bound by another process between the pick and `up`'s bind (two
+                    # pickers in parallel test processes chose it: a full-suite run's "cannot listen on
+                    # 127.0.0.1:61064: Address already in use"): pick another, start again
+                    if attempt == 2 or f"cannot listen on 127.0.0.1:{self.port}: Address already in use" not in str(e):
+                        raise
+                    self.client.close()
+                    self.port = free_port()
+                    self.url = f"http://127.0.0.1:{self.port}"
+                    self.client = SubstrateClient(self.url, timeout_s=30)
+                    self.proc = self._spawn()
         except BaseException:
             self.stop()  # never handed to the factory: nothing else would stop it (it leaked, serving)
             raise
