@@ -40,11 +40,11 @@ from substrate import metrics
 from substrate.k8s import dra, gpu, status as kstatus
 from substrate.k8s.api import GROUP, VERSION, Informer, Kube, KubeError
 from substrate.loops import cancel_and_wait
+from substrate.errors import InvalidInput
 from substrate.k8s.pods import HASH_LABEL, owner_reference, template_hash
 from substrate.models import ActorTemplate, WarmPool, WorkerPool, WorkerPoolSpec, WorkerState
 from substrate.pool import PoolController, desired_replicas
 from substrate.settings import Settings
-from substrate.errors import InvalidInput
 from substrate.specs import Catalog, SpecError, load_documents
 
 log = logging.getLogger(__name__)
