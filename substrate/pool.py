@@ -626,10 +626,13 @@ class PoolController:
         if a is not None and not a.metrics:
             # as the Kubernetes status says it (substrate.k8s.status): the spec shows a replicas the slot
             # autoscaler does not use (tester 49 read `spec.replicas: 2` on an autoscaled pool)
+            # spec.replicas is named only when the pool's YAML set it, as the Kubernetes status does
+            unused = (f"; spec.replicas ({pool.spec.replicas}) is not used"
+                      if "replicas" in pool.spec.model_fields_set else "")
             st.conditions.append(Condition(
                 type="ScalingManaged", status="True", reason="SlotAutoscaler",
-                message=f"spec.autoscaling decides between {a.minReplicas} and {a.maxReplicas} workers; "
-                        f"spec.replicas ({pool.spec.replicas}) is not used").since(previous))
+                message=f"spec.autoscaling decides between {a.minReplicas} and {a.maxReplicas} workers"
+                        f"{unused}").since(previous))
 
     async def _create_workers(self, pool: WorkerPool, st: _PoolState, n: int) -> None:
         """Create ``n`` workers, up to the backend's ``create_concurrency`` (default 1) at once. Every

@@ -131,6 +131,13 @@ async def test_an_autoscaled_pool_says_its_replicas_is_not_used(d) -> None:
     managed = [c for c in pc.conditions("gpus") if c.type == "ScalingManaged"]
     assert [(c.status, c.reason, c.message) for c in managed] == [
         ("True", "SlotAutoscaler", "spec.autoscaling decides between 1 and 3 workers; spec.replicas (2) is not used")]
+    # a pool whose YAML sets no replicas is not told that the model's default is unused
+    docs2 = [{"kind": "WorkerPool", "metadata": {"name": "auto"},
+              "spec": {"slots": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}}]
+    pc2 = PoolController(Settings(), d, load_documents(docs2), Backend([]), None, scale_down_delay_s=600)
+    await pc2.tick()
+    assert [c.message for c in pc2.conditions("auto") if c.type == "ScalingManaged"] == [
+        "spec.autoscaling decides between 1 and 3 workers"]
     managed[0].lastTransitionTime = "2020-01-01T00:00:00Z"
     await pc.tick()
     assert next(c for c in pc.conditions("gpus") if c.type == "ScalingManaged").lastTransitionTime == \
