@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from substrate.client import ApiError, SubstrateClient
+from substrate.client import ApiError, SubstrateClient, checked_idempotency_key
 
 app = typer.Typer(help="Agent session runtime: many bursty, stateful agent sessions on few warm workers.",
                   no_args_is_help=True, add_completion=False)
@@ -1120,32 +1120,49 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
     if input == "-":
         input = _stdin_input()
     value = _input_value(input, text_only=text)
+    # the key is made here, so a command cut off can name it: the turn may still run (or have run) on the
+    # server, and a resend with it is answered from the kept answer, never run twice (fresh-user testers
+    # 50 and 53: Ctrl-C said nothing, and a server stopped mid-turn read as "cannot reach the API")
+    if idempotency_key is not None:
+        _run(lambda: checked_idempotency_key(idempotency_key))  # `-k ''` was taken as no key (tester 53)
+    key = idempotency_key if idempotency_key is not None else uuid.uuid4().hex
+    auto = idempotency_key is None
     with _client(server, token) as c:
         if stream:
             # each chunk as it arrives (``list(...)`` printed them all only after the turn ended: a
             # fresh-user run); an error mid-stream is one line after the chunks before it. A streamed turn
             # is not retried here, so it always carries a key the error line can name for a resend
-            key = idempotency_key or uuid.uuid4().hex
-            chunks = iter(c.invoke_stream(sid, value, idempotency_key=key, key_is_auto=idempotency_key is None,
+            chunks = iter(c.invoke_stream(sid, value, idempotency_key=key, key_is_auto=auto,
                                           on_answer=lambda a: _answer_notes(sid, a)))
             end = object()
-            while (chunk := _run(lambda: _next_chunk(chunks, end, key))) is not end:
+            while (chunk := _run(lambda: _resend_hint(key, lambda: _next_chunk(chunks, end, key)))) is not end:
                 _print(chunk)
         else:
-            # the key is made here, so an interrupted command can name it: the turn may still run on the
-            # server, and a resend with it is answered from the kept answer, never run twice (Ctrl-C said
-            # nothing, and the automatic key was the SDK's own: fresh-user tester 50)
-            key = idempotency_key or uuid.uuid4().hex
-            try:
-                answer = _run(lambda: c.invoke_answer(sid, value, idempotency_key=key,
-                                                      key_is_auto=idempotency_key is None))
-            except KeyboardInterrupt:
-                err.print(f"interrupted: the turn may still run on the server; to get its answer without running "
-                          f"it twice, send it again with -k {escape(key)}", soft_wrap=True, highlight=False)
-                raise typer.Exit(130) from None
+            answer = _run(lambda: _resend_hint(key, lambda: c.invoke_answer(sid, value, idempotency_key=key,
+                                                                           key_is_auto=auto)))
             _answer_notes(sid, answer)
             for out in answer.output if answer.streamed else [answer.output]:
                 _print(out)  # a streamed turn's replay: its chunks, as --stream prints them
+
+
+def _resend_hint(key: str, fn: Any) -> Any:
+    """``fn()`` for one turn sent with Idempotency-Key ``key``. Interrupted (Ctrl-C): one line naming the key,
+    exit 130. A failure after which the turn may have run (the server unreachable or gone mid-turn, a 502,
+    503 or 504 such as ``router_stopping``): a note naming the key first, then the error as usual (raised
+    on to ``_run``). A resend with the key is always safe: a turn that ran is answered from its kept answer."""
+    import httpx
+
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        err.print(f"interrupted: the turn may still run on the server; to get its answer without running "
+                  f"it twice, send it again with -k {escape(key)}", soft_wrap=True, highlight=False)
+        raise typer.Exit(130) from None
+    except (httpx.TransportError, ApiError) as e:
+        if isinstance(e, httpx.TransportError) or e.status in (502, 503, 504) and not e.details.get("mid_stream"):
+            err.print(f"note: the turn may have run on the server: send it again with -k {escape(key)} (a turn "
+                      "that ran is answered from its kept answer, never run twice)", soft_wrap=True, highlight=False)
+        raise
 
 
 def _next_chunk(chunks: Any, end: object, key: str) -> Any:

@@ -13,15 +13,19 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT
 
 
-def test_an_interrupted_invoke_names_its_key_and_a_resend_with_it_does_not_run_the_turn_twice(shared_runtime):
+@pytest.mark.parametrize("stream", [False, True])  # tester 53: --stream said nothing on Ctrl-C
+def test_an_interrupted_invoke_names_its_key_and_a_resend_with_it_does_not_run_the_turn_twice(shared_runtime,
+                                                                                            stream: bool):
     c = shared_runtime.client
     sid = c.create_session("counter")["id"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
     env["SUBSTRATE_SERVER"] = shared_runtime.url
-    cli = [sys.executable, "-m", "substrate.cli", "sessions", "invoke", sid]
+    cli = [sys.executable, "-m", "substrate.cli", "sessions", "invoke", sid, *(["--stream"] if stream else [])]
     p = subprocess.Popen([*cli, json.dumps({"op": "increment", "work_s": 3})], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.5)  # the turn is running on the worker (it takes 3 s)

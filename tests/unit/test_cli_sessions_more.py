@@ -207,3 +207,35 @@ def test_arguments_the_api_refuses_exit_2_like_those_the_cli_refuses(monkeypatch
     r = CliRunner().invoke(app, ["sessions", "list", "--tenant", "BAD"], env={"COLUMNS": "300"})
     assert r.exit_code == exit_code, r.output
     assert f"error {status} {code}: refused" in r.output
+
+
+def test_an_invoke_that_cannot_reach_the_server_names_the_key_to_resend_with() -> None:
+    """Fresh-user tester 53: a server stopped mid-turn answered 503 router_stopping ("the turn may have
+    run: retry with the same Idempotency-Key"), the SDK's retries then found it gone, and the CLI said
+    only "cannot reach the API", with no key; the turn had run. The CLI makes the key, and names it."""
+    import re
+    import socket
+
+    from typer.testing import CliRunner
+
+    from substrate.cli import app
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s1", "get", "--server", f"http://127.0.0.1:{port}"],
+                           env={"COLUMNS": "400"})
+    assert r.exit_code == 1, r.output
+    assert re.search(r"note: the turn may have run on the server: send it again with -k [0-9a-f]{32} ", r.output), r.output
+    assert "cannot reach the API" in r.output
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_idempotency_key_is_refused_not_taken_as_none(key: str) -> None:
+    """Fresh-user tester 53: ``-k ''`` was silently no key, so the turn was not idempotent."""
+    from typer.testing import CliRunner
+
+    from substrate.cli import app
+
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s1", "get", "-k", key, "--server", "http://127.0.0.1:9"])
+    assert r.exit_code == 2 and "invalid_idempotency_key" in r.output, r.output
