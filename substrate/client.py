@@ -202,6 +202,8 @@ def server_url_problem(url: str) -> str | None:
     """Why ``url`` (with a scheme) cannot name an API server, or None: a scheme other than http(s), no
     host, or a host with spaces (each was "cannot reach the API" at the first request: fresh-user
     round 11)."""
+    if url != url.strip():  # "  http://h" read as scheme '' (fresh-user tester 53)
+        return "has spaces around it"
     try:
         u = httpx.URL(url)
     except (httpx.InvalidURL, ValueError) as e:
@@ -215,8 +217,10 @@ def server_url_problem(url: str) -> str | None:
     # the client adds /v1/...: a URL ending in /v1 made every call /v1/v1/... (404), and a query or a
     # fragment was dropped from every call (fresh-user tester 52); a path before it is kept (a reverse
     # proxy's prefix)
-    if u.query or u.fragment or "#" in url:
+    if u.query or u.fragment or "#" in url or "?" in url:  # a bare "?" too (tester 53)
         return "has a query or a fragment: give the server's base URL, e.g. http://127.0.0.1:8080"
+    if u.port is not None and not 1 <= u.port <= 65535:
+        return f"names port {u.port}: a port is 1 to 65535"
     if u.path.rstrip("/").endswith("/v1"):
         return f"ends in /v1, which every call adds: use {url.rstrip('/')[:-3] or url}"
     return None

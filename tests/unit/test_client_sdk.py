@@ -95,6 +95,12 @@ def test_a_server_url_without_a_scheme_says_which_to_use() -> None:
     ("http://h/proxy/v1/", "ends in /v1, which every call adds: use http://h/proxy"),
     ("http://127.0.0.1:8080?x=1", "has a query or a fragment"),
     ("http://127.0.0.1:8080/#top", "has a query or a fragment"),
+    # fresh-user tester 53: a bare "?" sent every call to "/"; ports out of range were "connection
+    # refused"; surrounding spaces read as "has scheme ''"
+    ("http://127.0.0.1:8080/?", "has a query or a fragment"),
+    ("http://127.0.0.1:99999", "names port 99999: a port is 1 to 65535"),
+    ("http://127.0.0.1:0", "names port 0: a port is 1 to 65535"),
+    ("  http://127.0.0.1:8080 ", "has spaces around it"),
 ])
 def test_a_server_url_that_names_no_server_is_a_bad_argument_of_the_cli(url: str, says: str) -> None:
     """Fresh-user round 11: ``--server notaurl`` printed ``error 400 invalid_server_url`` (it read as an
