@@ -1450,6 +1450,16 @@ def _file_keys(path: Path) -> list[dict[str, Any]]:
     return list(data)
 
 
+def _key_file_exists(path: Path) -> None:
+    """One line and exit 2 when key file ``path`` does not exist: ``keys list``/``revoke --file`` read a
+    missing file as an empty one (an empty table, "no key x"), so a mistyped path looked like a file
+    without keys (fresh-user tester 53). ``keys create --file`` makes the file instead."""
+    if not path.exists() and not path.is_symlink():
+        if not path.parent.is_dir():
+            _file_error(path, f"its folder {path.parent} does not exist")
+        _file_error(path, "it does not exist (keys create --file makes it)")
+
+
 def _file_error(path: Path, why: str) -> NoReturn:
     err.print(f"[red]error[/red]: key file {escape(str(path))}: {escape(why)}")
     raise typer.Exit(2)
@@ -1549,8 +1559,9 @@ def keys_create(tenant: str = typer.Argument(..., metavar="TENANT", help="Tenant
                 raise typer.Exit(2)
             entries.append({"tenant": tenant, "sha256": hash_key(key), "admin": admin, "name": name or kid})
             _write_file_keys(file, entries)
+        # the absolute path: a relative one in the hint worked only from this folder (tester 53)
         err.print(f"added to {file}: it works from the next start of a runtime reading that file "
-                  f"(SUBSTRATE_AUTH__API_KEYS_FILE={file}); without --file a key works at once")
+                  f"(SUBSTRATE_AUTH__API_KEYS_FILE={file.absolute()}); without --file a key works at once")
         print(key)
         return
 
@@ -1589,6 +1600,7 @@ def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID
                   "or the key itself")
         raise typer.Exit(2)
     if file is not None:
+        _key_file_exists(file)
         with _key_file_locked(file):
             entries = _file_keys(file)
             keep = [e for e in entries if key_id not in (_entry_id(e), e.get("sha256"), e.get("key"))
@@ -1614,6 +1626,7 @@ def keys_list(file: Optional[Path] = typer.Option(None, "--file", help="List the
     from substrate.keys import Keys
 
     if file is not None:  # as create and revoke take it (fresh-user run: "No such option: --file")
+        _key_file_exists(file)
         t = Table("ID", "TENANT", "ADMIN", "SHA256")
         for e in _file_keys(file):
             digest = _entry_digest(e)

@@ -201,3 +201,20 @@ def test_an_empty_key_id_to_revoke_is_bad_input_exit_2_and_changes_nothing(tmp_p
     r = CliRunner().invoke(app, ["keys", "revoke", key_id, *(["--file", str(f)] if with_file else [])])
     assert r.exit_code == 2 and "KEY_ID is empty" in _one_line(r), r.output
     assert f.read_text() == before
+
+
+@pytest.mark.parametrize("command", ["list", "revoke"])
+def test_a_missing_key_file_is_said_not_read_as_empty(tmp_path: Path, command: str) -> None:
+    """Fresh-user tester 53: ``keys list --file missing.yaml`` printed an empty table (exit 0), and ``revoke``
+    said "no key x": a mistyped path looked like a file without keys. Nothing is made."""
+    f = tmp_path / "missing.yaml"
+    argv = ["keys", "list", "--file", str(f)] if command == "list" else ["keys", "revoke", "x", "--file", str(f)]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2 and "it does not exist" in _one_line(r), r.output
+    assert not f.exists()
+
+
+def test_the_hint_after_a_create_names_the_key_file_by_its_absolute_path(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["keys", "create", "team-a", "--file", "keys.yaml"])
+    assert r.exit_code == 0 and f"SUBSTRATE_AUTH__API_KEYS_FILE={tmp_path / 'keys.yaml'}" in r.output, r.output
