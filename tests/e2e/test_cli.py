@@ -272,6 +272,36 @@ def test_a_kept_demo_stopped_by_sigterm_or_sighup_leaves_nothing_behind(tmp_path
     assert [x.name for x in tmp_path.iterdir()] == ["demo.log"], "the demo's folder is gone"
 
 
+def test_a_ctrl_c_during_the_demos_clean_up_still_removes_its_data(tmp_path: Path) -> None:
+    """Fresh-user tester 53: a Ctrl-C late in `substrate demo` (after the notebook line, during its
+    clean-up) raised out of the clean-up: exit 130, no word, and the folder left for the next demo. Here
+    the terminal's Ctrl-C (SIGINT to the whole group) comes twice, the second 0.5 s after the first, while
+    the demo waits for its server to stop."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")}
+    env["TMPDIR"] = str(tmp_path)
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "substrate.cli", "demo", "--port", str(_free_port())],
+                             env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "notebook after" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "notebook after" in log.read_text(), log.read_text()[-3000:]
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(0.5)  # while the demo waits for its server to stop (the server takes it as the same stop)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT)
+        rc = p.wait(90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc in (0, 130) and "demo data removed" in text, text[-3000:]
+    assert "could not delete" not in text and "last 1 lines" not in text, text[-3000:]
+    assert [x.name for x in tmp_path.iterdir()] == ["demo.log"], "the demo's folder is gone"
+
+
 def test_a_second_ctrl_c_exits_at_once_and_leaves_no_process(tmp_path: Path) -> None:
     """Fresh-user run: a deliberate second Ctrl-C (more than 1 s after the first) is documented to force
     the exit, but uvicorn's force does not stop a lifespan shutdown under way: the process lingered
