@@ -142,7 +142,12 @@ def json_body(value: Any, what: str = "the input") -> bytes:
     Sent as it is (``content=``, with ``JSON_HEADERS``), so the body is encoded once."""
     try:
         return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
+    except UnicodeEncodeError as e:
+        # said as the character, not as the codec's position in the encoded body (fresh-user tester 53)
+        bad = e.object[e.start] if isinstance(e.object, str) and e.start < len(e.object) else "?"
+        raise ApiError(422, "invalid_input", f"{what} holds U+{ord(bad[0]):04X}, a lone surrogate: it has no UTF-8 "
+                       "form (bytes that are not UTF-8 text, as a command line's undecodable bytes become)") from None
+    except (ValueError, TypeError, RecursionError) as e:
         raise ApiError(422, "invalid_input", f"{what} is not JSON the API takes: {e}") from None
 
 

@@ -166,7 +166,8 @@ def test_an_input_that_is_not_json_is_refused_before_anything_is_sent(bad: objec
     for call in (lambda: c.invoke("s1", bad), lambda: list(c.invoke_stream("s1", bad))):
         with pytest.raises(ApiError) as e:
             call()
-        assert (e.value.status, e.value.code) == (422, "invalid_input") and "not JSON" in str(e.value)
+        assert (e.value.status, e.value.code) == (422, "invalid_input")
+        assert ("lone surrogate" if isinstance(bad, dict) and "v" in bad else "not JSON") in str(e.value)
     assert sent == [], "nothing was sent"
     assert c.invoke("s1", {"fine": [1.5, None]}) == 1  # strict JSON goes through
 
@@ -198,3 +199,14 @@ def test_a_path_prefix_is_kept_and_an_empty_worker_pin_is_sent() -> None:
     c.resume("s1")
     assert seen[0][0] == "/proxy/v1/sessions/s1/resume" and json.loads(seen[0][1]) == {"worker": ""}
     assert seen[1][1] == b""
+
+
+def test_a_lone_surrogate_in_a_body_is_named_as_the_character() -> None:
+    """Fresh-user tester 53: ``sessions create counter -l $'k=\\xff'`` said "'utf-8' codec can't encode
+    character '\\udcff' in position 55: surrogates not allowed" (a position in the encoded body)."""
+    from substrate.client import json_body
+
+    with pytest.raises(ApiError) as e:
+        json_body({"labels": {"k": "\udcff"}}, "the create body")
+    assert e.value.code == "invalid_input" and "the create body holds U+DCFF, a lone surrogate" in e.value.message
+    assert "position" not in e.value.message
