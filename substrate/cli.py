@@ -1648,25 +1648,40 @@ def keys_revoke(key_id: str = typer.Argument(..., metavar="KEY_ID", help="Key ID
 
 @keys_app.command("list")
 def keys_list(file: Optional[Path] = typer.Option(None, "--file", help="List the keys of this key file instead "
-                                                  "(what a runtime reading it imports at its next start).")) -> None:
+                                                  "(what a runtime reading it imports at its next start)."),
+              output: str = typer.Option("table", "--output", "-o",
+                                         help="table, or json (a list of {id, tenant, admin, name, createdAt} "
+                                              "from Redis; {id, tenant, admin, name, sha256} from a file)")) -> None:
     """API keys in Redis (IDs, tenants, roles; never the keys)."""
     from substrate.apikeys import ApiKeyStore, hash_key
     from substrate.keys import Keys
 
+    # -o json as `sessions list` has it, for scripts that manage keys (fresh-user tester 52)
+    if output not in ("table", "json"):
+        err.print(f"[red]error[/red]: --output {escape(output)!r} is none of table, json")
+        raise typer.Exit(2)
     if file is not None:  # as create and revoke take it (fresh-user run: "No such option: --file")
         _key_file_exists(file)
+        rows = [{"id": _entry_id(e), "tenant": str(e.get("tenant", "")), "admin": bool(e.get("admin")),
+                 "name": e.get("name"), "sha256": _entry_digest(e)} for e in _file_keys(file)]
+        if output == "json":
+            print(json.dumps(rows))
+            return
         t = Table("ID", "TENANT", "ADMIN", "SHA256")
-        for e in _file_keys(file):
-            digest = _entry_digest(e)
-            t.add_row(_entry_id(e), str(e.get("tenant", "")),
-                      "yes" if e.get("admin") else "", digest[:16] + "...")
+        for row in rows:
+            t.add_row(row["id"], row["tenant"], "yes" if row["admin"] else "", row["sha256"][:16] + "...")
         console.print(t)
         return
 
     async def go(settings: Any, r: Any) -> Any:
         return await ApiKeyStore(r, Keys(settings.redis.key_prefix)).list()
+    keys = _async(go)
+    if output == "json":
+        print(json.dumps([{"id": k.id, "tenant": k.tenant, "admin": k.admin, "name": k.name,
+                           "createdAt": k.createdAt} for k in keys]))
+        return
     t = Table("ID", "TENANT", "ADMIN", "NAME", "CREATED")
-    for k in _async(go):
+    for k in keys:
         t.add_row(k.id, k.tenant, "yes" if k.admin else "", k.name,
                   time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.createdAt)))
     console.print(t)

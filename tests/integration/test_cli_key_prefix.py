@@ -44,3 +44,26 @@ def test_a_key_command_under_a_prefix_no_runtime_uses_says_which_prefixes_run(re
         for key in sync.scan_iter(f"{other}:*"):
             sync.delete(key)
         sync.close()
+
+
+def test_keys_list_from_redis_as_json(redis_url: str, tmp_path: Path) -> None:
+    """``keys list -o json`` (fresh-user tester 52): the keys in Redis as a JSON list, never the keys."""
+    import json
+
+    prefix = f"kj{uuid.uuid4().hex[:8]}"
+    env = {"SUBSTRATE_REDIS_URL": redis_url, "SUBSTRATE_DATA_DIR": str(tmp_path / "data"),
+           "SUBSTRATE_REDIS__KEY_PREFIX": prefix}
+    sync = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        made = CliRunner().invoke(app, ["keys", "create", "team-a", "--name", "ci"], env=env)
+        assert made.exit_code == 0, made.output
+        key = made.stdout.strip().splitlines()[-1]
+        res = CliRunner().invoke(app, ["keys", "list", "-o", "json"], env=env)
+        assert res.exit_code == 0, res.output
+        rows = json.loads(res.stdout.strip().splitlines()[-1])
+        assert [(r["tenant"], r["admin"], r["name"]) for r in rows] == [("team-a", False, "ci")]
+        assert isinstance(rows[0]["createdAt"], float) and key not in res.stdout
+    finally:
+        for k in sync.scan_iter(f"{prefix}:*"):
+            sync.delete(k)
+        sync.close()

@@ -218,3 +218,17 @@ def test_the_hint_after_a_create_names_the_key_file_by_its_absolute_path(tmp_pat
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, ["keys", "create", "team-a", "--file", "keys.yaml"])
     assert r.exit_code == 0 and f"SUBSTRATE_AUTH__API_KEYS_FILE={tmp_path / 'keys.yaml'}" in r.output, r.output
+
+
+def test_keys_list_of_a_file_as_json_and_a_bad_output_is_exit_2(tmp_path: Path) -> None:
+    """Fresh-user tester 52: ``keys list`` had no ``-o json`` (``sessions list`` has)."""
+    import json
+
+    f = tmp_path / "keys.yaml"
+    assert CliRunner().invoke(app, ["keys", "create", "team-a", "--name", "ci", "--admin", "--file", str(f)]).exit_code == 0
+    r = CliRunner().invoke(app, ["keys", "list", "--file", str(f), "-o", "json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert [(x["id"], x["tenant"], x["admin"], x["name"], len(x["sha256"])) for x in rows] == [("ci", "team-a", True, "ci", 64)]
+    r = CliRunner().invoke(app, ["keys", "list", "--file", str(f), "-o", "yaml"])
+    assert r.exit_code == 2 and "none of table, json" in r.output
