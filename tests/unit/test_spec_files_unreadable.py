@@ -18,6 +18,11 @@ HEAD = "apiVersion: substrate.agent.dev/v1\nkind: ActorTemplate\n"
 OK = HEAD + "metadata: {name: ok}\nspec: {entrypoint: 'workers.agents.counter:Counter'}\n"
 
 
+def _with_pool(spec: str) -> str:
+    """The good template plus a second WorkerPool ``p2`` of ``spec`` (a YAML flow mapping)."""
+    return OK + f"---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {{name: p2}}\nspec: {spec}\n"
+
+
 def _write(cfg: Path, case: str) -> Path:
     bad = cfg / "t.yaml"
     if case == "spec as a list":
@@ -26,17 +31,13 @@ def _write(cfg: Path, case: str) -> Path:
         bad.write_text(HEAD + "metadata: {name: c}\nspec: {entrypoint: 'workers.agents.counter:Counter', "
                        "isolation: strict}\n")
     elif case == "pool template as a list":
-        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
-                       "spec: {template: [1, 2]}\n")
+        bad.write_text(_with_pool("{template: [1, 2]}"))
     elif case == "containers as a string":
-        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
-                       "spec: {template: {spec: {containers: notalist}}}\n")
+        bad.write_text(_with_pool("{template: {spec: {containers: notalist}}}"))
     elif case == "a container as a string":
-        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
-                       "spec: {template: {spec: {containers: [{name: w, image: i}], initContainers: [x]}}}\n")
+        bad.write_text(_with_pool("{template: {spec: {containers: [{name: w, image: i}], initContainers: [x]}}}"))
     elif case == "limits as a list":
-        bad.write_text(OK + "---\napiVersion: substrate.agent.dev/v1\nkind: WorkerPool\nmetadata: {name: p2}\n"
-                       "spec: {template: {spec: {containers: [{name: w, resources: {limits: [1]}}]}}}\n")
+        bad.write_text(_with_pool("{template: {spec: {containers: [{name: w, resources: {limits: [1]}}]}}}"))
     elif case == "empty metadata":
         bad.write_text(HEAD + "metadata:\nspec: {entrypoint: 'workers.agents.counter:Counter'}\n")
     elif case == "not UTF-8":
