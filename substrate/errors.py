@@ -31,11 +31,13 @@ def clip(value: object, limit: int = ECHO_LIMIT, *, quote: bool = True) -> str:
 #: ":" or "." (so "I/O", "1/2" and relative object keys stay)
 _INTERNAL = re.compile(
     r"\('[^']*', \d+(?:, \d+, \d+)?\)"  # a socket address as Python prints it: ('10.0.0.3', 6379)
-    r"|[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>(),;]+"  # a URL (a sentence's "," or ";" after it stays)
+    # a URL; a sentence's "," ";" after it stays, and so does a "." ":" "!" "?" that ends it (``{url}: why``
+    # lost its colon, a tester 54 finding)
+    r"|[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>(),;]*[^\s'\"<>(),;.:!?]"
     r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"  # [IPv6]:port
     r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # IPv4[:port]
     r"|\b(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d{1,5}\b"  # host:port
-    r"|(?<![\w/:.])/[^\s'\",;()<>]+"  # an absolute path
+    r"|(?<![\w/:.])/[^\s'\",;()<>]*[^\s'\",;()<>.:!?]"  # an absolute path (the same end as a URL's)
 )
 
 

@@ -10,7 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from snapshot.store import _unavailable
 from substrate.directory import Directory
-from substrate.errors import DirectoryUnavailable, WorkerUnavailable, public_detail
+from substrate.errors import DirectoryUnavailable, WorkerUnavailable, hide_internal, public_detail
 from substrate.workerclient import WorkerClient
 
 
@@ -35,6 +35,20 @@ def test_what_is_not_an_address_stays() -> None:
     assert public_detail(ValueError(text)) == f"ValueError: {text}"
     assert public_detail(TimeoutError()) == "TimeoutError"  # an empty text: the class alone
     assert public_detail(ValueError("x" * 500), limit=50).endswith("...")
+
+
+@pytest.mark.parametrize("text", [
+    "the snapshot store s3://agent-snapshots/snapshots: its bucket does not exist",
+    "the snapshot store file:///tmp/x/snapshots: its marker is missing",
+    "a folder /var/lib/substrate/w1: not writable",
+    "written to http://10.0.0.3:9000/b. Then it failed!",
+])
+def test_the_punctuation_that_ends_a_hidden_url_or_path_stays(text: str) -> None:
+    """A sentence's colon or full stop after a URL or path stays (tester 54: ``the snapshot store
+    <internal> its bucket does not exist`` lost the colon with the URL)."""
+    out = hide_internal(text)
+    assert "<internal>:" in out or "<internal>." in out
+    assert "/tmp" not in out and "10.0.0.3" not in out and "agent-snapshots" not in out and "/var" not in out
 
 
 async def test_an_unreachable_redis_is_503_without_its_address() -> None:
