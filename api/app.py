@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import time
 import uuid
@@ -47,6 +48,7 @@ from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_HINT, SESSION_
 from substrate.settings import Settings, get_settings
 from substrate.text import text_ok, unprintable
 
+log = logging.getLogger(__name__)
 
 #: a session's labels: at most ``MAX_LABELS``, each key ``_LABEL_KEY_RE`` (1-63 characters, as a Kubernetes
 #: label's name), each value at most ``MAX_LABEL_VALUE_CHARS`` characters. ``CreateSession._labels``
@@ -896,6 +898,39 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                 "workerLoopLag": LagCounts.totals(s),
                 "routeCacheEntries": len(rt.routes), **out}
 
+    def _fleet_only(request: Request, what: str) -> None:
+        if not _principal(request).sees_fleet:
+            raise Forbidden(f"only an admin may {what}", code="forbidden")
+
+    @app.get("/v1/snapshotstore", dependencies=v1, tags=["control plane"])
+    async def snapshot_store(request: Request) -> dict[str, Any]:
+        """The snapshot store as this process finds it: ``location``, ``verified`` (its marker is this
+        directory's), ``fenced`` (why suspends and wakes that read a snapshot answer 503
+        ``snapshot_store_unavailable``, addresses as ``<internal>``; null when it serves). The marker is read
+        first (a fenced store's at most every 5 s). Admins and open mode only (403 ``forbidden``)."""
+        _fleet_only(request, "read the snapshot store's status")
+        store = _rt(request).store
+        try:
+            await store.check_now()  # type: ignore[union-attr]
+        except SubstrateError:
+            pass  # the status says why
+        return store.status()  # type: ignore[union-attr]
+
+    @app.post("/v1/snapshotstore/adopt", dependencies=[*v1, Depends(_no_body)], tags=["control plane"])
+    async def adopt_snapshot_store(request: Request) -> dict[str, Any]:
+        """Take the configured store as this directory's when its marker object is missing (objects lost
+        for good: a bucket deleted or emptied, a folder lost): writes the marker (making the bucket if it
+        does not exist); suspends and wakes are served again, by every process within 5 s. A session
+        whose snapshot is gone falls back at its next wake (after ``SUBSTRATE_SNAPSHOT__MISSING_GRACE_S``)
+        to an earlier one or a fresh start, and says so. 200 ``{"adopted": bool, "location": str}``
+        (false: it was this directory's already); 409 ``store_taken`` for another directory's marker; 503
+        ``snapshot_store_unavailable`` if the store or Redis does not answer. Admins and open mode only."""
+        _fleet_only(request, "adopt the snapshot store")
+        p = _principal(request)
+        out = await _rt(request).store.adopt()  # type: ignore[union-attr]
+        log.warning("snapshot store adopt", extra={"who": p.subject, "adopted": out["adopted"]})
+        return out
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics_endpoint() -> Response:
         payload, ctype = metrics.render_latest()
@@ -925,11 +960,16 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
         ready = [w.pool for w in rt.view.workers.values() if w.state.value == "READY"]
         short = [p.name for p in rt.catalog.pools.values() if ready.count(p.name) < desired_replicas(p.spec, 0)]
+        # a fenced store leaves the API ready (warm sessions are served) but says so: it stayed "ready"
+        # with every suspend failing (fresh-user tester 54)
+        fenced = getattr(rt.store, "fenced", None)
+        warn = {"warnings": ["the snapshot store is fenced: suspends and wakes that read a snapshot answer 503 "
+                             "snapshot_store_unavailable (GET /v1/snapshotstore says why)"]} if fenced else {}
         if rt.pools is None:
-            return JSONResponse({"status": "ready", "poolsWithoutReadyWorkers": short})
+            return JSONResponse({"status": "ready", "poolsWithoutReadyWorkers": short, **warn})
         if short:  # a pool that may scale to zero is ready without workers
             return _error(503, "no_workers", f"pools without their ready workers: {short}")
-        return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "ready", **warn})
 
     # HEAD on every GET route answers as GET does, without the body (the server drops it: uvicorn sends
     # no body to a HEAD), as Starlette's own routes do; FastAPI's answer 405. Added to the routes, so

@@ -37,6 +37,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "session_exists": (409, "the client-chosen session ID is taken"),
     "invalid_state": (409, "the session is not in a state that allows the call"),
     "conflict": (409, "the session changed concurrently (e.g. a suspend met a concurrent resume); retry"),
+    "store_taken": (409, "`POST /v1/snapshotstore/adopt` on a store whose marker is another directory's (another "
+                         "runtime or key prefix uses it): nothing written"),
     "payload_too_large": (413, "the body is over `api.max_body_bytes`"),
     "unsupported_transfer_encoding": (501, "a `Transfer-Encoding` other than `chunked` (e.g. `gzip, chunked`): "
                                            "send the body with `Content-Length`, or `chunked` only"),
@@ -146,6 +148,8 @@ ROUTE_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/workerpools"): _V1,
     ("get", "/v1/actortemplates"): _V1,
     ("get", "/v1/stats"): _V1,
+    ("get", "/v1/snapshotstore"): _V1,
+    ("post", "/v1/snapshotstore/adopt"): (*_V1, *_BODY, 409),
     ("get", "/readyz"): (503,),
 }
 DEFAULT_STATUSES: tuple[int, ...] = _V1

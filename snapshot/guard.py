@@ -172,6 +172,63 @@ class GuardedStore:
                    "snapshots stay, unreferenced), and start it again: the store is then taken as new")
         self._fence(why)
 
+    def status(self) -> dict[str, Any]:
+        """This process's view of the store, no I/O: ``{"location": str, "verified": bool, "fenced": str |
+        None}`` (``fenced``: why it is not used, addresses and paths as ``<internal>``)."""
+        return {"location": location_of(self.settings), "verified": self.verified,
+                "fenced": hide_internal(self.fenced) if self.fenced is not None else None}
+
+    async def check_now(self) -> None:
+        """Check the store now: the marker is read again (one small object) even when the last check
+        matched, so a store emptied since is found out here, not only at this process's next upload.
+        Raises ``StoreUnavailable`` while it is fenced (a fenced store is checked again at most every
+        ``recheck_s``)."""
+        await self.ready()
+        await self._still_ours()
+
+    async def adopt(self) -> dict[str, Any]:
+        """Take the store as this directory's where its marker is missing: write the marker (the bucket
+        made first if it does not exist), and serve at once here; the runtime's other processes serve
+        again at their next check (``recheck_s``, 5 s). For objects that are gone for good (a bucket
+        deleted or emptied, a folder lost): the fence waits for them to come back, which they never will,
+        and deleting every session, then restarting, was the only way out (fresh-user tester 54). A
+        session whose snapshot went with them falls back at its next wake, once the object has been
+        missing ``snapshot.missing_grace_s``, to an earlier snapshot or to a fresh start, and its answer
+        says so (module docstring).
+
+        Returns ``{"adopted": bool, "location": str}`` (False: the marker was this directory's already,
+        nothing written). Raises ``Conflict`` (409 ``store_taken``) for a marker holding another
+        directory's id (adopting it would let this directory's orphan sweep delete the other's
+        snapshots: see the fence's message for a directory whose Redis lost its data), and
+        ``StoreUnavailable`` if the store or Redis does not answer."""
+        async with self._lock:
+            try:
+                recorded = await self._get(self.keys.snapshot_store_id)
+                if recorded is None:
+                    await self.redis.set(self.keys.snapshot_store_id, uuid.uuid4().hex, nx=True)
+                    recorded = await self._get(self.keys.snapshot_store_id)
+            except Exception as e:  # noqa: BLE001 - Redis down: nothing written
+                raise StoreUnavailable(f"snapshot store not adopted: Redis did not answer ({e.__class__.__name__})",
+                                       details={"reason": "store_not_verified"}) from e
+            assert recorded is not None
+            marker = await self._read_marker(create_bucket=True)
+            adopted = marker is None
+            if marker is None:
+                marker = await self._write_marker(recorded)
+            if marker != recorded:
+                raise Conflict(
+                    f"the snapshot store {location_of(self.settings)} holds another directory's marker "
+                    f"({self.marker!r}): another runtime, or another SUBSTRATE_REDIS__KEY_PREFIX, uses it, and "
+                    "adopting it would let this one's orphan sweep delete that one's snapshots; give each its own "
+                    f"{'bucket' if self.settings.store == 's3' else 'folder'} or SUBSTRATE_SNAPSHOT__PREFIX",
+                    code="store_taken")
+            if adopted:
+                log.warning("snapshot store %s adopted: its marker was missing and is written now; sessions "
+                            "whose snapshots are not there fall back at their next wake", location_of(self.settings))
+            self.verified = False
+            await self._check()  # the marker matches now: verified, and its location recorded
+        return {"adopted": adopted, "location": location_of(self.settings)}
+
     def _fence(self, why: str) -> None:
         """Fence the store for ``why`` (logged once per reason) and raise ``StoreUnavailable``."""
         if why != self.fenced:

@@ -38,6 +38,9 @@ keys_app = typer.Typer(help="API keys (tenants) and the activation-token signing
                             "SUBSTRATE_REDIS_URL (prefix SUBSTRATE_REDIS__KEY_PREFIX), or with --file to a key "
                             "file read by `substrate up` (SUBSTRATE_AUTH__API_KEYS_FILE).", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+store_app = typer.Typer(help="The snapshot store: its status, and adopting it after its objects were lost for good.",
+                        no_args_is_help=True)
+app.add_typer(store_app, name="store")
 console = Console()
 err = Console(stderr=True, soft_wrap=True)  # one error, one line (no wrap at the terminal width)
 
@@ -1363,6 +1366,35 @@ def stats(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """Your sessions by state and quota usage; admins (and open mode) also see workers, slots, worker-seconds."""
     with _client(server, token) as c:
         _print(_run(c.stats))
+
+
+@store_app.command("status")
+def store_status(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Where the snapshot store is, whether its marker is this runtime's, and why it is fenced if it is (then
+    suspends and wakes that read a snapshot answer 503 snapshot_store_unavailable). Admins (and open mode)."""
+    with _client(server, token) as c:
+        _print(_run(c.snapshot_store))
+
+
+@store_app.command("adopt")
+def store_adopt(yes: bool = typer.Option(False, "--yes", help="Do it: without it, only says what it would do."),
+                server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Take the configured store as this runtime's when its marker object is missing because its objects are
+    gone for good (a bucket deleted or emptied, a folder lost): suspends and wakes are served again within 5 s.
+    Sessions whose snapshots were lost fall back at their next wake (after SUBSTRATE_SNAPSHOT__MISSING_GRACE_S)
+    to an earlier snapshot or a fresh start, and say so. If the objects still exist elsewhere, fix the
+    settings or put them back instead. Refused (409 store_taken) for a store another runtime uses."""
+    with _client(server, token) as c:
+        st = _run(c.snapshot_store)
+        if st.get("verified"):
+            console.print(f"the snapshot store {st.get('location')} is this runtime's already: nothing to do")
+            return
+        if not yes:
+            err.print(f"the snapshot store {st.get('location')} is fenced: {st.get('fenced')}\n"
+                      "adopting it writes this runtime's marker there; sessions whose snapshots are not there fall "
+                      "back at their next wake to an earlier one or a fresh start. Run again with --yes to adopt it.")
+            raise typer.Exit(1)
+        _print(_run(c.adopt_snapshot_store))
 
 
 def _keys_backend() -> tuple[Any, Any]:

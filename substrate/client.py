@@ -422,3 +422,14 @@ class SubstrateClient:
 
     def stats(self) -> dict[str, Any]:
         return self._req("GET", "/v1/stats")
+
+    def snapshot_store(self) -> dict[str, Any]:
+        """The snapshot store as the server finds it: ``{"location", "verified", "fenced"}`` (``fenced``: why
+        suspends and wakes answer 503, or None). Admins and open mode only (``ApiError`` 403 ``forbidden``)."""
+        return self._req("GET", "/v1/snapshotstore")
+
+    def adopt_snapshot_store(self) -> dict[str, Any]:
+        """Take the store as the runtime's when its marker object is missing (its objects lost for good):
+        ``{"adopted": bool, "location": str}``. Sessions whose snapshots are gone fall back at their next wake.
+        ``ApiError`` 409 ``store_taken`` if another runtime's marker is there; 403 for a non-admin."""
+        return self._req("POST", "/v1/snapshotstore/adopt")

@@ -12,10 +12,25 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+
+
+def _wait_until_connected(pid: int, limit: int = 600) -> None:
+    """Return once process ``pid`` holds a socket (the CLI connected to the API), polling at most
+    ``limit`` times every 0.1 s; raise ``AssertionError`` if it never does."""
+    for _ in range(limit):
+        fds = Path(f"/proc/{pid}/fd")
+        try:
+            if any(os.readlink(fds / f).startswith("socket:") for f in os.listdir(fds)):
+                return
+        except OSError:  # an fd closed while read
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} never connected")
 
 
 @pytest.mark.parametrize("stream", [False, True])  # tester 53: --stream said nothing on Ctrl-C
@@ -28,7 +43,8 @@ def test_an_interrupted_invoke_names_its_key_and_a_resend_with_it_does_not_run_t
     cli = [sys.executable, "-m", "substrate.cli", "sessions", "invoke", sid, *(["--stream"] if stream else [])]
     p = subprocess.Popen([*cli, json.dumps({"op": "increment", "work_s": 3})], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)  # the turn is running on the worker (it takes 3 s)
+    _wait_until_connected(p.pid)  # the CLI is past its imports and sending (a sleep was too short under load)
+    time.sleep(0.3)  # the turn is on its way to the worker (it takes 3 s)
     p.send_signal(signal.SIGINT)
     out, errs = p.communicate(timeout=60)
     assert p.returncode == 130 and out == "", (out, errs)

@@ -605,3 +605,41 @@ def test_racing_suspends_and_resumes_keep_the_running_quota_exact(runtime_factor
     with pytest.raises(ApiError) as e:
         c.create_session("counter")
     assert e.value.status == 429 and e.value.code == "quota_max_running"
+
+
+def test_a_store_lost_for_good_is_fenced_shown_and_adopted_by_an_admin_only(keyed):
+    """Fresh-user tester 54: a snapshot store whose objects were lost for good (its marker gone) fenced
+    every suspend with ``/readyz`` still plain "ready", and only deleting every session and restarting
+    cleared it. Now ``GET /v1/snapshotstore`` and ``/readyz`` say so, and an admin's ``POST
+    /v1/snapshotstore/adopt`` puts this directory's marker there: the workers serve again within 5 s."""
+    rt, _ = keyed
+    a, admin = _client(rt.url, KEY_A), _client(rt.url, KEY_ADMIN)
+    sid = a.create_session("counter")["id"]
+    assert admin.snapshot_store()["verified"] is True and admin.snapshot_store()["fenced"] is None
+    assert _status(a.snapshot_store) == (403, "forbidden") and _status(a.adopt_snapshot_store) == (403, "forbidden")
+    marker = rt.var / "snapshots" / "snapshots" / ".substrate-store"
+    kept = marker.read_text()
+    marker.unlink()  # the folder lost for good, as far as the runtime can tell
+    try:
+        st = admin.snapshot_store()
+        assert st["verified"] is False and "marker object" in st["fenced"] and str(rt.var) not in st["fenced"]
+        assert httpx.get(rt.url + "/readyz").json()["warnings"][0].startswith("the snapshot store is fenced")
+        assert _status(lambda: a.suspend(sid)) == (503, "snapshot_store_unavailable")
+        assert _status(a.adopt_snapshot_store) == (403, "forbidden") and not marker.exists(), "a tenant changed it"
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")},
+               "SUBSTRATE_SERVER": rt.url, "SUBSTRATE_TOKEN": KEY_ADMIN}
+        cli = [sys.executable, "-m", "substrate.cli", "store", "adopt"]
+        asked = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
+        assert asked.returncode == 1 and "--yes" in asked.stderr and "is fenced" in asked.stderr, asked.stderr
+        assert not marker.exists(), "adopt without --yes wrote the marker"
+        done = subprocess.run([*cli, "--yes"], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and json.loads(done.stdout)["adopted"] is True, (done.stdout, done.stderr)
+        assert marker.read_text() != "" and admin.snapshot_store()["fenced"] is None
+        assert "warnings" not in httpx.get(rt.url + "/readyz").json()
+        deadline = time.time() + 20  # the worker checks its fenced store again at most every 5 s
+        while _status(lambda: a.suspend(sid)) != (200, "") and time.time() < deadline:
+            time.sleep(0.5)
+        assert a.get_session(sid)["state"] in ("SUSPENDING", "SUSPENDED")
+    finally:
+        if not marker.exists():
+            marker.write_text(kept)

@@ -340,3 +340,47 @@ async def test_a_running_runtime_holds_its_store_until_it_stops_or_its_hold_laps
         assert await storeloc.hold(d.redis, d.keys, a) is None
     finally:
         storeloc.HOLDER_ID = theirs
+
+
+async def test_s3_a_bucket_lost_for_good_is_adopted_and_serves_again_in_every_process(
+        d, s3_store_factory: Callable[..., S3Store], tmp_path: Path) -> None:
+    """Fresh-user tester 54: the bucket was deleted and made again empty; every suspend answered 503 until
+    every session was deleted and the runtime restarted. ``adopt`` writes the marker (the bucket made
+    first if missing); this process serves at once, another (a worker) at its next check."""
+    inner = s3_store_factory()
+    settings = SnapshotSettings(store="s3", bucket=inner.bucket)
+    store = guarded(d, inner, settings, recheck_s=60)
+    await store.put_file("snapshots/s1/a", _file(tmp_path / "a", b"one"))
+    await _a_session(d)
+    worker = guarded(d, s3_store_factory(), settings)  # another process on the same bucket
+    worker.inner.bucket = inner.bucket
+    await worker.ready()
+    for o in inner._client.list_objects_v2(Bucket=inner.bucket)["Contents"]:
+        inner._client.delete_object(Bucket=inner.bucket, Key=o["Key"])
+    inner._client.delete_bucket(Bucket=inner.bucket)  # lost for good
+    with pytest.raises(StoreUnavailable):
+        await store.put_file("snapshots/s2/a", _file(tmp_path / "b", b"two"))
+    assert store.status()["fenced"] is not None and store.status()["verified"] is False
+    assert str(tmp_path) not in (store.status()["fenced"] or "")
+    out = await store.adopt()
+    assert out == {"adopted": True, "location": f"s3://{inner.bucket}/snapshots"}
+    assert store.status() == {"location": out["location"], "verified": True, "fenced": None}
+    await store.put_file("snapshots/s2/a", _file(tmp_path / "b", b"two"))  # suspends work again
+    assert await worker.read("snapshots/s2/a", lambda f: f.read()) == b"two"
+    assert await store.adopt() == {"adopted": False, "location": out["location"]}, "a second adopt writes nothing"
+
+
+async def test_adopting_a_store_that_holds_another_directorys_marker_is_refused_and_writes_nothing(
+        d, tmp_path: Path) -> None:
+    from substrate.errors import Conflict
+
+    inner, settings = local(tmp_path / "snaps")
+    await guarded(d, inner, settings).ready()
+    marker = tmp_path / "snaps" / marker_key("snapshots")
+    marker.write_text("another-directory")
+    store = guarded(d, LocalDirStore(tmp_path / "snaps"), settings)
+    with pytest.raises(Conflict) as info:
+        await store.adopt()
+    assert info.value.code == "store_taken" and info.value.status == 409
+    assert marker.read_text() == "another-directory"
+    assert not store.verified
