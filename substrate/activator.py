@@ -2089,15 +2089,16 @@ class Activator:
                 except SubstrateError as e:
                     log.info("deactivate on delete failed; the worker's reconciliation frees it",
                              extra={"session": sid, "worker": rec.worker, "code": e.code})
-            if rec.slot is not None:
-                await self.directory.release_slot(rec.worker, rec.slot, sid)
-                self.slot_freed(rec.pool or None)
+        # the slot is freed in the record removal's round trip (the activation has ended: no round trip more)
+        held = (rec.worker, rec.slot) if rec.worker and rec.slot is not None else None
         if before_removal is not None:
             await before_removal()
         # the places go while the DELETED record still keeps the ID taken, as in ``_undo_create``: given
         # back after the record, they could be a create's of the same ID that came in between
         await self.release_quota(rec, epoch=None, total=True)
-        await self.directory.delete_session(sid, tenant=rec.tenant)
+        await self.directory.delete_session(sid, tenant=rec.tenant, slot=held)
+        if held is not None:
+            self.slot_freed(rec.pool or None)
         if snapshot_gc is not None:
             # up to the deleted session's last epoch: a session made again under this ID starts above it,
             # and its snapshots may be under the same prefix before this task lists it

@@ -703,11 +703,16 @@ class Directory:
         return list(await self.redis.zrange(self.keys.session_snapshots(sid), 0, -1))
 
     @_translate
-    async def delete_session(self, sid: str, *, tenant: str | None = None) -> None:
+    async def delete_session(self, sid: str, *, tenant: str | None = None,
+                             slot: tuple[str, int] | None = None) -> None:
         """Remove the record and its index entries (idempotent), ``tenant``'s index too when given (its
         entry is otherwise dropped by that tenant's next listing), in one round trip. The epoch it reached
-        stays behind as the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``)."""
+        stays behind as the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``).
+        ``slot``: (worker ID, slot index) the session held, freed first in the same round trip if the
+        session still holds it (as :meth:`release_slot`)."""
         async def queue(p: Any) -> None:
+            if slot is not None:
+                await self._release(keys=[self.keys.worker_slots(slot[0])], args=[slot[1], sid], client=p)
             await self._delete(keys=[self.keys.session(sid), self.keys.session_epoch_floor(sid),
                                      self.keys.session_snapshots(sid)], args=[self.epoch_floor_ttl_s], client=p)
             p.zrem(self.keys.sessions_index, sid)
@@ -715,8 +720,8 @@ class Directory:
             if tenant is not None:
                 p.zrem(self.keys.tenant_sessions(tenant), sid)
 
-        res = (await self._scripted(queue))[0]
-        if res[1]:
+        res = (await self._scripted(queue))[0 if slot is None else 1]
+        if res[1] and res[1] != SessionState.DELETED.value:  # a DELETED record is counted nowhere
             await self._count_states(res[1], None, tenant=res[2])
 
     @_translate
