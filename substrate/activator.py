@@ -1058,8 +1058,8 @@ class Activator:
     # ------------------------------------------------------------------------------------- create
     async def create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
         """Create and start a session in three directory round trips: claim a slot; write the record
-        already STARTING with epoch 1 on that slot (create-if-absent: 409 on a taken ID, and the slot is
-        given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
+        already STARTING on that slot, with the epoch read with the ID check (1, or above a deleted
+        namesake's; create-if-absent: 409 on a taken ID, and the slot is given back); after the worker activated it, CAS STARTING->RUNNING. Raises Conflict, NoCapacity,
         WorkerUnavailable, DirectoryUnavailable; on any error nothing of the session remains, unless the
         state manager's deadline had already rolled it to SUSPENDED (see ``_undo_create``)."""
         with self._activation(self.catalog.pool_for(template).name) as made:
@@ -1114,8 +1114,13 @@ class Activator:
     async def _create(self, rec: SessionRecord, template: ActorTemplate) -> SessionRecord:
         t0 = time.perf_counter()
         self.breaker.check(rec.tenant, rec.actorTemplate)
-        if await self._exists(rec.id):
+        # the epoch the record will get, read with the ID check (no round trip more): the running place is
+        # taken for it at once, so no release naming an older epoch (a deleted namesake's late suspend)
+        # can take it; the record is written with at least this epoch (``_create_admitted``)
+        epoch = await self.directory.create_epoch(rec.id)
+        if epoch is None:
             raise Conflict(f"session {rec.id!r} already exists", code="session_exists")
+        rec.epoch = epoch
         # the quota place is taken before placing, so a create over its tenant's quota never holds a slot
         # others need (a full-suite run: with the place taken after the record, 100 concurrent creates
         # over maxRunning 5 took every slot and 11 got 503 no_capacity instead of 429). A second create
@@ -1123,8 +1128,8 @@ class Activator:
         if self.quotas is not None:
             quotas = self.quotas
             hold_s = self.create_hold_s
-            await self._with_running_room(rec, template, lambda: quotas.acquire(rec.tenant, template, rec.id,
-                                                                                create=True, hold_s=hold_s))
+            await self._with_running_room(rec, template, lambda: quotas.acquire(
+                rec.tenant, template, rec.id, create=True, epoch=epoch, hold_s=hold_s))
         placing = False
         try:
             async with self._admitted(self.catalog.pool_for(template).name, rec.id) as adm:
@@ -1144,7 +1149,8 @@ class Activator:
             await self.release_quota(rec, epoch=None, total=True)
             raise
         now = time.time()
-        rec.state, rec.worker, rec.slot, rec.epoch = SessionState.STARTING, worker.id, slot, 1
+        owned = rec.epoch  # the epoch its running place was taken for (``_create``)
+        rec.state, rec.worker, rec.slot = SessionState.STARTING, worker.id, slot
         rec.stateDeadline = now + self.settings.state.transition_deadline_s
         try:
             epoch = await self.directory.create_session(rec)  # above any epoch a deleted namesake reached
@@ -1157,7 +1163,7 @@ class Activator:
             await self.release_quota(rec, epoch=None, total=True)
             raise
         try:
-            if self.quotas is not None:
+            if self.quotas is not None and epoch != owned:  # a namesake deleted since ``_create`` read it
                 self._background(self._own_created_place(rec, template, epoch))
             t_act = time.perf_counter()
             await self._within_lease(worker.id, self.client.activate(
@@ -1197,12 +1203,13 @@ class Activator:
         return rec
 
     async def _own_created_place(self, rec: SessionRecord, template: ActorTemplate, epoch: int) -> None:
-        """Make the running place a create took (owner 0: its record had no epoch yet) this activation's,
-        ``epoch``: a release naming an older epoch, such as a suspend of a deleted session of the same ID
-        that answers late, then leaves it alone. Owner 0 gave way to any such release, and the new session
-        ran uncounted until the repair pass (a fresh-user run: 5 RUNNING against a running quota of 2 after
-        create/delete/suspend churn on four IDs). Off the create's path; never raises (the repair pass
-        reconciles what this misses)."""
+        """Make the running place a create took this activation's, ``epoch``, when the record got a newer
+        epoch than the one the place was taken for (a namesake deleted between ``_create``'s read and the
+        record write): a release naming an older epoch, such as a suspend of a deleted session of the same
+        ID that answers late, then leaves it alone. A place owned by an older epoch gives way to any such
+        release, and the new session ran uncounted until the repair pass (a fresh-user run: 5 RUNNING
+        against a running quota of 2 after create/delete/suspend churn on four IDs). Off the create's
+        path; never raises (the repair pass reconciles what this misses)."""
         quotas = self.quotas
         if quotas is None:
             return
@@ -2061,7 +2068,8 @@ class Activator:
             except NotFound:
                 await self._wait_removed(sid)
                 raise
-        cas = await self.directory.transition(sid, from_states=_NOT_DELETED, to=SessionState.DELETED, bump=True)
+        cas = await self.directory.transition(sid, from_states=_NOT_DELETED, to=SessionState.DELETED, bump=True,
+                                              tenant=rec.tenant, likely=rec.state)
         if not cas.ok:  # gone, or marked DELETED by a concurrent delete (or an undone create)
             await self._wait_removed(sid)
             raise NotFound(f"session {sid!r} not found", code="session_not_found")
@@ -2081,15 +2089,16 @@ class Activator:
                 except SubstrateError as e:
                     log.info("deactivate on delete failed; the worker's reconciliation frees it",
                              extra={"session": sid, "worker": rec.worker, "code": e.code})
-            if rec.slot is not None:
-                await self.directory.release_slot(rec.worker, rec.slot, sid)
-                self.slot_freed(rec.pool or None)
+        # the slot is freed in the record removal's round trip (the activation has ended: no round trip more)
+        held = (rec.worker, rec.slot) if rec.worker and rec.slot is not None else None
         if before_removal is not None:
             await before_removal()
         # the places go while the DELETED record still keeps the ID taken, as in ``_undo_create``: given
         # back after the record, they could be a create's of the same ID that came in between
         await self.release_quota(rec, epoch=None, total=True)
-        await self.directory.delete_session(sid, tenant=rec.tenant)
+        await self.directory.delete_session(sid, tenant=rec.tenant, slot=held)
+        if held is not None:
+            self.slot_freed(rec.pool or None)
         if snapshot_gc is not None:
             # up to the deleted session's last epoch: a session made again under this ID starts above it,
             # and its snapshots may be under the same prefix before this task lists it

@@ -129,6 +129,13 @@ redis.call('HSET', KEYS[1], 'epoch', epoch)
 return {1, epoch}
 """
 
+# KEYS[1] session hash, KEYS[2] its epoch floor. -> -1 if the ID is taken (a record, even DELETED), else the
+# epoch ``_CREATE`` would write now: 1, or one above the floor.
+_CREATE_EPOCH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+return (tonumber(redis.call('GET', KEYS[2]) or '0') or 0) + 1
+"""
+
 # KEYS[1] session hash, KEYS[2] epoch floor, KEYS[3] snapshot set. ARGV[1] floor TTL (s).
 # Deletes the record and its snapshot set, leaving the epoch it reached as the floor of the next one.
 # -> {floor, state the record had ('' if none), its tenant ('' if none)}
@@ -418,6 +425,7 @@ class Directory:
             use_hiredis_packer(self.redis.connection_pool)
         self._cas = self.redis.register_script(_CAS)
         self._create = self.redis.register_script(_CREATE)
+        self._create_epoch = self.redis.register_script(_CREATE_EPOCH)
         self._commit = self.redis.register_script(_COMMIT)
         self._claim = self.redis.register_script(_CLAIM_SLOT)
         self._release = self.redis.register_script(_RELEASE_SLOT)
@@ -430,7 +438,7 @@ class Directory:
         self._read_summaries = self.redis.register_script(_READ_SUMMARIES)  # standalone only
         self._scripts = (self._cas, self._create, self._commit, self._claim, self._release, self._touch,
                          self._delete, self._renew, self._expire, self._set_state, self._read_workers,
-                         self._read_summaries)
+                         self._read_summaries, self._create_epoch)
         #: every script is loaded on the server(s) as far as this process knows (see ``_ready``)
         self._loaded = False
 
@@ -537,6 +545,14 @@ class Directory:
         return rec.epoch
 
     @_translate
+    async def create_epoch(self, sid: str) -> int | None:
+        """The epoch a create of ``sid`` would write now (1, or one above the last epoch a deleted session of
+        this ID reached: see :meth:`create_session`), or None if the ID is taken (a record, even DELETED).
+        One round trip, as an EXISTS alone. The epoch is a forecast: a namesake deleted in between raises it."""
+        res = int(await self._create_epoch(keys=[self.keys.session(sid), self.keys.session_epoch_floor(sid)]))
+        return None if res < 0 else res
+
+    @_translate
     async def get_session(self, sid: str) -> SessionRecord:
         """The record, or ``NotFound(code="session_not_found")`` (also for DELETED records)."""
         raw = await self.redis.hgetall(self.keys.session(sid))
@@ -558,14 +574,15 @@ class Directory:
                          epoch: int | None = None, worker: str | None = None,
                          to: SessionState | None = None, bump: bool = False,
                          set: dict[str, Any] | None = None, unset: Iterable[str] = (),
-                         deadline_s: float | None = None, tenant: str | None = None) -> CasResult:
+                         deadline_s: float | None = None, tenant: str | None = None,
+                         likely: SessionState | None = None) -> CasResult:
         """Compare-and-set on one session (see module doc). ``deadline_s`` sets ``stateDeadline`` to
         now + deadline_s for a transitional ``to`` state; leaving a transitional state clears it.
 
-        ``tenant``: the session's tenant as the caller knows it. With one ``from_states``, its state
-        counters move in the same round trip as the step (optimistically, like the runtime-wide ones);
-        without it (or if it was wrong: the step reports the record's tenant), they move in a round trip
-        after the step."""
+        ``tenant``: the session's tenant as the caller knows it. With one ``from_states`` (or several and
+        ``likely``, the state the caller last read), its state counters move in the same round trip as the
+        step (optimistically, like the runtime-wide ones); without it (or if it was wrong: the step reports
+        the record's tenant and the state it left), they move in a round trip after the step."""
         now = time.time()
         fields = dict(set or {})
         dels = list(unset)
@@ -595,7 +612,9 @@ class Directory:
         # With one state to move from, the state counters move in the same round trip, optimistically
         # (moved back below if the compare-and-set fails); else after it, from the state it reports
         froms = args.get("from") or []
-        moved = (froms[0], to.value) if to is not None and len(froms) == 1 and froms[0] != to.value else None
+        guess = froms[0] if len(froms) == 1 else (likely.value if likely is not None and likely.value in froms
+                                                    else None)
+        moved = (guess, to.value) if to is not None and guess is not None and guess != to.value else None
 
         async def queue(p: Any) -> None:
             await self._cas(keys=[self.keys.session(sid)], args=[json.dumps(args)], client=p)
@@ -620,12 +639,16 @@ class Directory:
             if moved is None:
                 if len(res) > 3 and res[3] != res[1]:
                     await self._count_states(res[3], res[1], tenant=actual)
-            elif actual != tenant:  # the tenant's counters moved on a wrong guess, or on none
+            elif actual != tenant or res[3] != moved[0]:  # moved on a wrong guess (tenant or state)
+                left = str(res[3])  # the state the step moved the session from
                 async with self.pipeline() as p:
+                    if left != moved[0]:
+                        self._queue_count(p, moved[1], moved[0])
+                        self._queue_count(p, left, moved[1])
                     if tenant:
                         self._queue_count(p, moved[1], moved[0], tenant=tenant, runtime=False)
                     if actual:
-                        self._queue_count(p, *moved, tenant=actual, runtime=False)
+                        self._queue_count(p, left, moved[1], tenant=actual, runtime=False)
                     await p.execute()
         return CasResult(res[0] == 1, SessionState(res[1]), int(res[2]))
 
@@ -680,11 +703,16 @@ class Directory:
         return list(await self.redis.zrange(self.keys.session_snapshots(sid), 0, -1))
 
     @_translate
-    async def delete_session(self, sid: str, *, tenant: str | None = None) -> None:
+    async def delete_session(self, sid: str, *, tenant: str | None = None,
+                             slot: tuple[str, int] | None = None) -> None:
         """Remove the record and its index entries (idempotent), ``tenant``'s index too when given (its
         entry is otherwise dropped by that tenant's next listing), in one round trip. The epoch it reached
-        stays behind as the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``)."""
+        stays behind as the floor of a re-created session of the same ID (for ``epoch_floor_ttl_s``).
+        ``slot``: (worker ID, slot index) the session held, freed first in the same round trip if the
+        session still holds it (as :meth:`release_slot`)."""
         async def queue(p: Any) -> None:
+            if slot is not None:
+                await self._release(keys=[self.keys.worker_slots(slot[0])], args=[slot[1], sid], client=p)
             await self._delete(keys=[self.keys.session(sid), self.keys.session_epoch_floor(sid),
                                      self.keys.session_snapshots(sid)], args=[self.epoch_floor_ttl_s], client=p)
             p.zrem(self.keys.sessions_index, sid)
@@ -692,8 +720,8 @@ class Directory:
             if tenant is not None:
                 p.zrem(self.keys.tenant_sessions(tenant), sid)
 
-        res = (await self._scripted(queue))[0]
-        if res[1]:
+        res = (await self._scripted(queue))[0 if slot is None else 1]
+        if res[1] and res[1] != SessionState.DELETED.value:  # a DELETED record is counted nowhere
             await self._count_states(res[1], None, tenant=res[2])
 
     @_translate

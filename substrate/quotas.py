@@ -9,8 +9,8 @@ Lua script touches one Redis Cluster slot)
 * ``total`` set of session IDs that exist,
 * ``gpus`` hash session ID -> GPUs its live activation holds (``spec.resources.gpus``),
 * ``creates`` sorted set of create times (a sliding one-minute window),
-* ``owner`` hash session ID -> the activation epoch its running place belongs to (0: a create's, before
-  its record has an epoch),
+* ``owner`` hash session ID -> the activation epoch its running place belongs to (a create's: the epoch
+  its record will get, read with its ID check before the record exists; 0 if not given),
 * ``inflight`` sorted set session ID -> the time (s since the epoch) until which a create of it may still
   be on its way from taking its places to writing its record (see "Creates in flight" below),
 
@@ -290,8 +290,8 @@ class Quotas:
     @translated
     async def acquire(self, tenant: str, template: ActorTemplate, sid: str, *, create: bool,
                       epoch: int = 0, dry: bool = False, hold_s: float = 0.0) -> None:
-        """Take a running place (and GPUs) for activation ``epoch`` of ``sid`` (0: a create, before its
-        record has an epoch), and with ``create`` a total place and a create in the rate window, if every
+        """Take a running place (and GPUs) for activation ``epoch`` of ``sid`` (a create: the epoch its
+        record will get, ``Directory.create_epoch``), and with ``create`` a total place and a create in the rate window, if every
         limit allows; else raise ``TooManyRequests`` (429, code ``quota_*``) and take nothing.
 
         ``hold_s`` (with ``create``): the longest the create can take from this call to writing its

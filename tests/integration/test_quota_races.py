@@ -445,10 +445,10 @@ async def test_a_create_of_an_id_that_turns_out_another_tenants_gives_its_places
     theirs.tenant = "b"
     await act.create(theirs, TEMPLATE)
 
-    async def not_yet(sid: str) -> bool:  # the other create's record lands right after this check
-        return False
+    async def not_yet(sid: str) -> int:  # the other create's record lands right after this check
+        return 1
 
-    act._exists = not_yet  # type: ignore[method-assign]
+    d.create_epoch = not_yet  # type: ignore[method-assign]
     with pytest.raises(Conflict) as e:
         await act.create(_new("shared"), TEMPLATE)  # tenant a
     assert e.value.code == "session_exists"

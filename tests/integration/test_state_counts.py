@@ -106,6 +106,29 @@ async def test_each_tenants_counters_follow_its_sessions_whether_or_not_the_call
     assert _nonzero(await d.state_counts()) == {"RUNNING": 2, "SUSPENDED": 1}
 
 
+async def test_a_step_from_any_state_moves_the_counters_from_the_state_the_caller_read(directory):
+    """A step from several states (a delete: from any but DELETED) moves the counters in its own round trip
+    from ``likely``, the state the caller read; a wrong guess (the session moved since, or another tenant's)
+    is corrected from the state and tenant the step reports, and a failed step moves nothing."""
+    d = directory
+    anything = [s for s in SessionState if s != SessionState.DELETED]
+    for sid in ("r", "m", "t", "f"):
+        await d.create_session(_rec(sid, SessionState.RUNNING, tenant="team-a"))
+    await d.transition("m", from_states=[SessionState.RUNNING], to=SessionState.SUSPENDED, tenant="team-a")
+    await d.transition("f", to=SessionState.DELETED)
+    assert (await d.transition("r", from_states=anything, to=SessionState.DELETED, bump=True, tenant="team-a",
+                               likely=SessionState.RUNNING)).ok
+    assert (await d.transition("m", from_states=anything, to=SessionState.DELETED, bump=True, tenant="team-a",
+                               likely=SessionState.RUNNING)).ok  # read RUNNING, suspended since
+    assert (await d.transition("t", from_states=anything, to=SessionState.FAILED, tenant="team-b",
+                               likely=SessionState.RUNNING)).ok  # the wrong tenant named
+    assert not (await d.transition("f", from_states=anything, to=SessionState.DELETED, tenant="team-a",
+                                   likely=SessionState.RUNNING)).ok
+    got = await d.tenant_state_counts(["team-a", "team-b"])
+    assert _nonzero(got["team-a"]) == {"FAILED": 1} and _nonzero(got["team-b"]) == {}
+    assert _nonzero(await d.state_counts()) == {"FAILED": 1}
+
+
 async def test_a_tenants_counters_are_trusted_only_when_they_add_up_to_its_index(directory):
     d = directory
     for i in range(2):
