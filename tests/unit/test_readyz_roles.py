@@ -32,11 +32,12 @@ class _Directory:
             raise DirectoryUnavailable("Redis does not answer")
 
 
-def _runtime(*, runs_pools: bool, ready_pools: list[str], redis_up: bool = True) -> Any:
+def _runtime(*, runs_pools: bool, ready_pools: list[str], redis_up: bool = True, fenced: str | None = None) -> Any:
     workers = {f"w{i}": SimpleNamespace(pool=p, state=SimpleNamespace(value="READY"))
                for i, p in enumerate(ready_pools)}
     return SimpleNamespace(directory=_Directory(redis_up), view=SimpleNamespace(workers=workers),
-                           catalog=load_documents(DOCS), pools=object() if runs_pools else None)
+                           catalog=load_documents(DOCS), pools=object() if runs_pools else None,
+                           store=SimpleNamespace(fenced=fenced))
 
 
 async def _readyz(rt: Any) -> httpx.Response:
@@ -64,3 +65,13 @@ async def test_a_router_is_ready_when_redis_answers_and_names_the_short_pools(re
 async def test_a_router_without_redis_is_not_ready() -> None:
     r = await _readyz(_runtime(runs_pools=False, ready_pools=["cpu", "gpu", "gpu"], redis_up=False))
     assert r.status_code == 503 and r.json()["code"] == "directory_unavailable", r.text
+
+
+@pytest.mark.parametrize("runs_pools", [True, False])
+async def test_a_fenced_snapshot_store_leaves_the_api_ready_with_a_warning(runs_pools: bool) -> None:
+    """Fresh-user tester 54: every suspend failed on a fenced store while ``/readyz`` said plain "ready".
+    Still 200 (warm sessions are served), with a ``warnings`` line saying where to look."""
+    r = await _readyz(_runtime(runs_pools=runs_pools, ready_pools=["cpu", "gpu", "gpu"], fenced="marker missing"))
+    assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+    assert r.json()["warnings"] == ["the snapshot store is fenced: suspends and wakes that read a snapshot answer "
+                                    "503 snapshot_store_unavailable (GET /v1/snapshotstore says why)"]
