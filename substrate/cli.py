@@ -1067,6 +1067,9 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
            continue_: Optional[str] = typer.Option(None, "--continue",
                                                    help="Start after the page that printed this token."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
+           selector: Optional[str] = typer.Option(None, "--selector", "-l",
+                                                  help="Label selector, as kubectl takes it: 'team=a', "
+                                                       "'team=a,env!=prod', 'gpu', '!gpu', 'tier in (web,api)'."),
            output: str = typer.Option("table", "--output", "-o",
                                       help="table (IDs never cut, wide columns wrap), json (the API's page: "
                                            "items and metadata.continue) or ids (one ID a line, for pipes)."),
@@ -1086,11 +1089,11 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
     with _client(server, token) as c:
         if all_pages:
             items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit, tenant=tenant,
-                                                      continue_=continue_)))
+                                                      continue_=continue_, label_selector=selector)))
             nxt = None
         else:
             page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit, tenant=tenant,
-                                                continue_=continue_))
+                                                continue_=continue_, label_selector=selector))
             items, nxt = page["items"], page["metadata"]["continue"]
     if output == "json":
         _print({"items": items, "metadata": {"continue": nxt}})
@@ -1103,12 +1106,36 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
         if nxt:
             err.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
         return
-    header = ("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH")
+    # LABELS last: the columns before it stay where scripts reading the table found them
+    header = ("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH", "LABELS")
     rows = [(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
-             str(s["epoch"])) for s in items]
+             str(s["epoch"]), _labels_cell(s.get("labels"))) for s in items]
     _print_table(header, rows)
     if nxt:  # one line, never wrapped: the token is copied whole
         console.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
+
+
+#: how much of a session's labels the LABELS column shows (64 labels of 256 characters would fill screens)
+LABELS_CELL_CHARS = 40
+
+
+def _labels_cell(labels: Any) -> str:
+    """A session's labels for the LABELS column: ``k=v`` by key, comma-separated, as many whole ones as fit
+    ``LABELS_CELL_CHARS`` then ``+N`` for the rest (one longer than that alone is cut, ending in ``...``);
+    ``-`` for none. ``-o json`` has them all."""
+    if not isinstance(labels, dict) or not labels:
+        return "-"
+    pairs = [f"{k}={v}" for k, v in sorted(labels.items())]
+    shown: list[str] = []
+    for pair in pairs:
+        more = len(pairs) - len(shown) - 1
+        if len(",".join([*shown, pair])) + (len(f",+{more}") if more else 0) > LABELS_CELL_CHARS:
+            if not shown:  # the first alone is too long: its start
+                shown.append(pair[:LABELS_CELL_CHARS - 3 - (len(f",+{more}") if more else 0)] + "...")
+            break
+        shown.append(pair)
+    left = len(pairs) - len(shown)
+    return ",".join(shown) + (f",+{left}" if left else "")
 
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]], keep: int = 0) -> None:
@@ -1130,7 +1157,7 @@ def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]], keep: int
         else:
             t.add_column(name, overflow="fold")
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(escape(v) for v in r))  # text, not markup: a label value "[red]" or "[/]" is printed as is
     console.print(t)
 
 

@@ -405,13 +405,18 @@ class SubstrateClient:
         return self._req("GET", _session_path(sid))
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
-                      continue_: str | None = None, tenant: str | None = None) -> dict[str, Any]:
-        """One page of sessions (``tenant``: admins only, one tenant's). ``state`` in any case
-        (``"running"``), as the CLI takes it: the API takes the upper-case names only."""
+                      continue_: str | None = None, tenant: str | None = None,
+                      label_selector: str | None = None) -> dict[str, Any]:
+        """One page of sessions: ``{items, metadata: {continue}}`` (``tenant``: admins only, one tenant's).
+        ``state`` in any case (``"running"``), as the CLI takes it: the API takes the upper-case names
+        only. ``label_selector``: Kubernetes-style, e.g. ``"team=a,env!=prod"`` or ``"tier in (web,api)"``
+        (``substrate.labelselector``; a malformed one is ``ApiError`` 422 ``invalid_input``). A filtered
+        page may hold fewer than ``limit`` items with a ``continue`` still (``iter_sessions`` follows it)."""
         if isinstance(state, str):
             state = state.strip().upper()
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
-                                    "continue": continue_, "tenant": tenant}.items() if v is not None}
+                                    "continue": continue_, "tenant": tenant,
+                                    "labelSelector": label_selector}.items() if v is not None}
         return self._req("GET", "/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
