@@ -42,6 +42,7 @@ from substrate.apikeys import check_tenant
 from api.guard import CLIENT_GONE, Guard, encoded_slash, request_id_of
 from substrate.envpolicy import check_session_env
 from substrate.errors import BadRequest, Forbidden, InvalidInput, NotFound, PayloadTooLarge, SubstrateError, clip
+from substrate.labelselector import LABEL_KEY_PATTERN, MAX_VALUE_CHARS, SelectorError, parse_selector
 from substrate.listing import list_page
 from substrate.loops import LagCounts
 from substrate.models import LISTABLE_STATES, NAME_RE, SESSION_ID_HINT, SESSION_ID_RE, SessionRecord, SessionState
@@ -54,8 +55,8 @@ log = logging.getLogger(__name__)
 #: label's name), each value at most ``MAX_LABEL_VALUE_CHARS`` characters. ``CreateSession._labels``
 #: checks them and the OpenAPI document states them (``LABELS_SCHEMA``)
 MAX_LABELS = 64
-MAX_LABEL_VALUE_CHARS = 256
-_LABEL_KEY_RE = r"[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?"
+MAX_LABEL_VALUE_CHARS = MAX_VALUE_CHARS  # a label selector names labels by the same rules
+_LABEL_KEY_RE = LABEL_KEY_PATTERN
 _LABEL_KEY = re.compile(rf"\A{_LABEL_KEY_RE}\Z")
 LABELS_SCHEMA: dict[str, Any] = {
     "maxProperties": MAX_LABELS,
@@ -665,13 +666,28 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
                             template: str | None = None,
                             limit: PageLimit = DEFAULT_PAGE_LIMIT,
                             continue_: str | None = Query(None, alias="continue"),
-                            tenant: str | None = Query(None, description="admins: one tenant's sessions")
+                            tenant: str | None = Query(None, description="admins: one tenant's sessions"),
+                            label_selector: str | None = Query(
+                                None, alias="labelSelector",
+                                description="only sessions whose labels match this Kubernetes-style selector: "
+                                            "requirements joined by commas (AND), each `key=value` (or "
+                                            "`key==value`), `key!=value` (a session without the label matches), "
+                                            "`key` (has the label), `!key` (has not), `key in (v1,v2)` or "
+                                            "`key notin (v1,v2)`; a value has no whitespace, `,`, `(`, `)`, `=` "
+                                            "or `!`; empty selects every session; anything else is 422 "
+                                            "`invalid_input`")
                             ) -> dict[str, Any]:
         """List the caller's sessions (oldest first; admins: every tenant's, or ``tenant``'s), filtered by
-        ``state`` and ``template``; paginate with the ``metadata.continue`` token of the previous page
-        (a keyset cursor: deleting sessions between pages skips or repeats none)."""
+        ``state``, ``template`` and ``labelSelector``; paginate with the ``metadata.continue`` token of the
+        previous page (a keyset cursor: deleting sessions between pages skips or repeats none). A page of a
+        filtered list may hold fewer than ``limit`` items, even none, with a ``continue`` token still: only
+        a null token means the end."""
         rt = _rt(request)
         scope = _tenant_scope(request, tenant)
+        try:
+            selector = parse_selector(label_selector) if label_selector is not None else None
+        except SelectorError as e:
+            raise _query_error("labelSelector", str(e)) from None
         if template is not None and not NAME_RE.fullmatch(template):
             # no template can have such a name: say so instead of an empty list (a removed template's
             # sessions stay listable by its name, so unknown names are not refused)
@@ -688,7 +704,7 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
         index = keys.sessions_index if scope is None else keys.tenant_sessions(scope)
         items, nxt = await list_page(rt.directory.redis, keys, index, limit=limit, cursor=continue_,
                                      state=SessionState(state) if state else None, template=template,
-                                     tenant=scope)
+                                     tenant=scope, selector=selector)
         return {"items": [session_view(r, rt) for r in items], "metadata": {"continue": nxt}}
 
     @app.get("/v1/sessions/{sid}", dependencies=v1, tags=["sessions"])

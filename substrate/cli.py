@@ -2,7 +2,8 @@
 
     substrate up [--host H] [--port P] [--config DIR]   run the embedded default until SIGINT/SIGTERM/SIGHUP
     substrate demo                                       up + create/invoke/suspend/wake a session, then stop
-    substrate sessions create|get|list|invoke|suspend|resume|delete ...
+    substrate sessions create|get|list|invoke|suspend|resume|events|delete ...
+    substrate events [--tenant T] [--all] [-o jsonl|table|json|ids]   the tenant's audit trail
     substrate pools | templates | stats
     substrate keys create|revoke|list|rotate-signing                 API keys and activation-token keys
 
@@ -1069,14 +1070,15 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
            continue_: Optional[str] = typer.Option(None, "--continue",
                                                    help="Start after the page that printed this token."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
+           selector: Optional[str] = typer.Option(None, "--selector", "-l",
+                                                  help="Label selector, as kubectl takes it: 'team=a', "
+                                                       "'team=a,env!=prod', 'gpu', '!gpu', 'tier in (web,api)'."),
            output: str = typer.Option("table", "--output", "-o",
                                       help="table (IDs never cut, wide columns wrap), json (the API's page: "
                                            "items and metadata.continue) or ids (one ID a line, for pipes)."),
            server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """List sessions as a table (an admin sees every tenant's, with a TENANT column), JSON or IDs."""
-    if output not in ("table", "json", "ids"):
-        err.print(f"[red]error[/red]: --output {escape(output)!r} is none of table, json, ids")
-        raise typer.Exit(2)
+    _check_output(output, ("table", "json", "ids"))
     if state is not None:
         from substrate.models import LISTABLE_STATES
 
@@ -1090,11 +1092,11 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
     with _client(server, token) as c:
         if all_pages:
             items = _run(lambda: list(c.iter_sessions(state=state, template=template, limit=limit, tenant=tenant,
-                                                      continue_=continue_)))
+                                                      continue_=continue_, label_selector=selector)))
             nxt = None
         else:
             page = _run(lambda: c.list_sessions(state=state, template=template, limit=limit, tenant=tenant,
-                                                continue_=continue_))
+                                                continue_=continue_, label_selector=selector))
             items, nxt = page["items"], page["metadata"]["continue"]
     if output == "json":
         _print({"items": items, "metadata": {"continue": nxt}})
@@ -1107,28 +1109,59 @@ def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, .
         if nxt:
             err.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
         return
-    header = ("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH")
+    # LABELS last: the columns before it stay where scripts reading the table found them
+    header = ("ID", "TENANT", "STATE", "TEMPLATE", "WORKER", "EPOCH", "LABELS")
     rows = [(s["id"], s.get("tenant") or "-", s["state"], s["actorTemplate"], s.get("worker") or "-",
-             str(s["epoch"])) for s in items]
-    id_width = max((len(r[0]) for r in rows), default=2)
-    # a table whose ID column leaves the others under 8 characters each (19: its borders and padding)
-    # cannot show them: rich dropped them all (a 128-character ID, a fresh-user run); then plain aligned
-    # lines, as kubectl prints, which the terminal wraps whole
-    if id_width + 19 + 5 * 8 > console.width:
+             str(s["epoch"]), _labels_cell(s.get("labels"))) for s in items]
+    _print_table(header, rows)
+    if nxt:  # one line, never wrapped: the token is copied whole
+        console.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
+
+
+#: how much of a session's labels the LABELS column shows (64 labels of 256 characters would fill screens)
+LABELS_CELL_CHARS = 40
+
+
+def _labels_cell(labels: Any) -> str:
+    """A session's labels for the LABELS column: ``k=v`` by key, comma-separated, as many whole ones as fit
+    ``LABELS_CELL_CHARS`` then ``+N`` for the rest (one longer than that alone is cut, ending in ``...``);
+    ``-`` for none. ``-o json`` has them all."""
+    if not isinstance(labels, dict) or not labels:
+        return "-"
+    pairs = [f"{k}={v}" for k, v in sorted(labels.items())]
+    shown: list[str] = []
+    for pair in pairs:
+        more = len(pairs) - len(shown) - 1
+        if len(",".join([*shown, pair])) + (len(f",+{more}") if more else 0) > LABELS_CELL_CHARS:
+            if not shown:  # the first alone is too long: its start
+                shown.append(pair[:LABELS_CELL_CHARS - 3 - (len(f",+{more}") if more else 0)] + "...")
+            break
+        shown.append(pair)
+    left = len(pairs) - len(shown)
+    return ",".join(shown) + (f",+{left}" if left else "")
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]], keep: int = 0) -> None:
+    """``rows`` as a table whose column ``keep`` (an ID) is never cut (it was, to "s-00bd36096e5e4…", on
+    an 80-column terminal) while the others wrap. A table whose kept column leaves the others under 8
+    characters each (3 per column and 1: its borders and padding) cannot show them: rich dropped them
+    all (a 128-character ID, a fresh-user run); then plain aligned lines, as kubectl prints, which the
+    terminal wraps whole."""
+    kept_width = max((len(r[keep]) for r in rows), default=len(header[keep]))
+    if kept_width + 3 * len(header) + 1 + (len(header) - 1) * 8 > console.width:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         for r in (header, *rows):
             print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-    else:
-        t = Table()
-        # the ID column is never cut (it was, to "s-00bd36096e5e4…", on an 80-column terminal): others wrap
-        t.add_column("ID", no_wrap=True, min_width=id_width)
-        for name in header[1:]:
+        return
+    t = Table()
+    for i, name in enumerate(header):
+        if i == keep:
+            t.add_column(name, no_wrap=True, min_width=kept_width)
+        else:
             t.add_column(name, overflow="fold")
-        for r in rows:
-            t.add_row(*r)
-        console.print(t)
-    if nxt:  # one line, never wrapped: the token is copied whole
-        console.print(f"more: --all, or --continue {nxt}", soft_wrap=True, highlight=False)
+    for r in rows:
+        t.add_row(*(escape(v) for v in r))  # text, not markup: a label value "[red]" or "[/]" is printed as is
+    console.print(t)
 
 
 @sessions.command("invoke")
@@ -1292,25 +1325,79 @@ def s_resume(sid: str = SessionArg, worker: Optional[str] = typer.Option(None, h
         _print(_run(lambda: c.resume(sid, worker=worker)))
 
 
-@sessions.command("events")
-def s_events(sid: str = SessionArg, limit: int = typer.Option(100, min=1, max=1000, help="Page size (1 to 1000)."),
-             all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end (from --continue TOKEN if given)."),
-             continue_: Optional[str] = typer.Option(None, "--continue",
-                                                     help="Start after the page that printed this token."),
-             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """The session's audit records, oldest first, as JSON lines (kept after a delete)."""
-    with _client(server, token) as c:
-        cont: Optional[str] = continue_
-        while True:
-            page = _run(lambda: c.session_events(sid, limit=limit, continue_=cont))
-            for item in page["items"]:
+#: the ``-o`` of the event commands: ``jsonl`` (one record a line, their first and default output) and
+#: the ones ``sessions list`` has
+EVENT_OUTPUTS = ("jsonl", "table", "json", "ids")
+EventsOutputOpt = typer.Option("jsonl", "--output", "-o",
+                               help="jsonl (one JSON record a line, oldest first), table, json (the API's page: "
+                                    "items and metadata.continue) or ids (one record ID a line, for pipes).")
+EventsLimitOpt = typer.Option(100, min=1, max=1000, help="Page size (1 to 1000).")
+EventsAllOpt = typer.Option(False, "--all", help="Follow pagination to the end (from --continue TOKEN if given).")
+EventsContinueOpt = typer.Option(None, "--continue", help="Start after the page that printed this token.")
+
+
+def _check_output(output: str, formats: tuple[str, ...]) -> None:
+    """Exit 2 (nothing sent) unless ``output`` is one of ``formats``."""
+    if output not in formats:
+        err.print(f"[red]error[/red]: --output {escape(output)!r} is none of {', '.join(formats)}")
+        raise typer.Exit(2)
+
+
+def _event_time(t: Any) -> str:
+    """An audit record's ``time`` (Unix s) in ISO 8601 UTC to the millisecond (one word: the plain-lines
+    form of a narrow table stays split by whitespace); anything else as it came."""
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return str(t) if t is not None else "-"
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+def _print_events(fetch: Any, *, continue_: Optional[str], all_pages: bool, output: str, session_column: bool) -> None:
+    """Pages of audit records from ``fetch(continue_token)`` in ``output`` form (``EVENT_OUTPUTS``), the
+    first page or, with ``all_pages``, every page; then, if more pages follow, the ``more:`` line (on
+    stderr for ``jsonl`` and ``ids``, so a pipe gets records only; on stdout under a table, as
+    ``sessions list`` prints it). ``jsonl`` and ``ids`` print each page as it comes."""
+    kept: list[dict[str, Any]] = []
+    cont = continue_
+    while True:
+        page = _run(lambda: fetch(cont))
+        for item in page["items"]:
+            if output == "jsonl":
                 print(json.dumps(item, ensure_ascii=False))
-            cont = page["metadata"]["continue"]
-            if not cont:
-                return
-            if not all_pages:
-                err.print(f"more: --all, or --continue {cont}", soft_wrap=True, highlight=False)
-                return
+            elif output == "ids":
+                print(item.get("id", ""))
+        if output in ("json", "table"):
+            kept += page["items"]
+        cont = page["metadata"]["continue"]
+        if not cont or not all_pages:
+            break
+    if output == "json":
+        _print({"items": kept, "metadata": {"continue": cont}})
+        return
+    if output == "table":
+        header = ("TIME", "ACTION", "REASON", *(("SESSION",) if session_column else ()), "WHO", "WORKER",
+                  "EPOCH", "RESULT")
+        rows = [(_event_time(e.get("time")), str(e.get("action") or "-"), str(e.get("reason") or "-"),
+                 *((str(e.get("session") or "-"),) if session_column else ()), str(e.get("who") or "-"),
+                 str(e.get("worker") or "-"), "-" if e.get("epoch") is None else str(e["epoch"]),
+                 str(e.get("result") or "-")) for e in kept]
+        _print_table(header, rows, keep=3 if session_column else 0)
+        if cont:
+            console.print(f"more: --all, or --continue {cont}", soft_wrap=True, highlight=False)
+        return
+    if cont:
+        err.print(f"more: --all, or --continue {cont}", soft_wrap=True, highlight=False)
+
+
+@sessions.command("events")
+def s_events(sid: str = SessionArg, limit: int = EventsLimitOpt, all_pages: bool = EventsAllOpt,
+             continue_: Optional[str] = EventsContinueOpt, output: str = EventsOutputOpt,
+             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """The session's audit records, oldest first, as JSON lines (kept after a delete); -o table, json, ids.
+    The tenant's whole trail: `substrate events`."""
+    _check_output(output, EVENT_OUTPUTS)
+    with _client(server, token) as c:
+        _print_events(lambda cont: c.session_events(sid, limit=limit, continue_=cont), continue_=continue_,
+                      all_pages=all_pages, output=output, session_column=False)
 
 
 @sessions.command("delete")
@@ -1359,6 +1446,20 @@ def templates(server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
         t.add_row(x["metadata"]["name"], runs, sp.get("workerPool") or "(default)", str(sm.get("maxIdleTime")),
                   str(sm.get("snapshotInterval")))
     console.print(t)
+
+
+@app.command("events")
+def events_cmd(tenant: Optional[str] = typer.Option(None, help="Admins: this tenant's records (default: "
+                                                    "the caller's tenant's)."),
+               limit: int = EventsLimitOpt, all_pages: bool = EventsAllOpt,
+               continue_: Optional[str] = EventsContinueOpt, output: str = EventsOutputOpt,
+               server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Your tenant's audit trail (every session's creates, suspends, wakes, deletes ..., also of deleted
+    sessions), oldest first, as JSON lines; -o table, json, ids. One session's: `sessions events ID`."""
+    _check_output(output, EVENT_OUTPUTS)
+    with _client(server, token) as c:
+        _print_events(lambda cont: c.events(tenant=tenant, limit=limit, continue_=cont), continue_=continue_,
+                      all_pages=all_pages, output=output, session_column=True)
 
 
 @app.command()

@@ -20,7 +20,10 @@ instead of running it twice.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
+import math
 import sys
 import time
 import uuid
@@ -31,6 +34,7 @@ from urllib.parse import quote
 
 import httpx
 
+from substrate.errors import clip
 from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS
 
 
@@ -107,18 +111,29 @@ def _chunks(lines: Any, *, replayed: bool = False) -> Iterator[Any]:
     """The chunks of a streamed turn's NDJSON lines, in order; an error line (the turn failed after its
     answer began: a worker lost mid-stream, the agent raised) raises ``ApiError`` with its code and
     ``status`` 200 (the answer's status was already sent), ``details.mid_stream`` true, the chunks before
-    it in ``chunks`` and ``replayed`` as given (the answer was a kept one)."""
+    it in ``chunks`` and ``replayed`` as given (the answer was a kept one). A line that is not a JSON
+    object (a proxy's text in the stream) raises the same way with code ``error`` (it was a raw
+    ``JSONDecodeError``)."""
     before: list[Any] = []
     for line in lines:
         if not line:
             continue
-        msg = json.loads(line)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict):
+            raise ApiError(200, "error", f"a line of the streamed answer is not a JSON object ({clip(line, 200)}): "
+                           "not the API's own answer (a proxy in between?)", details={"mid_stream": True},
+                           replayed=replayed, chunks=before)
         if "chunk" in msg:
             before.append(msg["chunk"])
             yield msg["chunk"]
         elif "error" in msg:
-            err = msg["error"]
-            raise ApiError(200, err.get("code", "error"), err.get("message", ""), details={"mid_stream": True},
+            err = msg["error"] if isinstance(msg["error"], dict) else {"message": str(msg["error"])}
+            code, message = err.get("code"), err.get("message")
+            raise ApiError(200, code if isinstance(code, str) and code else "error",
+                           message if isinstance(message, str) else "", details={"mid_stream": True},
                            replayed=replayed, chunks=before)
 
 
@@ -190,17 +205,101 @@ def bearer_token(token: str | None) -> str | None:
     return token or None
 
 
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds: delay-seconds, or an HTTP-date (RFC 9110 10.2.3, which
+    a reverse proxy may send) as the seconds from now to it (0 for a date past). None for no header and for
+    one that is neither (unparsable, negative or not finite): it is ignored, not raised (a ``ValueError``
+    from ``float`` reached the caller: fresh-user run)."""
+    if value is None or not value.strip():
+        return None
+    try:
+        delay = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:  # "-0000" parses naive; an HTTP-date is always GMT
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, when.timestamp() - time.time())
+    return delay if math.isfinite(delay) and delay >= 0 else None
+
+
+def _snippet(resp: httpx.Response, limit: int = 200) -> str:
+    """The start of an answer's body on one line, for a message about an answer that is not the API's."""
+    text = " ".join(resp.text.split())
+    return "an empty body" if not text else repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def _not_the_apis(resp: httpx.Response, why: str, *, replayed: bool = False) -> ApiError:
+    """``ApiError`` code ``error`` (the code of any answer that is not the API's JSON) for an answer of
+    ``resp``'s status whose body the API would never send (``why``): a reverse proxy's or a load
+    balancer's page, a gateway's JSON. The message says so and quotes the body's start."""
+    ctype = resp.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+    return ApiError(resp.status_code, "error", f"HTTP {resp.status_code} answer whose body {why} ({ctype}: "
+                    f"{_snippet(resp)}): not the API's own answer (a proxy in between?)",
+                    retry_after_s(resp.headers.get("retry-after")), replayed=replayed)
+
+
+_NOT_JSON = object()
+
+
+def _body(resp: httpx.Response) -> Any:
+    """The answer's JSON, or ``_NOT_JSON``."""
+    try:
+        return resp.json()
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
+        return _NOT_JSON
+
+
+def _not_an_object(body: Any) -> str:
+    """What a JSON body that is no object is, in JSON's words (``is JSON but not an object (an array)``)."""
+    kind = ("null" if body is None else "a boolean" if isinstance(body, bool) else "a number"
+            if isinstance(body, (int, float)) else "a string" if isinstance(body, str) else "an array")
+    return f"is JSON but not an object ({kind})"
+
+
+def _json_object(resp: httpx.Response) -> dict[str, Any]:
+    """A success answer's body, a JSON object as every API answer is; else ``ApiError`` (see
+    ``_not_the_apis``): a proxy's HTML page or a JSON list answered with status 200 raised a bare
+    ``JSONDecodeError``, ``TypeError`` or ``KeyError`` further on."""
+    body = _body(resp)
+    if body is _NOT_JSON:
+        raise _not_the_apis(resp, "is not JSON")
+    if not isinstance(body, dict):
+        raise _not_the_apis(resp, _not_an_object(body))
+    return body
+
+
+def _output(resp: httpx.Response) -> Any:
+    """A plain turn's ``output`` (``ApiError`` code ``error`` for a body that is no object holding one)."""
+    body = _json_object(resp)
+    if "output" not in body:
+        raise _not_the_apis(resp, "is a JSON object without an output")
+    return body["output"]
+
+
 def _raise_for(resp: httpx.Response) -> None:
+    """Raises ``ApiError`` for an answer of status 300 or more: the API's ``code``, ``message`` and
+    ``details``, and ``Retry-After`` in seconds (``retry_after_s``). A body that is not a JSON object
+    (a reverse proxy's HTML page, a JSON list: an ``AttributeError`` before) is code ``error`` with a
+    message saying what came; a JSON object without a ``code`` (another server's error) is code ``error``
+    with the body as its message; a redirect (none is followed) names where it points."""
     if resp.status_code < 300:
         return
-    try:
-        body = resp.json()
-        code, message, details = body.get("code", "error"), body.get("message", resp.text), body.get("details")
-    except ValueError:
-        code, message, details = "error", resp.text, None
-    ra = resp.headers.get("retry-after")
-    raise ApiError(resp.status_code, code, message, float(ra) if ra else None, details,
-                   replayed=resp.headers.get("x-substrate-replayed") == "1")
+    replayed = resp.headers.get("x-substrate-replayed") == "1"
+    body = _body(resp)
+    if not isinstance(body, dict):
+        if 300 <= resp.status_code < 400 and resp.headers.get("location"):
+            raise ApiError(resp.status_code, "error", f"a redirect to {resp.headers['location']} (the client "
+                           "follows none: is the server URL the API's base URL?)", replayed=replayed)
+        raise _not_the_apis(resp, "is not JSON" if body is _NOT_JSON else _not_an_object(body), replayed=replayed)
+    code, message, details = body.get("code"), body.get("message"), body.get("details")
+    # each field as the API sends it, or a fallback: another server's JSON may hold anything there
+    raise ApiError(resp.status_code, code if isinstance(code, str) and code else "error",
+                   message if isinstance(message, str) else resp.text,
+                   retry_after_s(resp.headers.get("retry-after")),
+                   details if isinstance(details, dict) else None, replayed=replayed)
 
 
 def server_url_problem(url: str) -> str | None:
@@ -231,6 +330,15 @@ def server_url_problem(url: str) -> str | None:
     return None
 
 
+def _check_number(name: str, value: Any, accepted: str, *, positive: bool = False) -> None:
+    """``ValueError`` naming ``name`` and what it accepts unless ``value`` is a finite int or float that is
+    >= 0 (> 0 if ``positive``)."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > 0 if positive else value >= 0))
+    if not ok:
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
 class SubstrateClient:
     """Synchronous client. ``base_url`` like ``http://127.0.0.1:8080``; ``token`` for bearer auth."""
 
@@ -243,7 +351,14 @@ class SubstrateClient:
         """Raises ``ApiError`` 401 ``invalid_token`` (before any request) if ``token``, once stripped of
         surrounding whitespace (a copied key's trailing newline), has a character an HTTP header cannot
         carry (the message never contains the token), and 400 ``invalid_server_url`` if ``base_url`` has
-        no scheme."""
+        no scheme. Raises ``ValueError`` naming the parameter and its range unless ``timeout_s`` is a
+        finite number of seconds above 0, ``retries`` a whole number from 0 and ``retry_backoff_s`` a
+        finite number of seconds from 0 (``retries=-1`` failed at the first turn with ``AssertionError``,
+        ``timeout_s=0`` with a ``ConnectError``: fresh-user run)."""
+        _check_number("timeout_s", timeout_s, "a finite number of seconds > 0", positive=True)
+        _check_number("retry_backoff_s", retry_backoff_s, "a finite number of seconds >= 0")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be a whole number >= 0 (0: no retry), got {retries!r}")
         token = bearer_token(token)
         if "://" not in base_url:  # httpx read "localhost:8080" as scheme "localhost" (fresh-user run)
             raise ApiError(400, "invalid_server_url", f"server URL {base_url!r} has no scheme: use "
@@ -268,7 +383,7 @@ class SubstrateClient:
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         resp = self.http.request(method, path, **kw)
         _raise_for(resp)
-        return None if resp.status_code == 204 or not resp.content else resp.json()
+        return None if resp.status_code == 204 or not resp.content else _json_object(resp)
 
     def create_session(self, template: str, *, id: str | None = None, labels: dict[str, str] | None = None,
                        env: dict[str, str] | None = None, tenant: str | None = None) -> dict[str, Any]:
@@ -290,10 +405,18 @@ class SubstrateClient:
         return self._req("GET", _session_path(sid))
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
-                      continue_: str | None = None, tenant: str | None = None) -> dict[str, Any]:
-        """One page of sessions (``tenant``: admins only, one tenant's)."""
+                      continue_: str | None = None, tenant: str | None = None,
+                      label_selector: str | None = None) -> dict[str, Any]:
+        """One page of sessions: ``{items, metadata: {continue}}`` (``tenant``: admins only, one tenant's).
+        ``state`` in any case (``"running"``), as the CLI takes it: the API takes the upper-case names
+        only. ``label_selector``: Kubernetes-style, e.g. ``"team=a,env!=prod"`` or ``"tier in (web,api)"``
+        (``substrate.labelselector``; a malformed one is ``ApiError`` 422 ``invalid_input``). A filtered
+        page may hold fewer than ``limit`` items with a ``continue`` still (``iter_sessions`` follows it)."""
+        if isinstance(state, str):
+            state = state.strip().upper()
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
-                                    "continue": continue_, "tenant": tenant}.items() if v is not None}
+                                    "continue": continue_, "tenant": tenant,
+                                    "labelSelector": label_selector}.items() if v is not None}
         return self._req("GET", "/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
@@ -340,8 +463,7 @@ class SubstrateClient:
                 self._backoff(attempt, None)
                 continue
             if resp.status_code in self.RETRYABLE_STATUS and not last:
-                ra = resp.headers.get("retry-after")
-                self._backoff(attempt, float(ra) if ra else None)
+                self._backoff(attempt, retry_after_s(resp.headers.get("retry-after")))
                 continue
             _raise_for(resp)
             if resp.headers.get("content-type", "").startswith("application/x-ndjson"):
@@ -349,8 +471,8 @@ class SubstrateClient:
                 # output is its chunks in order (a raw JSONDecodeError before: fresh-user round 24)
                 chunks = list(_chunks(resp.text.splitlines(), replayed=resp.headers.get("x-substrate-replayed") == "1"))
                 return Answer.of(resp, chunks, streamed=True)
-            return Answer.of(resp, resp.json()["output"])
-        raise AssertionError("unreachable")  # pragma: no cover
+            return Answer.of(resp, _output(resp))
+        raise AssertionError("unreachable")  # pragma: no cover: retries >= 0 (the constructor checks it)
 
     def _backoff(self, attempt: int, retry_after_s: float | None) -> None:
         delay = self.retry_backoff_s * (2 ** attempt)
@@ -383,7 +505,7 @@ class SubstrateClient:
                 Answer.of(resp).warn(sid)
             if resp.headers.get("content-type", "").startswith("application/json"):
                 resp.read()  # the replay of a plain turn under this key: its answer as it was
-                yield resp.json()["output"]
+                yield _output(resp)
                 return
             yield from _chunks(resp.iter_lines(), replayed=resp.headers.get("x-substrate-replayed") == "1")
 

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from substrate.directory import decode_session
 from substrate.errors import InvalidInput
 from substrate.keys import Keys
+from substrate.labelselector import Selector
 from substrate.models import SESSION_ID_RE, SessionRecord, SessionState
 from substrate.quotas import translated
 
@@ -60,14 +61,17 @@ def decode_cursor(token: str) -> tuple[float, str]:
 @translated
 async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int = 100,
                     cursor: str | None = None, state: SessionState | None = None, template: str | None = None,
-                    scan_cap: int = 5000, tenant: str | None = None) -> tuple[list[SessionRecord], str | None]:
-    """One page of the sessions in sorted set ``index`` after ``cursor``, filtered by state/template.
+                    scan_cap: int = 5000, tenant: str | None = None, selector: Selector | None = None
+                    ) -> tuple[list[SessionRecord], str | None]:
+    """One page of the sessions in sorted set ``index`` after ``cursor``, filtered by state/template and
+    by label ``selector`` (``substrate.labelselector``).
     ``tenant``: ``index`` is that tenant's (``Keys.tenant_sessions``); records of other tenants in it are
     stale entries, skipped and removed (see the module docstring).
 
     Returns ``(items, next_cursor)``; ``next_cursor`` is None at the end. At most ``scan_cap`` index
     entries are read per call, so a selective filter answers in bounded time (fewer items, and a cursor
-    to go on from)."""
+    to go on from): a filtered page may hold fewer than ``limit`` items, even none, and still a cursor; only
+    a None cursor means the end."""
     after = decode_cursor(cursor) if cursor else None
     items: list[SessionRecord] = []
     scanned = 0
@@ -101,7 +105,8 @@ async def list_page(redis: aioredis.Redis, keys: Keys, index: str, *, limit: int
                 stale.append(m)
                 continue
             rec = decode_session(raw)
-            if (state is None or rec.state == state) and (template is None or rec.actorTemplate == template):
+            if ((state is None or rec.state == state) and (template is None or rec.actorTemplate == template)
+                    and (selector is None or selector.matches(rec.labels))):
                 items.append(rec)
                 if len(items) == limit:
                     break
