@@ -1209,10 +1209,16 @@ def s_invoke(sid: str = SessionArg, input: str = typer.Argument(..., metavar="IN
                 _print(out)  # a streamed turn's replay: its chunks, as --stream prints them
 
 
+#: 5xx codes answered before the turn reached an agent (no slot, no wake, no store, no token, every worker
+#: fenced): a resend hint after them said the turn "may have run" when it certainly had not (tester 54)
+_NOT_RUN_CODES = frozenset({"no_capacity", "snapshot_store_unavailable", "resume_timeout", "too_many_parked",
+                            "no_signing_key", "worker_fenced"})
+
+
 def _resend_hint(key: str, fn: Any) -> Any:
     """``fn()`` for one turn sent with Idempotency-Key ``key``. Interrupted (Ctrl-C): one line naming the key,
     exit 130. A failure after which the turn may have run (the server unreachable or gone mid-turn, a 502,
-    503 or 504 such as ``router_stopping``): a note naming the key first, then the error as usual (raised
+    503 or 504 such as ``router_stopping``, not one of ``_NOT_RUN_CODES``): a note naming the key first, then the error as usual (raised
     on to ``_run``). A resend with the key is always safe: a turn that ran is answered from its kept answer."""
     import httpx
 
@@ -1223,7 +1229,8 @@ def _resend_hint(key: str, fn: Any) -> Any:
                   f"it twice, send it again with -k {escape(key)}", soft_wrap=True, highlight=False)
         raise typer.Exit(130) from None
     except (httpx.TransportError, ApiError) as e:
-        if isinstance(e, httpx.TransportError) or e.status in (502, 503, 504) and not e.details.get("mid_stream"):
+        if isinstance(e, httpx.TransportError) or (e.status in (502, 503, 504) and not e.details.get("mid_stream")
+                                                   and e.code not in _NOT_RUN_CODES):
             err.print(f"note: the turn may have run on the server: send it again with -k {escape(key)} (a turn "
                       "that ran is answered from its kept answer, never run twice)", soft_wrap=True, highlight=False)
         raise

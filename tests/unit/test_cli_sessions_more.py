@@ -239,3 +239,28 @@ def test_an_empty_idempotency_key_is_refused_not_taken_as_none(key: str) -> None
 
     r = CliRunner().invoke(app, ["sessions", "invoke", "s1", "get", "-k", key, "--server", "http://127.0.0.1:9"])
     assert r.exit_code == 2 and "invalid_idempotency_key" in r.output, r.output
+
+
+@pytest.mark.parametrize(("status", "code", "hinted"), [
+    (503, "router_stopping", True), (502, "worker_unavailable", True), (504, "turn_timeout", True),
+    (503, "snapshot_store_unavailable", False), (503, "no_capacity", False), (503, "resume_timeout", False)])
+def test_the_resend_note_comes_only_after_failures_the_turn_may_have_run_through(
+        monkeypatch: pytest.MonkeyPatch, status: int, code: str, hinted: bool) -> None:
+    """Fresh-user tester 54: a wake refused by a fenced store (503 ``snapshot_store_unavailable``) was
+    followed by "the turn may have run on the server", though it never reached an agent."""
+    import httpx
+    from typer.testing import CliRunner
+
+    import substrate.cli as cli
+    from substrate.cli import app
+    from substrate.client import SubstrateClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"code": code, "message": "refused"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, retries=0, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "invoke", "s1", "get"], env={"COLUMNS": "400"})
+    assert r.exit_code == 1, r.output
+    assert f"error {status} {code}: refused" in r.output
+    assert ("the turn may have run on the server" in r.output) is hinted, r.output
