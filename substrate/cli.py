@@ -622,6 +622,15 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         # the workers have suspended their sessions, as after a kill -9 (substrate/redis_keeper.py)
         server = Server(cfg)
 
+        def _quiesce() -> None:  # the pools start no worker while the stop waits for requests in flight
+            from api.main import app as api_app  # the app uvicorn serves ("api.main:app"), loaded by now
+
+            pools = getattr(getattr(api_app, "runtime", None), "pools", None)
+            if pools is not None:
+                pools.quiesce()
+
+        server.before_shutdown = _quiesce
+
         def _announce() -> None:  # only once the port accepts connections
             while not server.started and not server.should_exit:
                 time.sleep(0.05)

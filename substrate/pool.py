@@ -323,6 +323,8 @@ class PoolController:
         self.board = board
         self._remote: dict[str, PoolDemand] = {}
         self._follow: asyncio.Task[None] | None = None
+        #: set by ``quiesce`` (the process is stopping): no worker is created any more
+        self.quiescing = False
 
     async def start(self) -> None:
         prepare = getattr(self.backend, "start", None)  # optional: e.g. the local zygote, started ahead
@@ -337,7 +339,15 @@ class PoolController:
         await self.tick()
         self._task = asyncio.create_task(self._loop())
 
+    def quiesce(self) -> None:
+        """Create no more workers: the process is stopping (its graceful shutdown waits for the requests
+        in flight before ``stop``, and the loop went on scaling meanwhile: a worker started half a second
+        after "Shutting down", only to be stopped again, fresh-user tester 54). The loop goes on otherwise
+        (drains, the status), until ``stop``."""
+        self.quiescing = True
+
     async def stop(self) -> None:
+        self.quiescing = True
         await cancel_and_wait([self._task, self._follow])
 
         async def stop_one(wid: str) -> None:  # graceful: the worker suspends its sessions first
@@ -562,6 +572,8 @@ class PoolController:
         st.held_back = backoff.reason(pool.name) if backoff is not None else ""
         st.failing = backoff.failing(pool.name) if backoff is not None else ""
         st.retry_after_s = backoff.pause_left_s(pool.name) if st.held_back and backoff is not None else 0.0
+        if self.quiescing and plan.create:
+            plan = replace(plan, create=0)
         if st.held_back and plan.create:
             log.debug("pool scaling held back", extra={"pool": pool.name, "create": plan.create,
                                                        "why": st.held_back})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -64,6 +65,9 @@ class Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
+        #: called once when the graceful shutdown begins, before it waits for the requests in flight
+        #: (``substrate up``: the pools stop creating workers); an error in it is logged, not raised
+        self.before_shutdown: Callable[[], None] | None = None
 
     #: the signals that start the graceful shutdown: uvicorn's (SIGINT, SIGTERM) and SIGHUP, which a
     #: closed terminal or a dropped SSH session sends: its default action ended ``substrate up`` at once,
@@ -104,6 +108,11 @@ class Server(uvicorn.Server):
         the stop then waits up to ``timeout_graceful_shutdown`` seconds for them before the workers
         suspend their sessions (a fresh-user run's stop with a 30 s turn in flight took 28 s with only
         uvicorn's JSON "Waiting for connections to close" to show for it)."""
+        if self.before_shutdown is not None:
+            try:
+                self.before_shutdown()
+            except Exception:  # noqa: BLE001 - the shutdown goes on
+                logging.getLogger(__name__).warning("before_shutdown failed", exc_info=True)
         n = len(self.server_state.tasks)
         if n:
             sys.stderr.write(f"stopping: waiting up to {self.config.timeout_graceful_shutdown:g} s for {n} request"

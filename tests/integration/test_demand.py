@@ -302,3 +302,26 @@ async def test_a_pause_of_the_start_back_off_is_a_start_to_come_for_routers_else
     finally:
         placement.cancel()
         await asyncio.gather(placement, return_exceptions=True)
+
+
+async def test_a_quiescing_controller_creates_no_worker_for_demand(d):
+    """Fresh-user tester 54: ``substrate up`` stopping (its graceful shutdown waiting for a turn in flight)
+    started a worker half a second after "Shutting down", only to stop it again. Once ``quiesce`` is
+    called (``Server.before_shutdown``), the same demand that made a worker before makes none."""
+    settings = Settings()
+    settings.api.slot_wait_s = 0.2
+    settings.api.start_wait_s = 30
+    router = _router(d, settings)
+    backend = Backend()
+    pc = _controller(d, settings, backend)
+    pc.quiesce()
+    placement = asyncio.create_task(router.place("s1", router.catalog.template("counter")))
+    try:
+        for _ in range(20):  # as many ticks as made a worker in the test above, and more
+            await asyncio.sleep(0.05)
+            await pc.tick()
+        assert backend.created == [], "a stopping controller created a worker"
+        assert pc.quiescing
+    finally:
+        placement.cancel()
+        await asyncio.gather(placement, return_exceptions=True)

@@ -109,3 +109,28 @@ async def test_a_stop_with_requests_in_flight_says_what_it_waits_for(capsys: pyt
     assert ("stopping: waiting up to 5 s for 1 request in flight (a second Ctrl-C forces the exit), then the "
             "workers suspend their sessions\n") in capsys.readouterr().err
     assert turn.done(), "the graceful wait itself is uvicorn's, unchanged"
+
+
+class _Lifespan:
+    async def shutdown(self) -> None:
+        pass
+
+
+async def test_the_graceful_shutdown_calls_before_shutdown_first_and_survives_its_error(caplog):
+    """``substrate up`` stops its pools from creating workers there (fresh-user tester 54)."""
+    calls: list[str] = []
+    s = _server()
+    s.servers, s.lifespan = [], _Lifespan()
+    s.before_shutdown = lambda: calls.append("quiesce")
+    await s.shutdown()
+    assert calls == ["quiesce"]
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    s = _server()
+    s.servers, s.lifespan = [], _Lifespan()
+    s.before_shutdown = broken
+    with caplog.at_level("WARNING", logger="substrate.serving"):
+        await s.shutdown()  # does not raise
+    assert any("before_shutdown failed" in r.getMessage() for r in caplog.records)
