@@ -623,9 +623,12 @@ def up(host: str = typer.Option(None, help="Listen address (default 127.0.0.1)."
         server = Server(cfg)
 
         def _quiesce() -> None:  # the pools start no worker while the stop waits for requests in flight
-            from api.main import app as api_app  # the app uvicorn serves ("api.main:app"), loaded by now
-
-            pools = getattr(getattr(api_app, "runtime", None), "pools", None)
+            app = getattr(server.config, "loaded_app", None)  # the API, inside uvicorn's middleware
+            for _ in range(10):
+                if app is None or getattr(app, "runtime", None) is not None:
+                    break
+                app = getattr(app, "app", None)
+            pools = getattr(getattr(app, "runtime", None), "pools", None)
             if pools is not None:
                 pools.quiesce()
 

@@ -344,6 +344,8 @@ class PoolController:
         in flight before ``stop``, and the loop went on scaling meanwhile: a worker started half a second
         after "Shutting down", only to be stopped again, fresh-user tester 54). The loop goes on otherwise
         (drains, the status), until ``stop``."""
+        if not self.quiescing:
+            log.info("pool controller quiescing: the process is stopping, no worker is created from now on")
         self.quiescing = True
 
     async def stop(self) -> None:
