@@ -1553,7 +1553,7 @@ class Activator:
             raise InvalidInput(f"session {rec.id!r} uses actorTemplate {rec.actorTemplate!r}, which this runtime "
                                "no longer defines: restore the template in the config (its snapshot is kept) "
                                "or DELETE the session", code="unknown_template",
-                               details={"actorTemplate": rec.actorTemplate})
+                               details={"actorTemplate": rec.actorTemplate, "reason": "template_removed"})
         template = self.catalog.template(rec.actorTemplate)
         if self.quotas is not None:
             quotas = self.quotas

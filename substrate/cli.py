@@ -411,15 +411,18 @@ def _print(obj: Any) -> None:
     console.print_json(json.dumps(obj))
 
 
-def usage_refused(status: int, code: str) -> bool:
+def usage_refused(status: int, code: str, details: dict[str, Any] | None = None) -> bool:
     """Whether an API error refused the command's own arguments, which then exits 2 as a bad option the
     CLI itself catches does, so a script can tell "fix the command" (2) from every other failure (1)
     wherever the check was made (fresh-user tester 45: ``--state bogus`` exited 2, ``--tenant BAD`` 1):
     400 ``bad_json`` or ``bad_request``, a 400/422 ``invalid_...``, and a 422 ``unknown_template`` or
     ``unknown_worker`` (a template or worker the command names that the API lacks: tester 46), and a 400
     ``unsupported_template`` (a template the command names that no worker can run: tester 51). Not
-    ``unknown_pool`` (the server's catalog at fault) nor the agent's own 422s (``agent_error``,
-    ``state_load_failed``): the command was well formed."""
+    ``unknown_pool`` (the server's catalog at fault), nor an ``unknown_template`` of ``details.reason``
+    ``template_removed`` (a wake of a session whose template the server's config no longer has: tester 54),
+    nor the agent's own 422s (``agent_error``, ``state_load_failed``): the command was well formed."""
+    if (details or {}).get("reason") == "template_removed":
+        return False  # the session's own template, gone from the server's config: not the command's fault
     return status in (400, 422) and (code in ("bad_json", "bad_request") or code.startswith("invalid_")) or (
         status == 422 and code in ("unknown_template", "unknown_worker")) or (
         status == 400 and code == "unsupported_template")
@@ -441,7 +444,7 @@ def _api_error_exit(e: ApiError) -> NoReturn:
     # a 401's message names the HTTP header; this CLI's way to send one is --token (fresh-user run)
     hint = " (this CLI sends one with --token or SUBSTRATE_TOKEN)" if e.status == 401 else ""
     err.print(f"[red]error {e.status} {e.code}[/red]: {escape(e.message)}{hint}")
-    raise typer.Exit(2 if usage_refused(e.status, e.code) else 1) from None
+    raise typer.Exit(2 if usage_refused(e.status, e.code, e.details) else 1) from None
 
 
 def _run(fn: Any) -> Any:
