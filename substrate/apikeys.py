@@ -192,7 +192,12 @@ class ApiKeyStore:
                     await p.execute()
                 await self._changed()
                 return rec
-        raise NotFound(f"no API key {clip(key_or_id)}", code="api_key_not_found")
+        named = [r.id for r in recs if r.name and r.name == key_or_id]
+        # a key's name is a label only, but it is what the user remembers (tester 54: `keys revoke "first
+        # key"` answered just "no API key")
+        hint = (f" ({clip(key_or_id)} is the name of key{'s' if len(named) > 1 else ''} {', '.join(named)}: "
+                "revoke by the ID)") if named else " (revoke by the key's ID, as `substrate keys list` shows it)"
+        raise NotFound(f"no API key {clip(key_or_id)}{hint}", code="api_key_not_found")
 
     async def list(self) -> list[ApiKey]:
         raw = await self.redis.hgetall(self.keys.api_keys)

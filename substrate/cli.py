@@ -1423,11 +1423,22 @@ def s_events(sid: str = SessionArg, limit: int = EventsLimitOpt, all_pages: bool
 
 
 @sessions.command("delete")
-def s_delete(sid: str = SessionArg, server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
-    """Delete a session and its snapshots."""
+def s_delete(sids: list[str] = typer.Argument(..., metavar="ID...", help="The sessions' ids (one or more)."),
+             server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
+    """Delete sessions and their snapshots, one after the other: each one deleted is said on stdout, each
+    one that fails in an error line; the others are deleted all the same (as `rm` does), and the exit
+    status is then that of the last failure (1, or 2 for a refused ID)."""
+    status = 0
     with _client(server, token) as c:
-        _run(lambda: c.delete_session(sid))
-    console.print(f"deleted {sid}")
+        for sid in sids:
+            try:
+                _run(lambda sid=sid: c.delete_session(sid))
+            except typer.Exit as e:
+                status = e.exit_code
+                continue
+            console.print(f"deleted {sid}")
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()

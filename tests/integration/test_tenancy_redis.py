@@ -644,3 +644,20 @@ async def test_keys_lost_with_redis_data_leave_the_api_closed_not_open(redis_pre
         assert not opened.enabled
     finally:
         await opened.stop()
+
+
+async def test_revoking_by_a_keys_name_says_which_id_that_name_is(redis_prefix):
+    """Fresh-user tester 54: ``keys revoke "first key"`` (the ``--name``) answered only ``no API key``."""
+    from substrate.errors import NotFound
+
+    r, keys, prefix = redis_prefix
+    store = ApiKeyStore(r, keys)
+    made, _ = await store.create("t1", name="first key")
+    with pytest.raises(NotFound) as info:
+        await store.revoke("first key")
+    assert info.value.code == "api_key_not_found"
+    assert f"'first key' is the name of key {made.id}: revoke by the ID" in info.value.message
+    assert [k.id for k in await store.list()] == [made.id], "nothing was revoked"
+    with pytest.raises(NotFound) as info:
+        await store.revoke("nothing-like-it")
+    assert "as `substrate keys list` shows it" in info.value.message

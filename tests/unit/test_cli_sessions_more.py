@@ -264,3 +264,31 @@ def test_the_resend_note_comes_only_after_failures_the_turn_may_have_run_through
     assert r.exit_code == 1, r.output
     assert f"error {status} {code}: refused" in r.output
     assert ("the turn may have run on the server" in r.output) is hinted, r.output
+
+
+def test_delete_takes_several_ids_goes_on_past_a_failure_and_exits_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh-user tester 54: ``sessions delete p1 p2`` was refused (one ID only)."""
+    import httpx
+    from typer.testing import CliRunner
+
+    import substrate.cli as cli
+    from substrate.cli import app
+    from substrate.client import SubstrateClient
+
+    deleted: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sid = request.url.path.rsplit("/", 1)[1]
+        if sid == "gone":
+            return httpx.Response(404, json={"code": "session_not_found", "message": f"session {sid!r} not found"})
+        deleted.append(sid)
+        return httpx.Response(204)
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "delete", "p1", "gone", "p2"], env={"COLUMNS": "300"})
+    assert deleted == ["p1", "p2"], r.output
+    assert r.exit_code == 1 and "deleted p1" in r.output and "deleted p2" in r.output, r.output
+    assert "error 404 session_not_found" in r.output
+    r = CliRunner().invoke(app, ["sessions", "delete", "p3"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0 and r.output.strip() == "deleted p3", r.output
