@@ -385,6 +385,19 @@ class SubstrateClient:
         _raise_for(resp)
         return None if resp.status_code == 204 or not resp.content else _json_object(resp)
 
+    def _req_items(self, path: str, *, paged: bool = True, **kw: Any) -> dict[str, Any]:
+        """``GET path`` of a list route: ``{"items": [...], "metadata": {"continue": str | None}}`` (no
+        ``metadata`` needed without ``paged``). Another JSON object (a proxy's or gateway's, with a 200)
+        raises ``ApiError`` code ``error`` saying so: indexing it raised ``KeyError`` (tester 54's helper)."""
+        resp = self.http.request("GET", path, **kw)
+        _raise_for(resp)
+        body = _json_object(resp)
+        meta = body.get("metadata")
+        if not isinstance(body.get("items"), list) or paged and not (
+                isinstance(meta, dict) and (meta.get("continue") is None or isinstance(meta.get("continue"), str))):
+            raise _not_the_apis(resp, "is JSON but no page of items (`items`, `metadata.continue`)")
+        return body
+
     def create_session(self, template: str, *, id: str | None = None, labels: dict[str, str] | None = None,
                        env: dict[str, str] | None = None, tenant: str | None = None) -> dict[str, Any]:
         """Create and start a session of ActorTemplate ``template`` -> the session (its ``id``,
@@ -417,7 +430,7 @@ class SubstrateClient:
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
                                     "continue": continue_, "tenant": tenant,
                                     "labelSelector": label_selector}.items() if v is not None}
-        return self._req("GET", "/v1/sessions", params=params)
+        return self._req_items("/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
         """Every session matching ``filters``, following ``continue`` tokens (from ``continue_``, if given)."""
@@ -521,17 +534,17 @@ class SubstrateClient:
         self._req("DELETE", _session_path(sid))
 
     def pools(self) -> list[dict[str, Any]]:
-        return self._req("GET", "/v1/workerpools")["items"]
+        return self._req_items("/v1/workerpools", paged=False)["items"]  # type: ignore[no-any-return]
 
     def templates(self) -> list[dict[str, Any]]:
-        return self._req("GET", "/v1/actortemplates")["items"]
+        return self._req_items("/v1/actortemplates", paged=False)["items"]  # type: ignore[no-any-return]
 
     def session_events(self, sid: str, *, limit: int = 100, continue_: str | None = None) -> dict[str, Any]:
         """One page of a session's audit records: ``{items, metadata: {continue}}``."""
         params: dict[str, Any] = {"limit": limit}
         if continue_:
             params["continue"] = continue_
-        return self._req("GET", _session_path(sid) + "/events", params=params)  # type: ignore[no-any-return]
+        return self._req_items(_session_path(sid) + "/events", params=params)
 
     def events(self, *, tenant: str | None = None, limit: int = 100, continue_: str | None = None) -> dict[str, Any]:
         """One page of the caller's tenant's audit records (admins: ``tenant``'s)."""
@@ -540,7 +553,7 @@ class SubstrateClient:
             params["tenant"] = tenant
         if continue_:
             params["continue"] = continue_
-        return self._req("GET", "/v1/events", params=params)  # type: ignore[no-any-return]
+        return self._req_items("/v1/events", params=params)
 
     def stats(self) -> dict[str, Any]:
         return self._req("GET", "/v1/stats")

@@ -192,3 +192,24 @@ def test_list_sessions_takes_the_state_in_any_case(given: str) -> None:
     _client(h).list_sessions(state=given)
     list(_client(h).iter_sessions(state=given))
     assert [r.url.params["state"] for r in seen] == ["RUNNING", "RUNNING"]
+
+
+@pytest.mark.parametrize("body", [{"status": "ok"}, {"items": {"a": 1}}, {"items": [], "metadata": {"continue": 3}},
+                                  {"items": []}])
+def test_a_200_object_that_is_no_page_is_an_api_error_on_every_list_call(body) -> None:
+    """A gateway's JSON object with a 200: ``pools()`` and ``templates()`` raised ``KeyError`` on
+    ``["items"]``, and the listings handed it on to ``iter_sessions``, which raised it there."""
+    c = _client(lambda req: httpx.Response(200, json=body))
+    calls = [c.list_sessions, lambda: list(c.iter_sessions()), lambda: c.session_events("s1"), c.events]
+    if "items" not in body or not isinstance(body["items"], list):  # unpaged lists need items only
+        calls += [c.pools, c.templates]
+    for call in calls:
+        with pytest.raises(ApiError) as e:
+            call()
+        assert e.value.status == 200 and e.value.code == "error" and "no page of items" in e.value.message
+
+
+def test_a_page_is_a_page() -> None:
+    c = _client(lambda req: httpx.Response(200, json={"items": [{"id": "s1"}], "metadata": {"continue": None}}))
+    assert c.list_sessions()["items"] == [{"id": "s1"}] and c.pools() == [{"id": "s1"}]
+    assert [s["id"] for s in c.iter_sessions()] == ["s1"]
