@@ -68,6 +68,8 @@ class StateManager:
         self._orphans: set[tuple[str, int, str]] = set()
         #: tenants whose state counters the next repair pass checks (those the last pass saw)
         self._tenants: set[str] = set()
+        #: the templates the last repair pass found sessions of that the catalog lacks (warned once per change)
+        self._missing_templates: dict[str, int] = {}
         self._orphan_objects: dict[str, float] = {}  # object key -> first seen orphaned (s)
         self._swept_at = 0.0
         self.sweep_max_deletes = 1000
@@ -314,12 +316,28 @@ class StateManager:
             log.info("tenants' session state counters corrected", extra={"tenants": fixed[:20]})
         # a tenant with no session left is looked at once more (its counters emptied), then forgotten
         self._tenants = set(by_tenant) | {t for t in tenants_before if t not in fixed and any(tenants_before[t].values())}
+        self._warn_missing_templates(summaries)
         metrics.set_session_counts(await d.state_counts())
         if self.activator.quotas is not None:  # quota bookkeeping is derived data: rebuild it from the records
             def gpus_of(name: str) -> int:
                 t = self.activator.catalog.templates.get(name)
                 return t.spec.resources.gpus if t else 0
             await self.activator.quotas.reconcile(summaries, gpus_of)
+
+    def _warn_missing_templates(self, summaries: dict[str, SessionSummary]) -> None:
+        """Log a warning when the sessions whose ActorTemplate this runtime no longer defines change (a
+        template removed from the config: each such session's next call answers 422 ``unknown_template``,
+        and nothing said so at the start: fresh-user tester 54). Once per change, not per pass."""
+        templates = self.activator.catalog.templates
+        missing: dict[str, int] = {}
+        for rec in summaries.values():
+            if rec.actorTemplate not in templates:
+                missing[rec.actorTemplate] = missing.get(rec.actorTemplate, 0) + 1
+        if missing and set(missing) != set(self._missing_templates):
+            log.warning("sessions of ActorTemplates this runtime no longer defines: %s; their calls answer 422 "
+                        "unknown_template until the template is back in the config (their snapshots are kept) "
+                        "or they are deleted", ", ".join(f"{t!r} ({n})" for t, n in sorted(missing.items())))
+        self._missing_templates = missing
 
     async def sweep_orphans(self, now: float | None = None) -> list[str]:
         """One orphan sweep (see the module docstring). Returns the keys deleted."""

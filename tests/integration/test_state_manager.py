@@ -498,3 +498,20 @@ async def test_a_pending_session_rolled_past_its_deadline_gives_its_places_back_
     await sm.enforce_deadlines()
     usage = await quotas.usage("default")
     assert (usage.total, usage.running) == (1, 1), "the new create's places stay"
+
+
+async def test_repair_warns_once_of_sessions_whose_template_is_gone(env, caplog):
+    """Fresh-user tester 54: a runtime restarted without a template its sessions use said nothing until
+    one of them was called (422 ``unknown_template``). The repair pass, which reads every session anyway,
+    says which templates and how many sessions, once per change."""
+    d, act, fake, sm, _, _ = env
+    now = time.time()
+    for sid in ("g1", "g2"):
+        await d.create_session(SessionRecord(id=sid, state=SessionState.SUSPENDED, actorTemplate="soon-gone",
+                                             pool="default", createdAt=now, updatedAt=now, lastActiveAt=now))
+    await _session(d, "fine", SessionState.SUSPENDED)
+    with caplog.at_level("WARNING", logger="snapshot.state_manager"):
+        await sm.repair()
+        await sm.repair()
+    said = [r.getMessage() for r in caplog.records if "no longer defines" in r.getMessage()]
+    assert len(said) == 1 and "'soon-gone' (2)" in said[0] and "counter" not in said[0], said
