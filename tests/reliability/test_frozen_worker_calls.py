@@ -105,7 +105,11 @@ def test_concurrent_deletes_of_a_session_on_a_frozen_worker_lose_after_the_winne
         os.kill(pid, signal.SIGCONT)
     assert sorted(st for st, _ in done) == [204, 404, 404], done
     won = next(t for st, t in done if st == 204)
-    assert all(t >= won for st, t in done if st == 404), "a loser answered before the winner"
+    # the losers answer once the winner's record is gone, and the winner right after removing it: which of
+    # those answers a client reads first is a race of a few ms under load (a full run beside a tester
+    # read one 404 first). What tester 43 saw was seconds: losers answered while the winner still waited
+    # out the frozen worker's 6 s lease. The audit order below is exact
+    assert all(t >= won - 0.5 for st, t in done if st == 404), "a loser answered before the winner"
     actions = [(e["action"], e["result"]) for e in c.session_events(s["id"])["items"]]
     assert actions[1:] == [("delete", "ok"), ("delete", "session_not_found"), ("delete", "session_not_found")], \
         actions
