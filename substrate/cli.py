@@ -1051,6 +1051,14 @@ def s_create(template: str = typer.Argument(..., metavar="TEMPLATE", help="Actor
     """Create and start a session."""
     labels = _pairs(label, "-l/--label", "key=value")
     env_vars = _pairs(env, "-e/--env", "NAME=value")
+    from substrate.labelselector import selectable
+
+    for k, v in labels.items():  # kept as given, but said: `-l k=v,k2=v2` made one label (tester 55)
+        if not selectable(v):
+            err.print(f"note: label {escape(k)}'s value {escape(json.dumps(v, ensure_ascii=False))} holds whitespace "
+                      "or one of = ! ( ) , so a label selector can select it by its key only (-l "
+                      f"{escape(k)})" + (", not by its value; one label per -l: -l k=v -l k2=v2" if "," in v and "=" in v
+                                         else ", not by its value"), soft_wrap=True, highlight=False)
     with _client(server, token) as c:
         _print(_run(lambda: c.create_session(template, id=id, labels=labels, env=env_vars or None, tenant=tenant)))
 
@@ -1078,22 +1086,33 @@ def s_get(sid: str = SessionArg, server: str = ServerOpt, token: Optional[str] =
 
 
 @sessions.command("list")
-def s_list(state: Optional[str] = typer.Option(None, help="RUNNING, SUSPENDED, ... (any case)"),
-           template: Optional[str] = None,
+def s_list(states: list[str] = typer.Option([], "--state", help="RUNNING, SUSPENDED, ... (any case)"),
+           templates: list[str] = typer.Option([], "--template", help="Only this ActorTemplate's sessions."),
            limit: int = typer.Option(50, min=1, max=1000, help="Page size (1 to 1000)."),
            all_pages: bool = typer.Option(False, "--all", help="Follow pagination to the end (from --continue TOKEN if given)."),
            continue_: Optional[str] = typer.Option(None, "--continue",
                                                    help="Start after the page that printed this token."),
            tenant: Optional[str] = typer.Option(None, help="Admins: only this tenant's sessions."),
-           selector: Optional[str] = typer.Option(None, "--selector", "-l",
-                                                  help="Label selector, as kubectl takes it: 'team=a', "
-                                                       "'team=a,env!=prod', 'gpu', '!gpu', 'tier in (web,api)'."),
+           selectors: list[str] = typer.Option([], "--selector", "-l",
+                                               help="Label selector, as kubectl takes it: 'team=a', "
+                                                    "'team=a,env!=prod', 'gpu', '!gpu', 'tier in (web,api)'; "
+                                                    "repeated, every one must hold."),
            output: str = typer.Option("table", "--output", "-o",
                                       help="table (IDs never cut, wide columns wrap), json (the API's page: "
                                            "items and metadata.continue) or ids (one ID a line, for pipes)."),
            server: str = ServerOpt, token: Optional[str] = TokenOpt) -> None:
     """List sessions as a table (an admin sees every tenant's, with a TENANT column), JSON or IDs."""
     _check_output(output, ("table", "json", "ids"))
+    # a repeated --state or --template kept the last one without a word; a repeated -l dropped the earlier
+    # selectors though every one was meant (fresh-user tester 55): those are ANDed, as the API's commas are
+    for name, given in (("--state", states), ("--template", templates)):
+        if len(given) > 1:
+            err.print(f"[red]error[/red]: {name} is given {len(given)} times; a listing takes one (its sessions "
+                      "are in one state, of one template)")
+            raise typer.Exit(2)
+    state = states[0] if states else None
+    template = templates[0] if templates else None
+    selector = ",".join(selectors) if selectors else None
     if state is not None:
         from substrate.models import LISTABLE_STATES
 
@@ -1138,12 +1157,16 @@ LABELS_CELL_CHARS = 40
 
 
 def _labels_cell(labels: Any) -> str:
-    """A session's labels for the LABELS column: ``k=v`` by key, comma-separated, as many whole ones as fit
+    """A session's labels for the LABELS column: ``k=v`` by key (a value no selector can name in JSON
+    quotes, ``k="a,b"``), comma-separated, as many whole ones as fit
     ``LABELS_CELL_CHARS`` then ``+N`` for the rest (one longer than that alone is cut, ending in ``...``);
     ``-`` for none. ``-o json`` has them all."""
     if not isinstance(labels, dict) or not labels:
         return "-"
-    pairs = [f"{k}={v}" for k, v in sorted(labels.items())]
+    from substrate.labelselector import selectable
+
+    # a value a selector cannot name is quoted: `k=v,k2=v2` (one label) read as two (tester 55)
+    pairs = [f"{k}={v if selectable(str(v)) else json.dumps(v, ensure_ascii=False)}" for k, v in sorted(labels.items())]
     shown: list[str] = []
     for pair in pairs:
         more = len(pairs) - len(shown) - 1

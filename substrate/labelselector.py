@@ -97,6 +97,12 @@ def _split(text: str) -> list[str]:
     return parts
 
 
+def selectable(value: str) -> bool:
+    """Whether a selector can name ``value`` (a label's value) in a ``key=value`` requirement: no
+    whitespace and none of ``=!(),`` (a label may hold them; such a label is selected by its key only)."""
+    return not any(ch.isspace() or ch in _SPECIAL for ch in value)
+
+
 def _key(key: str, n: int) -> str:
     if not _KEY.fullmatch(key):
         raise SelectorError(f"requirement {n}: {clip(key)} is no label key (1-63 letters, digits, '-', '_', '.' "

@@ -96,3 +96,40 @@ def test_a_label_value_is_printed_as_text_not_markup(monkeypatch: pytest.MonkeyP
 ])
 def test_the_labels_cell_shows_whole_labels_then_how_many_more(labels: dict | None, cell: str) -> None:
     assert _labels_cell(labels) == cell and len(cell) <= LABELS_CELL_CHARS
+
+
+def test_repeated_selectors_are_all_sent_and_a_repeated_state_or_template_is_refused(seen) -> None:
+    """Fresh-user tester 55: ``-l team=a -l env=dev`` kept only the last selector (and ``--state`` the last
+    state), without a word."""
+    r = CliRunner().invoke(app, ["sessions", "list", "-l", "team=a", "-l", "env=dev", "-o", "ids"],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert seen[-1].url.params["labelSelector"] == "team=a,env=dev"
+    n = len(seen)
+    for opt, a, b in (("--state", "running", "suspended"), ("--template", "counter", "shell")):
+        r = CliRunner().invoke(app, ["sessions", "list", opt, a, opt, b], env={"COLUMNS": "200"})
+        assert r.exit_code == 2 and f"{opt} is given 2 times" in r.output, r.output
+    assert len(seen) == n, "a refused listing sent a request"
+
+
+def test_a_label_value_no_selector_can_name_is_said_at_create_and_quoted_in_the_table(monkeypatch) -> None:
+    """Fresh-user tester 55: ``-l 'k=v,k2=v2'`` made one label ``k`` = ``v,k2=v2``, shown in the table as
+    ``k=v,k2=v2`` (two labels, to the eye), and no selector can name its value."""
+    import substrate.cli as cli
+
+    sent: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(201, json={"id": "s1", "state": "RUNNING"})
+
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(handler)))
+    r = CliRunner().invoke(app, ["sessions", "create", "counter", "-l", "k=v,k2=v2", "-l", "ok=fine"],
+                           env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    assert sent[-1]["labels"] == {"k": "v,k2=v2", "ok": "fine"}, "the label is kept as given"
+    assert 'note: label k\'s value "v,k2=v2" holds whitespace' in r.output, r.output
+    assert "one label per -l: -l k=v -l k2=v2" in r.output and "label ok" not in r.output, r.output
+    assert _labels_cell({"k": "v,k2=v2", "ok": "fine"}) == 'k="v,k2=v2",ok=fine'
+    assert _labels_cell({"k": "two words"}) == 'k="two words"'
