@@ -920,17 +920,24 @@ def create_app(settings: Settings | None = None, *, embedded: bool = True, runti
 
     @app.get("/v1/snapshotstore", dependencies=v1, tags=["control plane"])
     async def snapshot_store(request: Request) -> dict[str, Any]:
-        """The snapshot store as this process finds it: ``location``, ``verified`` (its marker is this
-        directory's), ``fenced`` (why suspends and wakes that read a snapshot answer 503
-        ``snapshot_store_unavailable``, addresses as ``<internal>``; null when it serves). The marker is read
-        first (a fenced store's at most every 5 s). Admins and open mode only (403 ``forbidden``)."""
+        """The snapshot store as this process finds it: ``location``, ``reachable`` (its marker could be
+        read just now), ``error`` (why not, else null), ``verified`` (its marker is this directory's),
+        ``fenced`` (why suspends and wakes that read a snapshot answer 503 ``snapshot_store_unavailable``;
+        null when it serves). The marker is read first (a fenced store's at most every 5 s). Admins and open
+        mode only (403 ``forbidden``): the location and reasons are whole, as in the log."""
         _fleet_only(request, "read the snapshot store's status")
         store = _rt(request).store
+        error: str | None = None
         try:
             await store.check_now()  # type: ignore[union-attr]
-        except SubstrateError:
-            pass  # the status says why
-        return store.status()  # type: ignore[union-attr]
+        except SubstrateError as e:
+            # fenced: the status says why; unreachable (a store down: it said "verified" and nothing else,
+            # fresh-user tester 55): said here
+            if store.fenced is None:  # type: ignore[union-attr]
+                error = e.message
+        out = store.status()  # type: ignore[union-attr]
+        return {"location": out["location"], "reachable": error is None, "error": error,
+                "verified": out["verified"], "fenced": out["fenced"]}
 
     @app.post("/v1/snapshotstore/adopt", dependencies=[*v1, Depends(_no_body)], tags=["control plane"])
     async def adopt_snapshot_store(request: Request) -> dict[str, Any]:

@@ -156,7 +156,9 @@ class GuardedStore:
                       "SUBSTRATE_SNAPSHOT__ENDPOINT_URL or __BUCKET" if s3 else
                       "another folder, or the folder was emptied or made again); fix SUBSTRATE_SNAPSHOT__LOCAL_DIR "
                       "(or SUBSTRATE_DATA_DIR)")
-                   + ", or put the objects back: wakes and suspends answer 503 until then")
+                   + ", or put the objects back: wakes and suspends answer 503 until then; if they are gone for "
+                     "good, `substrate store adopt --yes` (POST /v1/snapshotstore/adopt) takes this store as this "
+                     "directory's")
         else:
             if new:  # never this directory's store: the location recorded at the start named it by mistake
                 try:
@@ -168,15 +170,16 @@ class GuardedStore:
                    f"give each directory its own {'bucket' if s3 else 'folder'} or SUBSTRATE_SNAPSHOT__PREFIX: wakes "
                    "and suspends answer 503 until then. If instead this directory's Redis lost its data (flushed, "
                    "or restarted without persistence: its sessions went with it) and no other runtime uses the "
-                   f"store: stop the runtime, delete the marker object {self.marker!r} from the store (the old "
-                   "snapshots stay, unreferenced), and start it again: the store is then taken as new")
+                   f"store: delete the marker object {self.marker!r} from the store (the old snapshots stay, "
+                   "unreferenced), then run `substrate store adopt --yes` (POST /v1/snapshotstore/adopt), or "
+                   "restart: the store is then taken as new")
         self._fence(why)
 
     def status(self) -> dict[str, Any]:
         """This process's view of the store, no I/O: ``{"location": str, "verified": bool, "fenced": str |
-        None}`` (``fenced``: why it is not used, addresses and paths as ``<internal>``)."""
-        return {"location": location_of(self.settings), "verified": self.verified,
-                "fenced": hide_internal(self.fenced) if self.fenced is not None else None}
+        None}`` (``fenced``: why it is not used). For an admin's eyes: the location and the reason are
+        whole, as the log has them."""
+        return {"location": location_of(self.settings), "verified": self.verified, "fenced": self.fenced}
 
     async def check_now(self) -> None:
         """Check the store now: the marker is read again (one small object) even when the last check
@@ -270,7 +273,8 @@ class GuardedStore:
     def _no_bucket(self) -> str:
         return (f"the snapshot store {location_of(self.settings)}: its bucket does not exist; fix "
                 "SUBSTRATE_SNAPSHOT__ENDPOINT_URL or __BUCKET, or make the bucket and put the objects back: "
-                "wakes and suspends answer 503 until then")
+                "wakes and suspends answer 503 until then; if they are gone for good, `substrate store adopt "
+                "--yes` (POST /v1/snapshotstore/adopt) makes the bucket and takes it as this directory's")
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` of the real store; a bucket found missing fences the store (and says so in the log)."""

@@ -116,8 +116,8 @@ class Server(uvicorn.Server):
         n = len(self.server_state.tasks)
         if n:
             sys.stderr.write(f"stopping: waiting up to {self.config.timeout_graceful_shutdown:g} s for {n} request"
-                             f"{'s' if n != 1 else ''} in flight (a second Ctrl-C forces the exit), then the "
-                             "workers suspend their sessions\n")
+                             f"{'s' if n != 1 else ''} in flight (a second Ctrl-C, SIGTERM or SIGHUP forces the "
+                             "exit), then the workers suspend their sessions\n")
             sys.stderr.flush()
         await super().shutdown(sockets)
 

@@ -622,13 +622,24 @@ def test_a_store_lost_for_good_is_fenced_shown_and_adopted_by_an_admin_only(keye
     marker.unlink()  # the folder lost for good, as far as the runtime can tell
     try:
         st = admin.snapshot_store()
-        assert st["verified"] is False and "marker object" in st["fenced"] and str(rt.var) not in st["fenced"]
+        assert st["verified"] is False and st["reachable"] is True and st["error"] is None
+        # an admin's status is whole (the log's words); the fence says how to get out (tester 55)
+        assert "marker object" in st["fenced"] and "substrate store adopt --yes" in st["fenced"]
         assert httpx.get(rt.url + "/readyz").json()["warnings"][0].startswith("the snapshot store is fenced")
         assert _status(lambda: a.suspend(sid)) == (503, "snapshot_store_unavailable")
+        try:  # a tenant's 503 keeps the deployment's paths hidden
+            a.suspend(sid)
+        except ApiError as e:
+            assert str(rt.var) not in e.message and "<internal>" in e.message
         assert _status(a.adopt_snapshot_store) == (403, "forbidden") and not marker.exists(), "a tenant changed it"
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("SUBSTRATE_")},
                "SUBSTRATE_SERVER": rt.url, "SUBSTRATE_TOKEN": KEY_ADMIN}
         cli = [sys.executable, "-m", "substrate.cli", "store", "adopt"]
+        status = subprocess.run([*cli[:-1], "status"], env=env, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 1 and json.loads(status.stdout)["verified"] is False, status.stdout
+        tenant = subprocess.run([*cli, "--yes"], env={**env, "SUBSTRATE_TOKEN": KEY_A}, capture_output=True,
+                                text=True, timeout=60)
+        assert tenant.returncode == 1 and "only an admin may adopt the snapshot store" in tenant.stderr, tenant.stderr
         asked = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
         assert asked.returncode == 1 and "--yes" in asked.stderr and "is fenced" in asked.stderr, asked.stderr
         assert not marker.exists(), "adopt without --yes wrote the marker"

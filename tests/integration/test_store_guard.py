@@ -361,7 +361,7 @@ async def test_s3_a_bucket_lost_for_good_is_adopted_and_serves_again_in_every_pr
     with pytest.raises(StoreUnavailable):
         await store.put_file("snapshots/s2/a", _file(tmp_path / "b", b"two"))
     assert store.status()["fenced"] is not None and store.status()["verified"] is False
-    assert str(tmp_path) not in (store.status()["fenced"] or "")
+    assert "substrate store adopt --yes" in (store.status()["fenced"] or ""), "the way out is named"
     out = await store.adopt()
     assert out == {"adopted": True, "location": f"s3://{inner.bucket}/snapshots"}
     assert store.status() == {"location": out["location"], "verified": True, "fenced": None}
@@ -384,3 +384,19 @@ async def test_adopting_a_store_that_holds_another_directorys_marker_is_refused_
     assert info.value.code == "store_taken" and info.value.status == 409
     assert marker.read_text() == "another-directory"
     assert not store.verified
+
+
+async def test_a_store_that_stops_answering_is_unreachable_not_fenced(d, tmp_path: Path) -> None:
+    """Fresh-user tester 55: with the S3 endpoint down, the status said "verified", no word of it. The
+    check of a verified store reads the marker again, and a store that does not answer raises without
+    fencing (``GET /v1/snapshotstore`` then answers ``reachable: false`` with the error)."""
+    inner, settings = local(tmp_path / "snaps")
+    down = _Down(inner)
+    down.up = True
+    store = guarded(d, down, settings)
+    await store.check_now()
+    assert store.status()["verified"] is True
+    down.up = False
+    with pytest.raises(StoreUnavailable) as info:
+        await store.check_now()
+    assert "connection refused" in info.value.message and store.fenced is None

@@ -106,8 +106,8 @@ async def test_a_stop_with_requests_in_flight_says_what_it_waits_for(capsys: pyt
     s.server_state.tasks.add(turn)
     turn.add_done_callback(s.server_state.tasks.discard)
     await s.shutdown()
-    assert ("stopping: waiting up to 5 s for 1 request in flight (a second Ctrl-C forces the exit), then the "
-            "workers suspend their sessions\n") in capsys.readouterr().err
+    assert ("stopping: waiting up to 5 s for 1 request in flight (a second Ctrl-C, SIGTERM or SIGHUP forces the "
+            "exit), then the workers suspend their sessions\n") in capsys.readouterr().err
     assert turn.done(), "the graceful wait itself is uvicorn's, unchanged"
 
 
