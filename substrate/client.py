@@ -113,15 +113,13 @@ def _chunks(lines: Any, *, replayed: bool = False) -> Iterator[Any]:
     ``status`` 200 (the answer's status was already sent), ``details.mid_stream`` true, the chunks before
     it in ``chunks`` and ``replayed`` as given (the answer was a kept one). A line that is not a JSON
     object (a proxy's text in the stream) raises the same way with code ``error`` (it was a raw
-    ``JSONDecodeError``)."""
+    ``JSONDecodeError``), and so does a line of JSON the API never sends (``NaN``, nesting too deep: see
+    ``_loads``)."""
     before: list[Any] = []
     for line in lines:
         if not line:
             continue
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            msg = None
+        msg = _loads(line)
         if not isinstance(msg, dict):
             raise ApiError(200, "error", f"a line of the streamed answer is not a JSON object ({clip(line, 200)}): "
                            "not the API's own answer (a proxy in between?)", details={"mid_stream": True},
@@ -244,12 +242,24 @@ def _not_the_apis(resp: httpx.Response, why: str, *, replayed: bool = False) -> 
 _NOT_JSON = object()
 
 
-def _body(resp: httpx.Response) -> Any:
-    """The answer's JSON, or ``_NOT_JSON``."""
+def _no_constant(name: str) -> Any:
+    """``parse_constant`` of ``_loads``: the API's JSON is strict (it never sends ``NaN`` or ``Infinity``)."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str | bytes) -> Any:
+    """``text`` as strict JSON (no ``NaN``, ``Infinity``, ``-Infinity``), or ``_NOT_JSON``: a value the API
+    never sends (``{"output": NaN}`` was handed on as ``nan``; an array nested 100,000 deep raised
+    ``RecursionError`` from every call: fresh-user run)."""
     try:
-        return resp.json()
-    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
         return _NOT_JSON
+
+
+def _body(resp: httpx.Response) -> Any:
+    """The answer's JSON (strict, see ``_loads``), or ``_NOT_JSON``."""
+    return _loads(resp.content)
 
 
 def _not_an_object(body: Any) -> str:
@@ -262,7 +272,9 @@ def _not_an_object(body: Any) -> str:
 def _json_object(resp: httpx.Response) -> dict[str, Any]:
     """A success answer's body, a JSON object as every API answer is; else ``ApiError`` (see
     ``_not_the_apis``): a proxy's HTML page or a JSON list answered with status 200 raised a bare
-    ``JSONDecodeError``, ``TypeError`` or ``KeyError`` further on."""
+    ``JSONDecodeError``, ``TypeError`` or ``KeyError`` further on, and an empty one is no answer either."""
+    if not resp.content:
+        raise _not_the_apis(resp, "is empty")
     body = _body(resp)
     if body is _NOT_JSON:
         raise _not_the_apis(resp, "is not JSON")
@@ -380,10 +392,14 @@ class SubstrateClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _req(self, method: str, path: str, **kw: Any) -> Any:
+    def _req(self, method: str, path: str, *, no_content: bool = False, **kw: Any) -> Any:
+        """``method path`` -> the answer's JSON object; None for a 204 where the route answers one
+        (``no_content``: DELETE). Any other answer without a body (a 200 with an empty body, a 204 of a
+        route that always has a body) raises ``ApiError`` code ``error`` (see ``_not_the_apis``): it was
+        returned as None, and the caller failed further on with a ``TypeError``."""
         resp = self.http.request(method, path, **kw)
         _raise_for(resp)
-        return None if resp.status_code == 204 or not resp.content else _json_object(resp)
+        return None if no_content and resp.status_code == 204 else _json_object(resp)
 
     def _req_items(self, path: str, *, paged: bool = True, **kw: Any) -> dict[str, Any]:
         """``GET path`` of a list route: ``{"items": [...], "metadata": {"continue": str | None}}`` (no
@@ -531,7 +547,7 @@ class SubstrateClient:
         return self._req("POST", _session_path(sid) + "/resume", json={"worker": worker} if worker is not None else None)
 
     def delete_session(self, sid: str) -> None:
-        self._req("DELETE", _session_path(sid))
+        self._req("DELETE", _session_path(sid), no_content=True)
 
     def pools(self) -> list[dict[str, Any]]:
         return self._req_items("/v1/workerpools", paged=False)["items"]  # type: ignore[no-any-return]
