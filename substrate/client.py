@@ -314,6 +314,21 @@ def _raise_for(resp: httpx.Response) -> None:
                    details if isinstance(details, dict) else None, replayed=replayed)
 
 
+def next_continue(page: dict[str, Any], sent: set[str]) -> str | None:
+    """The ``continue`` token of ``page`` (a page of a list call, as ``_req_items`` checked it) to send
+    next, None at the end; ``sent``: the tokens sent so far for this listing (updated here). A token sent
+    before raises ``ApiError`` 200 code ``error``: the API's tokens are keyset cursors that only move
+    forward, and following one a server repeats loops forever (``iter_sessions`` did: fresh-user run)."""
+    token = page["metadata"]["continue"]
+    if not token:
+        return None
+    if token in sent:
+        raise ApiError(200, "error", f"the server repeated the continue token {clip(token, 80)} it was "
+                       "sent: following it would loop forever (not the API's answer: a proxy in between?)")
+    sent.add(token)
+    return token  # type: ignore[no-any-return]
+
+
 def server_url_problem(url: str) -> str | None:
     """Why ``url`` (with a scheme) cannot name an API server, or None: a scheme other than http(s), no
     host, or a host with spaces (each was "cannot reach the API" at the first request: fresh-user
@@ -449,13 +464,15 @@ class SubstrateClient:
         return self._req_items("/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
-        """Every session matching ``filters``, following ``continue`` tokens (from ``continue_``, if given)."""
+        """Every session matching ``filters``, following ``continue`` tokens (from ``continue_``, if given).
+        A server that answers a token already sent raises ``ApiError`` code ``error`` (``next_continue``)."""
         token = filters.pop("continue_", None)
+        sent = {token} if token else set()
         while True:
             page = self.list_sessions(continue_=token, **filters)
             yield from page["items"]
-            token = page["metadata"]["continue"]
-            if not token:
+            token = next_continue(page, sent)
+            if token is None:
                 return
 
     def invoke(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Any:  # noqa: A002

@@ -110,3 +110,62 @@ def test_nan_and_infinities_are_not_the_apis_json(constant: str) -> None:
 def test_numbers_the_api_sends_still_parse() -> None:
     c = _client(lambda req: httpx.Response(200, json={"output": [1, -2.5e300, 0.0, "NaN"]}))
     assert c.invoke("s1", "x") == [1, -2.5e300, 0.0, "NaN"]
+
+
+# --------------------------------------------------------------------------------------- continue tokens
+def _pages(tokens: list[str | None]) -> tuple[Callable[[httpx.Request], httpx.Response], list[str | None]]:
+    """A handler answering pages whose ``continue`` tokens are ``tokens`` in turn (the last one again after
+    them), and the tokens it was sent."""
+    sent: list[str | None] = []
+
+    def h(req: httpx.Request) -> httpx.Response:
+        sent.append(req.url.params.get("continue"))
+        if len(sent) > 50:
+            raise AssertionError("the client kept following the tokens")
+        token = tokens[min(len(sent) - 1, len(tokens) - 1)]
+        return httpx.Response(200, json={"items": [{"id": f"s{len(sent)}"}], "metadata": {"continue": token}})
+    return h, sent
+
+
+@pytest.mark.parametrize("tokens,start", [(["t1"], None), (["t1", "t2", "t2"], None), (["t1", "t2", "t1"], None),
+                                          (["t0"], "t0")])
+def test_iter_sessions_stops_at_a_repeated_continue_token(tokens: list[str], start: str | None) -> None:
+    """A server answering the token it was sent (or one sent before) looped ``iter_sessions`` forever."""
+    h, sent = _pages(tokens)
+    with pytest.raises(ApiError) as e:
+        list(_client(h).iter_sessions(continue_=start))
+    assert (e.value.status, e.value.code) == (200, "error") and "repeated the continue token" in e.value.message
+    assert len(sent) <= len(tokens) + 1
+
+
+def test_iter_sessions_follows_tokens_to_the_end() -> None:
+    h, sent = _pages(["t1", "t2", None])
+    assert [s["id"] for s in _client(h).iter_sessions()] == ["s1", "s2", "s3"] and sent == [None, "t1", "t2"]
+
+
+@pytest.mark.parametrize("cmd", [["events"], ["sessions", "events", "s1"]])
+@pytest.mark.parametrize("output", ["jsonl", "json", "table", "ids"])
+def test_the_clis_all_stops_at_a_repeated_continue_token(monkeypatch: pytest.MonkeyPatch, cmd: list[str],
+                                                         output: str) -> None:
+    from typer.testing import CliRunner
+
+    from substrate import cli
+
+    h, sent = _pages(["t1", "t1"])
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(h)))
+    r = CliRunner().invoke(cli.app, [*cmd, "--all", "-o", output])
+    assert r.exit_code == 1 and "repeated the continue token 't1'" in r.stderr, (r.stdout, r.stderr)
+    assert sent == [None, "t1"]
+
+
+def test_the_clis_sessions_list_all_stops_at_a_repeated_continue_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from substrate import cli
+
+    h, sent = _pages(["t1"])
+    monkeypatch.setattr(cli, "SubstrateClient", lambda server, token=None: SubstrateClient(
+        server, token=token, transport=httpx.MockTransport(h)))
+    r = CliRunner().invoke(cli.app, ["sessions", "list", "--all"])
+    assert r.exit_code == 1 and "repeated the continue token" in r.stderr and sent == [None, "t1"]
