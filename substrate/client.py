@@ -378,7 +378,8 @@ class SubstrateClient:
         """Raises ``ApiError`` 401 ``invalid_token`` (before any request) if ``token``, once stripped of
         surrounding whitespace (a copied key's trailing newline), has a character an HTTP header cannot
         carry (the message never contains the token), and 400 ``invalid_server_url`` if ``base_url`` has
-        no scheme. Raises ``ValueError`` naming the parameter and its range unless ``timeout_s`` is a
+        no scheme. Raises ``TypeError`` naming the parameter if ``base_url`` is not a str or ``token``
+        neither a str nor None. Raises ``ValueError`` naming the parameter and its range unless ``timeout_s`` is a
         finite number of seconds above 0, ``retries`` a whole number from 0 and ``retry_backoff_s`` a
         finite number of seconds from 0 (``retries=-1`` failed at the first turn with ``AssertionError``,
         ``timeout_s=0`` with a ``ConnectError``: fresh-user run)."""
@@ -386,6 +387,12 @@ class SubstrateClient:
         _check_number("retry_backoff_s", retry_backoff_s, "a finite number of seconds >= 0")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a whole number >= 0 (0: no retry), got {retries!r}")
+        # checked first: `SubstrateClient(None)` raised "argument of type 'NoneType' is not iterable"
+        if not isinstance(base_url, str):
+            raise TypeError(f"base_url must be the API server's URL as a str, e.g. 'http://127.0.0.1:8080', "
+                            f"got {type(base_url).__name__}")
+        if token is not None and not isinstance(token, str):
+            raise TypeError(f"token must be a str (the API key) or None, got {type(token).__name__}")
         token = bearer_token(token)
         if "://" not in base_url:  # httpx read "localhost:8080" as scheme "localhost" (fresh-user run)
             raise ApiError(400, "invalid_server_url", f"server URL {base_url!r} has no scheme: use "
