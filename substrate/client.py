@@ -29,12 +29,13 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import quote
 
 import httpx
 
 from substrate.errors import clip
+from substrate.labelselector import equality_selector
 from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS
 
 
@@ -329,6 +330,23 @@ def next_continue(page: dict[str, Any], sent: set[str]) -> str | None:
     return token  # type: ignore[no-any-return]
 
 
+def selector_text(selector: str | Mapping[str, str] | Sequence[str] | None) -> str | None:
+    """``list_sessions``' ``label_selector`` as the query's text: a str as it is; a mapping of labels as
+    its equality requirements (``{"team": "a"}`` -> ``"team=a"``, ``equality_selector``: ``ValueError``
+    naming a key or value no selector can state); a list or tuple of requirements joined by commas
+    (``["team=a", "env!=prod"]``). Anything else raises ``TypeError`` (a dict was sent as its repr)."""
+    if selector is None or isinstance(selector, str):
+        return selector
+    if isinstance(selector, Mapping):
+        return equality_selector(selector)
+    if isinstance(selector, (list, tuple)):
+        if not all(isinstance(r, str) for r in selector):
+            raise TypeError("label_selector: each requirement of a list must be a str, e.g. ['team=a', 'env!=prod']")
+        return ",".join(selector)
+    raise TypeError(f"label_selector must be a str ('team=a,env!=prod'), a mapping of labels or a list of "
+                    f"requirements, got {type(selector).__name__}")
+
+
 def server_url_problem(url: str) -> str | None:
     """Why ``url`` (with a scheme) cannot name an API server, or None: a scheme other than http(s), no
     host, or a host with spaces (each was "cannot reach the API" at the first request: fresh-user
@@ -457,17 +475,19 @@ class SubstrateClient:
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
                       continue_: str | None = None, tenant: str | None = None,
-                      label_selector: str | None = None) -> dict[str, Any]:
+                      label_selector: str | Mapping[str, str] | Sequence[str] | None = None) -> dict[str, Any]:
         """One page of sessions: ``{items, metadata: {continue}}`` (``tenant``: admins only, one tenant's).
         ``state`` in any case (``"running"``), as the CLI takes it: the API takes the upper-case names
         only. ``label_selector``: Kubernetes-style, e.g. ``"team=a,env!=prod"`` or ``"tier in (web,api)"``
-        (``substrate.labelselector``; a malformed one is ``ApiError`` 422 ``invalid_input``). A filtered
+        (``substrate.labelselector``; a malformed one is ``ApiError`` 422 ``invalid_input``), or a mapping
+        of labels (``{"team": "a"}``: each with that value) or a list of requirements (``selector_text``:
+        ``ValueError``/``TypeError`` before anything is sent). A filtered
         page may hold fewer than ``limit`` items with a ``continue`` still (``iter_sessions`` follows it)."""
         if isinstance(state, str):
             state = state.strip().upper()
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
                                     "continue": continue_, "tenant": tenant,
-                                    "labelSelector": label_selector}.items() if v is not None}
+                                    "labelSelector": selector_text(label_selector)}.items() if v is not None}
         return self._req_items("/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
