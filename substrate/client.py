@@ -5,7 +5,9 @@
         c.invoke(s["id"], "increment")        # -> {"count": 1}
 
 Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``; a server
-that cannot be reached raises ``httpx.TransportError`` (after the retries a turn gets).
+that cannot be reached raises ``httpx.TransportError`` (after the retries a turn gets). An answer that is
+not the API's JSON (a proxy's page, an empty body where the route has one, ``NaN``, a continue token
+repeated) raises ``ApiError`` with its status and code ``error``.
 
 An answer that comes from an older state than the session had (its worker was lost, its agent restarted,
 a snapshot was corrupt: the API's ``X-Substrate-Restored``) is not silent here either: ``invoke`` and
