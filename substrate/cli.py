@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from substrate.client import ApiError, SubstrateClient, checked_idempotency_key
+from substrate.client import ApiError, SubstrateClient, checked_idempotency_key, next_continue
 
 app = typer.Typer(help="Agent session runtime: many bursty, stateful agent sessions on few warm workers.",
                   no_args_is_help=True, add_completion=False)
@@ -1403,6 +1403,7 @@ def _print_events(fetch: Any, *, continue_: Optional[str], all_pages: bool, outp
     ``sessions list`` prints it). ``jsonl`` and ``ids`` print each page as it comes."""
     kept: list[dict[str, Any]] = []
     cont = continue_
+    sent = {cont} if cont else set()
     while True:
         page = _run(lambda: fetch(cont))
         for item in page["items"]:
@@ -1412,8 +1413,12 @@ def _print_events(fetch: Any, *, continue_: Optional[str], all_pages: bool, outp
                 print(item.get("id", ""))
         if output in ("json", "table"):
             kept += page["items"]
-        cont = page["metadata"]["continue"]
-        if not cont or not all_pages:
+        if not all_pages:
+            cont = page["metadata"]["continue"]
+            break
+        # a repeated token is an error (a server looping would never end): ApiError, said as any other
+        cont = _run(lambda: next_continue(page, sent))
+        if not cont:
             break
     if output == "json":
         _print({"items": kept, "metadata": {"continue": cont}})

@@ -5,7 +5,9 @@
         c.invoke(s["id"], "increment")        # -> {"count": 1}
 
 Error answers raise ``ApiError`` carrying ``status``, ``code``, ``message`` and ``retry_after_s``; a server
-that cannot be reached raises ``httpx.TransportError`` (after the retries a turn gets).
+that cannot be reached raises ``httpx.TransportError`` (after the retries a turn gets). An answer that is
+not the API's JSON (a proxy's page, an empty body where the route has one, ``NaN``, a continue token
+repeated) raises ``ApiError`` with its status and code ``error``.
 
 An answer that comes from an older state than the session had (its worker was lost, its agent restarted,
 a snapshot was corrupt: the API's ``X-Substrate-Restored``) is not silent here either: ``invoke`` and
@@ -29,12 +31,13 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import quote
 
 import httpx
 
 from substrate.errors import clip
+from substrate.labelselector import equality_selector
 from substrate.models import IDEMPOTENCY_KEY_RE, MAX_IDEMPOTENCY_KEY_CHARS
 
 
@@ -113,15 +116,13 @@ def _chunks(lines: Any, *, replayed: bool = False) -> Iterator[Any]:
     ``status`` 200 (the answer's status was already sent), ``details.mid_stream`` true, the chunks before
     it in ``chunks`` and ``replayed`` as given (the answer was a kept one). A line that is not a JSON
     object (a proxy's text in the stream) raises the same way with code ``error`` (it was a raw
-    ``JSONDecodeError``)."""
+    ``JSONDecodeError``), and so does a line of JSON the API never sends (``NaN``, nesting too deep: see
+    ``_loads``)."""
     before: list[Any] = []
     for line in lines:
         if not line:
             continue
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            msg = None
+        msg = _loads(line)
         if not isinstance(msg, dict):
             raise ApiError(200, "error", f"a line of the streamed answer is not a JSON object ({clip(line, 200)}): "
                            "not the API's own answer (a proxy in between?)", details={"mid_stream": True},
@@ -244,12 +245,24 @@ def _not_the_apis(resp: httpx.Response, why: str, *, replayed: bool = False) -> 
 _NOT_JSON = object()
 
 
-def _body(resp: httpx.Response) -> Any:
-    """The answer's JSON, or ``_NOT_JSON``."""
+def _no_constant(name: str) -> Any:
+    """``parse_constant`` of ``_loads``: the API's JSON is strict (it never sends ``NaN`` or ``Infinity``)."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str | bytes) -> Any:
+    """``text`` as strict JSON (no ``NaN``, ``Infinity``, ``-Infinity``), or ``_NOT_JSON``: a value the API
+    never sends (``{"output": NaN}`` was handed on as ``nan``; an array nested 100,000 deep raised
+    ``RecursionError`` from every call: fresh-user run)."""
     try:
-        return resp.json()
-    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
         return _NOT_JSON
+
+
+def _body(resp: httpx.Response) -> Any:
+    """The answer's JSON (strict, see ``_loads``), or ``_NOT_JSON``."""
+    return _loads(resp.content)
 
 
 def _not_an_object(body: Any) -> str:
@@ -262,7 +275,9 @@ def _not_an_object(body: Any) -> str:
 def _json_object(resp: httpx.Response) -> dict[str, Any]:
     """A success answer's body, a JSON object as every API answer is; else ``ApiError`` (see
     ``_not_the_apis``): a proxy's HTML page or a JSON list answered with status 200 raised a bare
-    ``JSONDecodeError``, ``TypeError`` or ``KeyError`` further on."""
+    ``JSONDecodeError``, ``TypeError`` or ``KeyError`` further on, and an empty one is no answer either."""
+    if not resp.content:
+        raise _not_the_apis(resp, "is empty")
     body = _body(resp)
     if body is _NOT_JSON:
         raise _not_the_apis(resp, "is not JSON")
@@ -300,6 +315,38 @@ def _raise_for(resp: httpx.Response) -> None:
                    message if isinstance(message, str) else resp.text,
                    retry_after_s(resp.headers.get("retry-after")),
                    details if isinstance(details, dict) else None, replayed=replayed)
+
+
+def next_continue(page: dict[str, Any], sent: set[str]) -> str | None:
+    """The ``continue`` token of ``page`` (a page of a list call, as ``_req_items`` checked it) to send
+    next, None at the end; ``sent``: the tokens sent so far for this listing (updated here). A token sent
+    before raises ``ApiError`` 200 code ``error``: the API's tokens are keyset cursors that only move
+    forward, and following one a server repeats loops forever (``iter_sessions`` did: fresh-user run)."""
+    token = page["metadata"]["continue"]
+    if not token:
+        return None
+    if token in sent:
+        raise ApiError(200, "error", f"the server repeated the continue token {clip(token, 80)} it was "
+                       "sent: following it would loop forever (not the API's answer: a proxy in between?)")
+    sent.add(token)
+    return token  # type: ignore[no-any-return]
+
+
+def selector_text(selector: str | Mapping[str, str] | Sequence[str] | None) -> str | None:
+    """``list_sessions``' ``label_selector`` as the query's text: a str as it is; a mapping of labels as
+    its equality requirements (``{"team": "a"}`` -> ``"team=a"``, ``equality_selector``: ``ValueError``
+    naming a key or value no selector can state); a list or tuple of requirements joined by commas
+    (``["team=a", "env!=prod"]``). Anything else raises ``TypeError`` (a dict was sent as its repr)."""
+    if selector is None or isinstance(selector, str):
+        return selector
+    if isinstance(selector, Mapping):
+        return equality_selector(selector)
+    if isinstance(selector, (list, tuple)):
+        if not all(isinstance(r, str) for r in selector):
+            raise TypeError("label_selector: each requirement of a list must be a str, e.g. ['team=a', 'env!=prod']")
+        return ",".join(selector)
+    raise TypeError(f"label_selector must be a str ('team=a,env!=prod'), a mapping of labels or a list of "
+                    f"requirements, got {type(selector).__name__}")
 
 
 def server_url_problem(url: str) -> str | None:
@@ -351,7 +398,8 @@ class SubstrateClient:
         """Raises ``ApiError`` 401 ``invalid_token`` (before any request) if ``token``, once stripped of
         surrounding whitespace (a copied key's trailing newline), has a character an HTTP header cannot
         carry (the message never contains the token), and 400 ``invalid_server_url`` if ``base_url`` has
-        no scheme. Raises ``ValueError`` naming the parameter and its range unless ``timeout_s`` is a
+        no scheme. Raises ``TypeError`` naming the parameter if ``base_url`` is not a str or ``token``
+        neither a str nor None. Raises ``ValueError`` naming the parameter and its range unless ``timeout_s`` is a
         finite number of seconds above 0, ``retries`` a whole number from 0 and ``retry_backoff_s`` a
         finite number of seconds from 0 (``retries=-1`` failed at the first turn with ``AssertionError``,
         ``timeout_s=0`` with a ``ConnectError``: fresh-user run)."""
@@ -359,6 +407,12 @@ class SubstrateClient:
         _check_number("retry_backoff_s", retry_backoff_s, "a finite number of seconds >= 0")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a whole number >= 0 (0: no retry), got {retries!r}")
+        # checked first: `SubstrateClient(None)` raised "argument of type 'NoneType' is not iterable"
+        if not isinstance(base_url, str):
+            raise TypeError(f"base_url must be the API server's URL as a str, e.g. 'http://127.0.0.1:8080', "
+                            f"got {type(base_url).__name__}")
+        if token is not None and not isinstance(token, str):
+            raise TypeError(f"token must be a str (the API key) or None, got {type(token).__name__}")
         token = bearer_token(token)
         if "://" not in base_url:  # httpx read "localhost:8080" as scheme "localhost" (fresh-user run)
             raise ApiError(400, "invalid_server_url", f"server URL {base_url!r} has no scheme: use "
@@ -380,10 +434,14 @@ class SubstrateClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _req(self, method: str, path: str, **kw: Any) -> Any:
+    def _req(self, method: str, path: str, *, no_content: bool = False, **kw: Any) -> Any:
+        """``method path`` -> the answer's JSON object; None for a 204 where the route answers one
+        (``no_content``: DELETE). Any other answer without a body (a 200 with an empty body, a 204 of a
+        route that always has a body) raises ``ApiError`` code ``error`` (see ``_not_the_apis``): it was
+        returned as None, and the caller failed further on with a ``TypeError``."""
         resp = self.http.request(method, path, **kw)
         _raise_for(resp)
-        return None if resp.status_code == 204 or not resp.content else _json_object(resp)
+        return None if no_content and resp.status_code == 204 else _json_object(resp)
 
     def _req_items(self, path: str, *, paged: bool = True, **kw: Any) -> dict[str, Any]:
         """``GET path`` of a list route: ``{"items": [...], "metadata": {"continue": str | None}}`` (no
@@ -419,27 +477,31 @@ class SubstrateClient:
 
     def list_sessions(self, *, state: str | None = None, template: str | None = None, limit: int = 100,
                       continue_: str | None = None, tenant: str | None = None,
-                      label_selector: str | None = None) -> dict[str, Any]:
+                      label_selector: str | Mapping[str, str] | Sequence[str] | None = None) -> dict[str, Any]:
         """One page of sessions: ``{items, metadata: {continue}}`` (``tenant``: admins only, one tenant's).
         ``state`` in any case (``"running"``), as the CLI takes it: the API takes the upper-case names
         only. ``label_selector``: Kubernetes-style, e.g. ``"team=a,env!=prod"`` or ``"tier in (web,api)"``
-        (``substrate.labelselector``; a malformed one is ``ApiError`` 422 ``invalid_input``). A filtered
+        (``substrate.labelselector``; a malformed one is ``ApiError`` 422 ``invalid_input``), or a mapping
+        of labels (``{"team": "a"}``: each with that value) or a list of requirements (``selector_text``:
+        ``ValueError``/``TypeError`` before anything is sent). A filtered
         page may hold fewer than ``limit`` items with a ``continue`` still (``iter_sessions`` follows it)."""
         if isinstance(state, str):
             state = state.strip().upper()
         params = {k: v for k, v in {"state": state, "template": template, "limit": limit,
                                     "continue": continue_, "tenant": tenant,
-                                    "labelSelector": label_selector}.items() if v is not None}
+                                    "labelSelector": selector_text(label_selector)}.items() if v is not None}
         return self._req_items("/v1/sessions", params=params)
 
     def iter_sessions(self, **filters: Any) -> Iterator[dict[str, Any]]:
-        """Every session matching ``filters``, following ``continue`` tokens (from ``continue_``, if given)."""
+        """Every session matching ``filters``, following ``continue`` tokens (from ``continue_``, if given).
+        A server that answers a token already sent raises ``ApiError`` code ``error`` (``next_continue``)."""
         token = filters.pop("continue_", None)
+        sent = {token} if token else set()
         while True:
             page = self.list_sessions(continue_=token, **filters)
             yield from page["items"]
-            token = page["metadata"]["continue"]
-            if not token:
+            token = next_continue(page, sent)
+            if token is None:
                 return
 
     def invoke(self, sid: str, input: Any, *, idempotency_key: str | None = None) -> Any:  # noqa: A002
@@ -531,7 +593,7 @@ class SubstrateClient:
         return self._req("POST", _session_path(sid) + "/resume", json={"worker": worker} if worker is not None else None)
 
     def delete_session(self, sid: str) -> None:
-        self._req("DELETE", _session_path(sid))
+        self._req("DELETE", _session_path(sid), no_content=True)
 
     def pools(self) -> list[dict[str, Any]]:
         return self._req_items("/v1/workerpools", paged=False)["items"]  # type: ignore[no-any-return]

@@ -16,6 +16,8 @@ characters without whitespace, ``,``, ``(``, ``)``, ``=`` or ``!`` (labels with 
 selected by value), and may be empty (``key=`` selects the label set to ""). Spaces around keys, operators
 and values are ignored. An empty (or blank) selector selects every session, as in Kubernetes.
 
+``equality_selector`` writes the selector of a label mapping (``key=value`` requirements).
+
 ``parse_selector`` raises ``SelectorError`` (a ``ValueError``) with a message saying which requirement is
 wrong and how; the API answers it 422 ``invalid_input`` naming ``query.labelSelector``.
 """
@@ -138,6 +140,31 @@ def _requirement(text: str, n: int) -> Requirement:
         raise SelectorError(f"requirement {n} ({clip(text)}): in and notin take values in parentheses: "
                             "key in (v1,v2)")
     raise SelectorError(f"requirement {n} ({clip(text)}) is none of the forms {FORMS}")
+
+
+def equality_selector(labels: Mapping[str, str]) -> str:
+    """The selector text requiring each of ``labels`` with its value (``{"team": "a", "env": "prod"}`` ->
+    ``"env=prod,team=a"``, keys sorted; none: ``""``, every session). Raises ``SelectorError`` naming the key
+    whose key is no label key or whose value no selector can state (whitespace, one of ``=!(),``, over
+    ``MAX_VALUE_CHARS``), and ``TypeError`` for a key or value that is not a str."""
+    parts = []
+    for key in sorted(labels, key=str):
+        value = labels[key]
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"label selector: key {key!r} and its value must be str, got "
+                            f"{type(key).__name__}: {type(value).__name__}")
+        if not _KEY.fullmatch(key):
+            raise SelectorError(f"label selector: {clip(key)} is no label key (1-63 letters, digits, '-', '_', "
+                                "'.' or '/', starting and ending with a letter or digit)")
+        if len(value) > MAX_VALUE_CHARS:
+            raise SelectorError(f"label selector: the value of {clip(key)} is over {MAX_VALUE_CHARS} characters, "
+                                "which no label's is")
+        # a value is taken as it is: a selector strips the spaces around one, so they cannot be stated either
+        if any(ch.isspace() or ch in _SPECIAL for ch in value):
+            raise SelectorError(f"label selector: the value of {clip(key)} ({clip(value)}) has whitespace or one "
+                                f"of {_SPECIAL!r} in it: a selector cannot state it")
+        parts.append(f"{key}={value}")
+    return ",".join(parts)
 
 
 def parse_selector(text: str) -> Selector:

@@ -213,3 +213,21 @@ def test_a_page_is_a_page() -> None:
     c = _client(lambda req: httpx.Response(200, json={"items": [{"id": "s1"}], "metadata": {"continue": None}}))
     assert c.list_sessions()["items"] == [{"id": "s1"}] and c.pools() == [{"id": "s1"}]
     assert [s["id"] for s in c.iter_sessions()] == ["s1"]
+
+
+@pytest.mark.parametrize("base_url", [None, b"http://127.0.0.1:8080", 8080, httpx.URL("http://127.0.0.1:8080")])
+def test_a_base_url_that_is_no_str_is_a_type_error_naming_it(base_url) -> None:
+    """``SubstrateClient(None)`` raised ``TypeError: argument of type 'NoneType' is not iterable``."""
+    with pytest.raises(TypeError) as e:
+        SubstrateClient(base_url)
+    assert str(e.value).startswith("base_url must be ") and "http://127.0.0.1:8080" in str(e.value)
+    assert type(base_url).__name__ in str(e.value)
+
+
+@pytest.mark.parametrize("token", [b"key", 123])
+def test_a_token_that_is_no_str_is_a_type_error_naming_it(token) -> None:
+    """``token=b"key"`` raised ``TypeError: '<=' not supported between instances of 'str' and 'int'``,
+    ``token=123`` ``AttributeError``."""
+    with pytest.raises(TypeError) as e:
+        SubstrateClient("http://127.0.0.1:8080", token=token)
+    assert str(e.value).startswith("token must be ")
