@@ -300,11 +300,35 @@ class RuntimeProc:
                 # Ctrl-C (a cancel lost in a Redis call; see substrate/loops.py)
                 warnings.warn(f"runtime on port {self.port} did not stop within 20 s of SIGINT; SIGKILLed "
                               f"(its log: {self.log.name})", stacklevel=1)
-        # everything it started must be gone: no worker process outlives the runtime
+        # everything it started must be gone: no worker process outlives the runtime. Its keys are removed
+        # once its processes are (a worker still suspending after the runtime's exit wrote `stats` and
+        # deadlines after the clean-up: keys of test runtimes were left in Redis)
         if not self.shared:
+            _wait_for_processes_gone(f"SUBSTRATE_REDIS__KEY_PREFIX={self.prefix}".encode())
             for key in self.r.scan_iter(f"{self.prefix}:*", count=1000):
                 self.r.delete(key)
         self.log.close()
+
+
+def _wait_for_processes_gone(marker: bytes, limit: int = 100) -> None:
+    """Wait until no process has ``marker`` (``NAME=value``) in its environment, polling every 0.1 s at most
+    ``limit`` times (then go on: the caller cleans up what it can)."""
+    me = os.getpid()
+    for _ in range(limit):
+        alive = False
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        alive = True
+                        break
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        if not alive:
+            return
+        time.sleep(0.1)
 
 
 @pytest.fixture
