@@ -176,6 +176,8 @@ class RuntimeProc:
                     # dozens of runtimes share 2 cores here: 16 booting agent hosts per worker (the default)
                     # starved heartbeats past the 2 s test lease; tests that need more pre-started set it
                     "SUBSTRATE_WORKER__PRESTART_HOSTS": "4",
+                    # this RuntimeProc's own processes (workers inherit it), told apart from a sharer's at stop
+                    "TEST_RUNTIME_ID": uuid.uuid4().hex,
                     **(env or {})}
         self.log = open(tmp / f"runtime-{self.prefix}-{self.port}.log", "wb")  # noqa: SIM115
         self.proc = self._spawn()
@@ -300,33 +302,37 @@ class RuntimeProc:
                 # Ctrl-C (a cancel lost in a Redis call; see substrate/loops.py)
                 warnings.warn(f"runtime on port {self.port} did not stop within 20 s of SIGINT; SIGKILLed "
                               f"(its log: {self.log.name})", stacklevel=1)
-        # everything it started must be gone: no worker process outlives the runtime. Its keys are removed
-        # once its processes are (a worker still suspending after the runtime's exit wrote `stats` and
-        # deadlines after the clean-up: keys of test runtimes were left in Redis)
-        if not self.shared:
-            _wait_for_processes_gone(f"SUBSTRATE_REDIS__KEY_PREFIX={self.prefix}".encode())
+        # everything it started must be gone: no worker process outlives the runtime. The keys of its prefix
+        # are removed once its own processes are, by whichever of the runtimes sharing the prefix stops
+        # last (the first one's clean-up, with a sharer still running, left `stats` behind, and a worker
+        # still suspending after its runtime's exit wrote deadlines after it: test keys left in Redis)
+        _wait_for_processes_gone(f"TEST_RUNTIME_ID={self.env['TEST_RUNTIME_ID']}".encode())
+        if not _processes_with(f"SUBSTRATE_REDIS__KEY_PREFIX={self.prefix}".encode()):
             for key in self.r.scan_iter(f"{self.prefix}:*", count=1000):
                 self.r.delete(key)
         self.log.close()
 
 
-def _wait_for_processes_gone(marker: bytes, limit: int = 100) -> None:
-    """Wait until no process has ``marker`` (``NAME=value``) in its environment, polling every 0.1 s at most
-    ``limit`` times (then go on: the caller cleans up what it can)."""
+def _processes_with(marker: bytes) -> bool:
+    """Whether a process other than this one has ``marker`` (``NAME=value``) in its environment."""
     me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    return True
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return False
+
+
+def _wait_for_processes_gone(marker: bytes, limit: int = 100) -> None:
+    """Wait until no process has ``marker`` in its environment (``_processes_with``), polling every 0.1 s
+    at most ``limit`` times (then go on: the caller cleans up what it can)."""
     for _ in range(limit):
-        alive = False
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit() or int(pid) == me:
-                continue
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if marker in f.read().split(b"\0"):
-                        alive = True
-                        break
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-        if not alive:
+        if not _processes_with(marker):
             return
         time.sleep(0.1)
 
