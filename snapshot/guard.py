@@ -117,10 +117,7 @@ class GuardedStore:
 
     async def _check(self) -> None:
         try:
-            recorded = await self._get(self.keys.snapshot_store_id)
-            if recorded is None:  # this directory's id: claimed in Redis first, so its processes agree
-                await self.redis.set(self.keys.snapshot_store_id, uuid.uuid4().hex, nx=True)
-                recorded = await self._get(self.keys.snapshot_store_id)
+            recorded = await self._directory_id()
             # no store ever showed this directory's marker (a new directory, or its store was out of reach
             # at every check so far: a store down at the first start was fenced for good once a session
             # existed, fresh-user round 21), or it holds no session: nothing can be lost
@@ -206,10 +203,7 @@ class GuardedStore:
         ``StoreUnavailable`` if the store or Redis does not answer."""
         async with self._lock:
             try:
-                recorded = await self._get(self.keys.snapshot_store_id)
-                if recorded is None:
-                    await self.redis.set(self.keys.snapshot_store_id, uuid.uuid4().hex, nx=True)
-                    recorded = await self._get(self.keys.snapshot_store_id)
+                recorded = await self._directory_id()
             except Exception as e:  # noqa: BLE001 - Redis down: nothing written
                 raise StoreUnavailable(f"snapshot store not adopted: Redis did not answer ({e.__class__.__name__})",
                                        details={"reason": "store_not_verified"}) from e
@@ -240,6 +234,15 @@ class GuardedStore:
         self._checked_at = time.monotonic()
         # the log has the store's location; a tenant's 503 has the reason without it
         raise StoreUnavailable(hide_internal(why), details={"reason": "store_not_verified"})
+
+    async def _directory_id(self) -> str | None:
+        """This directory's id, claimed in Redis first if there is none (``SET NX``: its processes agree on
+        one). Raises what Redis raises."""
+        recorded = await self._get(self.keys.snapshot_store_id)
+        if recorded is None:
+            await self.redis.set(self.keys.snapshot_store_id, uuid.uuid4().hex, nx=True)
+            recorded = await self._get(self.keys.snapshot_store_id)
+        return recorded
 
     async def _get(self, key: str) -> str | None:
         raw = await self.redis.get(key)
